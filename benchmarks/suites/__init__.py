@@ -1,0 +1,29 @@
+"""Benchmark suites. Each module defines a :class:`Suite` and is registered in ``SUITES``.
+
+Adding a suite: write ``benchmarks/suites/<name>.py`` with ``add_arguments(parser)`` and
+``run(args) -> exit code``, wrap them in a ``Suite``, and add it to ``SUITES`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str  # command-line name, e.g. "lm-head"
+    help: str  # one line for ``run.py --help``
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _registry() -> dict[str, Suite]:
+    from benchmarks.suites import lm_head
+
+    return {suite.name: suite for suite in (lm_head.SUITE,)}
+
+
+SUITES: dict[str, Suite] = _registry()
+DEFAULT_SUITE = "lm-head"

@@ -1,0 +1,1077 @@
+"""Suite ``lm-head``: linear cross-entropy of an LM head, ours against torch and the peers.
+
+For every case (shape × regime × mode) and provider, one run records:
+
+- a correctness check (untimed; it is also the warm-up that compiles ``torch.compile``):
+  loss against a float64 reference, gradients' relative L2 errors (forward+backward);
+- peak device memory above inputs and gradient buffers (:data:`MEMORY_DEFINITION`);
+- the median time of ``do_bench`` (forward, or forward+backward w.r.t. E and C).
+
+The float64 reference is computed a block of rows at a time on the benchmark device
+(:func:`reference_float64`); torch eager in the benchmark dtype is the accuracy yardstick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from benchmarks import common
+from benchmarks.common import FAIL, PASS, TimingSettings
+from benchmarks.inputs import (
+    LM_HEAD_SHAPES,
+    QUICK_N,
+    REGIMES,
+    LMHeadShape,
+    make_lm_head_inputs,
+    quick_shape,
+)
+from benchmarks.providers import (
+    LMHeadProvider,
+    Unavailable,
+    lm_head_providers,
+    torch_eager_loss,
+)
+from benchmarks.suites import Suite
+
+NAME = "lm-head"
+RESULTS_PREFIX = "lm_head"
+MODES = ("fwd+bwd", "fwd")
+DEFAULT_N = 8192
+DEFAULT_CASES: tuple[tuple[str, str, str], ...] = (
+    ("gemma2-2b", "peaked", "fwd+bwd"),
+    ("gemma2-2b", "flat", "fwd+bwd"),
+    ("llama3-8b", "peaked", "fwd+bwd"),
+    ("phi3.5", "peaked", "fwd+bwd"),
+    ("gemma2-2b", "peaked", "fwd"),
+)
+
+# Sanity bounds of the correctness check. They catch a broken provider (wrong loss, zero or
+# garbage gradients); accuracy itself is judged by the error-ratio target.
+LOSS_TOLERANCE = 1e-2  # |loss − reference| ≤ LOSS_TOLERANCE · max(1, |reference|)
+GRADIENT_ERROR_BOUND = 5e-2  # relative L2 error of dE and dC
+
+MEMORY_DEFINITION = (
+    "peak MB above inputs and gradient buffers = (torch.cuda.max_memory_allocated() during "
+    "one call − torch.cuda.memory_allocated() just before it − gradient bytes) / 2^20, where "
+    "the call is forward+backward `torch.autograd.grad(loss(E, C, y), (E, C))` (gradient bytes "
+    "= (N·D + V·D) × element size of the input dtype: the dE and dC a training step holds "
+    "anyway) or forward only `loss(E, C, y)` with E and C requiring grad as in training "
+    "(gradient bytes = 0; whatever the forward saves or precomputes for the backward counts). "
+    "Inputs E, C, y are allocated before the call; the caching allocator is emptied and the "
+    "peak counter reset right before it. MB = 2^20 bytes."
+)
+ERROR_DEFINITION = (
+    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of dE and dC from forward+backward of the mean "
+    "loss, against a float64 reference of the same (bf16-rounded) inputs computed on the "
+    "benchmark device a block of ≤1024 rows at a time (logits, softmax and dE per block; dC "
+    "accumulated in float64), never the full N×V in float64. 'err ratio' = a method's error ÷ "
+    "torch eager's error in the input dtype (F.cross_entropy(F.linear(E, C).float(), y)), "
+    "given as dE / dC."
+)
+
+FUSEDLOSS = "fusedloss"
+FUSEDLOSS_EXACT = "fusedloss-exact"
+TORCH_EAGER = "torch-eager"
+TORCH_COMPILE = "torch-compile"
+CCE_FAMILY = ("cce", "cce-nofilter")
+LIGER = "liger"
+
+# Result statuses. A "wrong" result failed the sanity check but is still timed.
+OK, WRONG = "ok", "wrong"
+NOT_INSTALLED, UNAVAILABLE, NOT_RUN = "not installed", "unavailable", "not run"
+FAILED, OUT_OF_MEMORY = "failed", "out of memory"
+MEASURED = (OK, WRONG)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: LMHeadShape
+    regime: str  # "peaked" | "flat"
+    mode: str  # "fwd+bwd" | "fwd"
+    n: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.shape.name} {self.regime} {self.mode}"
+
+    @property
+    def label(self) -> str:
+        mode = ", forward only" if self.mode == "fwd" else ""
+        return (
+            f"{self.shape.name} ({self.shape.vocab_size}, {self.shape.hidden_size}) "
+            f"{self.regime}{mode}"
+        )
+
+    @property
+    def with_backward(self) -> bool:
+        return self.mode == "fwd+bwd"
+
+    def floors_ms(self, tflops: float) -> dict[str, float]:
+        """Cost floors of DESIGN §4 at a matmul rate of ``tflops``: 2NVD/R, 6NVD/R, 8NVD/R."""
+        nvd = self.n * self.shape.vocab_size * self.shape.hidden_size
+        to_ms = 1e3 / (tflops * 1e12)
+        return {
+            "forward": 2 * nvd * to_ms,
+            "backward_unskipped": 6 * nvd * to_ms,
+            "forward_backward_unskipped": 8 * nvd * to_ms,
+        }
+
+    def floor_ms(self, tflops: float) -> float:
+        """The floor this case's time is compared with (no skipping for fwd+bwd)."""
+        floors = self.floors_ms(tflops)
+        return floors["forward_backward_unskipped" if self.with_backward else "forward"]
+
+
+def select_cases(
+    shapes: Sequence[str] | None,
+    regimes: Sequence[str] | None,
+    modes: Sequence[str] | None,
+    n: int,
+    quick: bool,
+) -> list[Case]:
+    """The default case list, or the product of the chosen shapes × regimes × modes.
+
+    An axis left unchosen while another is chosen defaults to: every shape, "peaked",
+    "fwd+bwd".
+    """
+    if shapes is None and regimes is None and modes is None:
+        triples = list(DEFAULT_CASES)
+    else:
+        triples = [
+            (s, r, m)
+            for s in (shapes or list(LM_HEAD_SHAPES))
+            for r in (regimes or ["peaked"])
+            for m in (modes or ["fwd+bwd"])
+        ]
+    cases = []
+    for shape_name, regime, mode in triples:
+        shape = LM_HEAD_SHAPES[shape_name]
+        cases.append(Case(quick_shape(shape) if quick else shape, regime, mode, n))
+    return cases
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@dataclass
+class Reference:
+    loss: float
+    grad_hidden: Tensor | None  # dE, float64 (N, D)
+    grad_classifier: Tensor | None  # dC, float64 (V, D)
+
+
+def reference_float64(
+    hidden: Tensor, classifier: Tensor, labels: Tensor, with_grads: bool, rows_per_chunk: int = 0
+) -> Reference:
+    """Mean cross-entropy of ``hidden @ classifier.T`` and its gradients, in float64.
+
+    Works a block of rows at a time so that at most ``rows × V`` float64 logits exist
+    (default: ≤1024 rows and ≤2 GiB of logits): logits → log-sum-exp → softmax − one-hot
+    in place → dE of the block, dC accumulated over blocks.
+    """
+    n, _ = hidden.shape
+    vocab = classifier.shape[0]
+    if rows_per_chunk <= 0:
+        rows_per_chunk = max(1, min(1024, (2 << 30) // (8 * vocab)))
+    classifier64 = classifier.detach().to(torch.float64)
+    grad_hidden = torch.empty_like(hidden, dtype=torch.float64) if with_grads else None
+    grad_classifier = torch.zeros_like(classifier64) if with_grads else None
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for start in range(0, n, rows_per_chunk):
+        stop = min(n, start + rows_per_chunk)
+        block = hidden[start:stop].detach().to(torch.float64)
+        block_labels = labels[start:stop]
+        logits = block @ classifier64.T
+        lse = torch.logsumexp(logits, dim=1)
+        total += (lse - logits.gather(1, block_labels[:, None]).squeeze(1)).sum()
+        if with_grads:
+            probabilities = logits.sub_(lse[:, None]).exp_()  # reuses the logits' memory
+            rows = torch.arange(stop - start, device=hidden.device)
+            probabilities[rows, block_labels] -= 1.0
+            probabilities /= n
+            grad_hidden[start:stop] = probabilities @ classifier64
+            grad_classifier.addmm_(probabilities.T, block)
+        del logits, lse, block
+    return Reference(float(total) / n, grad_hidden, grad_classifier)
+
+
+@dataclass
+class Yardstick:
+    """torch eager's gradient errors in the input dtype: the accuracy bar."""
+
+    err_hidden: float | None = None
+    err_classifier: float | None = None
+    note: str = ""
+
+
+def measure_yardstick(
+    hidden: Tensor, classifier: Tensor, labels: Tensor, reference: Reference
+) -> Yardstick:
+    try:
+        loss = torch_eager_loss(hidden, classifier, labels)
+        grad_hidden, grad_classifier = torch.autograd.grad(loss, (hidden, classifier))
+        del loss
+        return Yardstick(
+            common.relative_l2_error(grad_hidden, reference.grad_hidden),
+            common.relative_l2_error(grad_classifier, reference.grad_classifier),
+        )
+    except Exception as error:  # an OOM here must not end the run
+        return Yardstick(note=f"torch eager yardstick unavailable: {_describe_error(error)}")
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class ProviderResult:
+    provider: str  # command-line key
+    label: str  # column title (with version for peers)
+    status: str = OK
+    note: str = ""
+    call: str = ""
+    ms: float | None = None
+    peak_extra_mib: float | None = None
+    loss: float | None = None
+    loss_error: float | None = None  # |loss − float64 reference|
+    err_hidden: float | None = None  # relative L2 error of dE
+    err_classifier: float | None = None  # relative L2 error of dC
+    ratio_hidden: float | None = None  # err_hidden ÷ torch-bf16's
+    ratio_classifier: float | None = None
+    times_floor: float | None = None  # ms ÷ the case's floor
+
+    @property
+    def measured(self) -> bool:
+        return self.status in MEASURED and self.ms is not None
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    floors_ms: dict[str, float]
+    reference_loss: float | None
+    yardstick: Yardstick
+    results: dict[str, ProviderResult] = field(default_factory=dict)
+
+
+def _describe_error(error: BaseException) -> str:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:300]}"
+
+
+def run_provider(
+    provider: LMHeadProvider,
+    case: Case,
+    inputs: tuple[Tensor, Tensor, Tensor],
+    reference: Reference,
+    yardstick: Yardstick,
+    timing: TimingSettings,
+    floor_ms: float | None,
+) -> ProviderResult:
+    """Check, measure memory, and time one provider on one case."""
+    hidden, classifier, labels = inputs
+    device = hidden.device
+    result = ProviderResult(provider.key, provider.display_name())
+    try:
+        loss_fn = provider.build(device)
+    except Unavailable as error:
+        result.status = NOT_INSTALLED if provider.is_peer else UNAVAILABLE
+        result.note = str(error)
+        return result
+    result.call = provider.describe()
+
+    def forward() -> Tensor:
+        return loss_fn(hidden, classifier, labels)
+
+    def forward_backward() -> tuple[Tensor, ...]:
+        return torch.autograd.grad(loss_fn(hidden, classifier, labels), (hidden, classifier))
+
+    try:
+        _check(result, forward, (hidden, classifier), case, reference, yardstick)
+        common.release_memory(device)
+        if case.with_backward:
+            gradient_bytes = (hidden.numel() + classifier.numel()) * hidden.element_size()
+            result.peak_extra_mib = common.peak_extra_mib(forward_backward, device, gradient_bytes)
+        else:
+            result.peak_extra_mib = common.peak_extra_mib(forward, device)
+        timed = forward_backward if case.with_backward else forward
+        result.ms = common.median_ms(timed, device, timing)
+        if floor_ms:
+            result.times_floor = result.ms / floor_ms
+    except Exception as error:  # report and go on with the next provider
+        result.status = OUT_OF_MEMORY if common.is_out_of_memory(error) else FAILED
+        result.note = _describe_error(error)
+    finally:
+        common.release_memory(device)
+    return result
+
+
+def _check(
+    result: ProviderResult,
+    forward: Callable[[], Tensor],
+    leaves: tuple[Tensor, Tensor],
+    case: Case,
+    reference: Reference,
+    yardstick: Yardstick,
+) -> None:
+    """First (untimed) call: loss and gradients against the float64 reference."""
+    problems = []
+    loss = forward()
+    if case.with_backward:
+        grad_hidden, grad_classifier = torch.autograd.grad(loss, leaves)
+        result.err_hidden = common.relative_l2_error(grad_hidden, reference.grad_hidden)
+        result.err_classifier = common.relative_l2_error(grad_classifier, reference.grad_classifier)
+        del grad_hidden, grad_classifier
+        if yardstick.err_hidden:
+            result.ratio_hidden = result.err_hidden / yardstick.err_hidden
+        if yardstick.err_classifier:
+            result.ratio_classifier = result.err_classifier / yardstick.err_classifier
+        for name, error in (("dE", result.err_hidden), ("dC", result.err_classifier)):
+            if not error <= GRADIENT_ERROR_BOUND:  # also catches NaN
+                problems.append(f"{name} relative error {error:.2e} > {GRADIENT_ERROR_BOUND}")
+    result.loss = float(loss.detach().float())
+    del loss
+    result.loss_error = abs(result.loss - reference.loss)
+    if not result.loss_error <= LOSS_TOLERANCE * max(1.0, abs(reference.loss)):
+        problems.append(f"loss {result.loss:.6g} vs reference {reference.loss:.6g}")
+    if problems:
+        result.status = WRONG
+        result.note = "; ".join(problems)
+
+
+def run_cases(
+    cases: Sequence[Case],
+    providers: Sequence[LMHeadProvider],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    timing: TimingSettings,
+    tflops: float,
+    log: Callable[[str], None] = print,
+) -> list[CaseResult]:
+    """Run every provider on every case; cases sharing inputs share one reference."""
+    case_results: list[CaseResult] = []
+    groups: dict[tuple[str, str], list[Case]] = {}
+    for case in cases:
+        groups.setdefault((case.shape.name, case.regime), []).append(case)
+    for group in groups.values():
+        first = group[0]
+        hidden, classifier, labels = make_lm_head_inputs(
+            first.n,
+            first.shape.vocab_size,
+            first.shape.hidden_size,
+            first.regime,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+        )
+        hidden.requires_grad_(True)
+        classifier.requires_grad_(True)
+        with_grads = any(case.with_backward for case in group)
+        reference = reference_float64(hidden, classifier, labels, with_grads)
+        yardstick = (
+            measure_yardstick(hidden, classifier, labels, reference) if with_grads else Yardstick()
+        )
+        common.release_memory(device)
+        log(
+            f"[{first.shape.name} {first.regime}] V={first.shape.vocab_size} "
+            f"D={first.shape.hidden_size} N={first.n}: reference loss {reference.loss:.4f} "
+            f"(log V = {math.log(first.shape.vocab_size):.2f}); torch bf16 error dE "
+            f"{common.format_error(yardstick.err_hidden)}, dC "
+            f"{common.format_error(yardstick.err_classifier)} {yardstick.note}".rstrip()
+        )
+        for case in group:
+            case_result = CaseResult(
+                case,
+                case.floors_ms(tflops),
+                reference.loss,
+                yardstick if case.with_backward else Yardstick(),
+            )
+            for provider in providers:
+                outcome = run_provider(
+                    provider,
+                    case,
+                    (hidden, classifier, labels),
+                    reference,
+                    case_result.yardstick,
+                    timing,
+                    case.floor_ms(tflops),
+                )
+                case_result.results[provider.key] = outcome
+                log(f"  {case.key:<28} {outcome.label:<34} {_progress_line(outcome)}")
+            case_results.append(case_result)
+        del hidden, classifier, labels, reference
+        common.release_memory(device)
+    return case_results
+
+
+def _progress_line(result: ProviderResult) -> str:
+    if not result.measured:
+        return f"{result.status}: {result.note}"
+    text = (
+        f"{common.format_ms(result.ms)} ms, {common.format_mib(result.peak_extra_mib)} MB, "
+        f"loss err {result.loss_error:.1e}"
+    )
+    if result.err_hidden is not None:
+        text += f", dE {result.err_hidden:.1e}, dC {result.err_classifier:.1e}"
+    if result.status != OK:
+        text += f"  [{result.status}: {result.note}]"
+    return text
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """One goal of the project issue for one case, as a ratio against a baseline.
+
+    kind "time": provider's ms ≤ factor × the fastest measured baseline provider's ms;
+    "memory": provider's MB ≤ factor × baseline's MB; "error": provider's dE and dC errors
+    ≤ factor × torch eager's in the input dtype (baselines unused).
+    """
+
+    case_key: str
+    provider: str
+    kind: str
+    factor: float
+    baselines: tuple[str, ...] = ()
+    baseline_label: str = ""
+
+    @property
+    def description(self) -> str:
+        if self.kind == "time":
+            return f"time ≤ {self.factor:g}× {self.baseline_label}"
+        if self.kind == "memory":
+            return f"memory ≤ {self.factor:.0%} of {self.baseline_label}"
+        return f"gradient error ≤ {self.factor:g}× torch bf16 (dE and dC)"
+
+
+@dataclass
+class TargetOutcome:
+    target: Target
+    status: str  # PASS, FAIL, or "n/a (…)"
+    measured: str = ""
+    ratio: float | None = None  # measured ÷ baseline (error: the worse of dE, dC)
+
+
+def targets_for_case(case: Case, providers: Sequence[str]) -> list[Target]:
+    """The project's goals that apply to ``case`` for the selected fusedloss providers."""
+    targets: list[Target] = []
+    compile_label = "torch.compile"
+    if FUSEDLOSS in providers:
+        speed: list[tuple[float, tuple[str, ...], str]] = []
+        if case.mode == "fwd":
+            speed.append((1.0, (TORCH_COMPILE,), compile_label))
+        elif case.regime == "flat":
+            speed.append((1.3, (TORCH_COMPILE,), compile_label))
+        elif case.shape.name in ("gemma2-2b", "llama3-8b"):
+            speed += [
+                (0.7, (TORCH_COMPILE,), compile_label),
+                (0.35, CCE_FAMILY, "cut-cross-entropy (faster variant)"),
+                (0.35, (LIGER,), "liger-kernel"),
+            ]
+        elif case.shape.name == "phi3.5":
+            speed.append((1.0, (TORCH_COMPILE,), compile_label))
+        targets += [
+            Target(case.key, FUSEDLOSS, "time", factor, baselines, label)
+            for factor, baselines, label in speed
+        ]
+    for ours in (FUSEDLOSS, FUSEDLOSS_EXACT):
+        if ours not in providers:
+            continue
+        targets.append(Target(case.key, ours, "memory", 0.01, (TORCH_COMPILE,), compile_label))
+        if case.with_backward:
+            targets.append(Target(case.key, ours, "error", 1.5))
+    return targets
+
+
+def evaluate_target(target: Target, case_result: CaseResult) -> TargetOutcome:
+    ours = case_result.results.get(target.provider)
+    if ours is None:
+        return TargetOutcome(target, "n/a (not run)")
+    if not ours.measured:
+        return TargetOutcome(target, f"{FAIL} ({ours.provider} {ours.status})")
+    if target.kind == "error":
+        return _evaluate_error(target, ours, case_result.yardstick)
+
+    value_of: Callable[[ProviderResult], float | None] = (
+        (lambda r: r.ms) if target.kind == "time" else (lambda r: r.peak_extra_mib)
+    )
+    if value_of(ours) is None:
+        return TargetOutcome(target, "n/a (no memory figures without CUDA)")
+    candidates = [case_result.results.get(key) for key in target.baselines]
+    measured = [r for r in candidates if r is not None and r.measured and value_of(r) is not None]
+    if not measured:
+        return TargetOutcome(target, _missing_baseline_status(target, candidates))
+    baseline = min(measured, key=lambda r: value_of(r))
+    ours_value, baseline_value = value_of(ours), value_of(baseline)
+    unit, fmt = ("ms", common.format_ms) if target.kind == "time" else ("MB", common.format_mib)
+    ratio = ours_value / baseline_value if baseline_value > 0 else math.inf
+    text = (
+        f"{fmt(ours_value)} {unit} vs {fmt(baseline_value)} {unit} ({baseline.label}) "
+        f"= {common.format_ratio(ratio)}×"
+    )
+    return TargetOutcome(target, PASS if ratio <= target.factor else FAIL, text, ratio)
+
+
+def _missing_baseline_status(target: Target, candidates: list[ProviderResult | None]) -> str:
+    present = [r for r in candidates if r is not None]
+    if not present:
+        return f"n/a ({target.baseline_label} not run)"
+    if all(r.status == NOT_INSTALLED for r in present):
+        return "n/a (peer not installed)"
+    if any(r.measured for r in present):  # measured but no figure (memory on CPU)
+        return "n/a (no memory figures without CUDA)"
+    worst = present[0]
+    return f"n/a ({worst.label} {worst.status})"
+
+
+def _evaluate_error(target: Target, ours: ProviderResult, yardstick: Yardstick) -> TargetOutcome:
+    if not yardstick.err_hidden or not yardstick.err_classifier:
+        return TargetOutcome(target, "n/a (torch bf16 yardstick unavailable)")
+    if ours.err_hidden is None or ours.err_classifier is None:
+        return TargetOutcome(target, f"{FAIL} (no gradient)")
+    ratio_hidden = ours.err_hidden / yardstick.err_hidden
+    ratio_classifier = ours.err_classifier / yardstick.err_classifier
+    ratio = max(ratio_hidden, ratio_classifier)
+    text = (
+        f"dE {ours.err_hidden:.1e} ({ratio_hidden:.2f}×), "
+        f"dC {ours.err_classifier:.1e} ({ratio_classifier:.2f}×)"
+    )
+    return TargetOutcome(target, PASS if ratio <= target.factor else FAIL, text, ratio)
+
+
+def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome]:
+    outcomes = []
+    for case_result in case_results:
+        for target in targets_for_case(case_result.case, list(case_result.results)):
+            outcomes.append(evaluate_target(target, case_result))
+    return outcomes
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+@dataclass
+class RunInfo:
+    """Everything about a run that is not a per-case figure."""
+
+    environment: dict[str, Any]
+    matmul: dict[str, Any]
+    n: int
+    dtype: str
+    seed: int
+    quick: bool
+    timing: TimingSettings
+    providers: list[str]
+    peer_versions: dict[str, str | None]
+    calls: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _time_and_memory(result: ProviderResult | None) -> str:
+    if result is None:
+        return ""
+    if result.measured:
+        text = f"{common.format_ms(result.ms)} / {common.format_mib(result.peak_extra_mib)}"
+        return text + (" (wrong)" if result.status == WRONG else "")
+    return result.status
+
+
+def _error_cell(result: ProviderResult | None) -> str:
+    if result is None or result.err_hidden is None:
+        return "" if result is None else (result.status if not result.measured else "—")
+    text = f"{result.err_hidden:.1e} / {result.err_classifier:.1e}"
+    if result.ratio_hidden is not None and result.ratio_classifier is not None:
+        text += f" ({result.ratio_hidden:.2f}× / {result.ratio_classifier:.2f}×)"
+    return text
+
+
+def _ratio_cell(result: ProviderResult) -> str:
+    if result.ratio_hidden is None or result.ratio_classifier is None:
+        return "—"
+    return f"{result.ratio_hidden:.2f} / {result.ratio_classifier:.2f}"
+
+
+def _provider_columns(case_results: Sequence[CaseResult]) -> list[tuple[str, str]]:
+    columns: dict[str, str] = {}
+    for case_result in case_results:
+        for key, result in case_result.results.items():
+            columns.setdefault(key, result.label)
+    return list(columns.items())
+
+
+def render_markdown(
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+) -> str:
+    env = info.environment
+    tflops = info.matmul["tflops"]
+    peers = ", ".join(
+        f"{name} {version}" if version else f"{name} not installed"
+        for name, version in info.peer_versions.items()
+    )
+    title = f"# LM-head linear cross-entropy: {env['device_name']}, {env['date']}"
+    lines = [title, ""]
+    if info.quick:
+        lines += [
+            "> **--quick run**: shapes shrunk (V/64, D/16), small N, short timing. A smoke "
+            "test of the runner; the figures are not representative.",
+            "",
+        ]
+    header_rows = [
+        (
+            "GPU / device",
+            f"{env['device_name']}"
+            + (
+                f" (compute capability {env['compute_capability']})"
+                if env.get("compute_capability")
+                else ""
+            ),
+        ),
+        ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
+        ("fusedloss revision", env.get("fusedloss_revision") or "unknown"),
+        ("peers", peers),
+        ("date", env["timestamp"]),
+        ("N, dtype, seed", f"{info.n} tokens, {info.dtype}, seed {info.seed}"),
+        (
+            "matmul rate R",
+            f"{info.matmul['dtype']} {info.matmul['size']}³ random: "
+            f"{info.matmul['ms']:.3f} ms median → {tflops:.0f} TFLOP/s",
+        ),
+        (
+            "timing",
+            "triton.testing.do_bench(fn, warmup="
+            f'{info.timing.warmup_ms:g}, rep={info.timing.rep_ms:g}, return_mode="median"), '
+            "ms; forward+backward = torch.autograd.grad(loss, (E, C))"
+            if common.uses_cuda(env["device"])
+            else "wall-clock median (no CUDA: not comparable with GPU figures)",
+        ),
+        ("memory", MEMORY_DEFINITION),
+        ("gradient error", ERROR_DEFINITION),
+        (
+            "inputs",
+            "C = randn(V, D)/√D; y = randint(0, V, (N,)); flat: E = randn(N, D); peaked: "
+            "E = 13·C[y] + 2·randn(N, D), then C[:, 0] = −log(rank)/4 (rank a random "
+            "permutation of 1..V), E[:, 0] = 4; both cast to the dtype afterwards",
+        ),
+    ]
+    lines += [common.markdown_table(["", ""], header_rows), ""]
+
+    columns = _provider_columns(case_results)
+    lines += [
+        "## Time and memory",
+        "",
+        "Median ms / peak MB above inputs and gradient buffers, forward+backward unless marked.",
+        "",
+    ]
+    rows = [
+        [cr.case.label] + [_time_and_memory(cr.results.get(key)) for key, _ in columns]
+        for cr in case_results
+    ]
+    lines += [common.markdown_table(["case (V, D)"] + [lbl for _, lbl in columns], rows), ""]
+
+    backward_cases = [cr for cr in case_results if cr.case.with_backward]
+    if backward_cases:
+        lines += [
+            "## Gradient accuracy",
+            "",
+            "Relative L2 error dE / dC against the float64 reference (err ratio ÷ torch bf16 "
+            "in parentheses).",
+            "",
+        ]
+        rows = [
+            [
+                cr.case.label,
+                f"{common.format_error(cr.yardstick.err_hidden)} / "
+                f"{common.format_error(cr.yardstick.err_classifier)}",
+            ]
+            + [_error_cell(cr.results.get(key)) for key, _ in columns]
+            for cr in backward_cases
+        ]
+        headers = ["case (V, D)", "torch bf16 (yardstick)"] + [lbl for _, lbl in columns]
+        lines += [common.markdown_table(headers, rows), ""]
+
+    lines += [
+        "## Cost floors (DESIGN §4)",
+        "",
+        f"At the measured R = {tflops:.0f} TFLOP/s: forward 2NVD/R, backward with nothing "
+        "skipped 6NVD/R, so forward+backward unskipped 8NVD/R. '× floor' in the details "
+        "divides a time by 2NVD/R (forward only) or 8NVD/R (forward+backward).",
+        "",
+    ]
+    rows = []
+    for cr in case_results:
+        measured = [r for r in cr.results.values() if r.measured]
+        best = min(measured, key=lambda r: r.ms) if measured else None
+        rows.append(
+            [
+                cr.case.label,
+                common.format_ms(cr.floors_ms["forward"]),
+                common.format_ms(cr.floors_ms["backward_unskipped"]),
+                common.format_ms(cr.floors_ms["forward_backward_unskipped"]),
+                f"{common.format_ms(best.ms)} ({best.label})" if best else "—",
+            ]
+        )
+    headers = ["case (V, D)", "fwd 2NVD/R", "bwd 6NVD/R", "fwd+bwd 8NVD/R", "fastest measured"]
+    lines += [common.markdown_table(headers, rows), ""]
+
+    lines += ["## Targets", ""]
+    if outcomes:
+        rows = [
+            [o.target.case_key, o.target.provider, o.target.description, o.measured, o.status]
+            for o in outcomes
+        ]
+        headers = ["case", "provider", "target", "measured", PASS + "/" + FAIL]
+        lines += [common.markdown_table(headers, rows), ""]
+    else:
+        lines += ["No fusedloss provider was selected, so no targets apply.", ""]
+
+    lines += ["## All figures", ""]
+    rows = []
+    for cr in case_results:
+        for result in cr.results.values():
+            rows.append(
+                [
+                    cr.case.key,
+                    result.label,
+                    result.status,
+                    common.format_ms(result.ms),
+                    common.format_ratio(result.times_floor),
+                    common.format_mib(result.peak_extra_mib),
+                    "—" if result.loss is None else f"{result.loss:.5f}",
+                    "—" if result.loss_error is None else f"{result.loss_error:.1e}",
+                    common.format_error(result.err_hidden),
+                    common.format_error(result.err_classifier),
+                    _ratio_cell(result),
+                    result.note,
+                ]
+            )
+    headers = [
+        "case",
+        "provider",
+        "status",
+        "ms",
+        "× floor",
+        "MB",
+        "loss",
+        "|loss − ref|",
+        "dE err",
+        "dC err",
+        "err ratio dE / dC",
+        "note",
+    ]
+    lines += [common.markdown_table(headers, rows), ""]
+    ref_rows = [
+        [cr.case.key, f"{cr.reference_loss:.5f}"]
+        for cr in case_results
+        if cr.reference_loss is not None
+    ]
+    lines += [common.markdown_table(["case", "float64 reference loss"], ref_rows), ""]
+
+    if info.calls:
+        lines += ["## Calls measured", ""]
+        lines += [f"- **{key}**: `{call}`" for key, call in info.calls.items()]
+        lines += [""]
+    if info.notes:
+        lines += ["## Notes", ""] + [f"- {note}" for note in info.notes] + [""]
+    return "\n".join(lines)
+
+
+def results_json(
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+) -> dict[str, Any]:
+    return {
+        "suite": NAME,
+        "environment": info.environment,
+        "settings": {
+            "n": info.n,
+            "dtype": info.dtype,
+            "seed": info.seed,
+            "quick": info.quick,
+            "warmup_ms": info.timing.warmup_ms,
+            "rep_ms": info.timing.rep_ms,
+            "providers": info.providers,
+        },
+        "matmul": info.matmul,
+        "peer_versions": info.peer_versions,
+        "definitions": {
+            "memory": MEMORY_DEFINITION,
+            "gradient_error": ERROR_DEFINITION,
+            "floors": "forward 2NVD/R, backward unskipped 6NVD/R, forward+backward 8NVD/R",
+            "check": f"|loss − ref| ≤ {LOSS_TOLERANCE}·max(1, |ref|) and dE, dC relative "
+            f"error ≤ {GRADIENT_ERROR_BOUND}; failing rows have status 'wrong'",
+        },
+        "cases": [
+            {
+                "case": cr.case.key,
+                "shape": cr.case.shape.name,
+                "vocab_size": cr.case.shape.vocab_size,
+                "hidden_size": cr.case.shape.hidden_size,
+                "n": cr.case.n,
+                "regime": cr.case.regime,
+                "mode": cr.case.mode,
+                "floors_ms": cr.floors_ms,
+                "reference_loss": cr.reference_loss,
+                "torch_bf16_error": {
+                    "dE": cr.yardstick.err_hidden,
+                    "dC": cr.yardstick.err_classifier,
+                    "note": cr.yardstick.note,
+                },
+                "results": [asdict(r) for r in cr.results.values()],
+            }
+            for cr in case_results
+        ],
+        "targets": [
+            {
+                "case": o.target.case_key,
+                "provider": o.target.provider,
+                "kind": o.target.kind,
+                "factor": o.target.factor,
+                "baselines": list(o.target.baselines),
+                "target": o.target.description,
+                "measured": o.measured,
+                "ratio": o.ratio,
+                "status": o.status,
+            }
+            for o in outcomes
+        ],
+        "calls": info.calls,
+        "notes": info.notes,
+    }
+
+
+def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]) -> str:
+    """The terminal summary: targets, then one line per case and provider."""
+    parts = []
+    if outcomes:
+        rows = [
+            [o.status, o.target.case_key, o.target.provider, o.target.description, o.measured]
+            for o in outcomes
+        ]
+        parts += [
+            "targets",
+            common.text_table(["", "case", "provider", "target", "measured"], rows),
+            "",
+        ]
+    rows = []
+    for cr in case_results:
+        for result in cr.results.values():
+            rows.append(
+                [
+                    cr.case.key,
+                    result.label,
+                    common.format_ms(result.ms) if result.measured else result.status,
+                    common.format_mib(result.peak_extra_mib),
+                    common.format_ratio(result.times_floor),
+                    _ratio_cell(result),
+                    (PASS if result.status == OK else FAIL) if result.measured else "",
+                ]
+            )
+    headers = ["case", "provider", "ms", "MB", "× floor", "err ratio dE/dC", "check"]
+    parts += [common.text_table(headers, rows)]
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}"
+            )
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    provider_keys = list(lm_head_providers())
+    parser.add_argument(
+        "--shapes",
+        type=_comma_list(list(LM_HEAD_SHAPES)),
+        help=f"comma list of {', '.join(LM_HEAD_SHAPES)}",
+    )
+    parser.add_argument(
+        "--regimes",
+        type=_comma_list(REGIMES),
+        help="comma list of peaked, flat (default with --shapes/--modes: peaked)",
+    )
+    parser.add_argument(
+        "--modes",
+        type=_comma_list(MODES),
+        help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)",
+    )
+    parser.add_argument(
+        "--providers",
+        type=_comma_list(provider_keys),
+        default=provider_keys,
+        help=f"comma list of {', '.join(provider_keys)} (default: all)",
+    )
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help=f"tokens N (default {DEFAULT_N}; {QUICK_N} with --quick)",
+    )
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny shapes and short timing: a smoke test that also runs on CPU",
+    )
+    parser.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--warmup-ms",
+        type=float,
+        default=None,
+        help="do_bench warmup in ms (default 100; 5 with --quick)",
+    )
+    parser.add_argument(
+        "--rep-ms",
+        type=float,
+        default=None,
+        help="do_bench rep in ms (default 1000; 20 with --quick)",
+    )
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="size of the matmul-rate probe (default 8192; 256 with --quick)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=common.RESULTS_DIR,
+        help="directory for the .md and .json results (default benchmarks/results)",
+    )
+    parser.add_argument(
+        "--tag", default=None, help="suffix for the results file names (e.g. a subset's name)"
+    )
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not common.uses_cuda(device) and not args.quick:
+        log("the lm-head suite needs a CUDA device at full size; use --quick for a CPU smoke run")
+        return 2
+    quick = bool(args.quick)
+    n = args.n or (QUICK_N if quick else DEFAULT_N)
+    dtype = common.parse_dtype(args.dtype)
+    timing = TimingSettings(
+        warmup_ms=args.warmup_ms if args.warmup_ms is not None else (5.0 if quick else 100.0),
+        rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if quick else 1000.0),
+    )
+    notes: list[str] = []
+    if quick:
+        notes.append("--quick: shrunk shapes and short timing; figures are not representative")
+    if not common.uses_cuda(device) and any(p.startswith(FUSEDLOSS) for p in args.providers):
+        if "TRITON_INTERPRET" not in os.environ:
+            # Triton reads this when a kernel is decorated, i.e. when fusedloss is imported.
+            os.environ["TRITON_INTERPRET"] = "1"
+        notes.append(
+            f"no CUDA: Triton kernels ran on the CPU interpreter "
+            f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
+        )
+
+    all_providers = lm_head_providers()
+    providers = [all_providers[key] for key in args.providers]
+    cases = select_cases(args.shapes, args.regimes, args.modes, n, quick)
+    environment = common.collect_environment(device)
+    matmul_size = args.matmul_size or (256 if quick else 8192)
+    log(
+        f"lm-head on {environment['device_name']}: torch {environment['torch']}, "
+        f"triton {environment['triton']}, N={n}, {common.dtype_name(dtype)}"
+    )
+    matmul = common.matmul_tflops(device, matmul_size, timing, dtype)
+    log(
+        f"matmul {matmul['dtype']} {matmul_size}³: {matmul['ms']:.3f} ms → "
+        f"{matmul['tflops']:.1f} TFLOP/s"
+    )
+
+    case_results = run_cases(
+        cases,
+        providers,
+        device=device,
+        dtype=dtype,
+        seed=args.seed,
+        timing=timing,
+        tflops=matmul["tflops"],
+        log=log,
+    )
+    outcomes = evaluate_targets(case_results)
+
+    calls: dict[str, str] = {}
+    for cr in case_results:
+        for result in cr.results.values():
+            if result.call:
+                calls.setdefault(result.label, result.call)
+            if not result.measured or result.status == WRONG:
+                note = f"{cr.case.key}: {result.label} {result.status}: {result.note}"
+                if result.status in (NOT_INSTALLED, UNAVAILABLE):
+                    note = f"{result.label} skipped ({result.status}): {result.note}"
+                if note not in notes:
+                    notes.append(note)
+        if cr.yardstick.note:
+            notes.append(f"{cr.case.key}: {cr.yardstick.note}")
+    info = RunInfo(
+        environment=environment,
+        matmul=matmul,
+        n=n,
+        dtype=common.dtype_name(dtype),
+        seed=args.seed,
+        quick=quick,
+        timing=timing,
+        providers=list(args.providers),
+        peer_versions={
+            name: common.package_version(name) for name in ("cut-cross-entropy", "liger-kernel")
+        },
+        calls=calls,
+        notes=notes,
+    )
+    stem = common.results_stem(
+        RESULTS_PREFIX, environment["date"], environment["device_slug"], args.tag
+    )
+    md_path, json_path = common.write_results(
+        args.out,
+        stem,
+        render_markdown(info, case_results, outcomes),
+        results_json(info, case_results, outcomes),
+    )
+    log("")
+    for note in notes:
+        log(f"note: {note}")
+    log(f"results: {md_path}")
+    log(f"         {json_path}")
+    log("")
+    log(short_tables(case_results, outcomes))
+    sys.stdout.flush()
+    return 0
+
+
+SUITE = Suite(
+    name=NAME,
+    help="linear cross-entropy of an LM head (gemma2-2b, llama3-8b, phi3.5 shapes)",
+    add_arguments=add_arguments,
+    run=run,
+)

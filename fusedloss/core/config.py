@@ -1,0 +1,77 @@
+"""Block sizes and launch parameters of the linear-log-sum-exp kernels.
+
+Configs are frozen per (device architecture, dtype, width D): no autotuning runs unless the
+environment variable ``FUSEDLOSS_AUTOTUNE=1`` asks for it (see :func:`autotune_enabled`).
+Under Triton's CPU interpreter, small blocks keep the tests fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel's tile shape.
+
+    block_m: rows of A per tile; block_n: rows of B (columns of the logits) per tile;
+    block_k: reduction step over D; block_d: output chunk of D in the gradient matmuls.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FUSEDLOSS_AUTOTUNE", "0") == "1"
+
+
+_INTERPRETER = TileConfig(block_m=16, block_n=16, block_k=16, block_d=16, num_warps=1, num_stages=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def forward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileConfig:
+    """Tile of the forward (row statistics) kernel."""
+    if device.type != "cuda":
+        return _INTERPRETER
+    major, _ = _capability(device.index or 0)
+    if dtype == torch.float32:
+        return TileConfig(128, 64, 32, 0, num_warps=8, num_stages=3)
+    if major >= 9:
+        return TileConfig(128, 256, 64, 0, num_warps=8, num_stages=3)
+    return TileConfig(128, 128, 32, 0, num_warps=8, num_stages=3)
+
+
+def backward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileConfig:
+    """Tile of the backward kernels.
+
+    The gradient recompute kernel uses (block_m, block_n, block_k); the two gradient matmul
+    kernels reduce over block_m (dB) or block_n (dA) and write block_d-wide chunks of D.
+    The forward's column tile must equal block_n so the forward's per-tile statistics
+    address the backward's tiles; see :func:`lse_tile_n`.
+    """
+    if device.type != "cuda":
+        return _INTERPRETER
+    major, _ = _capability(device.index or 0)
+    if dtype == torch.float32:
+        return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=3)
+    if major >= 9:
+        return TileConfig(128, 128, 64, 128, num_warps=8, num_stages=3)
+    return TileConfig(128, 128, 32, 128, num_warps=8, num_stages=3)

@@ -1,0 +1,444 @@
+"""The linear-log-sum-exp engine: one forward and one backward that every loss is built on.
+
+Notation (DESIGN.md §1): A (N, D) rows, B (V, D) columns,
+
+    X_ij = softcap(s · <A_i, B_j> + bias_j)        lse_i = log Σ_j exp(X_ij)
+
+Rows are addressed through a *compact row order*: ``rows.index[p]`` is the row of A that
+position p stands for, and positions ``p >= rows.n_valid`` (ignored tokens) are skipped by every
+kernel. Statistics and per-row coefficients live in that compact order. Columns may be
+visited in a permuted order (vocabulary sorting); outputs always use the original column ids.
+
+``row_stats`` gives lse, the target logit X_{i,y_i} and Σ_j w_j X_ij per row (plus per-tile
+statistics for filtering); ``grads`` gives dA, dB, dbias and ds for
+
+    dX_ij = r_i · P_ij − t_i · [j = y_i] − u_i · w_j      P_ij = exp(X_ij − lse_i)
+
+(chained through softcap and scale), skipping tiles whose softmax mass is provably negligible.
+Two implementations share these signatures: Triton kernels ("triton"; CUDA, or the CPU
+through Triton's interpreter) and a chunked pure-PyTorch path ("torch").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import config
+from .filtering import live_tiles, mark_targets_live
+
+
+@dataclass(frozen=True)
+class Logits:
+    """How the logits are formed from A and B."""
+
+    bias: torch.Tensor | None = None  # (V,)
+    scale: torch.Tensor | None = None  # () fp32 on the device; None means 1
+    softcap: float | None = None
+    col_order: torch.Tensor | None = None  # (V,) int64 permutation of the columns
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows that count, in compact order, and their targets."""
+
+    index: torch.Tensor  # (N,) int64: compact position p reads A[index[p]]
+    n_valid: torch.Tensor  # () int64 on the device
+    target: torch.Tensor | None = None  # (N,) int64 original column id per position, or -1
+
+
+@dataclass
+class RowStats:
+    """Forward statistics, in compact row order (entries at p >= n_valid are 0)."""
+
+    lse: torch.Tensor  # (N,) fp32
+    target_logit: torch.Tensor | None  # (N,) fp32
+    weighted_sum: torch.Tensor | None  # (N,) fp32, Σ_j w_j X_ij
+    tile_log_mass: torch.Tensor | None  # (row blocks, column tiles) fp32, triton only
+    block_m: int = 0
+    block_n: int = 0
+
+
+@dataclass(frozen=True)
+class GradCoefficients:
+    """Per-row weights of dX = r·P − t·onehot(y) − u·w, in compact row order (fp32)."""
+
+    lse: torch.Tensor  # r (N,)
+    target: torch.Tensor | None = None  # t (N,)
+    uniform: torch.Tensor | None = None  # u (N,)
+
+
+def compact_rows(valid: torch.Tensor) -> Rows:
+    """Compact order for a (N,) bool mask, without a host sync: valid rows first, stable."""
+    index = torch.argsort((~valid).to(torch.uint8), stable=True)
+    return Rows(index=index, n_valid=valid.sum())
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' → Triton on CUDA, torch elsewhere; 'triton' on CPU needs TRITON_INTERPRET=1."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not config.interpreting():
+        raise RuntimeError(
+            "backend='triton' needs CUDA tensors; on the CPU the kernels run only through "
+            "Triton's interpreter (set TRITON_INTERPRET=1 before importing triton). "
+            "Use backend='torch' or 'auto' for CPU tensors."
+        )
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+
+
+def row_stats(
+    a: torch.Tensor,  # (·, D)
+    b: torch.Tensor,  # (V, D)
+    logits: Logits,
+    rows: Rows,
+    *,
+    col_weight: torch.Tensor | None = None,  # (V,) fp32 weights of the weighted row sum
+    weighted_sum: bool = False,
+    record_tiles: bool = True,
+    backend: str = "triton",
+) -> RowStats:
+    """Row log-sum-exp (and target logit, weighted row sum) of X without materializing it."""
+    if backend == "torch":
+        return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum)
+    return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, record_tiles)
+
+
+def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
+    """(upcast before tl.dot, tl.dot input_precision) for operands of t's dtype."""
+    interp = config.interpreting()
+    return interp and t.dtype != torch.float32, "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _split_count(n_row_blocks: int, n_col_tiles: int, device: torch.device) -> int:
+    """Column splits so that the forward grid fills the device a few times over."""
+    if device.type != "cuda":
+        return min(n_col_tiles, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_col_tiles, triton_cdiv(4 * sms, n_row_blocks)))
+
+
+def triton_cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, record_tiles) -> RowStats:
+    from .lse_forward import _lse_forward_kernel
+
+    n, (v, d) = rows.index.numel(), b.shape
+    cfg = config.forward_config(a.device, a.dtype, d)
+    n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
+    splits = _split_count(n_rb, n_ct, a.device)
+    tiles_per_split = triton_cdiv(n_ct, splits)
+    splits = triton_cdiv(n_ct, tiles_per_split)
+    f32 = dict(dtype=torch.float32, device=a.device)
+    part_max = torch.full((splits, n), float("-inf"), **f32)
+    part_sum = torch.zeros((splits, n), **f32)
+    has_target = rows.target is not None
+    part_target = torch.zeros((splits, n), **f32) if has_target else part_sum
+    part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
+    tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
+    dot_fp32, precision = _dot_flags(a)
+    dummy = part_sum
+    _lse_forward_kernel[(n_rb, splits)](
+        a, b,
+        logits.bias if logits.bias is not None else dummy,
+        logits.scale if logits.scale is not None else dummy,
+        rows.index, rows.n_valid,
+        logits.col_order if logits.col_order is not None else rows.index,
+        rows.target if has_target else rows.index,
+        col_weight if col_weight is not None else dummy,
+        part_max, part_sum, part_target, part_wsum, tiles,
+        n, v, d, a.stride(0), b.stride(0), tiles_per_split, n_ct,
+        HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
+        SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
+        HAS_TARGET=has_target, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
+        RECORD_TILES=record_tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_FP32=dot_fp32, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    valid = torch.arange(n, device=a.device) < rows.n_valid
+    top = part_max.amax(dim=0)
+    safe_top = torch.where(torch.isfinite(top), top, 0.0)
+    lse = safe_top + torch.log((part_sum * torch.exp(part_max - safe_top)).sum(dim=0))
+    lse = torch.where(valid, lse, 0.0)
+    return RowStats(
+        lse=lse,
+        target_logit=part_target.sum(dim=0) if has_target else None,
+        weighted_sum=part_wsum.sum(dim=0) if weighted_sum else None,
+        tile_log_mass=tiles if record_tiles else None,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+    )
+
+
+def _torch_chunk_rows(v: int) -> int:
+    return max(1, int(os.environ.get("FUSEDLOSS_TORCH_CHUNK_ELEMENTS", 1 << 24)) // max(1, v))
+
+
+def _torch_logits(a_rows, b32, logits: Logits):
+    """(raw dots, X) for a chunk of rows, fp32."""
+    raw = a_rows.float() @ b32.T
+    x = raw * logits.scale if logits.scale is not None else raw
+    if logits.bias is not None:
+        x = x + logits.bias.float()
+    if logits.softcap:
+        x = logits.softcap * torch.tanh(x / logits.softcap)
+    return raw, x
+
+
+def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum) -> RowStats:
+    n = rows.index.numel()
+    n_valid = int(rows.n_valid)
+    lse = torch.zeros(n, dtype=torch.float32, device=a.device)
+    target_logit = torch.zeros_like(lse) if rows.target is not None else None
+    wsum = torch.zeros_like(lse) if weighted_sum else None
+    b32 = b.float()
+    chunk = _torch_chunk_rows(b.shape[0])
+    for start in range(0, n_valid, chunk):
+        pos = slice(start, min(start + chunk, n_valid))
+        _, x = _torch_logits(a[rows.index[pos]], b32, logits)
+        lse[pos] = torch.logsumexp(x, dim=1)
+        if rows.target is not None:
+            tgt = rows.target[pos]
+            picked = x.gather(1, tgt.clamp(min=0)[:, None])[:, 0]
+            target_logit[pos] = torch.where(tgt >= 0, picked, 0.0)
+        if weighted_sum:
+            wsum[pos] = (x @ col_weight) if col_weight is not None else x.sum(dim=1)
+    return RowStats(lse=lse, target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+
+
+@dataclass
+class Grads:
+    a: torch.Tensor | None  # (·, D) like A (rows outside the compact set are 0)
+    b: torch.Tensor | None  # (V, D) like B
+    bias: torch.Tensor | None  # (V,) fp32
+    scale: torch.Tensor | None  # () fp32
+
+
+def grads(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    logits: Logits,
+    rows: Rows,
+    stats: RowStats,
+    coef: GradCoefficients,
+    *,
+    col_weight: torch.Tensor | None = None,
+    filter_eps: float | None = None,
+    need_a: bool = True,
+    need_b: bool = True,
+    need_bias: bool = False,
+    need_scale: bool = False,
+    backend: str = "triton",
+) -> Grads:
+    """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
+
+    ``filter_eps`` bounds the softmax mass each row may lose to skipped tiles (Triton only;
+    None computes every tile). The uniform term u·w must be free of softcap for filtering:
+    with softcap it is folded into the tiles, which are then all computed.
+    """
+    if backend == "torch":
+        return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
+                            need_a, need_b, need_bias, need_scale)
+    return _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
+                         need_a, need_b, need_bias, need_scale)
+
+
+def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int) -> int:
+    """Column tiles per slab: the dX scratch of one slab stays under the budget."""
+    budget = int(os.environ.get("FUSEDLOSS_SCRATCH_MB", 64)) << 20
+    return max(1, min(n_ct, budget // max(1, n_rb * tile_bytes)))
+
+
+def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
+                  need_a, need_b, need_bias, need_scale) -> Grads:
+    from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
+
+    n, (v, d) = rows.index.numel(), b.shape
+    dev = a.device
+    cfg = config.backward_config(dev, a.dtype, d)
+    bm, bn, bd = cfg.block_m, cfg.block_n, cfg.block_d
+    n_rb, n_ct = triton_cdiv(n, bm), triton_cdiv(v, bn)
+    f32 = dict(dtype=torch.float32, device=dev)
+    lse = _pad(stats.lse, n_rb * bm)
+
+    # Which tiles to compute. With softcap the uniform term lives inside the tiles: keep all.
+    uniform_in_tiles = coef.uniform is not None and bool(logits.softcap)
+    eps = None if uniform_in_tiles else filter_eps
+    if stats.tile_log_mass is not None and stats.block_m == bm and stats.block_n % bn == 0:
+        live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, bm, eps)
+        live = live.repeat_interleave(stats.block_n // bn, dim=1)[:, :n_ct]
+    else:
+        live = live_tiles(torch.zeros(n_rb, n_ct, **f32), lse, rows.n_valid, bm, None)
+    if rows.target is not None and eps is not None:
+        mark_targets_live(live, _target_positions(rows.target, logits.col_order, v), bm, bn)
+
+    # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
+    rank1 = coef.uniform is not None and not uniform_in_tiles
+    w = col_weight if col_weight is not None else torch.ones(v, **f32)
+    s = logits.scale if logits.scale is not None else torch.ones((), **f32)
+    if rank1:
+        u = coef.uniform
+        rank1_a = s * _weighted_row_sum(b, w)  # (D,) s·Σ_j w_j B_j
+        rank1_b = s * _weighted_row_sum(a, _scatter_rows(u, rows, a.shape[0]))  # s·Σ_i u_i A_i
+        rank1_bias = u.sum()
+
+    grad_a = torch.zeros_like(a) if need_a else None
+    grad_b = torch.empty_like(b) if need_b else None
+    grad_bias = torch.empty(v, **f32) if need_bias else None
+    dscale = torch.zeros(n_rb, n_ct, **f32) if need_scale else None
+
+    dot_fp32, precision = _dot_flags(a)
+    dummy = lse
+    slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size())
+    scratch = torch.empty(n_rb * min(slab, n_ct) * bm * bn, dtype=a.dtype, device=dev)
+    n_slabs = triton_cdiv(n_ct, slab)
+    acc_a = torch.empty(n_rb * bm, d, **f32) if need_a and n_slabs > 1 else dummy
+    common = dict(
+        HAS_SCALE=logits.scale is not None, HAS_ORDER=logits.col_order is not None,
+        DOT_FP32=dot_fp32, PRECISION=precision,
+    )
+    order = logits.col_order if logits.col_order is not None else rows.index
+    for k in range(n_slabs):
+        t0, t1 = k * slab, min((k + 1) * slab, n_ct)
+        nt = t1 - t0
+        live_s = live[:, t0:t1].contiguous()
+        dscale_s = dscale[:, t0:t1].contiguous() if need_scale else dummy
+        _grad_logits_kernel[(n_rb, nt)](
+            a, b, logits.bias if logits.bias is not None else dummy, s,
+            rows.index, rows.n_valid, order,
+            rows.target if rows.target is not None else rows.index,
+            w, lse, coef.lse,
+            coef.target if coef.target is not None else dummy,
+            coef.uniform if uniform_in_tiles else dummy,
+            live_s.view(torch.uint8), scratch, dscale_s,
+            v, d, a.stride(0), b.stride(0), t0, nt,
+            HAS_BIAS=logits.bias is not None, SOFTCAP=float(logits.softcap or 0.0),
+            HAS_TARGET=rows.target is not None and coef.target is not None,
+            HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
+            GRAD_SCALE=need_scale,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )
+        if need_scale:
+            dscale[:, t0:t1] = dscale_s
+        if need_b or need_bias:
+            col_list, col_count = _live_lists(live_s.T)
+            _grad_b_kernel[(nt, triton_cdiv(d, bd) if need_b else 1)](
+                a, scratch, s, rows.index, rows.n_valid, order, col_list, col_count,
+                grad_b if need_b else dummy,
+                grad_bias if need_bias else dummy,
+                w, rank1_b if rank1 else dummy, rank1_bias if rank1 else dummy,
+                v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, nt, t0,
+                GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )
+        if need_a:
+            row_list, row_count = _live_lists(live_s)
+            _grad_a_kernel[(n_rb, triton_cdiv(d, bd))](
+                b, scratch, s, rows.index, rows.n_valid, order, row_list, row_count,
+                acc_a, grad_a, coef.uniform if rank1 else dummy, rank1_a if rank1 else dummy,
+                v, d, b.stride(0), grad_a.stride(0), nt, t0,
+                HAS_RANK1=rank1, FIRST=k == 0, LAST=k == n_slabs - 1,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )
+    return Grads(
+        a=grad_a,
+        b=grad_b if need_b else None,
+        bias=grad_bias,
+        scale=dscale.sum() if need_scale else None,
+    )
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.numel() == n else torch.nn.functional.pad(x, (0, n - x.numel()))
+
+
+def _target_positions(target: torch.Tensor, col_order: torch.Tensor | None, v: int):
+    """Position of each target in the column order (−1 stays −1)."""
+    if col_order is None:
+        return target
+    inverse = torch.empty_like(col_order)
+    inverse[col_order] = torch.arange(v, device=col_order.device)
+    return torch.where(target >= 0, inverse[target.clamp(min=0)], -1)
+
+
+def _live_lists(live: torch.Tensor):
+    """Per row of ``live`` (bool): the indices of its True entries first, and their count."""
+    order = torch.argsort((~live).to(torch.uint8), dim=1, stable=True).to(torch.int32)
+    return order.contiguous(), live.sum(dim=1, dtype=torch.int32)
+
+
+def _weighted_row_sum(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_r weights_r · x_r in fp32, in chunks (no fp32 copy of x)."""
+    out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+    chunk = max(1, (1 << 24) // max(1, x.shape[1]))
+    for start in range(0, x.shape[0], chunk):
+        out += weights[start : start + chunk].float() @ x[start : start + chunk].float()
+    return out
+
+
+def _scatter_rows(values: torch.Tensor, rows: Rows, n_rows: int) -> torch.Tensor:
+    """Compact-order (N,) values → original row order (n_rows,), zero elsewhere."""
+    valid = torch.arange(values.numel(), device=values.device) < rows.n_valid
+    out = torch.zeros(n_rows, dtype=values.dtype, device=values.device)
+    return out.index_put_((rows.index,), torch.where(valid, values, 0), accumulate=True)
+
+
+def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
+                 need_a, need_b, need_bias, need_scale) -> Grads:
+    v = b.shape[0]
+    n_valid = int(rows.n_valid)
+    b32 = b.float()
+    grad_a = torch.zeros_like(a) if need_a else None
+    grad_b32 = torch.zeros_like(b32) if need_b else None
+    grad_bias = torch.zeros(v, dtype=torch.float32, device=a.device) if need_bias else None
+    dscale = torch.zeros((), dtype=torch.float32, device=a.device)
+    s = logits.scale.float() if logits.scale is not None else 1.0
+    chunk = _torch_chunk_rows(v)
+    for start in range(0, n_valid, chunk):
+        pos = slice(start, min(start + chunk, n_valid))
+        idx = rows.index[pos]
+        a_rows = a[idx]
+        raw, x = _torch_logits(a_rows, b32, logits)
+        dx = coef.lse[pos, None] * torch.exp(x - stats.lse[pos, None])
+        if rows.target is not None and coef.target is not None:
+            tgt = rows.target[pos]
+            hit = torch.zeros_like(dx).scatter_(1, tgt.clamp(min=0)[:, None], 1.0)
+            dx -= hit * (coef.target[pos] * (tgt >= 0))[:, None]
+        if coef.uniform is not None:
+            w = col_weight.float() if col_weight is not None else 1.0
+            dx -= coef.uniform[pos, None] * w
+        if logits.softcap:
+            dx = dx * (1 - (x / logits.softcap) ** 2)
+        if need_scale:
+            dscale += (dx * raw).sum()
+        if need_bias:
+            grad_bias += dx.sum(dim=0)
+        dx = dx * s
+        if need_a:
+            grad_a[idx] = (dx @ b32).to(a.dtype)
+        if need_b:
+            grad_b32 += dx.T @ a_rows.float()
+    return Grads(
+        a=grad_a,
+        b=grad_b32.to(b.dtype) if need_b else None,
+        bias=grad_bias,
+        scale=dscale if need_scale else None,
+    )

@@ -1,0 +1,229 @@
+"""Backward of the linear-log-sum-exp core: block-sparse recompute, then block-sparse matmuls.
+
+The loss layer hands the core per-row coefficients so that the gradient of the loss with
+respect to the logits is
+
+    dX_ij = r_i · P_ij − t_i · [j = y_i] − u_i · w_j         P = exp(X − lse_i)
+
+(times 1 − tanh² under softcap). Only live tiles (``filtering.py``) are computed. The work is
+split in column slabs so the scratch stays bounded; per slab:
+
+1. ``_grad_logits_kernel``: one program per live tile recomputes X over the full width D and
+   writes dX (input dtype) into a slab scratch, plus the tile's share of d(scale).
+2. ``_grad_b_kernel``: one program per (column tile, D chunk) reduces dXᵀ · A over the tile's
+   live row blocks, in fp32 on chip, and writes dB once (dbias too).
+3. ``_grad_a_kernel``: one program per (row block, D chunk) reduces dX · B over the block's
+   live column tiles and adds it to an fp32 accumulator that it owns (or writes dA on the
+   last slab).
+
+Every output element has exactly one writer: no atomics, deterministic results.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .logits import dot_tile, logits_from_dot
+
+
+@triton.jit
+def _grad_logits_kernel(
+    a_ptr, b_ptr, bias_ptr, scale_ptr,
+    row_index_ptr, n_valid_ptr, col_order_ptr, target_ptr, col_weight_ptr,
+    lse_ptr, coef_lse_ptr, coef_target_ptr, coef_uniform_ptr,   # (N,) fp32, compact row order
+    live_ptr,            # (row blocks, slab tiles) int8: 1 = compute this tile
+    scratch_ptr,         # (row blocks, slab tiles, BLOCK_M, BLOCK_N) dX in the input dtype
+    dscale_ptr,          # (row blocks, slab tiles) fp32 partial Σ dX_pre · raw
+    V, D, stride_a, stride_b, slab_tile_start, n_slab_tiles,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr,
+    HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    tile_id = pid_m.to(tl.int64) * n_slab_tiles + pid_t
+    if tl.load(live_ptr + tile_id) == 0:
+        return
+    n_valid = tl.load(n_valid_ptr)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_rows = offs_m < n_valid
+    rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
+    offs_n = (slab_tile_start + pid_t) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_cols = offs_n < V
+    if HAS_ORDER:
+        cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
+    else:
+        cols = offs_n.to(tl.int64)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+
+    raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
+                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
+    x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP)
+
+    lse = tl.load(lse_ptr + offs_m, mask=m_rows, other=0.0)
+    coef_lse = tl.load(coef_lse_ptr + offs_m, mask=m_rows, other=0.0)
+    dx = coef_lse[:, None] * tl.exp(x - lse[:, None])
+    if HAS_TARGET:
+        target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
+        coef_target = tl.load(coef_target_ptr + offs_m, mask=m_rows, other=0.0)
+        dx -= tl.where(cols[None, :] == target[:, None], coef_target[:, None], 0.0)
+    if HAS_UNIFORM:
+        coef_uniform = tl.load(coef_uniform_ptr + offs_m, mask=m_rows, other=0.0)
+        if HAS_COL_WEIGHT:
+            w = tl.load(col_weight_ptr + cols, mask=m_cols, other=0.0)
+            dx -= coef_uniform[:, None] * w[None, :]
+        else:
+            dx -= coef_uniform[:, None]
+    if SOFTCAP > 0:
+        capped = x / SOFTCAP
+        dx = dx * (1.0 - capped * capped)
+    dx = tl.where(m_rows[:, None] & m_cols[None, :], dx, 0.0)
+    if GRAD_SCALE:
+        tl.store(dscale_ptr + tile_id, tl.sum(tl.sum(dx * raw, axis=1), axis=0))
+
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(scratch_ptr + tile_id * (BLOCK_M * BLOCK_N) + offs_tile,
+             dx.to(scratch_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _grad_b_kernel(
+    a_ptr, scratch_ptr, scale_ptr,
+    row_index_ptr, n_valid_ptr, col_order_ptr,
+    col_list_ptr,        # (slab tiles, row blocks) int32: live row blocks of each tile, first
+    col_count_ptr,       # (slab tiles,) int32
+    grad_b_ptr,          # (V, D) written once per element (input dtype), or accumulated (fp32)
+    grad_bias_ptr,       # (V,) fp32
+    rank1_col_ptr,       # (V,) fp32 w_j of the rank-1 term  −w_j · v  (label smoothing)
+    rank1_vec_ptr,       # (D,) fp32 v = s · Σ_i u_i A_i
+    rank1_bias_ptr,      # () fp32 Σ_i u_i, the rank-1 term's share of dbias
+    V, D, stride_a, stride_gb, n_row_blocks, n_slab_tiles, slab_tile_start,
+    HAS_SCALE: tl.constexpr, HAS_ORDER: tl.constexpr, GRAD_B: tl.constexpr,
+    GRAD_BIAS: tl.constexpr, HAS_RANK1: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_valid = tl.load(n_valid_ptr)
+    offs_n = (slab_tile_start + pid_t) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_cols = offs_n < V
+    if HAS_ORDER:
+        cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
+    else:
+        cols = offs_n.to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = offs_d < D
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    bias_acc = tl.zeros((BLOCK_N,), tl.float32)
+    count = tl.load(col_count_ptr + pid_t)
+    for q in range(0, count):
+        i = tl.load(col_list_ptr + pid_t.to(tl.int64) * n_row_blocks + q).to(tl.int64)
+        offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_rows = offs_m < n_valid
+        rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
+        dx = tl.load(scratch_ptr + (i * n_slab_tiles + pid_t) * (BLOCK_M * BLOCK_N) + offs_tile)
+        if GRAD_B:
+            a = tl.load(a_ptr + rows[:, None] * stride_a + offs_d[None, :],
+                        mask=m_rows[:, None] & m_d[None, :], other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                acc = tl.dot(tl.trans(dx.to(tl.float32)), a, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(tl.trans(dx), a, acc, input_precision=PRECISION)
+        if GRAD_BIAS:
+            bias_acc += tl.sum(dx.to(tl.float32), axis=0)
+
+    if HAS_RANK1:
+        w = tl.load(rank1_col_ptr + cols, mask=m_cols, other=0.0)
+    if GRAD_B:
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr).to(tl.float32)
+        if HAS_RANK1:
+            v = tl.load(rank1_vec_ptr + offs_d, mask=m_d, other=0.0)
+            acc -= w[:, None] * v[None, :]
+        out_ptrs = grad_b_ptr + cols[:, None] * stride_gb + offs_d[None, :]
+        out_mask = m_cols[:, None] & m_d[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(grad_b_ptr.dtype.element_ty), mask=out_mask)
+    if GRAD_BIAS:
+        if pid_d == 0:
+            if HAS_RANK1:
+                bias_acc -= w * tl.load(rank1_bias_ptr)
+            bias_ptrs = grad_bias_ptr + cols
+            if ACCUMULATE:
+                bias_acc += tl.load(bias_ptrs, mask=m_cols, other=0.0)
+            tl.store(bias_ptrs, bias_acc, mask=m_cols)
+
+
+@triton.jit
+def _grad_a_kernel(
+    b_ptr, scratch_ptr, scale_ptr,
+    row_index_ptr, n_valid_ptr, col_order_ptr,
+    row_list_ptr,        # (row blocks, slab tiles) int32: live tiles of each row block, first
+    row_count_ptr,       # (row blocks,) int32
+    acc_ptr,             # (N, D) fp32 running dA in compact row order (between slabs)
+    grad_a_ptr,          # (·, D) dA in the input dtype, rows addressed through row_index
+    rank1_row_ptr,       # (N,) fp32 u_i of the rank-1 term  −u_i · v  (label smoothing)
+    rank1_vec_ptr,       # (D,) fp32 v = s · Σ_j w_j B_j
+    V, D, stride_b, stride_ga, n_slab_tiles, slab_tile_start,
+    HAS_SCALE: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_RANK1: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_valid = tl.load(n_valid_ptr)
+    if pid_m * BLOCK_M >= n_valid:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_rows = offs_m < n_valid
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = offs_d < D
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    count = tl.load(row_count_ptr + pid_m)
+    for q in range(0, count):
+        t = tl.load(row_list_ptr + pid_m.to(tl.int64) * n_slab_tiles + q).to(tl.int64)
+        offs_n = (slab_tile_start + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_cols = offs_n < V
+        if HAS_ORDER:
+            cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
+        else:
+            cols = offs_n.to(tl.int64)
+        dx = tl.load(scratch_ptr + (pid_m.to(tl.int64) * n_slab_tiles + t) * (BLOCK_M * BLOCK_N)
+                     + offs_tile)
+        b = tl.load(b_ptr + cols[:, None] * stride_b + offs_d[None, :],
+                    mask=m_cols[:, None] & m_d[None, :], other=0.0)
+        if DOT_FP32:
+            dx = dx.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(dx, b, acc, input_precision=PRECISION)
+
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr).to(tl.float32)
+    acc_ptrs = acc_ptr + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :]
+    mask = m_rows[:, None] & m_d[None, :]
+    if FIRST:
+        if HAS_RANK1:
+            u = tl.load(rank1_row_ptr + offs_m, mask=m_rows, other=0.0)
+            v = tl.load(rank1_vec_ptr + offs_d, mask=m_d, other=0.0)
+            acc -= u[:, None] * v[None, :]
+    else:
+        acc += tl.load(acc_ptrs, mask=mask, other=0.0)
+    if LAST:
+        rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
+        tl.store(grad_a_ptr + rows[:, None] * stride_ga + offs_d[None, :],
+                 acc.to(grad_a_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(acc_ptrs, acc, mask=mask)

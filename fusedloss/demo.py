@@ -1,0 +1,688 @@
+"""``python -m fusedloss demo``: train the same model twice, once per loss head, and compare.
+
+Experiment ``lm`` trains a small causal language model on a synthetic token source two times
+from one seed — same initial weights, same batches, same AdamW — changing only the loss head:
+
+* **pytorch**: ``F.cross_entropy(F.linear(hidden[:, :-1], W).float().flatten(0, 1),
+  tokens[:, 1:].flatten())``, which materializes the (B·(T−1), V) logits;
+* **fusedloss**: ``fusedloss.linear_cross_entropy(hidden, W, tokens, shift=True)``, which
+  never does.
+
+It prints both loss curves side by side, the loss layer's peak memory and time per step, writes
+a PNG of the curves, and ends with a one-line verdict on whether the curves agree.
+
+The synthetic source (:class:`ZipfMarkovSource`) is a sparse first-order Markov chain:
+
+1. a unigram distribution over the vocabulary is Zipfian, ``p(rank r) ∝ r^-s``, with the ranks
+   assigned to token ids by a random permutation;
+2. each token ``v`` gets a successor list of ``support_size`` tokens drawn (with replacement)
+   from that unigram, so frequent tokens are frequent successors;
+3. the next token after ``v`` is its successor at rank ``j`` with Zipfian probability
+   ``∝ (j + 1)^-s``; the first token of a sequence is drawn from the unigram.
+
+Everything is generated from the seed with ``torch.Generator`` on the CPU, so the token stream
+is identical across runs, devices and heads. Its exact Bayes-optimal loss (the floor any model
+can reach) is computed from the chain and printed for scale.
+
+The module is laid out so that further experiments (e.g. a contrastive two-tower model trained
+with ``fusedloss.clip_loss``) reuse the same pieces: an experiment function returns a
+:class:`Comparison` of two :class:`RunResult` curves, and :func:`report` prints and plots it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fusedloss
+
+MiB = 2**20
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic data
+# ---------------------------------------------------------------------------------------------
+
+
+def zipf_probabilities(n: int, exponent: float) -> torch.Tensor:
+    """Zipf law over ranks ``1..n``: ``p_r ∝ r^-exponent``. Returns (n,) float64 summing to 1."""
+    weights = torch.arange(1, n + 1, dtype=torch.float64).pow(-exponent)
+    return weights / weights.sum()
+
+
+class ZipfMarkovSource:
+    """Deterministic sparse first-order Markov chain with Zipfian statistics (see module doc).
+
+    Attributes:
+        unigram: (V,) float64, Zipfian over randomly permuted token ids; law of the first token.
+        successors: (V, K) int64, ``successors[v, j]`` is the rank-``j`` successor of token ``v``.
+        rank_probabilities: (K,) float64, Zipfian probability of choosing the rank-``j``
+            successor (the same for every token).
+    """
+
+    def __init__(
+        self, vocab_size: int, support_size: int = 64, exponent: float = 1.1, seed: int = 0
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.seed = seed
+        token_of_rank = torch.randperm(vocab_size, generator=generator)
+        self.unigram = torch.empty(vocab_size, dtype=torch.float64)
+        self.unigram[token_of_rank] = zipf_probabilities(vocab_size, exponent)
+        self.successors = torch.multinomial(
+            self.unigram, vocab_size * support_size, replacement=True, generator=generator
+        ).view(vocab_size, support_size)
+        self.rank_probabilities = zipf_probabilities(support_size, exponent)
+
+    def batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
+        """Token sequences for one training step, a pure function of ``(seed, step)``.
+
+        Returns:
+            (batch_size, seq_len) int64 on the CPU.
+        """
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        tokens = torch.empty(batch_size, seq_len, dtype=torch.int64)
+        tokens[:, 0] = torch.multinomial(
+            self.unigram, batch_size, replacement=True, generator=generator
+        )
+        ranks = torch.multinomial(
+            self.rank_probabilities, batch_size * (seq_len - 1), replacement=True,
+            generator=generator,
+        ).view(batch_size, seq_len - 1)
+        for t in range(seq_len - 1):
+            tokens[:, t + 1] = self.successors[tokens[:, t], ranks[:, t]]
+        return tokens
+
+    def transitions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Non-zero transitions with duplicate successors merged.
+
+        Returns:
+            (from_token, to_token, probability): three (E,) tensors, int64, int64, float64.
+        """
+        support_size = self.successors.shape[1]
+        from_token = torch.arange(self.vocab_size).repeat_interleave(support_size)
+        keys = from_token * self.vocab_size + self.successors.flatten()
+        unique_keys, inverse = keys.unique(return_inverse=True)
+        probability = torch.zeros(unique_keys.shape, dtype=torch.float64)
+        probability.index_add_(0, inverse, self.rank_probabilities.repeat(self.vocab_size))
+        return unique_keys // self.vocab_size, unique_keys % self.vocab_size, probability
+
+    def optimal_loss(self, seq_len: int) -> float:
+        """Expected shifted next-token loss of the true chain, in nats: no model can do better.
+
+        Averages ``E[H(next | token_t)]`` over positions ``t = 0..seq_len-2`` with token_t
+        distributed as the chain started from the unigram.
+        """
+        from_token, to_token, probability = self.transitions()
+        row_entropy = torch.zeros(self.vocab_size, dtype=torch.float64)
+        row_entropy.index_add_(0, from_token, -probability * probability.log())
+        distribution, total = self.unigram, 0.0
+        for position in range(seq_len - 1):
+            entropy = float(distribution @ row_entropy)
+            total += entropy
+            flow = distribution[from_token] * probability
+            previous = distribution
+            distribution = torch.zeros_like(distribution).index_add_(0, to_token, flow)
+            if (distribution - previous).abs().sum() < 1e-12:  # stationary: the rest is equal
+                total += entropy * (seq_len - 2 - position)
+                break
+        return total / (seq_len - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Model, data and optimizer settings of the language-model experiment."""
+
+    vocab_size: int = 8192
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 64
+    batch_size: int = 8
+    steps: int = 300
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    support_size: int = 64
+    zipf_exponent: float = 1.1
+    seed: int = 0
+    head_dtype: torch.dtype = torch.float32
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Rows of the loss head per step: ``batch_size · (seq_len − 1)`` (shifted targets)."""
+        return self.batch_size * (self.seq_len - 1)
+
+
+LM_SIZES: dict[str, LMConfig] = {
+    # ~2 × 300 steps on a 2-core CPU in well under three minutes.
+    "small": LMConfig(),
+    # A GPU-sized run where the (N, V) logits are ~1 GiB in fp32.
+    "large": LMConfig(
+        vocab_size=32768, d_model=512, n_layers=4, n_heads=8, seq_len=512, batch_size=16,
+        lr=1e-3, head_dtype=torch.bfloat16,
+    ),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: (B, T, D) → (B, T, D)."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape
+        q, k, v = self.qkv(x).view(batch, seq_len, 3, self.n_heads, -1).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, H, T, D/H)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then a 4× GELU MLP, each residual."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.mlp_norm = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only transformer; :meth:`forward` stops before the LM head.
+
+    The head is the untied parameter ``lm_head_weight`` (V, D), applied by the loss head, so
+    the two runs differ only in how logits and their gradient are computed.
+    """
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        d_model = config.d_model
+        self.token_embedding = nn.Embedding(config.vocab_size, d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, d_model)
+        self.blocks = nn.ModuleList(
+            Block(d_model, config.n_heads) for _ in range(config.n_layers)
+        )
+        self.final_norm = nn.LayerNorm(d_model)
+        self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, d_model))
+        for embedding in (self.token_embedding, self.position_embedding):
+            nn.init.normal_(embedding.weight, std=0.02)
+        nn.init.normal_(self.lm_head_weight, std=d_model**-0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) int64 tokens → (B, T, D) final-norm hidden states."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss heads: (hidden (B, T, D), weight (V, D), tokens (B, T)) → scalar mean loss, fp32
+# ---------------------------------------------------------------------------------------------
+
+LossHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def pytorch_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor):
+    """Reference head: materializes the (B·(T−1), V) logits, upcast to fp32."""
+    logits = F.linear(hidden[:, :-1], weight).float()
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def fusedloss_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor):
+    """The same loss via ``fusedloss.linear_cross_entropy``: no (N, V) logits in memory."""
+    return fusedloss.linear_cross_entropy(hidden, weight, tokens, shift=True)
+
+
+LM_HEADS: dict[str, LossHead] = {"pytorch": pytorch_lm_head, "fusedloss": fusedloss_lm_head}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared measuring helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One training run: the loss per step and what the loss layer cost."""
+
+    name: str
+    losses: list[float] = field(default_factory=list)
+    loss_layer_seconds: list[float] = field(default_factory=list)
+    loss_layer_peak_bytes: int | None = None
+
+    def mean_loss_layer_ms(self, skip: int) -> float:
+        """Mean loss forward+backward time in ms over the timed steps after the first ``skip``.
+
+        Steps timed as NaN (the memory-measured step) are left out.
+        """
+        timed = [s for s in self.loss_layer_seconds[skip:] if not math.isnan(s)]
+        timed = timed or [s for s in self.loss_layer_seconds if not math.isnan(s)]
+        return 1e3 * sum(timed) / len(timed) if timed else math.nan
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels so wall-clock timings cover the work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def peak_memory_above_start(device: torch.device) -> Iterator[dict[str, int]]:
+    """Measure the peak of allocated memory inside the block, minus what was allocated before.
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU: the allocation and free events that
+    ``torch.profiler`` records for PyTorch's CPU allocator (``profile_memory=True``), replayed
+    in order; memory allocated outside PyTorch's allocator is not seen. Yields a dict whose
+    ``"peak_bytes"`` is filled in when the block exits.
+    """
+    result: dict[str, int] = {}
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        yield result
+        synchronize(device)
+        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - start
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    profiler = torch.profiler.profile(activities=activities, profile_memory=True)
+    with _native_stderr_silenced():
+        profiler.start()
+    try:
+        yield result
+    finally:
+        with _native_stderr_silenced():
+            profiler.stop()
+    result["peak_bytes"] = _peak_from_profiler_trace(profiler)
+
+
+@contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Silence writes to file descriptor 2, where the profiler logs its start and stop."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _peak_from_profiler_trace(profiler: torch.profiler.profile) -> int:
+    """Running maximum of the CPU allocator's byte deltas in a profiler's chrome trace."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as file:
+            events = json.load(file)["traceEvents"]
+    deltas = [
+        (event["ts"], event["args"]["Bytes"])
+        for event in events
+        if event.get("name") == "[memory]" and event["args"].get("Device Type", 0) == 0
+    ]
+    current = peak = 0
+    for _, delta in sorted(deltas, key=lambda item: item[0]):
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; otherwise the named device."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiment: causal LM, fusedloss head vs PyTorch head
+# ---------------------------------------------------------------------------------------------
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to 0.1."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+def lm_train_step(
+    model: CausalLM,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    head: LossHead,
+    head_dtype: torch.dtype,
+    measure_memory: bool = False,
+) -> tuple[float, float, int | None]:
+    """One optimizer step on a (B, T) batch.
+
+    The loss layer runs on a detached copy of the hidden states so that its forward+backward
+    can be timed and measured on its own; its input gradient is then pushed through the body.
+    The result is the same gradient as one ``loss.backward()`` through everything.
+
+    Returns:
+        (loss, loss-layer seconds, loss-layer peak bytes or None).
+    """
+    device = tokens.device
+    optimizer.zero_grad(set_to_none=True)
+    hidden = model(tokens)  # (B, T, D)
+    hidden_leaf = hidden.detach().requires_grad_()
+    meter = peak_memory_above_start(device) if measure_memory else nullcontext({})
+    with meter as memory:
+        synchronize(device)
+        start = time.perf_counter()
+        loss = head(hidden_leaf.to(head_dtype), model.lm_head_weight.to(head_dtype), tokens)
+        loss.backward()
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    hidden.backward(hidden_leaf.grad)
+    optimizer.step()
+    return loss.item(), seconds, memory.get("peak_bytes")
+
+
+def train_lm(
+    config: LMConfig,
+    head_name: str,
+    device: torch.device,
+    source: ZipfMarkovSource | None = None,
+    memory_step: int = 1,
+) -> RunResult:
+    """Train a fresh :class:`CausalLM` from ``config.seed`` with one loss head.
+
+    Args:
+        config: sizes, steps and optimizer settings.
+        head_name: a key of :data:`LM_HEADS`.
+        device: where the model and batches live.
+        source: token source (built from ``config`` when None; pass one to share it).
+        memory_step: the step whose loss layer is measured for peak memory; it is left out
+            of the timings (on CPU it runs under the profiler).
+
+    Returns:
+        A :class:`RunResult` with ``config.steps`` losses and loss-layer timings.
+    """
+    source = source or lm_source(config)
+    torch.manual_seed(config.seed)
+    model = CausalLM(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
+    )
+    result = RunResult(head_name)
+    memory_step = min(memory_step, config.steps - 1)
+    for step in range(config.steps):
+        tokens = source.batch(step, config.batch_size, config.seq_len).to(device)
+        measure = step == memory_step
+        loss, seconds, peak = lm_train_step(
+            model, optimizer, tokens, LM_HEADS[head_name], config.head_dtype, measure
+        )
+        schedule.step()
+        result.losses.append(loss)
+        result.loss_layer_seconds.append(math.nan if measure else seconds)
+        if measure:
+            result.loss_layer_peak_bytes = peak
+    return result
+
+
+@dataclass
+class Comparison:
+    """Two runs of one experiment that should trace the same curve."""
+
+    title: str
+    reference: RunResult
+    candidate: RunResult
+    tolerance: float
+    notes: list[str] = field(default_factory=list)
+
+    def differences(self) -> list[float]:
+        """Per-step ``candidate − reference`` losses."""
+        return [c - r for c, r in zip(self.candidate.losses, self.reference.losses, strict=True)]
+
+    def final_losses(self, last: int = 10) -> tuple[float, float]:
+        """Mean loss over the last ``last`` steps: (reference, candidate)."""
+        return tuple(sum(run.losses[-last:]) / len(run.losses[-last:])
+                     for run in (self.reference, self.candidate))
+
+    def agrees(self) -> bool:
+        """Whether the final losses differ by at most ``tolerance``."""
+        reference, candidate = self.final_losses()
+        return abs(candidate - reference) <= self.tolerance
+
+
+# Training amplifies rounding differences, so the runs drift apart slowly; these bounds are
+# on the final loss (mean of the last 10 steps), in nats.
+FINAL_LOSS_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def lm_source(config: LMConfig) -> ZipfMarkovSource:
+    """The token source an :class:`LMConfig` describes."""
+    return ZipfMarkovSource(
+        config.vocab_size, config.support_size, config.zipf_exponent, config.seed
+    )
+
+
+def lm_experiment(
+    config: LMConfig,
+    device: torch.device,
+    source: ZipfMarkovSource | None = None,
+    verbose: bool = True,
+) -> Comparison:
+    """Train the causal LM with the PyTorch head, then with the fusedloss head; compare."""
+    source = source or lm_source(config)
+    runs = {}
+    for head_name in ("pytorch", "fusedloss"):
+        start = time.perf_counter()
+        runs[head_name] = train_lm(config, head_name, device, source)
+        if verbose:
+            print(f"  trained with the {head_name} head in {time.perf_counter() - start:.1f} s",
+                  flush=True)
+    logits_bytes = config.tokens_per_step * config.vocab_size * 4
+    notes = [
+        f"the PyTorch head materializes fp32 logits of N×V = {config.tokens_per_step}×"
+        f"{config.vocab_size} = {logits_bytes / MiB:.1f} MiB (analytic; F.cross_entropy keeps "
+        "a log-softmax of the same size for backward); fusedloss keeps no N×V array"
+    ]
+    return Comparison(
+        title=f"causal LM, V={config.vocab_size}, D={config.d_model}, {config.n_layers} layers",
+        reference=runs["pytorch"],
+        candidate=runs["fusedloss"],
+        tolerance=FINAL_LOSS_TOLERANCE[config.head_dtype],
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting (shared by experiments)
+# ---------------------------------------------------------------------------------------------
+
+
+def format_curve_table(comparison: Comparison, every: int) -> str:
+    """Both loss curves every ``every`` steps (and the last step) with their difference."""
+    reference, candidate = comparison.reference, comparison.candidate
+    header = f"{'step':>6}  {reference.name:>10}  {candidate.name:>10}  {'difference':>11}"
+    lines = [header, "-" * len(header)]
+    steps = len(reference.losses)
+    for step in sorted({*range(0, steps, every), steps - 1}):
+        r, c = reference.losses[step], candidate.losses[step]
+        lines.append(f"{step + 1:>6}  {r:>10.5f}  {c:>10.5f}  {c - r:>+11.2e}")
+    return "\n".join(lines)
+
+
+def plot_curves(comparison: Comparison, path: Path) -> Path | None:
+    """Write both curves and their difference to ``path`` (PNG); None if matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(1, len(comparison.reference.losses) + 1)
+    figure, (curves, difference) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    for run, style in ((comparison.reference, "-"), (comparison.candidate, "--")):
+        curves.plot(steps, run.losses, style, label=f"{run.name} head", linewidth=1.2)
+    curves.set_ylabel("training loss (nats)")
+    curves.set_title(comparison.title)
+    curves.legend()
+    curves.grid(alpha=0.3)
+    difference.plot(steps, comparison.differences(), color="tab:red", linewidth=1.0)
+    difference.set_ylabel(f"{comparison.candidate.name} − {comparison.reference.name}")
+    difference.set_xlabel("step")
+    difference.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def format_costs(comparison: Comparison, device: torch.device, skip: int) -> list[str]:
+    """Loss-layer peak memory and mean time per step for both runs, one line each."""
+    if device.type == "cuda":
+        how = "torch.cuda.max_memory_allocated during loss forward+backward, above the start"
+    else:
+        how = ("measured with torch.profiler allocation events of PyTorch's CPU allocator "
+               "during loss forward+backward of one step, above the start")
+    lines = [f"loss layer peak memory ({how}):"]
+    runs = (comparison.reference, comparison.candidate)
+    for run in runs:
+        peak = run.loss_layer_peak_bytes
+        lines.append(f"  {run.name:>10}: " + ("n/a" if peak is None else f"{peak / MiB:9.1f} MiB"))
+    sync = ", synchronized" if device.type == "cuda" else ""
+    lines.append(f"loss layer time (mean ms per step, forward+backward{sync}):")
+    for run in runs:
+        lines.append(f"  {run.name:>10}: {run.mean_loss_layer_ms(skip):9.2f} ms")
+    return lines
+
+
+def format_verdict(comparison: Comparison) -> str:
+    """One line: max |difference| over the curves and whether the final losses agree."""
+    max_difference = max(abs(d) for d in comparison.differences())
+    reference, candidate = comparison.final_losses()
+    status = "AGREE" if comparison.agrees() else "DISAGREE"
+    return (
+        f"verdict: max |difference| over {len(comparison.differences())} steps = "
+        f"{max_difference:.2e}; final losses (mean of last 10 steps) "
+        f"{comparison.reference.name} {reference:.4f} vs {comparison.candidate.name} "
+        f"{candidate:.4f}: {status} within {comparison.tolerance:g} nats"
+    )
+
+
+def report(
+    comparison: Comparison, device: torch.device, out_dir: Path, plot_name: str, every: int
+) -> Path | None:
+    """Print the curve table, costs and verdict of a comparison; write its plot."""
+    print(format_curve_table(comparison, every))
+    print()
+    for line in format_costs(comparison, device, skip=3):
+        print(line)
+    for note in comparison.notes:
+        print(f"note: {note}")
+    path = plot_curves(comparison, out_dir / plot_name)
+    if path is None:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    else:
+        print(f"plot written to {path}")
+    print(format_verdict(comparison))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the demo's options on ``parser`` (shared with ``python -m fusedloss``)."""
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to train (auto: CUDA when available)")
+    parser.add_argument("--size", choices=["auto", *LM_SIZES], default="auto",
+                        help="model/batch preset (auto: large on CUDA, small on CPU)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: preset)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="dtype of the loss head's inputs (auto: preset)")
+    parser.add_argument("--out", type=Path, default=Path("demo_out"),
+                        help="directory for the plot (default: demo_out/)")
+    parser.add_argument("--log-every", type=int, help="table row interval (default: steps/15)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Parser of ``python -m fusedloss demo``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fusedloss demo",
+        description="Train a causal LM twice from one seed (PyTorch head vs fusedloss head) "
+                    "and compare loss curves, loss-layer memory and time.",
+    )
+    return add_arguments(parser)
+
+
+def config_from_args(args: argparse.Namespace, device: torch.device) -> LMConfig:
+    """The preset chosen by ``--size`` with ``--steps``, ``--seed`` and ``--dtype`` applied."""
+    size = args.size if args.size != "auto" else ("large" if device.type == "cuda" else "small")
+    config = replace(LM_SIZES[size], seed=args.seed)
+    if args.steps is not None:
+        config = replace(config, steps=args.steps)
+    if args.dtype != "auto":
+        config = replace(config, head_dtype=getattr(torch, args.dtype))
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> Comparison:
+    """Run the demo; ``argv`` defaults to ``sys.argv[1:]``. Returns the LM comparison."""
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    config = config_from_args(args, device)
+    every = args.log_every or max(1, config.steps // 15)
+    source = lm_source(config)
+    print(f"fusedloss demo: causal LM on {device} ({torch.get_num_threads()} CPU threads)")
+    print(f"  config: {config}")
+    print(f"  source: Zipf–Markov chain, V={config.vocab_size}, {config.support_size} "
+          f"successors/token, exponent {config.zipf_exponent}; uniform guess ln V = "
+          f"{math.log(config.vocab_size):.3f}, best possible loss = "
+          f"{source.optimal_loss(config.seq_len):.3f} nats")
+    start = time.perf_counter()
+    comparison = lm_experiment(config, device, source)
+    print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
+    report(comparison, device, args.out, "lm_loss_curves.png", every)
+    return comparison

@@ -1,0 +1,67 @@
+"""Test-suite configuration: hypothesis profiles and shared fixtures.
+
+Hypothesis profiles, chosen by the environment variable ``FUSEDLOSS_HYPOTHESIS_PROFILE``:
+
+- ``ci``  (default without CUDA): few examples, derandomized so a CI run is reproducible.
+  Kernels run on Triton's CPU interpreter there, which is slow.
+- ``gpu`` (default with CUDA): many more random examples.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import can_run_triton
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "gpu",
+    max_examples=200,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+HYPOTHESIS_PROFILE = os.environ.get(
+    "FUSEDLOSS_HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"
+)
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [
+        f"fusedloss: hypothesis profile {HYPOTHESIS_PROFILE!r}, "
+        f"cuda={torch.cuda.is_available()}, "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}, "
+        f"triton kernels runnable={can_run_triton()}"
+    ]
+
+
+@pytest.fixture
+def device() -> str:
+    """The device tests put tensors on: "cuda" when available, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_available() -> bool:
+    """Whether Triton kernels can run: a CUDA device, or ``TRITON_INTERPRET=1``."""
+    return can_run_triton()
+
+
+@pytest.fixture
+def requires_triton() -> None:
+    """Skip the requesting test when Triton kernels cannot run here."""
+    if not can_run_triton():
+        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
