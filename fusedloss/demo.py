@@ -98,7 +98,9 @@ class ZipfMarkovSource:
             self.unigram, batch_size, replacement=True, generator=generator
         )
         ranks = torch.multinomial(
-            self.rank_probabilities, batch_size * (seq_len - 1), replacement=True,
+            self.rank_probabilities,
+            batch_size * (seq_len - 1),
+            replacement=True,
             generator=generator,
         ).view(batch_size, seq_len - 1)
         for t in range(seq_len - 1):
@@ -172,12 +174,29 @@ class LMConfig:
 
 
 LM_SIZES: dict[str, LMConfig] = {
+    # Seconds on a CPU: smoke tests of the whole pipeline.
+    "tiny": LMConfig(
+        vocab_size=1024,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        seq_len=16,
+        batch_size=4,
+        steps=20,
+        warmup_steps=5,
+    ),
     # ~2 × 300 steps on a 2-core CPU in well under three minutes.
     "small": LMConfig(),
     # A GPU-sized run where the (N, V) logits are ~1 GiB in fp32.
     "large": LMConfig(
-        vocab_size=32768, d_model=512, n_layers=4, n_heads=8, seq_len=512, batch_size=16,
-        lr=1e-3, head_dtype=torch.bfloat16,
+        vocab_size=32768,
+        d_model=512,
+        n_layers=4,
+        n_heads=8,
+        seq_len=512,
+        batch_size=16,
+        lr=1e-3,
+        head_dtype=torch.bfloat16,
     ),
 }
 
@@ -229,9 +248,7 @@ class CausalLM(nn.Module):
         d_model = config.d_model
         self.token_embedding = nn.Embedding(config.vocab_size, d_model)
         self.position_embedding = nn.Embedding(config.seq_len, d_model)
-        self.blocks = nn.ModuleList(
-            Block(d_model, config.n_heads) for _ in range(config.n_layers)
-        )
+        self.blocks = nn.ModuleList(Block(d_model, config.n_heads) for _ in range(config.n_layers))
         self.final_norm = nn.LayerNorm(d_model)
         self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, d_model))
         for embedding in (self.token_embedding, self.position_embedding):
@@ -440,8 +457,9 @@ def train_lm(
     source = source or lm_source(config)
     torch.manual_seed(config.seed)
     model = CausalLM(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
     )
@@ -477,8 +495,10 @@ class Comparison:
 
     def final_losses(self, last: int = 10) -> tuple[float, float]:
         """Mean loss over the last ``last`` steps: (reference, candidate)."""
-        return tuple(sum(run.losses[-last:]) / len(run.losses[-last:])
-                     for run in (self.reference, self.candidate))
+        return tuple(
+            sum(run.losses[-last:]) / len(run.losses[-last:])
+            for run in (self.reference, self.candidate)
+        )
 
     def agrees(self) -> bool:
         """Whether the final losses differ by at most ``tolerance``."""
@@ -511,8 +531,10 @@ def lm_experiment(
         start = time.perf_counter()
         runs[head_name] = train_lm(config, head_name, device, source)
         if verbose:
-            print(f"  trained with the {head_name} head in {time.perf_counter() - start:.1f} s",
-                  flush=True)
+            print(
+                f"  trained with the {head_name} head in {time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
     logits_bytes = config.tokens_per_step * config.vocab_size * 4
     notes = [
         f"the PyTorch head materializes fp32 logits of N×V = {config.tokens_per_step}×"
@@ -580,8 +602,10 @@ def format_costs(comparison: Comparison, device: torch.device, skip: int) -> lis
     if device.type == "cuda":
         how = "torch.cuda.max_memory_allocated during loss forward+backward, above the start"
     else:
-        how = ("measured with torch.profiler allocation events of PyTorch's CPU allocator "
-               "during loss forward+backward of one step, above the start")
+        how = (
+            "measured with torch.profiler allocation events of PyTorch's CPU allocator "
+            "during loss forward+backward of one step, above the start"
+        )
     lines = [f"loss layer peak memory ({how}):"]
     runs = (comparison.reference, comparison.candidate)
     for run in runs:
@@ -633,16 +657,33 @@ def report(
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the demo's options on ``parser`` (shared with ``python -m fusedloss``)."""
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where to train (auto: CUDA when available)")
-    parser.add_argument("--size", choices=["auto", *LM_SIZES], default="auto",
-                        help="model/batch preset (auto: large on CUDA, small on CPU)")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where to train (auto: CUDA when available)",
+    )
+    parser.add_argument(
+        "--size",
+        choices=["auto", *LM_SIZES],
+        default="auto",
+        help="model/batch preset (auto: large on CUDA, small on CPU; tiny: "
+        "a seconds-long smoke run)",
+    )
     parser.add_argument("--steps", type=int, help="training steps per run (default: preset)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="dtype of the loss head's inputs (auto: preset)")
-    parser.add_argument("--out", type=Path, default=Path("demo_out"),
-                        help="directory for the plot (default: demo_out/)")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="dtype of the loss head's inputs (auto: preset)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo_out"),
+        help="directory for the plot (default: demo_out/)",
+    )
     parser.add_argument("--log-every", type=int, help="table row interval (default: steps/15)")
     return parser
 
@@ -652,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fusedloss demo",
         description="Train a causal LM twice from one seed (PyTorch head vs fusedloss head) "
-                    "and compare loss curves, loss-layer memory and time.",
+        "and compare loss curves, loss-layer memory and time.",
     )
     return add_arguments(parser)
 
@@ -677,10 +718,12 @@ def main(argv: Sequence[str] | None = None) -> Comparison:
     source = lm_source(config)
     print(f"fusedloss demo: causal LM on {device} ({torch.get_num_threads()} CPU threads)")
     print(f"  config: {config}")
-    print(f"  source: Zipf–Markov chain, V={config.vocab_size}, {config.support_size} "
-          f"successors/token, exponent {config.zipf_exponent}; uniform guess ln V = "
-          f"{math.log(config.vocab_size):.3f}, best possible loss = "
-          f"{source.optimal_loss(config.seq_len):.3f} nats")
+    print(
+        f"  source: Zipf–Markov chain, V={config.vocab_size}, {config.support_size} "
+        f"successors/token, exponent {config.zipf_exponent}; uniform guess ln V = "
+        f"{math.log(config.vocab_size):.3f}, best possible loss = "
+        f"{source.optimal_loss(config.seq_len):.3f} nats"
+    )
     start = time.perf_counter()
     comparison = lm_experiment(config, device, source)
     print(f"  both runs: {time.perf_counter() - start:.1f} s\n")

@@ -47,10 +47,18 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _override(name: str) -> TileConfig | None:
+    """A tile from the environment, "block_m,block_n,block_k,block_d,num_warps,num_stages"."""
+    spec = os.environ.get(name)
+    return TileConfig(*(int(x) for x in spec.split(","))) if spec else None
+
+
 def forward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileConfig:
     """Tile of the forward (row statistics) kernel."""
     if device.type != "cuda":
         return _INTERPRETER
+    if (tile := _override("FUSEDLOSS_FORWARD_TILE")) is not None:
+        return tile
     major, _ = _capability(device.index or 0)
     if dtype == torch.float32:
         return TileConfig(128, 64, 32, 0, num_warps=8, num_stages=3)
@@ -69,6 +77,8 @@ def backward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileCon
     """
     if device.type != "cuda":
         return _INTERPRETER
+    if (tile := _override("FUSEDLOSS_BACKWARD_TILE")) is not None:
+        return tile
     major, _ = _capability(device.index or 0)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=3)

@@ -260,8 +260,13 @@ def grads(
 
 def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int) -> int:
     """Column tiles per slab: the dX scratch of one slab stays under the budget."""
-    budget = int(os.environ.get("FUSEDLOSS_SCRATCH_MB", 64)) << 20
-    return max(1, min(n_ct, budget // max(1, n_rb * tile_bytes)))
+    budget = float(os.environ.get("FUSEDLOSS_SCRATCH_MB", 256)) * 2**20
+    return max(1, min(n_ct, int(budget // max(1, n_rb * tile_bytes))))
+
+
+def _dense_slab_fraction() -> float:
+    """A slab whose live fraction reaches this goes through cuBLAS as a dense matrix."""
+    return float(os.environ.get("FUSEDLOSS_DENSE_SLAB_FRACTION", 0.25))
 
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
@@ -287,38 +292,47 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
     if rows.target is not None and eps is not None:
         mark_targets_live(live, _target_positions(rows.target, logits.col_order, v), bm, bn)
 
+    slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size())
+    n_slabs = triton_cdiv(n_ct, slab)
+    # One host sync: the number of valid rows and each slab's live count pick dense or sparse.
+    counts = torch.nn.functional.pad(live, (0, n_slabs * slab - n_ct)).view(n_rb, n_slabs, slab)
+    host = torch.cat([rows.n_valid.view(1), counts.sum(dim=(0, 2))]).tolist()
+    n_valid, slab_live = host[0], host[1:]
+    n_valid_blocks = triton_cdiv(n_valid, bm)
+
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
     rank1 = coef.uniform is not None and not uniform_in_tiles
     w = col_weight if col_weight is not None else torch.ones(v, **f32)
     s = logits.scale if logits.scale is not None else torch.ones((), **f32)
     if rank1:
-        u = coef.uniform
-        rank1_a = s * _weighted_row_sum(b, w)  # (D,) s·Σ_j w_j B_j
-        rank1_b = s * _weighted_row_sum(a, _scatter_rows(u, rows, a.shape[0]))  # s·Σ_i u_i A_i
-        rank1_bias = u.sum()
+        rank1_b = s * _weighted_row_sum(a, _scatter_rows(coef.uniform, rows, a.shape[0]))
+        rank1_bias = coef.uniform.sum()
 
-    grad_a = torch.zeros_like(a) if need_a else None
     grad_b = torch.empty_like(b) if need_b else None
     grad_bias = torch.empty(v, **f32) if need_bias else None
     dscale = torch.zeros(n_rb, n_ct, **f32) if need_scale else None
+    acc_a = torch.zeros(n_rb * bm, d, **f32) if need_a else None
+    a_compact = None  # A in compact row order, for the dense path
 
     dot_fp32, precision = _dot_flags(a)
     dummy = lse
-    slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size())
-    scratch = torch.empty(n_rb * min(slab, n_ct) * bm * bn, dtype=a.dtype, device=dev)
-    n_slabs = triton_cdiv(n_ct, slab)
-    acc_a = torch.empty(n_rb * bm, d, **f32) if need_a and n_slabs > 1 else dummy
+    scratch = torch.empty(n_rb * bm, min(slab, n_ct) * bn, dtype=a.dtype, device=dev)
     common = dict(
-        HAS_SCALE=logits.scale is not None, HAS_ORDER=logits.col_order is not None,
-        DOT_FP32=dot_fp32, PRECISION=precision,
+        HAS_ORDER=logits.col_order is not None, DOT_FP32=dot_fp32, PRECISION=precision,
     )
     order = logits.col_order if logits.col_order is not None else rows.index
+    first_a = True
     for k in range(n_slabs):
         t0, t1 = k * slab, min((k + 1) * slab, n_ct)
         nt = t1 - t0
-        live_s = live[:, t0:t1].contiguous()
+        c0, c1 = t0 * bn, min(t1 * bn, v)
+        dense = slab_live[k] >= _dense_slab_fraction() * max(1, n_valid_blocks * nt)
+        if dense:
+            live_s = live[:, t0:t1].any(dim=1, keepdim=True).expand(n_rb, nt).contiguous()
+        else:
+            live_s = live[:, t0:t1].contiguous()
         dscale_s = dscale[:, t0:t1].contiguous() if need_scale else dummy
-        _grad_logits_kernel[(n_rb, nt)](
+        _grad_logits_kernel[(n_valid_blocks, nt)](
             a, b, logits.bias if logits.bias is not None else dummy, s,
             rows.index, rows.n_valid, order,
             rows.target if rows.target is not None else rows.index,
@@ -327,7 +341,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             coef.uniform if uniform_in_tiles else dummy,
             live_s.view(torch.uint8), scratch, dscale_s,
             v, d, a.stride(0), b.stride(0), t0, nt,
-            HAS_BIAS=logits.bias is not None, SOFTCAP=float(logits.softcap or 0.0),
+            HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
+            SOFTCAP=float(logits.softcap or 0.0),
             HAS_TARGET=rows.target is not None and coef.target is not None,
             HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
             GRAD_SCALE=need_scale,
@@ -336,34 +351,100 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
         )
         if need_scale:
             dscale[:, t0:t1] = dscale_s
-        if need_b or need_bias:
-            col_list, col_count = _live_lists(live_s.T)
-            _grad_b_kernel[(nt, triton_cdiv(d, bd) if need_b else 1)](
-                a, scratch, s, rows.index, rows.n_valid, order, col_list, col_count,
-                grad_b if need_b else dummy,
-                grad_bias if need_bias else dummy,
-                w, rank1_b if rank1 else dummy, rank1_bias if rank1 else dummy,
-                v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, nt, t0,
-                GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-            )
-        if need_a:
-            row_list, row_count = _live_lists(live_s)
-            _grad_a_kernel[(n_rb, triton_cdiv(d, bd))](
-                b, scratch, s, rows.index, rows.n_valid, order, row_list, row_count,
-                acc_a, grad_a, coef.uniform if rank1 else dummy, rank1_a if rank1 else dummy,
-                v, d, b.stride(0), grad_a.stride(0), nt, t0,
-                HAS_RANK1=rank1, FIRST=k == 0, LAST=k == n_slabs - 1,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-            )
+        cols = logits.col_order[c0:c1] if logits.col_order is not None else None
+        if dense:
+            dx = scratch.view(n_rb * bm, nt * bn)[:n_valid, : c1 - c0]
+            if a_compact is None and (need_b or need_a):
+                a_compact = a.index_select(0, rows.index[:n_valid]) if n_valid < a.shape[0] or \
+                    not _is_identity(rows.index) else a
+            if need_b:
+                part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
+                _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b if rank1 else None)
+            if need_bias:
+                bias_part = dx.sum(dim=0, dtype=torch.float32)
+                if rank1:
+                    bias_part -= _slice_cols(w, cols, c0, c1) * rank1_bias
+                _write_cols(grad_bias, bias_part, cols, c0, c1)
+            if need_a:
+                b_slab = b.index_select(0, cols) if cols is not None else b[c0:c1]
+                acc_view = acc_a[:n_valid]
+                acc_view += _mm_f32(dx, b_slab)
+                first_a = False
+        else:
+            if need_b or need_bias:
+                col_list, col_count = _live_lists(live_s.T)
+                _grad_b_kernel[(nt, triton_cdiv(d, bd) if need_b else 1)](
+                    a, scratch, s, rows.index, rows.n_valid, order, col_list, col_count,
+                    grad_b if need_b else dummy,
+                    grad_bias if need_bias else dummy,
+                    w, rank1_b if rank1 else dummy, rank1_bias if rank1 else dummy,
+                    v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, nt, t0,
+                    HAS_SCALE=logits.scale is not None,
+                    GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                )
+            if need_a:
+                row_list, row_count = _live_lists(live_s)
+                _grad_a_kernel[(n_valid_blocks, triton_cdiv(d, bd))](
+                    b, scratch, rows.n_valid, order, row_list, row_count, acc_a,
+                    v, d, b.stride(0), nt, t0, FIRST=first_a,
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                )
+                first_a = False
+
+    grad_a = None
+    if need_a:
+        # dA_i = s · Σ_j dX_ij B_j  − s · u_i · Σ_j w_j B_j   (the rank-1 term needs no tile)
+        acc = acc_a[:n_valid]
+        if logits.scale is not None:
+            acc *= s
+        if rank1:
+            acc -= coef.uniform[:n_valid, None] * (s * _weighted_row_sum(b, w))
+        grad_a = torch.zeros_like(a)
+        grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a.dtype))
     return Grads(
         a=grad_a,
-        b=grad_b if need_b else None,
+        b=grad_b,
         bias=grad_bias,
         scale=dscale.sum() if need_scale else None,
     )
+
+
+def _is_identity(index: torch.Tensor) -> bool:
+    return bool(torch.equal(index, torch.arange(index.numel(), device=index.device)))
+
+
+def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y with fp32 accumulation and fp32 output (cuBLAS), whatever the input dtype."""
+    if x.dtype == torch.float32:
+        return x @ y
+    if x.is_cuda:
+        try:
+            return torch.mm(x, y, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+    return (x.float() @ y.float()) if not x.is_cuda else (x @ y).float()
+
+
+def _slice_cols(values: torch.Tensor, cols: torch.Tensor | None, c0: int, c1: int):
+    return values[cols] if cols is not None else values[c0:c1]
+
+
+def _write_cols(out: torch.Tensor, values: torch.Tensor, cols, c0: int, c1: int) -> None:
+    if cols is not None:
+        out.index_copy_(0, cols, values.to(out.dtype))
+    else:
+        out[c0:c1] = values
+
+
+def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b) -> None:
+    """dB_j = s · Σ_i dX_ij A_i − w_j · v for one slab's columns, rounded once."""
+    part *= s
+    if rank1_b is not None:
+        part -= _slice_cols(w, cols, c0, c1)[:, None] * rank1_b
+    _write_cols(grad_b, part, cols, c0, c1)
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -13,8 +13,11 @@ split in column slabs so the scratch stays bounded; per slab:
 2. ``_grad_b_kernel``: one program per (column tile, D chunk) reduces dXᵀ · A over the tile's
    live row blocks, in fp32 on chip, and writes dB once (dbias too).
 3. ``_grad_a_kernel``: one program per (row block, D chunk) reduces dX · B over the block's
-   live column tiles and adds it to an fp32 accumulator that it owns (or writes dA on the
-   last slab).
+   live column tiles and adds it to an fp32 accumulator that it owns.
+
+Slabs where most tiles are live take a dense path instead: steps 2 and 3 become two cuBLAS
+matmuls on the scratch (the host code in ``engine.py``), which are faster than any sparse
+kernel when there is nothing to skip.
 
 Every output element has exactly one writer: no atomics, deterministic results.
 """
@@ -33,7 +36,7 @@ def _grad_logits_kernel(
     row_index_ptr, n_valid_ptr, col_order_ptr, target_ptr, col_weight_ptr,
     lse_ptr, coef_lse_ptr, coef_target_ptr, coef_uniform_ptr,   # (N,) fp32, compact row order
     live_ptr,            # (row blocks, slab tiles) int8: 1 = compute this tile
-    scratch_ptr,         # (row blocks, slab tiles, BLOCK_M, BLOCK_N) dX in the input dtype
+    scratch_ptr,         # (row blocks · BLOCK_M, slab tiles · BLOCK_N) dX, input dtype, row-major
     dscale_ptr,          # (row blocks, slab tiles) fp32 partial Σ dX_pre · raw
     V, D, stride_a, stride_b, slab_tile_start, n_slab_tiles,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -86,9 +89,10 @@ def _grad_logits_kernel(
     if GRAD_SCALE:
         tl.store(dscale_ptr + tile_id, tl.sum(tl.sum(dx * raw, axis=1), axis=0))
 
-    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(scratch_ptr + tile_id * (BLOCK_M * BLOCK_N) + offs_tile,
-             dx.to(scratch_ptr.dtype.element_ty))
+    width = n_slab_tiles * BLOCK_N
+    offs_tile = (offs_m.to(tl.int64)[:, None] * width
+                 + pid_t * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+    tl.store(scratch_ptr + offs_tile, dx.to(scratch_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -119,7 +123,9 @@ def _grad_b_kernel(
         cols = offs_n.to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = offs_d < D
-    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    width = n_slab_tiles * BLOCK_N
+    offs_tile = (tl.arange(0, BLOCK_M)[:, None] * width
+                 + pid_t * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
 
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     bias_acc = tl.zeros((BLOCK_N,), tl.float32)
@@ -129,7 +135,7 @@ def _grad_b_kernel(
         offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
         m_rows = offs_m < n_valid
         rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
-        dx = tl.load(scratch_ptr + (i * n_slab_tiles + pid_t) * (BLOCK_M * BLOCK_N) + offs_tile)
+        dx = tl.load(scratch_ptr + i * BLOCK_M * width + offs_tile)
         if GRAD_B:
             a = tl.load(a_ptr + rows[:, None] * stride_a + offs_d[None, :],
                         mask=m_rows[:, None] & m_d[None, :], other=0.0)
@@ -166,17 +172,13 @@ def _grad_b_kernel(
 
 @triton.jit
 def _grad_a_kernel(
-    b_ptr, scratch_ptr, scale_ptr,
-    row_index_ptr, n_valid_ptr, col_order_ptr,
+    b_ptr, scratch_ptr,
+    n_valid_ptr, col_order_ptr,
     row_list_ptr,        # (row blocks, slab tiles) int32: live tiles of each row block, first
     row_count_ptr,       # (row blocks,) int32
-    acc_ptr,             # (N, D) fp32 running dA in compact row order (between slabs)
-    grad_a_ptr,          # (·, D) dA in the input dtype, rows addressed through row_index
-    rank1_row_ptr,       # (N,) fp32 u_i of the rank-1 term  −u_i · v  (label smoothing)
-    rank1_vec_ptr,       # (D,) fp32 v = s · Σ_j w_j B_j
-    V, D, stride_b, stride_ga, n_slab_tiles, slab_tile_start,
-    HAS_SCALE: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_RANK1: tl.constexpr,
-    FIRST: tl.constexpr, LAST: tl.constexpr,
+    acc_ptr,             # (row blocks · BLOCK_M, D) fp32 Σ_slabs dX · B, compact row order
+    V, D, stride_b, n_slab_tiles, slab_tile_start,
+    HAS_ORDER: tl.constexpr, FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -189,7 +191,8 @@ def _grad_a_kernel(
     m_rows = offs_m < n_valid
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = offs_d < D
-    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    width = n_slab_tiles * BLOCK_N
+    row_base = scratch_ptr + offs_m.to(tl.int64)[:, None] * width + tl.arange(0, BLOCK_N)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     count = tl.load(row_count_ptr + pid_m)
@@ -201,8 +204,7 @@ def _grad_a_kernel(
             cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
         else:
             cols = offs_n.to(tl.int64)
-        dx = tl.load(scratch_ptr + (pid_m.to(tl.int64) * n_slab_tiles + t) * (BLOCK_M * BLOCK_N)
-                     + offs_tile)
+        dx = tl.load(row_base + t * BLOCK_N)
         b = tl.load(b_ptr + cols[:, None] * stride_b + offs_d[None, :],
                     mask=m_cols[:, None] & m_d[None, :], other=0.0)
         if DOT_FP32:
@@ -210,20 +212,8 @@ def _grad_a_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(dx, b, acc, input_precision=PRECISION)
 
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr).to(tl.float32)
     acc_ptrs = acc_ptr + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :]
     mask = m_rows[:, None] & m_d[None, :]
-    if FIRST:
-        if HAS_RANK1:
-            u = tl.load(rank1_row_ptr + offs_m, mask=m_rows, other=0.0)
-            v = tl.load(rank1_vec_ptr + offs_d, mask=m_d, other=0.0)
-            acc -= u[:, None] * v[None, :]
-    else:
+    if not FIRST:
         acc += tl.load(acc_ptrs, mask=mask, other=0.0)
-    if LAST:
-        rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
-        tl.store(grad_a_ptr + rows[:, None] * stride_ga + offs_d[None, :],
-                 acc.to(grad_a_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(acc_ptrs, acc, mask=mask)
+    tl.store(acc_ptrs, acc, mask=mask)

@@ -268,7 +268,8 @@ def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend):
         wants_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
         if eps is None or not wants_grad:
             return None
-        return order_by_mean_logit(a, b, bias, valid)
+        with torch.no_grad():
+            return order_by_mean_logit(a, b, bias, valid)
     v = b.shape[0]
     if vocab_order.shape != (v,) or vocab_order.dtype != torch.int64:
         raise ValueError(f"vocab_order must be a ({v},) int64 permutation, got "
