@@ -316,7 +316,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
 
     dot_fp32, precision = _dot_flags(a)
     dummy = lse
-    scratch = torch.empty(n_rb * bm, min(slab, n_ct) * bn, dtype=a.dtype, device=dev)
+    scratch_buffer = torch.empty(n_rb * bm * min(slab, n_ct) * bn, dtype=a.dtype, device=dev)
     common = dict(
         HAS_ORDER=logits.col_order is not None, DOT_FP32=dot_fp32, PRECISION=precision,
     )
@@ -332,6 +332,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
         else:
             live_s = live[:, t0:t1].contiguous()
         dscale_s = dscale[:, t0:t1].contiguous() if need_scale else dummy
+        # The slab's dX as a row-major (rows, slab columns) matrix; the last slab may be narrower.
+        scratch = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
         _grad_logits_kernel[(n_valid_blocks, nt)](
             a, b, logits.bias if logits.bias is not None else dummy, s,
             rows.index, rows.n_valid, order,
@@ -353,7 +355,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             dscale[:, t0:t1] = dscale_s
         cols = logits.col_order[c0:c1] if logits.col_order is not None else None
         if dense:
-            dx = scratch.view(n_rb * bm, nt * bn)[:n_valid, : c1 - c0]
+            dx = scratch[:n_valid, : c1 - c0]
             if a_compact is None and (need_b or need_a):
                 a_compact = a.index_select(0, rows.index[:n_valid]) if n_valid < a.shape[0] or \
                     not _is_identity(rows.index) else a
@@ -382,7 +384,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
                     HAS_SCALE=logits.scale is not None,
                     GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                    num_warps=cfg.num_warps, num_stages=cfg.matmul_stages, **common,
                 )
             if need_a:
                 row_list, row_count = _live_lists(live_s)
@@ -390,7 +392,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
                     b, scratch, rows.n_valid, order, row_list, row_count, acc_a,
                     v, d, b.stride(0), nt, t0, FIRST=first_a,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                    num_warps=cfg.num_warps, num_stages=cfg.matmul_stages, **common,
                 )
                 first_a = False
 

@@ -5,7 +5,8 @@ mass when the softmax is flat (an untrained model: every p ≈ 1/V). Instead we 
 probability mass skipped per row:
 
     the forward records, per (row block, column tile), M_bt = max_{r∈b} log Σ_{j∈t} exp(X_rj);
-    for every row r of block b, the mass of tile t is exp(M_bt − lse_r) ≤ exp(M_bt − min_{r∈b} lse_r);
+    for every row r of block b, the mass of tile t is
+        exp(M_bt − lse_r) ≤ exp(M_bt − min_{r∈b} lse_r);
     per row block, tiles are sorted by that bound and the smallest are skipped while the sum of
     their bounds stays ≤ ε.
 
@@ -66,7 +67,7 @@ def live_tiles(
 
 def mark_targets_live(
     live: torch.Tensor,  # (row blocks, column tiles) bool, modified in place
-    target_pos: torch.Tensor,  # (N,) int64 position of each compact row's target in column order, or -1
+    target_pos: torch.Tensor,  # (N,) int64 target's position in the column order, or -1
     block_m: int,
     block_n: int,
 ) -> None:

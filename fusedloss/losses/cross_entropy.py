@@ -9,7 +9,9 @@ y = target, w = class weights (1 without ``weight``), W = Σ_j w_j, α = label_s
 (exactly ``F.cross_entropy(logits, y, weight, label_smoothing=α, reduction="none")`` plus the
 z-loss). Its gradient with respect to the logits is r_i·P_ij − t_i·[j=y_i] − u_i·w_j with
 
-    r_i = g_i·((1−α)·w_{y_i} + α·W/V + 2λ·lse_i) + g^lse_i,   t_i = g_i·(1−α)·w_{y_i},   u_i = g_i·α/V
+    r_i = g_i·((1−α)·w_{y_i} + α·W/V + 2λ·lse_i) + g^lse_i
+    t_i = g_i·(1−α)·w_{y_i}
+    u_i = g_i·α/V
 
 which is what the core's backward takes. Ignored tokens are dropped from the compact row order,
 so they cost no work, and give a loss of exactly 0.
@@ -84,7 +86,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         zeros = torch.zeros(n, dtype=torch.float32, device=a.device)
         g = grad_loss[rows.index].float() if grad_loss is not None else zeros
         g = torch.where(valid, g, 0.0)
-        g_lse = torch.where(valid, grad_lse[rows.index].float(), 0.0) if grad_lse is not None else 0.0
+        g_lse = 0.0
+        if grad_lse is not None:
+            g_lse = torch.where(valid, grad_lse[rows.index].float(), 0.0)
 
         alpha, w_y = params.label_smoothing, params.target_weight
         total_w = params.class_weight.sum() if params.class_weight is not None else v

@@ -1,0 +1,551 @@
+"""Property tests of ``fusedloss.linear_cross_entropy`` against the float64 reference.
+
+Both backends are checked, every option is drawn, on flat (untrained) and peaked (trained-like)
+logits. The accuracy bar is the library's: the loss and every gradient must be within 1.5× the
+error of plain PyTorch in the same dtype (``F.cross_entropy(F.linear(x, W, b).float(), ...)``
+with the low-precision tensors), plus a rounding floor (``helpers.assert_close_to_ref``).
+
+The Triton backend runs on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``,
+which the Makefile exports): it is slow, so shapes stay tiny there (kernel tiles are 16×16) and
+grow on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close_to_ref, can_run_triton, rel_err
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+import fusedloss
+from fusedloss.reference import linear_cross_entropy_ref
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+requires_triton = pytest.mark.skipif(
+    not can_run_triton(),
+    reason="backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set before triton is "
+    "imported; `make pytest` exports it on CPU machines)",
+)
+
+# The profile's example budget: the torch backend takes all of it, the interpreter a fraction.
+PROFILE_EXAMPLES = settings.default.max_examples
+TRITON_EXAMPLES = max(4, PROFILE_EXAMPLES // 3) if not ON_GPU else PROFILE_EXAMPLES
+
+
+# ---------------------------------------------------------------------------------------------
+# problems
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of ``linear_cross_entropy``: the data to generate and every option."""
+
+    lead: tuple[int, ...]  # leading dims of input: (N,), or (B, T) for shift
+    v: int
+    d: int
+    dtype: torch.dtype = torch.float32
+    regime: str = "flat"  # "flat": random init; "peaked": trained-like, concentrated softmax
+    bias: bool = False
+    class_weight: bool = False
+    reduction: str = "mean"
+    ignore: str = "none"  # "none", "some" or "all" targets equal to ignore_index
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    softcap: float | None = None
+    z_loss: float = 0.0
+    shift: bool = False
+    return_lse: bool = False
+    filter_eps: float | str | None = "auto"
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        """Readable test id: shape, dtype, regime, then every option that is not the default."""
+        shape = "x".join(map(str, self.lead))
+        parts = [f"N{shape}", f"V{self.v}", f"D{self.d}", DTYPE_NAMES[self.dtype], self.regime]
+        default = Case(lead=self.lead, v=self.v, d=self.d)
+        for f in fields(self):
+            if f.name in ("lead", "v", "d", "dtype", "regime"):
+                continue
+            value = getattr(self, f.name)
+            if value != getattr(default, f.name):
+                parts.append(f.name if value is True else f"{f.name}={value}")
+        return "-".join(parts)
+
+    def options(self) -> dict:
+        """Keyword options shared by ours and the reference."""
+        return dict(
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            softcap=self.softcap,
+            z_loss=self.z_loss,
+            shift=self.shift,
+            return_lse=self.return_lse,
+        )
+
+
+@dataclass
+class Problem:
+    input: torch.Tensor  # (*lead, D) case dtype
+    linear_weight: torch.Tensor  # (V, D)
+    target: torch.Tensor  # (*lead) int64
+    linear_bias: torch.Tensor | None  # (V,) case dtype
+    weight: torch.Tensor | None  # (V,) fp32 class weights
+
+
+def make_problem(case: Case, device: str = DEVICE) -> Problem:
+    """Random LM-head data (generated in fp32 on the CPU, then cast and moved).
+
+    flat:   C = randn(V, D)/√D, E = randn(N, D): every probability ≈ 1/V (an untrained model).
+    peaked: E = 13·C[y] + 2·randn(N, D) plus a Zipf frequency prior in feature 0
+            (C[:, 0] = −log(rank)/4, E[:, 0] = 4), the benchmark's trained-like generator:
+            the softmax concentrates on the label and a few frequent classes.
+    """
+    g = torch.Generator().manual_seed(case.seed)
+    n = math.prod(case.lead)
+    v, d = case.v, case.d
+    classifier = torch.randn(v, d, generator=g) / math.sqrt(d)
+    label = torch.randint(0, v, (n,), generator=g)  # the class row i is built to predict
+    if case.regime == "peaked":
+        hidden = 13.0 * classifier[label] + 2.0 * torch.randn(n, d, generator=g)
+        if d >= 2:
+            rank = torch.randperm(v, generator=g).float() + 1.0
+            classifier[:, 0] = -torch.log(rank) / 4.0
+            hidden[:, 0] = 4.0
+    else:
+        hidden = torch.randn(n, d, generator=g)
+    label = label.view(case.lead)
+    if case.shift:  # row t predicts target[..., t + 1]
+        first = torch.randint(0, v, (*case.lead[:-1], 1), generator=g)
+        target = torch.cat([first, label[..., :-1]], dim=-1)
+    else:
+        target = label
+    if case.ignore != "none":
+        drop = torch.rand(case.lead, generator=g) < 0.4
+        if case.ignore == "all":
+            drop = torch.ones_like(drop)
+        target = torch.where(drop, case.ignore_index, target)
+    bias = 0.5 * torch.randn(v, generator=g) if case.bias else None
+    weight = torch.rand(v, generator=g) + 0.25 if case.class_weight else None
+    to = dict(device=device, dtype=case.dtype)
+    return Problem(
+        input=hidden.view(*case.lead, d).to(**to),
+        linear_weight=classifier.to(**to),
+        target=target.to(device),
+        linear_bias=bias.to(**to) if bias is not None else None,
+        weight=weight.to(device) if weight is not None else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the three computations: ours, PyTorch in the same dtype, float64 reference
+
+
+@dataclass
+class Result:
+    loss: torch.Tensor
+    lse: torch.Tensor | None
+    grads: dict[str, torch.Tensor]  # "input", "linear_weight", "linear_bias"
+
+
+def _leaves(problem: Problem, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Fresh differentiable copies of input, linear_weight (and linear_bias)."""
+    out = {"input": problem.input, "linear_weight": problem.linear_weight}
+    if problem.linear_bias is not None:
+        out["linear_bias"] = problem.linear_bias
+    return {
+        k: t.detach().to(dtype or t.dtype).clone().requires_grad_() for k, t in out.items()
+    }
+
+
+def _backward(loss: torch.Tensor, lse: torch.Tensor | None, seed: int) -> None:
+    """Backpropagates a fixed random upstream gradient (the full VJP for per-token outputs)."""
+    total = loss.sum() if loss.dim() == 0 else (loss * _upstream(loss, seed)).sum()
+    if lse is not None:
+        total = total + (lse * _upstream(lse, seed + 1)).sum()
+    total.backward()
+
+
+def _upstream(like: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(like.shape, generator=g).to(device=like.device, dtype=like.dtype)
+
+
+def _result(out, leaves: dict[str, torch.Tensor], case: Case) -> Result:
+    loss, lse = out if case.return_lse else (out, None)
+    _backward(loss, lse, case.seed)
+    grads = {k: t.grad for k, t in leaves.items()}
+    return Result(loss.detach(), None if lse is None else lse.detach(), grads)
+
+
+def run_ours(case: Case, problem: Problem, backend: str, **extra) -> Result:
+    leaves = _leaves(problem)
+    out = fusedloss.linear_cross_entropy(
+        leaves["input"], leaves["linear_weight"], problem.target,
+        linear_bias=leaves.get("linear_bias"), weight=problem.weight,
+        filter_eps=case.filter_eps, backend=backend, **case.options(), **extra,
+    )
+    return _result(out, leaves, case)
+
+
+def run_reference(case: Case, problem: Problem) -> Result:
+    leaves = _leaves(problem, torch.float64)
+    out = linear_cross_entropy_ref(
+        leaves["input"], leaves["linear_weight"], problem.target,
+        linear_bias=leaves.get("linear_bias"),
+        weight=problem.weight.double() if problem.weight is not None else None,
+        **case.options(),
+    )
+    return _result(out, leaves, case)
+
+
+def torch_same_dtype(
+    input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+    ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, shift=False,
+    return_lse=False,
+):
+    """Plain PyTorch in the inputs' dtype: fp32 cross-entropy of low-precision logits.
+
+    The softcap and z-loss terms, which ``F.cross_entropy`` lacks, are written in torch on the
+    fp32 logits; "mean" divides by Σ of the non-ignored targets' class weights, like PyTorch.
+    """
+    if shift:
+        input, target = input[..., :-1, :], target[..., 1:]
+    logits = F.linear(input, linear_weight, linear_bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    per_token = F.cross_entropy(
+        flat_logits, flat_target, weight=weight, reduction="none",
+        ignore_index=ignore_index, label_smoothing=label_smoothing,
+    )
+    valid = flat_target != ignore_index
+    lse = torch.where(valid, torch.logsumexp(flat_logits, dim=-1), 0.0)
+    per_token = per_token + z_loss * lse * lse
+    if reduction == "none":
+        loss = per_token.view(target.shape)
+    elif reduction == "sum":
+        loss = per_token.sum()
+    else:
+        w_y = weight[flat_target.clamp(min=0)] if weight is not None else torch.ones_like(lse)
+        denominator = torch.where(valid, w_y, 0.0).sum()
+        loss = per_token.sum() / torch.where(denominator == 0, 1.0, denominator)
+    return (loss, lse.view(target.shape)) if return_lse else loss
+
+
+def run_torch_same_dtype(case: Case, problem: Problem) -> Result:
+    leaves = _leaves(problem)
+    out = torch_same_dtype(
+        leaves["input"], leaves["linear_weight"], problem.target,
+        linear_bias=leaves.get("linear_bias"), weight=problem.weight, **case.options(),
+    )
+    return _result(out, leaves, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+
+def valid_mask(case: Case, problem: Problem) -> torch.Tensor:
+    """Non-ignored tokens, shaped like the per-token loss (after the shift)."""
+    target = problem.target[..., 1:] if case.shift else problem.target
+    return target != case.ignore_index
+
+
+def check_invariants(case: Case, problem: Problem, ours: Result) -> None:
+    """What holds exactly, whatever the rounding."""
+    valid = valid_mask(case, problem)
+    for name, value in [("loss", ours.loss), ("lse", ours.lse), *ours.grads.items()]:
+        if value is not None:
+            assert torch.isfinite(value).all(), f"{name} is not finite"
+    assert ours.loss.dtype == torch.float32
+    for name, grad in ours.grads.items():
+        assert grad.dtype == case.dtype, f"grad of {name} is {grad.dtype}, not {case.dtype}"
+    if case.reduction == "none":
+        assert ours.loss.shape == valid.shape
+        # Every term of the loss is ≥ 0 (lse ≥ every logit, z-loss is a square).
+        assert (ours.loss >= 0).all(), "negative per-token loss"
+        assert (ours.loss[~valid] == 0).all(), "ignored tokens must give exactly 0"
+    if ours.lse is not None:
+        assert ours.lse.shape == valid.shape and ours.lse.dtype == torch.float32
+        assert (ours.lse[~valid] == 0).all(), "lse must be exactly 0 at ignored tokens"
+    # Ignored tokens (and, with shift, each sequence's last position) get exactly zero rows.
+    grad_input = ours.grads["input"]
+    used = torch.zeros(problem.target.shape, dtype=torch.bool, device=valid.device)
+    if case.shift:
+        used[..., :-1] = valid
+    else:
+        used = valid
+    assert (grad_input[~used] == 0).all(), "ignored rows must get an exactly zero gradient"
+    if not bool(valid.any()):
+        if case.reduction != "none":
+            assert ours.loss.item() == 0.0, "an all-ignored batch must give 0, not NaN"
+        for name, grad in ours.grads.items():
+            assert (grad == 0).all(), f"all-ignored batch: grad of {name} must be 0"
+
+
+def check_against_reference(case: Case, ours: Result, theirs: Result, ref: Result,
+                            *, factor: float = 1.5) -> None:
+    """The library's bar for the loss, the lse and every gradient."""
+    assert_close_to_ref(ours.loss, theirs.loss, ref.loss, factor=factor, name="loss")
+    if case.return_lse:
+        assert_close_to_ref(ours.lse, theirs.lse, ref.lse, factor=factor, name="lse")
+    for name in ref.grads:
+        assert_close_to_ref(ours.grads[name], theirs.grads[name], ref.grads[name],
+                            factor=factor, name=f"grad {name}")
+
+
+def check_case(case: Case, backend: str, **extra) -> Result:
+    note(case.id)
+    problem = make_problem(case)
+    ours = run_ours(case, problem, backend, **extra)
+    check_invariants(case, problem, ours)
+    if bool(valid_mask(case, problem).any()):  # PyTorch's all-ignored mean is NaN: no bar
+        check_against_reference(case, ours, run_torch_same_dtype(case, problem),
+                                run_reference(case, problem))
+    return ours
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+
+
+@st.composite
+def cases(draw, lengths, vocabs, widths) -> Case:
+    """Any combination of shape, dtype, regime and options."""
+    shift = draw(st.booleans())
+    n = draw(st.sampled_from(lengths))
+    if shift:
+        batch = draw(st.sampled_from([1, 2, 3]))
+        lead = (batch, max(1, n // batch))
+    else:
+        lead = (n,)
+    eps = draw(st.sampled_from(["auto", None, 2.0**-10, 1e-6]))
+    return Case(
+        lead=lead,
+        v=draw(st.sampled_from(vocabs)),
+        d=draw(st.sampled_from(widths)),
+        dtype=draw(st.sampled_from(list(DTYPES.values()))),
+        regime=draw(st.sampled_from(["flat", "peaked"])),
+        bias=draw(st.booleans()),
+        class_weight=draw(st.booleans()),
+        reduction=draw(st.sampled_from(["none", "mean", "sum"])),
+        ignore=draw(st.sampled_from(["none", "some", "some", "all"])),
+        ignore_index=draw(st.sampled_from([-100, -1])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1, 1.0])),
+        softcap=draw(st.sampled_from([None, None, 30.0, 3.0])),
+        z_loss=draw(st.sampled_from([0.0, 0.0, 1e-4, 0.1])),
+        shift=shift,
+        return_lse=draw(st.booleans()),
+        filter_eps=eps,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+TORCH_SHAPES = dict(
+    lengths=[1, 7, 37, 128, 257, 1031],
+    vocabs=[1, 7, 123, 1000, 5003],
+    widths=[1, 16, 31, 200],
+)
+if ON_GPU:
+    TRITON_SHAPES = dict(
+        lengths=[1, 7, 37, 300, 1031, 4099],
+        vocabs=[1, 7, 123, 1000, 5003, 32769],
+        widths=[7, 16, 64, 200, 512],
+    )
+else:  # the interpreter: tiny shapes, still several 16×16 tiles and ragged edges
+    TRITON_SHAPES = dict(lengths=[1, 7, 16, 37, 70], vocabs=[1, 7, 16, 123, 300],
+                         widths=[1, 7, 16, 33, 48])
+
+
+# ---------------------------------------------------------------------------------------------
+# property tests
+
+
+@given(case=cases(**TORCH_SHAPES))
+def test_torch_backend_matches_reference(case):
+    check_case(case, "torch")
+
+
+@requires_triton
+@settings(max_examples=TRITON_EXAMPLES)
+@given(case=cases(**TRITON_SHAPES))
+def test_triton_backend_matches_reference(case):
+    check_case(case, "triton")
+
+
+@requires_triton
+@settings(max_examples=TRITON_EXAMPLES)
+@given(case=cases(**TRITON_SHAPES))
+def test_backends_agree(case):
+    """Both backends compute the same loss and lse (fp32 statistics of the same logits)."""
+    note(case.id)
+    problem = make_problem(case)
+    fused = run_ours(case, problem, "triton")
+    chunked = run_ours(case, problem, "torch")
+    torch.testing.assert_close(fused.loss, chunked.loss, rtol=2e-5, atol=2e-5)
+    if case.return_lse:
+        torch.testing.assert_close(fused.lse, chunked.lse, rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed cases: named shapes, the torch backend's chunking, the engine's slab and dense settings
+
+FIXED = [
+    Case(lead=(37,), v=123, d=16, dtype=torch.bfloat16, regime="peaked"),
+    Case(lead=(7,), v=7, d=7, dtype=torch.float16, regime="flat", bias=True),
+    Case(lead=(70,), v=300, d=48, dtype=torch.float32, regime="peaked", class_weight=True,
+         reduction="sum"),
+    Case(lead=(2, 19), v=123, d=33, dtype=torch.bfloat16, regime="peaked", shift=True,
+         ignore="some", label_smoothing=0.1, z_loss=1e-3, return_lse=True),
+    Case(lead=(37,), v=300, d=16, dtype=torch.float16, regime="flat", softcap=5.0,
+         reduction="none", ignore="some", bias=True, class_weight=True),
+    Case(lead=(1,), v=1, d=1, dtype=torch.bfloat16),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FIXED])
+def test_triton_named_shapes(case):
+    check_case(case, "triton")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FIXED])
+def test_torch_named_shapes(case):
+    check_case(case, "torch")
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7])
+def test_torch_backend_chunking_does_not_change_results(monkeypatch, chunk_rows):
+    """Several row chunks (FUSEDLOSS_TORCH_CHUNK_ELEMENTS) give the one-chunk result."""
+    case = Case(lead=(3, 12), v=123, d=16, dtype=torch.bfloat16, regime="peaked", shift=True,
+                ignore="some", bias=True, label_smoothing=0.1, z_loss=1e-3, return_lse=True,
+                reduction="none")
+    one_chunk = check_case(case, "torch")
+    monkeypatch.setenv("FUSEDLOSS_TORCH_CHUNK_ELEMENTS", str(chunk_rows * case.v))
+    chunked = check_case(case, "torch")
+    torch.testing.assert_close(chunked.loss, one_chunk.loss, rtol=0, atol=0)
+    for name in one_chunk.grads:
+        torch.testing.assert_close(chunked.grads[name], one_chunk.grads[name])
+
+
+ENGINE_SETTINGS = [
+    pytest.param({}, id="defaults"),
+    pytest.param({"FUSEDLOSS_SCRATCH_MB": "0.001"}, id="one-tile-slabs"),
+    pytest.param({"FUSEDLOSS_DENSE_SLAB_FRACTION": "2"}, id="sparse"),
+    pytest.param({"FUSEDLOSS_DENSE_SLAB_FRACTION": "0"}, id="dense"),
+    pytest.param({"FUSEDLOSS_SCRATCH_MB": "0.001", "FUSEDLOSS_DENSE_SLAB_FRACTION": "2"},
+                 id="one-tile-slabs-sparse"),
+    pytest.param({"FUSEDLOSS_SCRATCH_MB": "0.001", "FUSEDLOSS_DENSE_SLAB_FRACTION": "0"},
+                 id="one-tile-slabs-dense"),
+]
+_ENGINE_N = 1031 if ON_GPU else 37
+_ENGINE_V = 5003 if ON_GPU else 300
+ENGINE_CASES = [
+    Case(lead=(_ENGINE_N,), v=_ENGINE_V, d=32, dtype=torch.bfloat16, regime="peaked",
+         ignore="some"),
+    Case(lead=(_ENGINE_N,), v=_ENGINE_V, d=32, dtype=torch.bfloat16, regime="flat"),
+    Case(lead=(_ENGINE_N,), v=_ENGINE_V, d=24, dtype=torch.float16, regime="peaked", bias=True,
+         label_smoothing=0.1, class_weight=True),
+    Case(lead=(_ENGINE_N,), v=_ENGINE_V, d=24, dtype=torch.float32, regime="peaked",
+         filter_eps=2.0**-12, z_loss=1e-3, reduction="sum"),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ENGINE_CASES])
+@pytest.mark.parametrize("env", ENGINE_SETTINGS)
+def test_engine_settings_meet_the_bar(monkeypatch, env, case):
+    """Slab size and the dense/sparse switch are performance knobs: every setting meets the
+    bar, with filtering on."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    check_case(case, "triton")
+
+
+@requires_triton
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ENGINE_CASES[:2]])
+def test_dense_and_sparse_paths_agree(monkeypatch, case):
+    """The dense (cuBLAS) and block-sparse (Triton) slab paths compute the same live tiles.
+
+    With one column tile per slab, many (row block, slab) pairs hold no live tile on peaked
+    logits, which both paths must treat as zero.
+    """
+    problem = make_problem(case)
+    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "0.001")
+    results = {}
+    for path, fraction in [("sparse", "2"), ("dense", "0")]:
+        monkeypatch.setenv("FUSEDLOSS_DENSE_SLAB_FRACTION", fraction)
+        results[path] = run_ours(case, problem, "triton")
+    ref = run_reference(case, problem)
+    for name in ref.grads:
+        sparse, dense = results["sparse"].grads[name], results["dense"].grads[name]
+        # Same tiles, different summation order: a few ulps of the gradient's scale apart.
+        tol = 4 * torch.finfo(case.dtype).eps
+        assert rel_err(dense, sparse) <= tol, (
+            f"grad {name}: dense path {rel_err(dense, ref.grads[name]):.2e} vs sparse path "
+            f"{rel_err(sparse, ref.grads[name]):.2e} from the reference"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# edge cases
+
+
+BACKENDS = [pytest.param("torch", id="torch"),
+            pytest.param("triton", id="triton", marks=requires_triton)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [pytest.param(t, id=n) for n, t in DTYPES.items()])
+def test_all_ignored_gives_zero_not_nan(backend, reduction, dtype):
+    case = Case(lead=(19,), v=37, d=16, dtype=dtype, bias=True, ignore="all",
+                reduction=reduction, return_lse=True, label_smoothing=0.1, z_loss=0.1)
+    ours = check_case(case, backend)
+    assert (ours.loss == 0).all() and (ours.lse == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shift_with_one_position_predicts_nothing(backend):
+    """target (B, 1) with shift: no token is predicted; the loss is 0 and every gradient 0."""
+    for reduction in ("mean", "none"):
+        case = Case(lead=(3, 1), v=16, d=16, shift=True, reduction=reduction, return_lse=True)
+        ours = check_case(case, backend)
+        assert ours.loss.shape == ((3, 0) if reduction == "none" else ())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    case = Case(lead=(0,), v=16, d=16, reduction="mean", return_lse=True)
+    ours = run_ours(case, make_problem(case), backend)
+    assert ours.loss.item() == 0.0 and ours.lse.shape == (0,)
+    assert ours.grads["input"].shape == (0, 16) and (ours.grads["linear_weight"] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [pytest.param(t, id=n) for n, t in DTYPES.items()])
+def test_nan_input_gives_nan_loss(backend, dtype):
+    """A NaN hidden state poisons its own token's loss (and the mean), nothing crashes."""
+    case = Case(lead=(37,), v=123, d=16, dtype=dtype, regime="peaked", reduction="none")
+    problem = make_problem(case)
+    problem.input[5, 3] = float("nan")
+    ours = run_ours(case, problem, backend)
+    assert torch.isnan(ours.loss[5])
+    finite = torch.ones(37, dtype=torch.bool, device=ours.loss.device)
+    finite[5] = False
+    assert torch.isfinite(ours.loss[finite]).all(), "a NaN row must not leak into other rows"
+    mean = fusedloss.linear_cross_entropy(problem.input, problem.linear_weight, problem.target,
+                                          backend=backend)
+    assert torch.isnan(mean)
+
