@@ -14,9 +14,9 @@ class LinearCrossEntropyLoss(nn.Module):
 
     ``forward(input (*, D), linear_weight (V, D), target (*), linear_bias=None)``.
 
-    ``vocab_order_every=k`` (Triton backend, filtering on) sorts the vocabulary by average
-    logit every k-th call and reuses that order in between: the classifier moves slowly, so a
-    slightly stale order is nearly as good and costs nothing. k=1 (default) sorts every call.
+    ``vocab_order_every``: None (default) keeps the natural vocabulary order; k ≥ 1 sorts the
+    vocabulary by average logit every k-th call and reuses that order in between (the
+    classifier moves slowly, so a slightly stale order is nearly as good and costs nothing).
     """
 
     def __init__(
@@ -32,7 +32,7 @@ class LinearCrossEntropyLoss(nn.Module):
         filter_eps: float | str | None = "auto",
         return_lse: bool = False,
         backend: str = "auto",
-        vocab_order_every: int = 1,
+        vocab_order_every: int | None = None,
     ) -> None:
         super().__init__()
         if reduction not in ("none", "mean", "sum"):
@@ -41,8 +41,12 @@ class LinearCrossEntropyLoss(nn.Module):
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be None or > 0, got {softcap}")
-        if not isinstance(vocab_order_every, int) or vocab_order_every < 1:
-            raise ValueError(f"vocab_order_every must be an int >= 1, got {vocab_order_every!r}")
+        if vocab_order_every is not None and (
+            not isinstance(vocab_order_every, int) or vocab_order_every < 1
+        ):
+            raise ValueError(
+                f"vocab_order_every must be None or an int >= 1, got {vocab_order_every!r}"
+            )
         self.register_buffer("weight", weight, persistent=weight is not None)
         self.reduction, self.ignore_index = reduction, ignore_index
         self.label_smoothing, self.softcap, self.z_loss = label_smoothing, softcap, z_loss
@@ -62,6 +66,8 @@ class LinearCrossEntropyLoss(nn.Module):
         )
 
     def _vocab_order(self, input, linear_weight, target, linear_bias):
+        if self.vocab_order_every is None:
+            return None
         if self.vocab_order_every == 1:
             return "auto"
         stale = self._order is None or self._order.shape[0] != linear_weight.shape[0]

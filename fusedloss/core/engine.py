@@ -360,8 +360,12 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
                 a_compact = a.index_select(0, rows.index[:n_valid]) if n_valid < a.shape[0] or \
                     not _is_identity(rows.index) else a
             if need_b:
-                part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
-                _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b if rank1 else None)
+                if cols is None and logits.scale is None and not rank1:
+                    # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
+                    torch.mm(dx.T, a_compact, out=grad_b[c0:c1])
+                else:
+                    part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
+                    _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b if rank1 else None)
             if need_bias:
                 bias_part = dx.sum(dim=0, dtype=torch.float32)
                 if rank1:
@@ -369,8 +373,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
                 _write_cols(grad_bias, bias_part, cols, c0, c1)
             if need_a:
                 b_slab = b.index_select(0, cols) if cols is not None else b[c0:c1]
-                acc_view = acc_a[:n_valid]
-                acc_view += _mm_f32(dx, b_slab)
+                _addmm_f32_(acc_a[:n_valid], dx, b_slab)
                 first_a = False
         else:
             if need_b or need_bias:
@@ -428,6 +431,17 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError):
             pass
     return (x.float() @ y.float()) if not x.is_cuda else (x @ y).float()
+
+
+def _addmm_f32_(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """acc += x @ y, acc fp32, in place, fp32 accumulation."""
+    if x.is_cuda and x.dtype != torch.float32:
+        try:
+            torch.addmm(acc, x, y, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            pass
+    acc += _mm_f32(x, y)
 
 
 def _slice_cols(values: torch.Tensor, cols: torch.Tensor | None, c0: int, c1: int):

@@ -149,7 +149,7 @@ def linear_cross_entropy(
     filter_eps: float | Literal["auto"] | None = "auto",
     return_lse: bool = False,
     backend: Literal["auto", "triton", "torch"] = "auto",
-    vocab_order: torch.Tensor | Literal["auto"] | None = "auto",
+    vocab_order: torch.Tensor | Literal["auto"] | None = None,
 ):
     """Cross-entropy of a linear head without materializing the (*, V) logits.
 
@@ -182,10 +182,11 @@ def linear_cross_entropy(
         return_lse: also return the per-token log-sum-exp (float32; 0 at ignored tokens).
         backend: "triton" (CUDA; or the CPU under ``TRITON_INTERPRET=1``), "torch" (chunked
             pure PyTorch, O(chunk·V) memory) or "auto" (Triton on CUDA, torch otherwise).
-        vocab_order: column order of the Triton backend's tiles: "auto" sorts the vocabulary
-            by average logit when filtering is on, None keeps the natural order, a (V,) int64
-            permutation uses that order (e.g. the previous step's). Never changes the result
-            beyond rounding.
+        vocab_order: column order of the Triton backend's tiles: None (default) keeps the
+            natural order, "auto" sorts the vocabulary by average logit when filtering is on,
+            a (V,) int64 permutation uses that order (e.g. the previous step's). Sorting helps
+            only when filtering skips tiles (docs/lm_head.md has the measurements). Never
+            changes the result beyond rounding.
 
     Returns:
         The loss (fp32; a scalar, or per-token for "none"), and with ``return_lse`` a tuple
