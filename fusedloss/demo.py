@@ -167,6 +167,14 @@ class LMConfig:
     seed: int = 0
     head_dtype: torch.dtype = torch.float32
 
+    def describe(self) -> str:
+        """One line for the report."""
+        return (
+            f"V={self.vocab_size}, D={self.d_model}, {self.n_layers} layers × {self.n_heads} "
+            f"heads, batch {self.batch_size}×{self.seq_len} tokens, {self.steps} steps, AdamW "
+            f"lr {self.lr:g}, loss-head inputs in {str(self.head_dtype).removeprefix('torch.')}"
+        )
+
     @property
     def tokens_per_step(self) -> int:
         """Rows of the loss head per step: ``batch_size · (seq_len − 1)`` (shifted targets)."""
@@ -684,6 +692,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=Path("demo_out"),
         help="directory for the plot (default: demo_out/)",
     )
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads when training on the CPU (default: 1)"
+    )
     parser.add_argument("--log-every", type=int, help="table row interval (default: steps/15)")
     return parser
 
@@ -714,18 +725,33 @@ def main(argv: Sequence[str] | None = None) -> Comparison:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
     config = config_from_args(args, device)
-    every = args.log_every or max(1, config.steps // 15)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # One thread by default: on a small shared machine an oversubscribed OpenMP pool makes
+        # every step several times slower and the timings erratic.
+        torch.set_num_threads(args.threads or 1)
+    try:
+        return _run_lm_demo(config, device, args.out, args.log_every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_lm_demo(
+    config: LMConfig, device: torch.device, out_dir: Path, every: int | None
+) -> Comparison:
+    """Print the setup, run :func:`lm_experiment`, and report it."""
     source = lm_source(config)
-    print(f"fusedloss demo: causal LM on {device} ({torch.get_num_threads()} CPU threads)")
-    print(f"  config: {config}")
+    where = f"{torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else device
+    print(f"fusedloss demo: causal LM, PyTorch head vs fusedloss head, on {where}")
+    print(f"  model: {config.describe()}")
     print(
-        f"  source: Zipf–Markov chain, V={config.vocab_size}, {config.support_size} "
-        f"successors/token, exponent {config.zipf_exponent}; uniform guess ln V = "
-        f"{math.log(config.vocab_size):.3f}, best possible loss = "
+        f"  data: Zipf-Markov chain, {config.support_size} successors per token, exponent "
+        f"{config.zipf_exponent}, seed {config.seed}; loss of a uniform guess ln V = "
+        f"{math.log(config.vocab_size):.3f}, best possible = "
         f"{source.optimal_loss(config.seq_len):.3f} nats"
     )
     start = time.perf_counter()
     comparison = lm_experiment(config, device, source)
     print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
-    report(comparison, device, args.out, "lm_loss_curves.png", every)
+    report(comparison, device, out_dir, "lm_loss_curves.png", every or max(1, config.steps // 15))
     return comparison
