@@ -62,13 +62,17 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingS
 
 
 def _wall_clock_median_ms(fn: Callable[[], Any], timing: TimingSettings) -> float:
+    """Median of ~rep_ms worth of calls; a call slower than rep_ms is timed once."""
     start = time.perf_counter()
     fn()
-    estimate_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
-    for _ in range(max(0, min(100, int(timing.warmup_ms / estimate_ms)))):
+    first_ms = (time.perf_counter() - start) * 1e3
+    if first_ms >= timing.rep_ms:
+        return first_ms
+    estimate_ms = max(first_ms, 1e-3)
+    for _ in range(min(100, int(timing.warmup_ms / estimate_ms))):
         fn()
     samples = []
-    for _ in range(max(3, min(1000, int(timing.rep_ms / estimate_ms)))):
+    for _ in range(max(1, min(1000, int(timing.rep_ms / estimate_ms)))):
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
@@ -272,6 +276,10 @@ def format_error(value: float | None) -> str:
     if value is None:
         return "—"
     return f"{value:.1e}"
+
+
+def format_tflops(tflops: float) -> str:
+    return f"{tflops:.0f}" if tflops >= 100 else f"{tflops:.3g}"
 
 
 def format_ratio(value: float | None) -> str:

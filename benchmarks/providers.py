@@ -129,6 +129,8 @@ class TorchCompileProvider(LMHeadProvider):
     def build(self, device: torch.device) -> LossFn:
         # Each case has new static shapes; start from an empty cache so old graphs and
         # automatic-dynamic decisions from earlier cases cannot leak in.
+        import torch._dynamo
+
         torch._dynamo.reset()
         return torch.compile(torch_eager_loss, dynamic=False)
 
@@ -237,6 +239,7 @@ class LigerProvider(LMHeadProvider):
         return f"liger-kernel {version} FLCE" if version else self.label
 
     def build(self, device: torch.device) -> LossFn:
+        _import("liger_kernel", self)  # a missing package gives one clear note
         errors = []
         try:
             return self._build_module()

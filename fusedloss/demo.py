@@ -52,7 +52,7 @@ import fusedloss
 MiB = 2**20
 
 # ---------------------------------------------------------------------------------------------
-# Synthetic data
+# Causal LM: synthetic data
 # ---------------------------------------------------------------------------------------------
 
 
@@ -85,6 +85,7 @@ class ZipfMarkovSource:
             self.unigram, vocab_size * support_size, replacement=True, generator=generator
         ).view(vocab_size, support_size)
         self.rank_probabilities = zipf_probabilities(support_size, exponent)
+        self._optimal_loss: dict[int, float] = {}  # seq_len → optimal_loss(seq_len)
 
     def batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
         """Token sequences for one training step, a pure function of ``(seed, step)``.
@@ -127,6 +128,8 @@ class ZipfMarkovSource:
         Averages ``E[H(next | token_t)]`` over positions ``t = 0..seq_len-2`` with token_t
         distributed as the chain started from the unigram.
         """
+        if seq_len in self._optimal_loss:
+            return self._optimal_loss[seq_len]
         from_token, to_token, probability = self.transitions()
         row_entropy = torch.zeros(self.vocab_size, dtype=torch.float64)
         row_entropy.index_add_(0, from_token, -probability * probability.log())
@@ -140,11 +143,12 @@ class ZipfMarkovSource:
             if (distribution - previous).abs().sum() < 1e-12:  # stationary: the rest is equal
                 total += entropy * (seq_len - 2 - position)
                 break
-        return total / (seq_len - 1)
+        self._optimal_loss[seq_len] = total / (seq_len - 1)
+        return self._optimal_loss[seq_len]
 
 
 # ---------------------------------------------------------------------------------------------
-# Model
+# Causal LM: model
 # ---------------------------------------------------------------------------------------------
 
 
@@ -158,7 +162,7 @@ class LMConfig:
     n_heads: int = 4
     seq_len: int = 64
     batch_size: int = 8
-    steps: int = 300
+    steps: int = 250
     lr: float = 3e-3
     warmup_steps: int = 20
     weight_decay: float = 0.01
@@ -169,10 +173,11 @@ class LMConfig:
 
     def describe(self) -> str:
         """One line for the report."""
+        dtype = str(self.head_dtype).removeprefix("torch.")
         return (
-            f"V={self.vocab_size}, D={self.d_model}, {self.n_layers} layers × {self.n_heads} "
-            f"heads, batch {self.batch_size}×{self.seq_len} tokens, {self.steps} steps, AdamW "
-            f"lr {self.lr:g}, loss-head inputs in {str(self.head_dtype).removeprefix('torch.')}"
+            f"V={self.vocab_size}, D={self.d_model}, {self.n_layers} × transformer block "
+            f"({self.n_heads} heads), batch {self.batch_size}×{self.seq_len} tokens, "
+            f"{self.steps} steps, AdamW lr {self.lr:g}, loss-head inputs in {dtype}"
         )
 
     @property
@@ -193,7 +198,7 @@ LM_SIZES: dict[str, LMConfig] = {
         steps=20,
         warmup_steps=5,
     ),
-    # ~2 × 300 steps on a 2-core CPU in well under three minutes.
+    # Two runs of 250 steps take about two minutes on one core of a busy 2-core machine.
     "small": LMConfig(),
     # A GPU-sized run where the (N, V) logits are ~1 GiB in fp32.
     "large": LMConfig(
@@ -273,19 +278,23 @@ class CausalLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss heads: (hidden (B, T, D), weight (V, D), tokens (B, T)) → scalar mean loss, fp32
+# Causal LM: loss heads, (hidden (B, T, D), weight (V, D), tokens (B, T)) → scalar mean loss, fp32
 # ---------------------------------------------------------------------------------------------
 
 LossHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def pytorch_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor):
+def pytorch_lm_head(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
     """Reference head: materializes the (B·(T−1), V) logits, upcast to fp32."""
     logits = F.linear(hidden[:, :-1], weight).float()
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def fusedloss_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor):
+def fusedloss_lm_head(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
     """The same loss via ``fusedloss.linear_cross_entropy``: no (N, V) logits in memory."""
     return fusedloss.linear_cross_entropy(hidden, weight, tokens, shift=True)
 
@@ -294,7 +303,7 @@ LM_HEADS: dict[str, LossHead] = {"pytorch": pytorch_lm_head, "fusedloss": fusedl
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared measuring helpers
+# Shared by experiments: results, comparison, schedule, measuring
 # ---------------------------------------------------------------------------------------------
 
 
@@ -315,6 +324,47 @@ class RunResult:
         timed = [s for s in self.loss_layer_seconds[skip:] if not math.isnan(s)]
         timed = timed or [s for s in self.loss_layer_seconds if not math.isnan(s)]
         return 1e3 * sum(timed) / len(timed) if timed else math.nan
+
+
+@dataclass
+class Comparison:
+    """Two runs of one experiment that should trace the same curve."""
+
+    title: str
+    reference: RunResult
+    candidate: RunResult
+    tolerance: float
+    notes: list[str] = field(default_factory=list)
+    floor: float | None = None  # the best loss any model can reach, drawn on the plot
+
+    def differences(self) -> list[float]:
+        """Per-step ``candidate − reference`` losses."""
+        return [c - r for c, r in zip(self.candidate.losses, self.reference.losses, strict=True)]
+
+    def final_losses(self, last: int = 10) -> tuple[float, float]:
+        """Mean loss over the last ``last`` steps: (reference, candidate)."""
+        return tuple(
+            sum(run.losses[-last:]) / len(run.losses[-last:])
+            for run in (self.reference, self.candidate)
+        )
+
+    def agrees(self) -> bool:
+        """Whether the final losses differ by at most ``tolerance``."""
+        reference, candidate = self.final_losses()
+        return abs(candidate - reference) <= self.tolerance
+
+
+# Training amplifies rounding differences, so the runs drift apart slowly; these bounds are
+# on the final loss (mean of the last 10 steps), in nats.
+FINAL_LOSS_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to 0.1."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
 def synchronize(device: torch.device) -> None:
@@ -396,16 +446,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------------
-# Experiment: causal LM, fusedloss head vs PyTorch head
+# Causal LM: training, fusedloss head vs PyTorch head
 # ---------------------------------------------------------------------------------------------
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to 0.1."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
 def lm_train_step(
@@ -487,38 +529,6 @@ def train_lm(
     return result
 
 
-@dataclass
-class Comparison:
-    """Two runs of one experiment that should trace the same curve."""
-
-    title: str
-    reference: RunResult
-    candidate: RunResult
-    tolerance: float
-    notes: list[str] = field(default_factory=list)
-
-    def differences(self) -> list[float]:
-        """Per-step ``candidate − reference`` losses."""
-        return [c - r for c, r in zip(self.candidate.losses, self.reference.losses, strict=True)]
-
-    def final_losses(self, last: int = 10) -> tuple[float, float]:
-        """Mean loss over the last ``last`` steps: (reference, candidate)."""
-        return tuple(
-            sum(run.losses[-last:]) / len(run.losses[-last:])
-            for run in (self.reference, self.candidate)
-        )
-
-    def agrees(self) -> bool:
-        """Whether the final losses differ by at most ``tolerance``."""
-        reference, candidate = self.final_losses()
-        return abs(candidate - reference) <= self.tolerance
-
-
-# Training amplifies rounding differences, so the runs drift apart slowly; these bounds are
-# on the final loss (mean of the last 10 steps), in nats.
-FINAL_LOSS_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-
-
 def lm_source(config: LMConfig) -> ZipfMarkovSource:
     """The token source an :class:`LMConfig` describes."""
     return ZipfMarkovSource(
@@ -543,19 +553,41 @@ def lm_experiment(
                 f"  trained with the {head_name} head in {time.perf_counter() - start:.1f} s",
                 flush=True,
             )
-    logits_bytes = config.tokens_per_step * config.vocab_size * 4
-    notes = [
-        f"the PyTorch head materializes fp32 logits of N×V = {config.tokens_per_step}×"
-        f"{config.vocab_size} = {logits_bytes / MiB:.1f} MiB (analytic; F.cross_entropy keeps "
-        "a log-softmax of the same size for backward); fusedloss keeps no N×V array"
-    ]
     return Comparison(
         title=f"causal LM, V={config.vocab_size}, D={config.d_model}, {config.n_layers} layers",
         reference=runs["pytorch"],
         candidate=runs["fusedloss"],
         tolerance=FINAL_LOSS_TOLERANCE[config.head_dtype],
-        notes=notes,
+        notes=lm_memory_notes(config, device),
+        floor=source.optimal_loss(config.seq_len),
     )
+
+
+def lm_memory_notes(config: LMConfig, device: torch.device) -> list[str]:
+    """What each head must hold, analytically, to put the measured peaks in context."""
+    n, v = config.tokens_per_step, config.vocab_size
+    logits = f"N×V = {n}×{v} fp32 logits = {n * v * 4 / MiB:.1f} MiB"
+    if config.head_dtype != torch.float32:
+        size = n * v * config.head_dtype.itemsize / MiB
+        logits += f" (and first the {str(config.head_dtype).removeprefix('torch.')} ones, "
+        logits += f"{size:.1f} MiB)"
+    notes = [
+        f"analytic: the PyTorch head materializes {logits}, and F.cross_entropy keeps a "
+        "log-softmax of the same size for the backward"
+    ]
+    if device.type == "cuda":
+        notes.append(
+            "fusedloss (Triton) keeps per-row statistics and small per-tile records, never an "
+            "N×V array"
+        )
+    else:
+        notes.append(
+            "on the CPU fusedloss runs its chunked pure-PyTorch path, which holds a block of "
+            "rows × V fp32 logits at a time (all N rows when N is below its chunk size), so "
+            "at this N its CPU peak is no smaller than PyTorch's; the saving is the Triton "
+            "path's, on CUDA"
+        )
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,6 +622,8 @@ def plot_curves(comparison: Comparison, path: Path) -> Path | None:
     )
     for run, style in ((comparison.reference, "-"), (comparison.candidate, "--")):
         curves.plot(steps, run.losses, style, label=f"{run.name} head", linewidth=1.2)
+    if comparison.floor is not None:
+        curves.axhline(comparison.floor, color="gray", linestyle=":", label="best possible")
     curves.set_ylabel("training loss (nats)")
     curves.set_title(comparison.title)
     curves.legend()
@@ -741,7 +775,8 @@ def _run_lm_demo(
 ) -> Comparison:
     """Print the setup, run :func:`lm_experiment`, and report it."""
     source = lm_source(config)
-    where = f"{torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else device
+    threads = torch.get_num_threads()
+    where = f"{threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" else device
     print(f"fusedloss demo: causal LM, PyTorch head vs fusedloss head, on {where}")
     print(f"  model: {config.describe()}")
     print(

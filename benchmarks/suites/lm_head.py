@@ -628,7 +628,7 @@ def render_markdown(
     lines = [title, ""]
     if info.quick:
         lines += [
-            "> **--quick run**: shapes shrunk (V/64, D/16), small N, short timing. A smoke "
+            "> **--quick run**: shapes shrunk (V/128, D/32), small N, short timing. A smoke "
             "test of the runner; the figures are not representative.",
             "",
         ]
@@ -650,7 +650,7 @@ def render_markdown(
         (
             "matmul rate R",
             f"{info.matmul['dtype']} {info.matmul['size']}³ random: "
-            f"{info.matmul['ms']:.3f} ms median → {tflops:.0f} TFLOP/s",
+            f"{info.matmul['ms']:.3f} ms median → {common.format_tflops(tflops)} TFLOP/s",
         ),
         (
             "timing",
@@ -669,7 +669,7 @@ def render_markdown(
             "permutation of 1..V), E[:, 0] = 4; both cast to the dtype afterwards",
         ),
     ]
-    lines += [common.markdown_table(["", ""], header_rows), ""]
+    lines += [common.markdown_table(["setting", "value"], header_rows), ""]
 
     columns = _provider_columns(case_results)
     lines += [
@@ -708,9 +708,10 @@ def render_markdown(
     lines += [
         "## Cost floors (DESIGN §4)",
         "",
-        f"At the measured R = {tflops:.0f} TFLOP/s: forward 2NVD/R, backward with nothing "
-        "skipped 6NVD/R, so forward+backward unskipped 8NVD/R. '× floor' in the details "
-        "divides a time by 2NVD/R (forward only) or 8NVD/R (forward+backward).",
+        f"At the measured R = {common.format_tflops(tflops)} TFLOP/s: forward 2NVD/R, "
+        "backward with nothing skipped 6NVD/R, so forward+backward unskipped 8NVD/R. "
+        "'× floor' in the details divides a time by 2NVD/R (forward only) or 8NVD/R "
+        "(forward+backward).",
         "",
     ]
     rows = []
@@ -1006,7 +1007,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     matmul = common.matmul_tflops(device, matmul_size, timing, dtype)
     log(
         f"matmul {matmul['dtype']} {matmul_size}³: {matmul['ms']:.3f} ms → "
-        f"{matmul['tflops']:.1f} TFLOP/s"
+        f"{common.format_tflops(matmul['tflops'])} TFLOP/s"
     )
 
     case_results = run_cases(

@@ -1,0 +1,291 @@
+"""Bad input gets a clear error that names the offending argument, before any work is done."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import can_run_triton
+
+import fusedloss
+from fusedloss import LinearCrossEntropyLoss, linear_cross_entropy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+N, V, D = 7, 11, 5
+
+
+def good(**overrides) -> dict:
+    """Valid arguments of ``linear_cross_entropy`` (CPU, fp32), with some replaced."""
+    g = torch.Generator().manual_seed(0)
+    args = dict(
+        input=torch.randn(N, D, generator=g),
+        linear_weight=torch.randn(V, D, generator=g),
+        target=torch.randint(0, V, (N,), generator=g),
+    )
+    args.update(overrides)
+    return args
+
+
+def call(**overrides):
+    args = good(**overrides)
+    return linear_cross_entropy(args.pop("input"), args.pop("linear_weight"),
+                                args.pop("target"), **args)
+
+
+def test_good_arguments_work():
+    assert torch.isfinite(call())
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes and dtypes
+
+BAD_SHAPES = [
+    pytest.param(dict(input=torch.randn(N, D + 1)), ValueError, r"input must be \(\*, D\)",
+                 id="input-width"),
+    pytest.param(dict(input=torch.randn(())), ValueError, "input", id="input-scalar"),
+    pytest.param(dict(linear_weight=torch.randn(V * D)), ValueError,
+                 r"linear_weight must be \(V, D\)", id="weight-1d"),
+    pytest.param(dict(linear_weight=torch.randn(2, V, D)), ValueError,
+                 r"linear_weight must be \(V, D\)", id="weight-3d"),
+    pytest.param(dict(linear_weight=torch.randn(0, D)), ValueError, "linear_weight",
+                 id="weight-empty-vocab"),
+    pytest.param(dict(target=torch.zeros(N + 1, dtype=torch.long)), ValueError,
+                 "target must have shape", id="target-length"),
+    pytest.param(dict(target=torch.zeros(1, N, dtype=torch.long)), ValueError,
+                 "target must have shape", id="target-rank"),
+    pytest.param(dict(linear_bias=torch.randn(V + 1)), ValueError, "linear_bias",
+                 id="bias-length"),
+    pytest.param(dict(linear_bias=torch.randn(1, V)), ValueError, "linear_bias",
+                 id="bias-2d"),
+    pytest.param(dict(weight=torch.rand(V - 1)), ValueError, "weight must have shape",
+                 id="class-weight-length"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_SHAPES)
+def test_bad_shapes(overrides, error, message):
+    with pytest.raises(error, match=message):
+        call(**overrides)
+
+
+BAD_DTYPES = [
+    pytest.param(dict(input=torch.zeros(N, D, dtype=torch.long)), "input", id="input-int"),
+    pytest.param(dict(input=torch.randn(N, D, dtype=torch.float64),
+                      linear_weight=torch.randn(V, D, dtype=torch.float64)),
+                 "input must be float32, bfloat16 or float16", id="input-fp64"),
+    pytest.param(dict(linear_weight=torch.randn(V, D, dtype=torch.bfloat16)), "linear_weight",
+                 id="weight-dtype-mismatch"),
+    pytest.param(dict(target=torch.zeros(N)), "target", id="target-float"),
+    pytest.param(dict(target=torch.zeros(N, dtype=torch.bool)), "target", id="target-bool"),
+    pytest.param(dict(linear_bias=torch.zeros(V, dtype=torch.long)), "linear_bias",
+                 id="bias-int"),
+    pytest.param(dict(weight=torch.ones(V, dtype=torch.long)), "weight", id="class-weight-int"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_DTYPES)
+def test_bad_dtypes(overrides, message):
+    with pytest.raises(TypeError, match=message):
+        call(**overrides)
+
+
+@pytest.mark.parametrize("name", ["input", "linear_weight", "target"])
+def test_non_tensor_arguments(name):
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+        call(**{name: [[1.0] * D] * N})
+
+
+@pytest.mark.parametrize("name", ["linear_bias", "weight"])
+def test_non_tensor_optional_arguments(name):
+    with pytest.raises(TypeError, match=name):
+        call(**{name: [1.0] * V})
+
+
+# ---------------------------------------------------------------------------------------------
+# devices: the meta device stands in for a second device on a CPU-only machine
+
+
+@pytest.mark.parametrize("name", ["input", "linear_weight", "target", "linear_bias", "weight"])
+def test_device_mismatch_names_the_tensor(name):
+    args = good(linear_bias=torch.randn(V), weight=torch.rand(V))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=rf"one device.*{name} on meta"):
+        call(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_cuda():
+    with pytest.raises(ValueError, match="linear_weight on cuda"):
+        call(linear_weight=torch.randn(V, D, device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------------
+# target values
+
+
+@pytest.mark.parametrize("bad", [V, V + 5, -1, -101], ids=["V", "V+5", "-1", "-101"])
+def test_target_outside_vocabulary(bad):
+    target = torch.zeros(N, dtype=torch.long)
+    target[3] = bad
+    with pytest.raises(ValueError, match=rf"target holds {bad}, outside \[0, {V}\)"):
+        call(target=target)
+
+
+def test_target_equal_to_a_custom_ignore_index_is_fine():
+    target = torch.zeros(N, dtype=torch.long)
+    target[3] = -1
+    assert torch.isfinite(call(target=target, ignore_index=-1))
+    with pytest.raises(ValueError, match="ignore_index=-1"):
+        call(target=torch.full((N,), -100), ignore_index=-1)
+
+
+def test_shift_ignores_the_first_target():
+    """With shift the first position's target is never predicted: any value is accepted."""
+    target = torch.randint(0, V, (2, N))
+    target[:, 0] = 10 * V
+    loss = call(input=torch.randn(2, N, D), target=target, shift=True)
+    assert torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+
+BAD_OPTIONS = [
+    pytest.param(dict(reduction="avg"), "reduction", id="reduction-avg"),
+    pytest.param(dict(reduction=None), "reduction", id="reduction-None"),
+    pytest.param(dict(label_smoothing=-0.1), "label_smoothing", id="label-smoothing-negative"),
+    pytest.param(dict(label_smoothing=1.5), "label_smoothing", id="label-smoothing-above-1"),
+    pytest.param(dict(label_smoothing=float("nan")), "label_smoothing", id="label-smoothing-nan"),
+    pytest.param(dict(softcap=0.0), "softcap", id="softcap-0"),
+    pytest.param(dict(softcap=-30.0), "softcap", id="softcap-negative"),
+    pytest.param(dict(softcap=float("inf")), "softcap", id="softcap-inf"),
+    pytest.param(dict(softcap=float("nan")), "softcap", id="softcap-nan"),
+    pytest.param(dict(z_loss=-1e-4), "z_loss", id="z-loss-negative"),
+    pytest.param(dict(z_loss=float("nan")), "z_loss", id="z-loss-nan"),
+    pytest.param(dict(backend="cuda"), "backend", id="backend-unknown"),
+    pytest.param(dict(backend="Triton"), "backend", id="backend-case"),
+    pytest.param(dict(input=torch.randn(D), target=torch.tensor(0), shift=True), "shift",
+                 id="shift-without-time-dim"),
+    pytest.param(dict(input=torch.randn(2, 0, D), target=torch.zeros(2, 0, dtype=torch.long),
+                      shift=True), "shift", id="shift-zero-length"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_OPTIONS)
+def test_bad_options(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        call(**overrides)
+
+
+def backend_params():
+    """Both backends; "triton" on CPU tensors needs the interpreter, else it is skipped."""
+    return [
+        pytest.param("torch", id="torch"),
+        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+            not can_run_triton(), reason="needs a CUDA device or TRITON_INTERPRET=1")),
+    ]
+
+
+def on_device(backend: str, **overrides) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = good(**overrides)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+# filter_eps and vocab_order only matter to the Triton backend, but a bad value is a bug in
+# the caller's code whichever backend runs it: it must not pass on CPU and fail on a GPU.
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("filter_eps", ["bogus", -1e-3, float("nan")],
+                         ids=["bogus", "negative", "nan"])
+def test_bad_filter_eps(backend, filter_eps):
+    args = on_device(backend)
+    x = args.pop("input").requires_grad_()
+    with pytest.raises(ValueError, match="filter_eps"):
+        linear_cross_entropy(x, args.pop("linear_weight"), args.pop("target"),
+                             filter_eps=filter_eps, backend=backend)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize(
+    "order",
+    [
+        pytest.param("sorted", id="unknown-string"),
+        pytest.param(torch.arange(V - 1), id="too-short"),
+        pytest.param(torch.arange(V).int(), id="int32"),
+        pytest.param(torch.zeros(V, dtype=torch.long), id="not-a-permutation"),
+        pytest.param(torch.arange(V).flip(0) + 1, id="out-of-range"),
+    ],
+)
+def test_bad_vocab_order(backend, order):
+    args = on_device(backend)
+    x = args.pop("input").requires_grad_()
+    if isinstance(order, torch.Tensor):
+        order = order.to(x.device)
+    with pytest.raises(ValueError, match="vocab_order"):
+        linear_cross_entropy(x, args.pop("linear_weight"), args.pop("target"),
+                             vocab_order=order, backend=backend)
+
+
+def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
+    """Without TRITON_INTERPRET, backend="triton" on CPU tensors fails clearly (in a fresh
+    process: the variable must be unset before triton is imported)."""
+    script = textwrap.dedent(
+        """
+        import torch
+        import fusedloss
+        x, w = torch.randn(3, 4), torch.randn(5, 4)
+        y = torch.tensor([0, 1, 2])
+        try:
+            fusedloss.linear_cross_entropy(x, w, y, backend="triton")
+        except RuntimeError as error:
+            print("RuntimeError:", error)
+        else:
+            print("no error")
+        print("auto:", fusedloss.linear_cross_entropy(x, w, y, backend="auto").item())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine must not rescue the CPU tensors
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "RuntimeError:" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout
+    assert "backend='torch'" in out.stdout  # names the way out
+    assert "auto:" in out.stdout  # "auto" falls back to the torch backend
+
+
+# ---------------------------------------------------------------------------------------------
+# the module validates at construction
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        pytest.param(dict(reduction="avg"), "reduction", id="reduction"),
+        pytest.param(dict(label_smoothing=2.0), "label_smoothing", id="label-smoothing"),
+        pytest.param(dict(softcap=0.0), "softcap", id="softcap"),
+        pytest.param(dict(vocab_order_every=0), "vocab_order_every", id="vocab-order-every-0"),
+        pytest.param(dict(vocab_order_every=1.5), "vocab_order_every",
+                     id="vocab-order-every-float"),
+    ],
+)
+def test_module_rejects_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LinearCrossEntropyLoss(**kwargs)
+
+
+def test_module_call_errors_name_the_argument():
+    loss = LinearCrossEntropyLoss(z_loss=-1.0)
+    args = good()
+    with pytest.raises(ValueError, match="z_loss"):
+        loss(args["input"], args["linear_weight"], args["target"])
+
+
+def test_public_api():
+    assert fusedloss.__all__ == ["LinearCrossEntropyLoss", "linear_cross_entropy"]

@@ -1,0 +1,277 @@
+"""Unit and property tests of ``fusedloss.core.filtering``: which logit tiles may be skipped.
+
+The promise under test: whatever the logits, the tiles ``live_tiles`` skips hold at most ``eps``
+of each valid row's softmax mass. Tile statistics are built here by hand from explicit logits
+(float64, then rounded to fp32 like the forward's), so the property is checked against the
+true per-row dropped mass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import can_run_triton
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fusedloss.core import engine
+from fusedloss.core.filtering import (
+    AUTO_FILTER_EPS,
+    live_tiles,
+    mark_targets_live,
+    resolve_filter_eps,
+)
+
+# ---------------------------------------------------------------------------------------------
+# hand-built tile statistics
+
+
+def make_logits(n: int, v: int, regime: str, seed: int) -> torch.Tensor:
+    """(n, v) float64 logits: flat (untrained), peaked (one class per row well above a Zipf
+    prior), or sharp (nearly one-hot)."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(n, v, generator=g, dtype=torch.float64)
+    if regime == "flat":
+        return noise
+    prior = -torch.log(torch.randperm(v, generator=g).double() + 1.0)  # Zipf: log 1/rank
+    label = torch.randint(0, v, (n,), generator=g)
+    peak = 12.0 if regime == "peaked" else 40.0
+    logits = noise + 2.0 * prior
+    logits[torch.arange(n), label] = peak + noise[torch.arange(n), label]
+    return logits
+
+
+def tile_statistics(logits: torch.Tensor, n_valid: int, block_m: int, block_n: int):
+    """What the forward records, from explicit logits: (tile_log_mass, padded lse), fp32.
+
+    tile_log_mass[b, t] = max over the valid rows r of block b of log Σ_{j∈t} exp(X_rj)
+    (−inf for a block without valid rows, which the forward never visits); the lse of rows
+    past n_valid is padding, set here to garbage that must not matter.
+    """
+    n, v = logits.shape
+    n_blocks, n_tiles = math.ceil(n / block_m), math.ceil(v / block_n)
+    padded = torch.full((n_blocks * block_m, n_tiles * block_n), -math.inf, dtype=torch.float64)
+    padded[:n, :v] = logits
+    per_row = torch.logsumexp(padded.view(-1, n_tiles, block_n), dim=2)  # (rows, tiles)
+    valid = torch.arange(n_blocks * block_m) < n_valid
+    per_row[~valid] = -math.inf
+    tile_log_mass = per_row.view(n_blocks, block_m, n_tiles).amax(dim=1)
+    lse = torch.full((n_blocks * block_m,), 1e4, dtype=torch.float64)  # garbage padding
+    lse[:n_valid] = torch.logsumexp(logits[:n_valid], dim=1)
+    return tile_log_mass.float(), lse.float()
+
+
+def dropped_mass(logits: torch.Tensor, live: torch.Tensor, n_valid: int, block_m: int,
+                 block_n: int) -> torch.Tensor:
+    """(n_valid,) true softmax mass of each valid row in the tiles ``live`` skips (float64)."""
+    n, v = logits.shape
+    probs = torch.softmax(logits[:n_valid], dim=1)
+    keep = live.repeat_interleave(block_m, dim=0).repeat_interleave(block_n, dim=1)[:n, :v]
+    return torch.where(keep[:n_valid], 0.0, probs).sum(dim=1)
+
+
+# fp32 statistics round the bound by a few ulps of its exponent: a relative slack suffices.
+SLACK = 1e-4
+
+
+@given(
+    n=st.sampled_from([1, 7, 16, 37, 70]),
+    v=st.sampled_from([1, 7, 16, 123, 300]),
+    block_m=st.sampled_from([1, 4, 16]),
+    block_n=st.sampled_from([1, 8, 16, 64]),
+    valid_fraction=st.sampled_from([1.0, 0.6, 0.0]),
+    regime=st.sampled_from(["flat", "peaked", "sharp"]),
+    eps=st.sampled_from([1e-9, 2.0**-15, 2.0**-12, 2.0**-7, 0.1, 0.5, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_live_tiles_drop_at_most_eps_per_row(n, v, block_m, block_n, valid_fraction, regime,
+                                              eps, seed):
+    logits = make_logits(n, v, regime, seed)
+    n_valid = int(valid_fraction * n)
+    tile_log_mass, lse = tile_statistics(logits, n_valid, block_m, block_n)
+    live = live_tiles(tile_log_mass, lse, torch.tensor(n_valid), block_m, eps)
+    assert live.shape == tile_log_mass.shape and live.dtype == torch.bool
+    dropped = dropped_mass(logits, live, n_valid, block_m, block_n)
+    worst = dropped.max().item() if n_valid else 0.0
+    assert worst <= eps * (1 + SLACK), f"a row lost {worst:.3e} > eps = {eps:.3e}"
+    blocks_with_rows = torch.arange(live.shape[0]) * block_m < n_valid
+    assert not live[~blocks_with_rows].any(), "a block without valid rows must keep no tile"
+
+
+@pytest.mark.parametrize("regime", ["flat", "peaked", "sharp"])
+def test_live_tiles_keep_everything_on_flat_logits_and_skip_on_peaked(regime):
+    """The bound is not vacuous: peaked softmaxes skip most tiles, flat ones keep all."""
+    n, v, block_m, block_n, eps = 64, 512, 16, 16, 2.0**-12
+    logits = make_logits(n, v, regime, seed=0)
+    tile_log_mass, lse = tile_statistics(logits, n, block_m, block_n)
+    live = live_tiles(tile_log_mass, lse, torch.tensor(n), block_m, eps)
+    fraction = live.float().mean().item()
+    if regime == "flat":
+        assert fraction == 1.0
+    else:
+        # A tile stays live while any row of its block has mass there: 16 rows with random
+        # labels keep up to 16 of the 32 tiles.
+        assert fraction < 0.5, f"live fraction {fraction:.2f}"
+    assert dropped_mass(logits, live, n, block_m, block_n).max() <= eps * (1 + SLACK)
+
+
+@given(
+    regime=st.sampled_from(["flat", "peaked", "sharp"]),
+    seed=st.integers(0, 2**16),
+    eps_small=st.sampled_from([1e-9, 2.0**-15, 2.0**-12]),
+    eps_large=st.sampled_from([2.0**-7, 0.1, 1.0]),
+)
+def test_live_tiles_monotone_in_eps(regime, seed, eps_small, eps_large):
+    """A larger eps never brings a skipped tile back."""
+    logits = make_logits(37, 300, regime, seed)
+    stats = tile_statistics(logits, 37, 16, 16)
+    small = live_tiles(*stats, torch.tensor(37), 16, eps_small)
+    large = live_tiles(*stats, torch.tensor(37), 16, eps_large)
+    assert not (large & ~small).any()
+
+
+@pytest.mark.parametrize("n_valid", [0, 1, 16, 17, 37])
+def test_eps_none_keeps_every_tile_of_blocks_with_valid_rows(n_valid):
+    logits = make_logits(37, 123, "sharp", seed=1)
+    tile_log_mass, lse = tile_statistics(logits, n_valid, 16, 16)
+    live = live_tiles(tile_log_mass, lse, torch.tensor(n_valid), 16, None)
+    expected = (torch.arange(3) * 16 < n_valid)[:, None].expand(3, 8)
+    assert torch.equal(live, expected)
+
+
+def test_nan_statistics_keep_their_tiles():
+    """NaN (a NaN input row) never licenses a skip: the whole block stays live."""
+    logits = make_logits(32, 256, "sharp", seed=2)
+    tile_log_mass, lse = tile_statistics(logits, 32, 16, 16)
+    assert not live_tiles(tile_log_mass, lse, torch.tensor(32), 16, 0.5).all()
+    nan_lse = lse.clone()
+    nan_lse[3] = float("nan")  # block 0
+    live = live_tiles(tile_log_mass, nan_lse, torch.tensor(32), 16, 0.5)
+    assert live[0].all()
+    nan_stat = tile_log_mass.clone()
+    nan_stat[1, 2] = float("nan")
+    assert live_tiles(nan_stat, lse, torch.tensor(32), 16, 0.5)[1, 2]
+
+
+def test_empty_tiles_are_skipped():
+    """A tile with no mass at all (−inf statistics) is skipped for any eps > 0."""
+    tile_log_mass = torch.tensor([[0.0, -math.inf, 0.0]])
+    lse = torch.full((4,), math.log(2.0))
+    live = live_tiles(tile_log_mass, lse, torch.tensor(4), 4, 1e-9)
+    assert live.tolist() == [[True, False, True]]
+
+
+# ---------------------------------------------------------------------------------------------
+# mark_targets_live
+
+
+def expected_marks(live: torch.Tensor, target_pos: torch.Tensor, block_m: int, block_n: int):
+    out = live.clone()
+    for p, t in enumerate(target_pos.tolist()):
+        if t >= 0:
+            out[p // block_m, t // block_n] = True
+    return out
+
+
+@given(
+    n=st.integers(1, 70),
+    v=st.integers(1, 300),
+    block_m=st.sampled_from([1, 4, 16]),
+    block_n=st.sampled_from([1, 8, 16]),
+    ignored_fraction=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    few_classes=st.booleans(),
+    start_live=st.sampled_from(["none", "random"]),
+    seed=st.integers(0, 2**16),
+)
+def test_mark_targets_live_keeps_every_target_tile(n, v, block_m, block_n, ignored_fraction,
+                                                   few_classes, start_live, seed):
+    """Exactly the tiles holding a target become live (duplicates and −1 rows included)."""
+    g = torch.Generator().manual_seed(seed)
+    classes = min(v, 3) if few_classes else v  # few classes: many duplicates per tile
+    target_pos = torch.randint(0, classes, (n,), generator=g)
+    target_pos[torch.rand(n, generator=g) < ignored_fraction] = -1
+    shape = (math.ceil(n / block_m), math.ceil(v / block_n))
+    if start_live == "none":
+        live = torch.zeros(shape, dtype=torch.bool)
+    else:
+        live = torch.rand(shape, generator=g) < 0.3
+    expected = expected_marks(live, target_pos, block_m, block_n)
+    mark_targets_live(live, target_pos, block_m, block_n)
+    assert torch.equal(live, expected)
+
+
+def test_mark_targets_live_ignored_rows_do_not_erase_a_mark():
+    """An ignored row (−1) aliases tile 0 of its block; it must not undo a real target there,
+    in whatever order the rows come."""
+    for target_pos in ([-1, 3, -1, -1], [3, -1, -1, -1], [-1, -1, -1, 3], [3, 3, -1, 3]):
+        live = torch.zeros(1, 2, dtype=torch.bool)
+        mark_targets_live(live, torch.tensor(target_pos), 4, 8)
+        assert live.tolist() == [[True, False]], target_pos
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve_filter_eps
+
+
+@pytest.mark.parametrize(
+    "dtype, expected",
+    [(torch.bfloat16, 2.0**-12), (torch.float16, 2.0**-15), (torch.float32, None)],
+    ids=["bf16", "fp16", "fp32"],
+)
+def test_resolve_filter_eps_auto_by_dtype(dtype, expected):
+    assert resolve_filter_eps("auto", dtype) == expected == AUTO_FILTER_EPS[dtype]
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, None), (0, None), (0.0, None), (1e-3, 1e-3), (1, 1.0), (2.0**-12, 2.0**-12)],
+    ids=["None", "int0", "float0", "1e-3", "int1", "2^-12"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_resolve_filter_eps_explicit(value, expected, dtype):
+    resolved = resolve_filter_eps(value, dtype)
+    assert resolved == expected
+    assert resolved is None or isinstance(resolved, float)
+
+
+@pytest.mark.parametrize("value", ["bogus", "AUTO", "", -1e-3, -1, float("nan")],
+                         ids=["bogus", "AUTO", "empty", "negative", "negative-int", "nan"])
+def test_resolve_filter_eps_rejects(value):
+    with pytest.raises(ValueError, match="filter_eps"):
+        resolve_filter_eps(value, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward kernel records the statistics the rule assumes
+
+requires_triton = pytest.mark.skipif(
+    not can_run_triton(), reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1"
+)
+
+
+@requires_triton
+@pytest.mark.parametrize("regime", ["flat", "sharp"])
+@pytest.mark.parametrize("n_valid", [37, 20], ids=["all-valid", "some-ignored"])
+def test_forward_records_hand_built_tile_statistics(regime, n_valid):
+    """The Triton forward's per-tile log-mass equals the hand-built one (fp32 rounding)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n, v, d = 37, 123, 16
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(n, d, generator=g)
+    b = torch.randn(v, d, generator=g) / math.sqrt(d)
+    if regime == "sharp":
+        a = 30.0 * b[torch.randint(0, v, (n,), generator=g)] + 0.5 * a
+    rows = engine.Rows(index=torch.arange(n, device=device),
+                       n_valid=torch.tensor(n_valid, device=device))
+    stats = engine.row_stats(a.to(device), b.to(device), engine.Logits(), rows,
+                             record_tiles=True, backend="triton")
+    logits = a.double() @ b.double().T
+    expected, lse = tile_statistics(logits, n_valid, stats.block_m, stats.block_n)
+    got = stats.tile_log_mass.cpu()
+    assert got.shape == expected.shape
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.lse.cpu()[:n_valid], lse[:n_valid], rtol=1e-5, atol=1e-5)
