@@ -299,16 +299,17 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
 
 
 def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A plain fixed-width table for the terminal (first column left-aligned)."""
+    """A plain fixed-width table for the terminal; numeric columns are right-aligned."""
     body = [[str(v) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in body:
         for i, value in enumerate(row):
             widths[i] = max(widths[i], len(value))
+    numeric = [all(_looks_numeric(row[i]) for row in body) for i in range(len(headers))]
 
     def line(values: Sequence[str]) -> str:
         parts = [
-            values[i].ljust(widths[i]) if i == 0 else values[i].rjust(widths[i])
+            values[i].rjust(widths[i]) if numeric[i] else values[i].ljust(widths[i])
             for i in range(len(values))
         ]
         return "  ".join(parts).rstrip()
@@ -316,6 +317,16 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     out = [line(list(headers)), line(["-" * w for w in widths])]
     out.extend(line(row) for row in body)
     return "\n".join(out)
+
+
+def _looks_numeric(text: str) -> bool:
+    if text in ("", "—"):
+        return True
+    try:
+        float(text.split(" / ")[0])
+    except ValueError:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- results files

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close_to_ref, can_run_triton, default_floor, rel_err
 from hypothesis import given, note, settings
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 import fusedloss
 from fusedloss.reference import linear_cross_entropy_ref

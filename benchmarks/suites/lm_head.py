@@ -453,11 +453,12 @@ class Target:
 
     @property
     def description(self) -> str:
+        factor = f"{self.factor:g}" if self.factor % 1 else f"{self.factor:.1f}"
         if self.kind == "time":
-            return f"time ≤ {self.factor:g}× {self.baseline_label}"
+            return f"time ≤ {factor}× {self.baseline_label}"
         if self.kind == "memory":
             return f"memory ≤ {self.factor:.0%} of {self.baseline_label}"
-        return f"gradient error ≤ {self.factor:g}× torch bf16 (dE and dC)"
+        return f"gradient error ≤ {factor}× torch bf16 (dE and dC)"
 
 
 @dataclass

@@ -260,7 +260,7 @@ def grads(
 
 def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int) -> int:
     """Column tiles per slab: the dX scratch of one slab stays under the budget."""
-    budget = float(os.environ.get("FUSEDLOSS_SCRATCH_MB", 256)) * 2**20
+    budget = float(os.environ.get("FUSEDLOSS_SCRATCH_MB", 64)) * 2**20
     return max(1, min(n_ct, int(budget // max(1, n_rb * tile_bytes))))
 
 

@@ -36,7 +36,10 @@ def resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> fl
         if filter_eps != "auto":
             raise ValueError(f"filter_eps must be 'auto', None or a float >= 0, got {filter_eps!r}")
         return AUTO_FILTER_EPS.get(dtype)
-    eps = float(filter_eps)
+    try:
+        eps = float(filter_eps)
+    except (TypeError, ValueError):
+        eps = float("nan")
     if not eps >= 0.0:
         raise ValueError(f"filter_eps must be 'auto', None or a float >= 0, got {filter_eps!r}")
     return eps if eps > 0.0 else None

@@ -202,6 +202,7 @@ def linear_cross_entropy(
     _check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                   label_smoothing, softcap, z_loss, shift)
     backend = engine.resolve_backend(backend, input.device)
+    resolve_filter_eps(filter_eps, input.dtype)  # validates on every backend
     v, d = linear_weight.shape
     a = input.reshape(-1, d)
     if a.stride(-1) != 1:
@@ -264,18 +265,22 @@ def linear_cross_entropy(
 
 
 def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend):
-    if vocab_order is None or backend != "triton":
-        return None
+    """Validates ``vocab_order`` on every backend; returns the column order the kernels use."""
+    v = b.shape[0]
     if isinstance(vocab_order, str):
         if vocab_order != "auto":
             raise ValueError(f"vocab_order must be 'auto', None or a permutation tensor, "
                              f"got {vocab_order!r}")
         wants_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-        if eps is None or not wants_grad:
+        if backend != "triton" or eps is None or not wants_grad:
             return None
         with torch.no_grad():
             return order_by_mean_logit(a, b, bias, valid)
-    v = b.shape[0]
+    if vocab_order is None:
+        return None
+    if not isinstance(vocab_order, torch.Tensor):
+        raise TypeError(f"vocab_order must be 'auto', None or a tensor, got "
+                        f"{type(vocab_order).__name__}")
     if vocab_order.shape != (v,) or vocab_order.dtype != torch.int64:
         raise ValueError(f"vocab_order must be a ({v},) int64 permutation, got "
                          f"{tuple(vocab_order.shape)} {vocab_order.dtype}")
@@ -283,7 +288,7 @@ def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend):
         raise ValueError(f"vocab_order is on {vocab_order.device}, linear_weight on {b.device}")
     if not torch.equal(torch.sort(vocab_order).values, torch.arange(v, device=b.device)):
         raise ValueError("vocab_order must be a permutation of 0..V-1")
-    return vocab_order
+    return vocab_order if backend == "triton" else None
 
 
 def _check_inputs(input, linear_weight, target, bias, weight, reduction, label_smoothing,

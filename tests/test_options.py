@@ -1,0 +1,410 @@
+"""Every option of ``linear_cross_entropy`` and ``LinearCrossEntropyLoss`` has a test that fails
+if the option is ignored: it changes the result where it should, and matches the float64
+reference (with the accuracy bar of test_linear_cross_entropy.py) when it does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import can_run_triton, rel_err
+from test_linear_cross_entropy import (
+    BACKENDS,
+    DEVICE,
+    Case,
+    Result,
+    check_case,
+    make_problem,
+    requires_triton,
+    run_ours,
+    run_reference,
+)
+
+import fusedloss
+import fusedloss.nn
+from fusedloss import LinearCrossEntropyLoss, linear_cross_entropy
+
+# One moderate problem: several 16×16 tiles with ragged edges on the interpreter.
+BASE = Case(lead=(37,), v=123, d=16, dtype=torch.float32, regime="peaked")
+BF16 = replace(BASE, dtype=torch.bfloat16)
+
+
+def assert_changes(on: Result, off: Result, *, what: str, at_least: float = 1e-3,
+                   grads: bool = True) -> None:
+    """The option moved the loss (and the gradients) far beyond rounding."""
+    assert rel_err(on.loss, off.loss) > at_least, f"{what} does not change the loss"
+    if grads:
+        for name in off.grads:
+            assert rel_err(on.grads[name], off.grads[name]) > at_least, (
+                f"{what} does not change grad {name}")
+
+
+def with_option(backend: str, base: Case, **option):
+    """(ours with the option, checked against the reference; ours without it)."""
+    on_case = replace(base, **option)
+    on = check_case(on_case, backend)
+    off = run_ours(base, make_problem(on_case), backend)
+    return on, off
+
+
+# ---------------------------------------------------------------------------------------------
+# loss options
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("alpha", [0.1, 1.0])
+@pytest.mark.parametrize("class_weight", [False, True], ids=["", "class-weight"])
+def test_label_smoothing(backend, alpha, class_weight):
+    on, off = with_option(backend, replace(BASE, class_weight=class_weight),
+                          label_smoothing=alpha)
+    assert_changes(on, off, what="label_smoothing")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [5.0, 30.0])
+def test_softcap(backend, cap):
+    on, off = with_option(backend, replace(BASE, bias=True), softcap=cap)
+    # peaked logits reach ~15: c = 30 bends them by a few percent, c = 5 by a lot
+    assert_changes(on, off, what="softcap")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_bounds_the_lse(backend):
+    """Every capped logit is below c, so lse < c + log V, whatever the input scale."""
+    case = replace(BASE, regime="sharp", softcap=2.0, return_lse=True, reduction="none")
+    ours = check_case(case, backend)
+    assert (ours.lse <= 2.0 + torch.log(torch.tensor(123.0))).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_z_loss(backend, reduction):
+    base = replace(BASE, reduction=reduction, ignore="some")
+    on, off = with_option(backend, base, z_loss=1e-2)
+    assert_changes(on, off, what="z_loss")
+    # The difference is λ·lse² per token, exactly what return_lse reports.
+    with_lse = run_ours(replace(base, return_lse=True), make_problem(base), backend)
+    extra = 1e-2 * with_lse.lse**2
+    if reduction == "mean":
+        valid = make_problem(base).target != base.ignore_index
+        extra = extra.sum() / valid.sum()
+    torch.testing.assert_close(on.loss - off.loss, extra, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_class_weight(backend):
+    on, off = with_option(backend, replace(BASE, ignore="some"), class_weight=True)
+    assert_changes(on, off, what="weight")
+    # "mean" divides by the summed weights of the non-ignored targets (PyTorch's semantics).
+    case = replace(BASE, ignore="some", class_weight=True)
+    problem = make_problem(case)
+    total = run_ours(replace(case, reduction="sum"), problem, backend).loss
+    valid = problem.target != case.ignore_index
+    denominator = problem.weight[problem.target[valid]].sum()
+    torch.testing.assert_close(on.loss, total / denominator, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_shift_equals_slicing(backend, reduction):
+    """shift=True on (B, T, D) equals the unshifted call on input[:, :-1] and target[:, 1:]."""
+    case = replace(BASE, lead=(3, 13), shift=True, ignore="some", reduction=reduction)
+    problem = make_problem(case)
+    shifted = check_case(case, backend)
+    x = problem.input[:, :-1].detach().clone().requires_grad_()
+    w = problem.linear_weight.detach().clone().requires_grad_()
+    sliced = linear_cross_entropy(x, w, problem.target[:, 1:], reduction=reduction,
+                                  backend=backend)
+    torch.testing.assert_close(shifted.loss, sliced.detach(), rtol=1e-5, atol=1e-6)
+    unshifted = run_ours(replace(case, shift=False), problem, backend)
+    assert_changes(shifted, unshifted, what="shift", grads=False)
+    assert (shifted.grads["input"][:, -1] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ignore_index", [-100, -1, 3], ids=["-100", "-1", "class3"])
+def test_ignore_index_equals_dropping_the_tokens(backend, ignore_index):
+    """Ignored tokens count for nothing: the mean over all tokens equals the mean over the
+    kept ones, and an in-range ignore_index (a real class id) works too."""
+    case = replace(BASE, ignore="some", ignore_index=ignore_index, bias=True)
+    problem = make_problem(case)
+    if ignore_index == 3:
+        problem.target[:5] = 3  # make sure the class is present
+    keep = problem.target != ignore_index
+    assert keep.any() and not keep.all()
+    ours = run_ours(case, problem, backend)
+    kept = fusedloss.linear_cross_entropy(
+        problem.input[keep], problem.linear_weight, problem.target[keep],
+        linear_bias=problem.linear_bias, backend=backend)
+    torch.testing.assert_close(ours.loss, kept, rtol=1e-5, atol=1e-6)
+    assert (ours.grads["input"][~keep] == 0).all()
+    check_case(case, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shift", [False, True], ids=["", "shift"])
+def test_return_lse(backend, shift):
+    """lse equals logsumexp of the float64 logits (0 at ignored tokens) and its gradient
+    flows: a loss built from the lse alone matches the reference's."""
+    lead = (3, 13) if shift else (37,)
+    case = replace(BASE, lead=lead, bias=True, shift=shift, ignore="some", return_lse=True,
+                   reduction="none")
+    problem = make_problem(case)
+    ours = check_case(case, backend)
+    x = problem.input[..., :-1, :] if shift else problem.input
+    target = problem.target[..., 1:] if shift else problem.target
+    logits = x.double() @ problem.linear_weight.double().T + problem.linear_bias.double()
+    expected = torch.where(target != -100, torch.logsumexp(logits, dim=-1), 0.0)
+    torch.testing.assert_close(ours.lse.double(), expected, rtol=1e-6, atol=1e-5)
+
+    # The lse alone as the objective: d/dX Σ lse = softmax, nothing from the target.
+    leaves = [t.detach().clone().requires_grad_() for t in (problem.input, problem.linear_weight)]
+    _, lse = linear_cross_entropy(*leaves, problem.target, linear_bias=problem.linear_bias,
+                                  shift=shift, return_lse=True, reduction="none",
+                                  backend=backend)
+    lse.sum().backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    _, ref_lse = fusedloss.reference.linear_cross_entropy_ref(
+        *ref_leaves, problem.target, linear_bias=problem.linear_bias.double(), shift=shift,
+        return_lse=True, reduction="none")
+    ref_lse.sum().backward()
+    for ours_leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(ours_leaf.grad, ref_leaf.grad) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reductions_are_consistent(backend):
+    """sum = Σ none, mean = sum / Σ w_y, and the gradients scale the same way."""
+    case = replace(BASE, class_weight=True, ignore="some", label_smoothing=0.1, z_loss=1e-3)
+    problem = make_problem(case)
+    results = {r: run_ours(replace(case, reduction=r), problem, backend)
+               for r in ("none", "sum", "mean")}
+    valid = problem.target != case.ignore_index
+    denominator = problem.weight[problem.target[valid]].sum()
+    assert results["none"].loss.shape == (37,)
+    assert results["sum"].loss.shape == results["mean"].loss.shape == ()
+    torch.testing.assert_close(results["sum"].loss, results["none"].loss.sum())
+    torch.testing.assert_close(results["mean"].loss, results["sum"].loss / denominator)
+    for name, grad in results["sum"].grads.items():
+        torch.testing.assert_close(results["mean"].grads[name] * denominator, grad,
+                                   rtol=1e-5, atol=1e-6)
+    assert rel_err(results["none"].loss, results["mean"].loss.expand(37)) > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# vocab_order and filter_eps (Triton only: the torch backend ignores both)
+
+
+@requires_triton
+@pytest.mark.parametrize("case", [
+    pytest.param(replace(BASE, filter_eps=None), id="fp32-exact"),
+    pytest.param(replace(BF16, filter_eps=None, bias=True), id="bf16-exact"),
+])
+def test_vocab_order_does_not_change_the_result(case):
+    """Any column order gives the natural order's result up to the summation order."""
+    problem = make_problem(case)
+    natural = run_ours(case, problem, "triton", vocab_order=None)
+    g = torch.Generator().manual_seed(5)
+    for order in (torch.randperm(case.v, generator=g), torch.arange(case.v).flip(0), "auto"):
+        if isinstance(order, torch.Tensor):
+            order = order.to(DEVICE)
+        permuted = run_ours(case, problem, "triton", vocab_order=order)
+        torch.testing.assert_close(permuted.loss, natural.loss, rtol=1e-6, atol=1e-6)
+        for name, grad in natural.grads.items():
+            tol = 2 * torch.finfo(case.dtype).eps  # summation order and one rounding
+            assert rel_err(permuted.grads[name], grad) <= tol, name
+
+
+@requires_triton
+@pytest.mark.parametrize("order", ["auto", None, "permutation"])
+def test_vocab_order_with_filtering_meets_the_bar(order):
+    """With filtering on, the order changes which tiles are skipped, never the bar."""
+    case = replace(BF16, regime="sharp", ignore="some")
+    if order == "permutation":
+        order = torch.randperm(case.v, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    check_case(case, "triton", vocab_order=order)
+
+
+@requires_triton
+def test_invalid_vocab_order_raises():
+    case = BASE
+    problem = make_problem(case)
+    with pytest.raises(ValueError, match="permutation"):
+        run_ours(case, problem, "triton",
+                 vocab_order=torch.zeros(case.v, dtype=torch.long, device=DEVICE))
+
+
+SPARSE = {"FUSEDLOSS_DENSE_SLAB_FRACTION": "2"}  # every slab through the block-sparse path
+
+
+@requires_triton
+@pytest.mark.parametrize("env", [pytest.param({}, id="defaults"),
+                                 pytest.param(SPARSE, id="sparse")])
+@pytest.mark.parametrize("regime", ["peaked", "sharp"])
+def test_filter_eps_filters(monkeypatch, env, regime):
+    """A huge eps skips tiles (the gradients move), "auto" keeps them within the bar.
+
+    The default engine sends slabs with ≥ 25% live tiles through the dense path, which
+    computes whole row blocks; targets concentrated on a few classes (most frequent first,
+    as in text) leave most tiles dead, so filtering shows there too.
+    """
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    case = replace(BF16, regime=regime, v=300, lead=(64,))
+    problem = make_problem(case)
+    problem.target.clamp_(max=15)  # a 16-class "frequent words" vocabulary
+    exact = run_ours(replace(case, filter_eps=None), problem, "triton")
+    huge = run_ours(replace(case, filter_eps=1.0), problem, "triton")
+    for name in exact.grads:
+        assert rel_err(huge.grads[name], exact.grads[name]) > 1e-2, (
+            f"filter_eps=1.0 left grad {name} unchanged: no tile was skipped")
+    torch.testing.assert_close(huge.loss, exact.loss)  # the forward never filters
+    check_case(case, "triton")  # "auto" meets the bar on the same kind of problem
+
+
+@requires_triton
+@pytest.mark.parametrize("eps", [2.0**-10, 2.0**-6, 0.25])
+@pytest.mark.parametrize("env", [pytest.param({}, id="defaults"),
+                                 pytest.param(SPARSE, id="sparse")])
+def test_filter_eps_bounds_the_gradient_change(monkeypatch, env, eps):
+    """filter_eps is a proven bound: each row loses ≤ eps of its softmax mass, so with unit
+    coefficients (reduction="sum", no options) ‖ΔdA_i‖ ≤ eps · max_j ‖B_j‖ and
+    ‖ΔdB‖ ≤ eps · Σ_i ‖A_i‖ against the unfiltered gradients."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    case = replace(BASE, regime="sharp", reduction="sum", lead=(64,), v=300, bias=True)
+    problem = make_problem(case)
+    exact = run_ours(replace(case, filter_eps=None), problem, "triton")
+    filtered = run_ours(replace(case, filter_eps=eps), problem, "triton")
+    a, b = problem.input.double().cpu(), problem.linear_weight.double().cpu()
+    d_a = (filtered.grads["input"] - exact.grads["input"]).double().cpu().norm(dim=1)
+    rounding = 1e-5 * exact.grads["input"].double().cpu().norm(dim=1) + 1e-6
+    assert (d_a <= eps * b.norm(dim=1).max() + rounding).all()
+    d_b = (filtered.grads["linear_weight"] - exact.grads["linear_weight"]).double().norm()
+    assert d_b <= eps * a.norm(dim=1).sum() + 1e-5 * exact.grads["linear_weight"].norm()
+    d_bias = (filtered.grads["linear_bias"] - exact.grads["linear_bias"]).double().norm()
+    assert d_bias <= eps * a.shape[0] + 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# the module
+
+
+MODULE_OPTIONS = [
+    pytest.param(dict(reduction="sum"), id="reduction"),
+    pytest.param(dict(ignore_index=3), id="ignore_index"),
+    pytest.param(dict(label_smoothing=0.2), id="label_smoothing"),
+    pytest.param(dict(softcap=5.0), id="softcap"),
+    pytest.param(dict(z_loss=1e-2), id="z_loss"),
+    pytest.param(dict(shift=True), id="shift"),
+    pytest.param(dict(return_lse=True), id="return_lse"),
+    pytest.param(dict(weight="class-weight"), id="weight"),
+    pytest.param(dict(filter_eps=1.0), id="filter_eps"),
+    pytest.param(dict(backend="torch"), id="backend-torch"),
+    pytest.param(dict(backend="triton"), id="backend-triton", marks=requires_triton),
+]
+
+
+def _module_inputs(case: Case):
+    problem = make_problem(case)
+    problem.target[:4] = 3  # ignore_index=3 must have something to ignore
+    problem.target.clamp_(max=15)  # few classes: filter_eps=1.0 skips tiles (see above)
+    return problem
+
+
+def _forward_backward(fn, problem):
+    x = problem.input.detach().clone().requires_grad_()
+    w = problem.linear_weight.detach().clone().requires_grad_()
+    b = problem.linear_bias.detach().clone().requires_grad_()
+    out = fn(x, w, problem.target, b)
+    loss = out[0] if isinstance(out, tuple) else out
+    lse = out[1] if isinstance(out, tuple) else None
+    total = loss.sum() + (lse.sum() if lse is not None else 0)
+    total.backward()
+    return out, (x.grad, w.grad, b.grad)
+
+
+@pytest.mark.parametrize("option", MODULE_OPTIONS)
+def test_module_forwards_every_option(monkeypatch, option):
+    """Module(option) equals the functional call with that option, bit for bit, and differs
+    from the call without it."""
+    monkeypatch.setenv(*next(iter(SPARSE.items())))
+    case = replace(BF16, lead=(2, 32), regime="sharp", bias=True, v=300)
+    problem = _module_inputs(case)
+    option = dict(option)
+    if option.get("weight") == "class-weight":
+        option["weight"] = torch.rand(case.v, generator=torch.Generator().manual_seed(1)) + 0.5
+        option["weight"] = option["weight"].to(DEVICE)
+    needs_triton = "filter_eps" in option
+    backend = option.pop("backend", "triton" if needs_triton else "torch")
+    if backend == "triton" and not can_run_triton():
+        pytest.skip("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
+
+    module = LinearCrossEntropyLoss(**option, backend=backend)
+    if "shift" not in option:  # without a time dimension
+        problem.input, problem.target = problem.input.flatten(0, 1), problem.target.flatten()
+
+    def functional(opts):
+        return lambda x, w, y, b: linear_cross_entropy(x, w, y, linear_bias=b, backend=backend,
+                                                       **opts)
+
+    out_module, grads_module = _forward_backward(
+        lambda x, w, y, b: module(x, w, y, linear_bias=b), problem)
+    out_functional, grads_functional = _forward_backward(functional(option), problem)
+    out_default, grads_default = _forward_backward(functional({}), problem)
+    for ours, theirs in zip(grads_module, grads_functional, strict=True):
+        assert torch.equal(ours, theirs)
+    if isinstance(out_functional, tuple):
+        assert isinstance(out_module, tuple)
+        for ours, theirs in zip(out_module, out_functional, strict=True):
+            assert torch.equal(ours, theirs)
+        return  # return_lse: the tuple is the difference
+    assert torch.equal(out_module, out_functional)
+    if option:
+        changed = out_module.shape != out_default.shape or not torch.equal(out_module,
+                                                                           out_default)
+        changed = changed or any(not torch.equal(g, h)
+                                 for g, h in zip(grads_module, grads_default, strict=True))
+        assert changed, f"{option} changes nothing: the module may be dropping it"
+
+
+@requires_triton
+@pytest.mark.parametrize("every", [1, 3])
+def test_module_vocab_order_every_reuses_the_order(monkeypatch, every):
+    """vocab_order_every=k sorts on calls 0, k, 2k, … and passes that order in between; the
+    results equal the functional call with that order, and meet the bar."""
+    computed = []
+    sort = fusedloss.nn.order_by_mean_logit
+
+    def spy(*args, **kwargs):
+        computed.append(sort(*args, **kwargs))
+        return computed[-1]
+
+    monkeypatch.setattr(fusedloss.nn, "order_by_mean_logit", spy)
+    module = LinearCrossEntropyLoss(backend="triton", vocab_order_every=every)
+    case = replace(BF16, regime="sharp")
+    orders_used = []
+    for step in range(4):
+        problem = make_problem(replace(case, seed=step))  # the model moves between steps
+        ours = _forward_backward(lambda x, w, y, b: module(x, w, y), problem)
+        if every == 1:
+            order = "auto"
+        else:
+            order = computed[-1]
+            orders_used.append(order)
+        functional = _forward_backward(
+            lambda x, w, y, b, order=order: linear_cross_entropy(x, w, y, backend="triton",
+                                                                 vocab_order=order), problem)
+        assert torch.equal(ours[0], functional[0])
+        for g, h in zip(ours[1], functional[1], strict=True):
+            assert torch.equal(g, h)
+    if every == 1:
+        assert computed == []  # the functional API sorts on its own
+    else:
+        assert len(computed) == 2  # calls 0 and 3
+        assert orders_used[0] is orders_used[1] is orders_used[2]
+        assert orders_used[3] is not orders_used[0]
+    # A reused (stale) order still meets the bar on the last step's data.
+    check_case(replace(case, seed=3), "triton", vocab_order=computed[0] if computed else "auto")
