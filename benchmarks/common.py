@@ -219,6 +219,16 @@ def git_revision() -> str | None:
     return revision + ("+dirty" if dirty else "")
 
 
+def fusedloss_version() -> str | None:
+    """The version in fusedloss/__init__.py (read, not imported: importing builds kernels)."""
+    try:
+        text = (REPO_ROOT / "fusedloss" / "__init__.py").read_text(encoding="utf-8")
+    except OSError:
+        return package_version("fusedloss")
+    match = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
+    return match.group(1) if match else package_version("fusedloss")
+
+
 def collect_environment(device: torch.device | str) -> dict[str, Any]:
     """Device name and slug, library versions, date: the header of every results file."""
     try:
@@ -243,6 +253,7 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": platform.python_version(),
+        "fusedloss_version": fusedloss_version(),
         "fusedloss_revision": git_revision(),
         "date": now.date().isoformat(),
         "timestamp": now.isoformat(timespec="seconds"),

@@ -644,7 +644,11 @@ def render_markdown(
             ),
         ),
         ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
-        ("fusedloss revision", env.get("fusedloss_revision") or "unknown"),
+        (
+            "fusedloss version (git revision)",
+            f"{env.get('fusedloss_version') or 'unknown'} "
+            f"({env.get('fusedloss_revision') or 'unknown'})",
+        ),
         ("peers", peers),
         ("date", env["timestamp"]),
         ("N, dtype, seed", f"{info.n} tokens, {info.dtype}, seed {info.seed}"),
@@ -712,7 +716,8 @@ def render_markdown(
         f"At the measured R = {common.format_tflops(tflops)} TFLOP/s: forward 2NVD/R, "
         "backward with nothing skipped 6NVD/R, so forward+backward unskipped 8NVD/R. "
         "'× floor' in the details divides a time by 2NVD/R (forward only) or 8NVD/R "
-        "(forward+backward).",
+        "(forward+backward). Methods that store the N×V logits instead of recomputing them "
+        "(torch eager, torch.compile) need only 6NVD/R for forward+backward.",
         "",
     ]
     rows = []
