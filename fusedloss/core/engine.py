@@ -327,10 +327,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
         nt = t1 - t0
         c0, c1 = t0 * bn, min(t1 * bn, v)
         dense = slab_live[k] >= _dense_slab_fraction() * max(1, n_valid_blocks * nt)
-        if dense:
-            live_s = live[:, t0:t1].any(dim=1, keepdim=True).expand(n_rb, nt).contiguous()
-        else:
-            live_s = live[:, t0:t1].contiguous()
+        live_s = live[:, t0:t1].contiguous()
         dscale_s = dscale[:, t0:t1].contiguous() if need_scale else dummy
         # The slab's dX as a row-major (rows, slab columns) matrix; the last slab may be narrower.
         scratch = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
@@ -347,7 +344,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             SOFTCAP=float(logits.softcap or 0.0),
             HAS_TARGET=rows.target is not None and coef.target is not None,
             HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
-            GRAD_SCALE=need_scale,
+            GRAD_SCALE=need_scale, ZERO_DEAD=dense,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )

@@ -41,17 +41,23 @@ def _grad_logits_kernel(
     V, D, stride_a, stride_b, slab_tile_start, n_slab_tiles,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
     tile_id = pid_m.to(tl.int64) * n_slab_tiles + pid_t
+    width = n_slab_tiles * BLOCK_N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_tile = (offs_m.to(tl.int64)[:, None] * width
+                 + pid_t * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
     if tl.load(live_ptr + tile_id) == 0:
+        if ZERO_DEAD:  # the dense path multiplies every tile: a skipped one must read as 0
+            tl.store(scratch_ptr + offs_tile,
+                     tl.zeros((BLOCK_M, BLOCK_N), scratch_ptr.dtype.element_ty))
         return
     n_valid = tl.load(n_valid_ptr)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_rows = offs_m < n_valid
     rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
     offs_n = (slab_tile_start + pid_t) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,9 +95,6 @@ def _grad_logits_kernel(
     if GRAD_SCALE:
         tl.store(dscale_ptr + tile_id, tl.sum(tl.sum(dx * raw, axis=1), axis=0))
 
-    width = n_slab_tiles * BLOCK_N
-    offs_tile = (offs_m.to(tl.int64)[:, None] * width
-                 + pid_t * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
     tl.store(scratch_ptr + offs_tile, dx.to(scratch_ptr.dtype.element_ty))
 
 

@@ -226,8 +226,11 @@ def linear_cross_entropy(
         )
 
     if a.shape[0] == 0:
-        loss_tok = a.new_zeros(0, dtype=torch.float32)
-        lse = loss_tok
+        # Nothing to compute, but keep the graph: gradients are zeros of the right shapes.
+        loss_tok = a.float().sum(dim=-1) + b[:0].float().sum()
+        if linear_bias is not None:
+            loss_tok = loss_tok + linear_bias[:0].float().sum()
+        lse = loss_tok.detach()
     else:
         rows = engine.compact_rows(valid)
         compact_target = torch.where(_valid_positions(rows, a.shape[0]),
