@@ -1,11 +1,16 @@
 """fusedloss: fused loss kernels on one linear-log-sum-exp core.
 
     loss = fusedloss.linear_cross_entropy(hidden, lm_head.weight, labels, shift=True)
+    loss = fusedloss.clip_loss(image_features, text_features, logit_scale)
 """
 
+from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .losses.cross_entropy import linear_cross_entropy
-from .nn import LinearCrossEntropyLoss
+from .nn import ClipLoss, InfoNCELoss, LinearCrossEntropyLoss, NTXentLoss, SigLipLoss
 
 __version__ = "0.1.0"
 
-__all__ = ["LinearCrossEntropyLoss", "linear_cross_entropy"]
+__all__ = [
+    "ClipLoss", "InfoNCELoss", "LinearCrossEntropyLoss", "NTXentLoss", "SigLipLoss",
+    "clip_loss", "info_nce_loss", "linear_cross_entropy", "nt_xent_loss", "siglip_loss",
+]

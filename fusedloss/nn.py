@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .core.filtering import resolve_filter_eps
 from .core.vocab_order import order_by_mean_logit
+from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .losses.cross_entropy import linear_cross_entropy
 
 
@@ -86,3 +88,133 @@ class LinearCrossEntropyLoss(nn.Module):
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
                 f"label_smoothing={self.label_smoothing}, softcap={self.softcap}, "
                 f"z_loss={self.z_loss}, shift={self.shift}, filter_eps={self.filter_eps!r}")
+
+
+def _check_options(reduction: str, filter_eps) -> None:
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    resolve_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
+
+
+class ClipLoss(nn.Module):
+    """Drop-in for open_clip's ``ClipLoss`` on one process, computed by :func:`clip_loss`.
+
+    ``forward(image_features (b, D), text_features (b, D), logit_scale, logit_bias=None,
+    output_dict=False)`` returns the scalar loss, or ``{"contrastive_loss": loss}``.
+
+    open_clip's constructor arguments are accepted so that existing code runs unchanged; only
+    the single-process setting (``world_size=1``) is computed here. ``cache_labels`` has
+    nothing to cache (no label tensor is built) and ``local_loss`` / ``gather_with_grad``
+    only matter across processes.
+    """
+
+    def __init__(
+        self,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        use_horovod: bool = False,
+        *,
+        reduction: str = "mean",
+        filter_eps: float | str | None = "auto",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if world_size != 1 or use_horovod:
+            raise ValueError(
+                f"ClipLoss computes the single-process loss (world_size=1); got "
+                f"world_size={world_size}, use_horovod={use_horovod}"
+            )
+        _check_options(reduction, filter_eps)
+        self.local_loss, self.gather_with_grad = local_loss, gather_with_grad
+        self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
+        self.reduction, self.filter_eps, self.backend = reduction, filter_eps, backend
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None,
+                output_dict: bool = False):
+        loss = clip_loss(image_features, text_features, logit_scale, logit_bias,
+                         reduction=self.reduction, filter_eps=self.filter_eps,
+                         backend=self.backend)
+        return {"contrastive_loss": loss} if output_dict else loss
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, filter_eps={self.filter_eps!r}"
+
+
+class SigLipLoss(nn.Module):
+    """Drop-in for open_clip's ``SigLipLoss`` on one process, computed by :func:`siglip_loss`.
+
+    ``forward(image_features (b, D), text_features (b, D), logit_scale, logit_bias,
+    output_dict=False)`` returns the scalar loss, or ``{"contrastive_loss": loss}``.
+    """
+
+    def __init__(
+        self,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_impl: str | None = None,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if world_size != 1:
+            raise ValueError(f"SigLipLoss computes the single-process loss (world_size=1); got "
+                             f"world_size={world_size}")
+        self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
+        self.dist_impl, self.backend = dist_impl, backend
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias,
+                output_dict: bool = False):
+        loss = siglip_loss(image_features, text_features, logit_scale, logit_bias,
+                           backend=self.backend)
+        return {"contrastive_loss": loss} if output_dict else loss
+
+
+class InfoNCELoss(nn.Module):
+    """Module form of :func:`info_nce_loss`: ``forward(query (N, D), keys (M, D), labels=None)``.
+
+    ``temperature`` is a float > 0 here; pass a tensor to the functional form to learn it.
+    """
+
+    def __init__(self, temperature: float = 0.07, *, reduction: str = "mean",
+                 filter_eps: float | str | None = "auto", backend: str = "auto") -> None:
+        super().__init__()
+        if not float(temperature) > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        _check_options(reduction, filter_eps)
+        self.temperature, self.reduction = float(temperature), reduction
+        self.filter_eps, self.backend = filter_eps, backend
+
+    def forward(self, query, keys, labels=None):
+        return info_nce_loss(query, keys, labels, temperature=self.temperature,
+                             reduction=self.reduction, filter_eps=self.filter_eps,
+                             backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, reduction={self.reduction!r}"
+
+
+class NTXentLoss(nn.Module):
+    """Module form of :func:`nt_xent_loss`: ``forward(features (2B, D))`` or
+    ``forward(z1 (B, D), z2 (B, D))`` (the two views, stacked for you)."""
+
+    def __init__(self, temperature: float = 0.5, *, reduction: str = "mean",
+                 filter_eps: float | str | None = "auto", backend: str = "auto") -> None:
+        super().__init__()
+        if not float(temperature) > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        _check_options(reduction, filter_eps)
+        self.temperature, self.reduction = float(temperature), reduction
+        self.filter_eps, self.backend = filter_eps, backend
+
+    def forward(self, features, second_view=None):
+        if second_view is not None:
+            features = torch.cat([features, second_view], dim=0)
+        return nt_xent_loss(features, self.temperature, reduction=self.reduction,
+                            filter_eps=self.filter_eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, reduction={self.reduction!r}"

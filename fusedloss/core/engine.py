@@ -3,18 +3,25 @@
 Notation (DESIGN.md §1): A (N, D) rows, B (V, D) columns,
 
     X_ij = softcap(s · <A_i, B_j> + bias_j)        lse_i = log Σ_j exp(X_ij)
+                                                   lse^col_j = log Σ_i exp(X_ij)   (optional)
 
 Rows are addressed through a *compact row order*: ``rows.index[p]`` is the row of A that
 position p stands for, and positions ``p >= rows.n_valid`` (ignored tokens) are skipped by every
 kernel. Statistics and per-row coefficients live in that compact order. Columns may be
 visited in a permuted order (vocabulary sorting); outputs always use the original column ids.
 
-``row_stats`` gives lse, the target logit X_{i,y_i} and Σ_j w_j X_ij per row (plus per-tile
-statistics for filtering); ``grads`` gives dA, dB, dbias and ds for
+``row_stats`` gives lse, the target logit X_{i,y_i} and Σ_j w_j X_ij per row, optionally the
+column LSE from the same pass (symmetric contrastive losses), plus per-tile statistics for
+filtering; ``grads`` gives dA, dB, dbias and ds for
 
-    dX_ij = r_i · P_ij − t_i · [j = y_i] − u_i · w_j      P_ij = exp(X_ij − lse_i)
+    dX_ij = r_i · P_ij + c_j · Q_ij − t_i · [j = y_i] − u_i · w_j
+    P_ij = exp(X_ij − lse_i),  Q_ij = exp(X_ij − lse^col_j)
 
-(chained through softcap and scale), skipping tiles whose softmax mass is provably negligible.
+(chained through softcap and scale), skipping tiles whose softmax mass (per row, and per column
+when Q is used) is provably negligible. ``Logits.diag_mask`` removes the entries X_ii (A and B
+being the same rows, as in SimCLR). In ``sigmoid`` mode the statistic is instead the pairwise
+sigmoid loss Σ_j softplus(−z_ij X_ij) (z = +1 at the target, −1 elsewhere; SigLIP) and
+dX_ij = −r_i · z_ij · σ(−z_ij X_ij).
 Two implementations share these signatures: Triton kernels ("triton"; CUDA, or the CPU
 through Triton's interpreter) and a chunked pure-PyTorch path ("torch").
 """
@@ -38,6 +45,7 @@ class Logits:
     scale: torch.Tensor | None = None  # () fp32 on the device; None means 1
     softcap: float | None = None
     col_order: torch.Tensor | None = None  # (V,) int64 permutation of the columns
+    diag_mask: bool = False  # drop X_ij where row id == column id (A and B are the same rows)
 
 
 @dataclass(frozen=True)
@@ -59,15 +67,22 @@ class RowStats:
     tile_log_mass: torch.Tensor | None  # (row blocks, column tiles) fp32, triton only
     block_m: int = 0
     block_n: int = 0
+    col_lse: torch.Tensor | None = None  # (V,) fp32 by column id, with col_stats
+    col_tile_log_mass: torch.Tensor | None = None  # (row blocks, column tiles), triton only
+    sigmoid_sum: torch.Tensor | None = None  # (N,) fp32 Σ_j softplus(−z_ij X_ij), sigmoid mode
 
 
 @dataclass(frozen=True)
 class GradCoefficients:
-    """Per-row weights of dX = r·P − t·onehot(y) − u·w, in compact row order (fp32)."""
+    """Weights of dX = r·P + c·Q − t·onehot(y) − u·w: per row in compact order, c per column id.
+
+    In sigmoid mode only ``lse`` (r) is used: dX = −r·z·σ(−zX).
+    """
 
     lse: torch.Tensor  # r (N,)
     target: torch.Tensor | None = None  # t (N,)
     uniform: torch.Tensor | None = None  # u (N,)
+    col: torch.Tensor | None = None  # c (V,), needs RowStats.col_lse
 
 
 def compact_rows(valid: torch.Tensor) -> Rows:
@@ -103,13 +118,22 @@ def row_stats(
     *,
     col_weight: torch.Tensor | None = None,  # (V,) fp32 weights of the weighted row sum
     weighted_sum: bool = False,
+    col_stats: bool = False,
+    sigmoid: bool = False,
     record_tiles: bool = True,
     backend: str = "triton",
 ) -> RowStats:
-    """Row log-sum-exp (and target logit, weighted row sum) of X without materializing it."""
+    """Row log-sum-exp (and target logit, weighted row sum) of X without materializing it.
+
+    ``col_stats`` adds the column LSE over the valid rows, from the same pass over the tiles.
+    ``sigmoid`` computes the pairwise sigmoid loss per row instead of the LSE (needs targets).
+    """
+    if sigmoid and (rows.target is None or col_stats or weighted_sum):
+        raise ValueError("sigmoid mode needs targets and takes no column or weighted statistics")
     if backend == "torch":
-        return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum)
-    return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, record_tiles)
+        return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid)
+    return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
+                             record_tiles)
 
 
 def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
@@ -118,27 +142,46 @@ def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
     return interp and t.dtype != torch.float32, "ieee" if t.dtype == torch.float32 else "tf32"
 
 
-def _split_count(n_row_blocks: int, n_col_tiles: int, device: torch.device) -> int:
-    """Column splits so that the forward grid fills the device a few times over."""
+def _program_target(device: torch.device) -> int:
+    """How many forward programs fill the device a few times over."""
     if device.type != "cuda":
-        return min(n_col_tiles, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_col_tiles, triton_cdiv(4 * sms, n_row_blocks)))
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _forward_grid(n_rb: int, n_ct: int, col_stats: bool, device: torch.device):
+    """(row groups, blocks per group, column splits, tiles per split) of the forward.
+
+    Without column statistics every row block is its own group and the columns are split
+    until the grid fills the device. With them, programs own near-square rectangles of tiles
+    so that both the row and the column partials stay few (O((N + V) · √programs) floats).
+    """
+    target = _program_target(device)
+    if col_stats:
+        groups = max(1, min(n_rb, round((target * n_rb / n_ct) ** 0.5)))
+    else:
+        groups = n_rb
+    per_group = triton_cdiv(n_rb, groups)
+    groups = triton_cdiv(n_rb, per_group)
+    splits = max(1, min(n_ct, triton_cdiv(target, groups)))
+    per_split = triton_cdiv(n_ct, splits)
+    return groups, per_group, triton_cdiv(n_ct, per_split), per_split
 
 
 def triton_cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
-def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, record_tiles) -> RowStats:
+def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
+                      record_tiles) -> RowStats:
     from .lse_forward import _lse_forward_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
     cfg = config.forward_config(a.device, a.dtype, d)
     n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
-    splits = _split_count(n_rb, n_ct, a.device)
-    tiles_per_split = triton_cdiv(n_ct, splits)
-    splits = triton_cdiv(n_ct, tiles_per_split)
+    groups, blocks_per_group, splits, tiles_per_split = _forward_grid(n_rb, n_ct, col_stats,
+                                                                     a.device)
+    record_tiles = record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     part_max = torch.full((splits, n), float("-inf"), **f32)
     part_sum = torch.zeros((splits, n), **f32)
@@ -146,9 +189,13 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, record_tiles
     part_target = torch.zeros((splits, n), **f32) if has_target else part_sum
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
     tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
+    if col_stats:
+        col_max = torch.full((groups, v), float("-inf"), **f32)
+        col_sum = torch.zeros((groups, v), **f32)
+        col_tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else col_sum
     dot_fp32, precision = _dot_flags(a)
     dummy = part_sum
-    _lse_forward_kernel[(n_rb, splits)](
+    _lse_forward_kernel[(groups, splits)](
         a, b,
         logits.bias if logits.bias is not None else dummy,
         logits.scale if logits.scale is not None else dummy,
@@ -157,64 +204,102 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, record_tiles
         rows.target if has_target else rows.index,
         col_weight if col_weight is not None else dummy,
         part_max, part_sum, part_target, part_wsum, tiles,
-        n, v, d, a.stride(0), b.stride(0), tiles_per_split, n_ct,
+        col_max if col_stats else dummy, col_sum if col_stats else dummy,
+        col_tiles if col_stats else dummy,
+        n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
         HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
         SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
         HAS_TARGET=has_target, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
-        RECORD_TILES=record_tiles,
+        RECORD_TILES=record_tiles, COL_STATS=col_stats, DIAG_MASK=logits.diag_mask,
+        SIGMOID=sigmoid,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_FP32=dot_fp32, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     valid = torch.arange(n, device=a.device) < rows.n_valid
-    top = part_max.amax(dim=0)
-    safe_top = torch.where(torch.isfinite(top), top, 0.0)
-    lse = safe_top + torch.log((part_sum * torch.exp(part_max - safe_top)).sum(dim=0))
-    lse = torch.where(valid, lse, 0.0)
+    target_logit = part_target.sum(dim=0) if has_target else None
+    if sigmoid:
+        return RowStats(lse=torch.zeros(n, **f32), target_logit=target_logit,
+                        weighted_sum=None, tile_log_mass=None,
+                        sigmoid_sum=torch.where(valid, part_sum.sum(dim=0), 0.0))
+    lse = torch.where(valid, _combine_lse(part_max, part_sum), 0.0)
+    col_lse = None
+    if col_stats:
+        col_lse = _combine_lse(col_max, col_sum)
+        if logits.col_order is not None:  # partials are by tile position; report by column id
+            col_lse = torch.empty_like(col_lse).index_copy_(0, logits.col_order, col_lse)
     return RowStats(
         lse=lse,
-        target_logit=part_target.sum(dim=0) if has_target else None,
+        target_logit=target_logit,
         weighted_sum=part_wsum.sum(dim=0) if weighted_sum else None,
         tile_log_mass=tiles if record_tiles else None,
         block_m=cfg.block_m,
         block_n=cfg.block_n,
+        col_lse=col_lse,
+        col_tile_log_mass=col_tiles if col_stats and record_tiles else None,
     )
+
+
+def _combine_lse(part_max: torch.Tensor, part_sum: torch.Tensor) -> torch.Tensor:
+    """log Σ_k part_sum_k · exp(part_max_k) over dim 0, stable (−inf where every part is empty)."""
+    top = part_max.amax(dim=0)
+    safe_top = torch.where(torch.isfinite(top), top, 0.0)
+    return safe_top + torch.log((part_sum * torch.exp(part_max - safe_top)).sum(dim=0))
 
 
 def _torch_chunk_rows(v: int) -> int:
     return max(1, int(os.environ.get("FUSEDLOSS_TORCH_CHUNK_ELEMENTS", 1 << 24)) // max(1, v))
 
 
-def _torch_logits(a_rows, b32, logits: Logits):
-    """(raw dots, X) for a chunk of rows, fp32."""
+def _torch_logits(a_rows, b32, logits: Logits, row_ids=None):
+    """(raw dots, X) for a chunk of rows (A's row ids ``row_ids`` for the diagonal mask), fp32."""
     raw = a_rows.float() @ b32.T
     x = raw * logits.scale if logits.scale is not None else raw
     if logits.bias is not None:
         x = x + logits.bias.float()
     if logits.softcap:
         x = logits.softcap * torch.tanh(x / logits.softcap)
+    if logits.diag_mask:
+        cols = torch.arange(b32.shape[0], device=x.device)
+        x = x.masked_fill(row_ids[:, None] == cols[None, :], float("-inf"))
     return raw, x
 
 
-def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum) -> RowStats:
-    n = rows.index.numel()
+def _softplus_neg_zx(x: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """softplus(−z·X), z = +1 where ``hit`` and −1 elsewhere (= −log σ(z·X))."""
+    return torch.nn.functional.softplus(torch.where(hit, -x, x))
+
+
+def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
+                     sigmoid) -> RowStats:
+    n, v = rows.index.numel(), b.shape[0]
     n_valid = int(rows.n_valid)
     lse = torch.zeros(n, dtype=torch.float32, device=a.device)
     target_logit = torch.zeros_like(lse) if rows.target is not None else None
     wsum = torch.zeros_like(lse) if weighted_sum else None
+    sig = torch.zeros_like(lse) if sigmoid else None
+    col_lse = torch.full((v,), float("-inf"), device=a.device) if col_stats else None
     b32 = b.float()
-    chunk = _torch_chunk_rows(b.shape[0])
+    chunk = _torch_chunk_rows(v)
     for start in range(0, n_valid, chunk):
         pos = slice(start, min(start + chunk, n_valid))
-        _, x = _torch_logits(a[rows.index[pos]], b32, logits)
-        lse[pos] = torch.logsumexp(x, dim=1)
+        idx = rows.index[pos]
+        _, x = _torch_logits(a[idx], b32, logits, idx)
         if rows.target is not None:
             tgt = rows.target[pos]
             picked = x.gather(1, tgt.clamp(min=0)[:, None])[:, 0]
             target_logit[pos] = torch.where(tgt >= 0, picked, 0.0)
+        if sigmoid:
+            hit = torch.arange(v, device=x.device)[None, :] == tgt[:, None]
+            sig[pos] = _softplus_neg_zx(x, hit).sum(dim=1)
+            continue
+        lse[pos] = torch.logsumexp(x, dim=1)
+        if col_stats:
+            col_lse = torch.logaddexp(col_lse, torch.logsumexp(x, dim=0))
         if weighted_sum:
             wsum[pos] = (x @ col_weight) if col_weight is not None else x.sum(dim=1)
-    return RowStats(lse=lse, target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None)
+    return RowStats(lse=lse, target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None,
+                    col_lse=col_lse, sigmoid_sum=sig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,19 +328,27 @@ def grads(
     need_b: bool = True,
     need_bias: bool = False,
     need_scale: bool = False,
+    sigmoid: bool = False,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
 
-    ``filter_eps`` bounds the softmax mass each row may lose to skipped tiles (Triton only;
-    None computes every tile). The uniform term u·w must be free of softcap for filtering:
-    with softcap it is folded into the tiles, which are then all computed.
+    ``filter_eps`` bounds the softmax mass each row (and, with a column term, each column) may
+    lose to skipped tiles (Triton only; None computes every tile). The uniform term u·w must be
+    free of softcap for filtering: with softcap it is folded into the tiles, which are then all
+    computed. ``sigmoid`` selects the pairwise sigmoid gradient (never filtered).
     """
+    if coef.col is not None and stats.col_lse is None:
+        raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
+    # The kernels read coefficients by offset: a stride-0 expand (a reduction's gradient) won't do.
+    coef = GradCoefficients(*(None if c is None else c.float().contiguous() for c in (
+        coef.lse, coef.target, coef.uniform, coef.col)))
     if backend == "torch":
         return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
-                            need_a, need_b, need_bias, need_scale)
-    return _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
-                         need_a, need_b, need_bias, need_scale)
+                            need_a, need_b, need_bias, need_scale, sigmoid)
+    return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
+                         None if sigmoid else filter_eps,
+                         need_a, need_b, need_bias, need_scale, sigmoid)
 
 
 def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int) -> int:
@@ -270,7 +363,7 @@ def _dense_slab_fraction() -> float:
 
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
-                  need_a, need_b, need_bias, need_scale) -> Grads:
+                  need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
     from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
@@ -284,8 +377,11 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
     # Which tiles to compute. With softcap the uniform term lives inside the tiles: keep all.
     uniform_in_tiles = coef.uniform is not None and bool(logits.softcap)
     eps = None if uniform_in_tiles else filter_eps
-    if stats.tile_log_mass is not None and stats.block_m == bm and stats.block_n % bn == 0:
+    same_tiles = stats.block_m == bm and stats.block_n % bn == 0
+    if stats.tile_log_mass is not None and same_tiles:
         live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, bm, eps)
+        if coef.col is not None:
+            live = _with_live_columns(live, stats, rows, logits.col_order, v, bm, eps)
         live = live.repeat_interleave(stats.block_n // bn, dim=1)[:, :n_ct]
     else:
         live = live_tiles(torch.zeros(n_rb, n_ct, **f32), lse, rows.n_valid, bm, None)
@@ -338,6 +434,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             w, lse, coef.lse,
             coef.target if coef.target is not None else dummy,
             coef.uniform if uniform_in_tiles else dummy,
+            stats.col_lse if coef.col is not None else dummy,
+            coef.col if coef.col is not None else dummy,
             live_s.view(torch.uint8), scratch, dscale_s,
             v, d, a.stride(0), b.stride(0), t0, nt,
             HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
@@ -345,6 +443,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             HAS_TARGET=rows.target is not None and coef.target is not None,
             HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
             GRAD_SCALE=need_scale, ZERO_DEAD=dense,
+            COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
@@ -412,6 +511,24 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
         bias=grad_bias,
         scale=dscale.sum() if need_scale else None,
     )
+
+
+def _with_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm: int, eps):
+    """Adds the tiles that some column needs (its column-softmax mass is not negligible).
+
+    A tile is skipped only when both its rows and its columns can afford it, so each row and
+    each column still loses at most ``eps`` of its mass.
+    """
+    if eps is None or stats.col_tile_log_mass is None:
+        return live
+    bn = stats.block_n
+    n_rb, n_ct = live.shape
+    col_lse = stats.col_lse if col_order is None else stats.col_lse[col_order]  # by position
+    col_lse = _pad(col_lse, n_ct * bn)
+    n_cols = torch.tensor(v, device=live.device)
+    by_cols = live_tiles(stats.col_tile_log_mass.T.contiguous(), col_lse, n_cols, bn, eps).T
+    row_ok = torch.arange(n_rb * bm, device=live.device) < rows.n_valid
+    return (live | by_cols) & row_ok.view(n_rb, bm).any(dim=1)[:, None]
 
 
 def _is_identity(index: torch.Tensor) -> bool:
@@ -496,7 +613,7 @@ def _scatter_rows(values: torch.Tensor, rows: Rows, n_rows: int) -> torch.Tensor
 
 
 def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
-                 need_a, need_b, need_bias, need_scale) -> Grads:
+                 need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
     v = b.shape[0]
     n_valid = int(rows.n_valid)
     b32 = b.float()
@@ -510,9 +627,16 @@ def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
         pos = slice(start, min(start + chunk, n_valid))
         idx = rows.index[pos]
         a_rows = a[idx]
-        raw, x = _torch_logits(a_rows, b32, logits)
-        dx = coef.lse[pos, None] * torch.exp(x - stats.lse[pos, None])
-        if rows.target is not None and coef.target is not None:
+        raw, x = _torch_logits(a_rows, b32, logits, idx)
+        if sigmoid:
+            hit = torch.arange(v, device=x.device)[None, :] == rows.target[pos, None]
+            z = torch.where(hit, 1.0, -1.0)
+            dx = -coef.lse[pos, None] * z * torch.sigmoid(-z * x)
+        else:
+            dx = coef.lse[pos, None] * torch.exp(x - stats.lse[pos, None])
+        if coef.col is not None:
+            dx += coef.col[None, :] * torch.exp(x - stats.col_lse[None, :])
+        if not sigmoid and rows.target is not None and coef.target is not None:
             tgt = rows.target[pos]
             hit = torch.zeros_like(dx).scatter_(1, tgt.clamp(min=0)[:, None], 1.0)
             dx -= hit * (coef.target[pos] * (tgt >= 0))[:, None]

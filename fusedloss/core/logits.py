@@ -16,6 +16,20 @@ def tanh(x):
 
 
 @triton.jit
+def log1p(u):
+    # log(1 + u) for finite u >= 0, accurate to a few ulps for tiny u (Goldberg's trick).
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+
+
+@triton.jit
+def sigmoid(y):
+    # 1 / (1 + exp(-y)) without overflow on either side.
+    e = tl.exp(-tl.abs(y))
+    return tl.where(y >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def dot_tile(
     a_ptr, b_ptr,                # A (·, D) and B (·, D), row-major, innermost stride 1
     rows, cols,                  # int64 row indices into A (BLOCK_M,), into B (BLOCK_N,)

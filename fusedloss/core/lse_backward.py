@@ -3,9 +3,12 @@
 The loss layer hands the core per-row coefficients so that the gradient of the loss with
 respect to the logits is
 
-    dX_ij = r_i · P_ij − t_i · [j = y_i] − u_i · w_j         P = exp(X − lse_i)
+    dX_ij = r_i · P_ij + c_j · Q_ij − t_i · [j = y_i] − u_i · w_j
+    P = exp(X − lse_i) (row softmax),  Q = exp(X − lse^col_j) (column softmax, optional)
 
-(times 1 − tanh² under softcap). Only live tiles (``filtering.py``) are computed. The work is
+(times 1 − tanh² under softcap), or for the pairwise sigmoid loss (SigLIP)
+
+    dX_ij = −r_i · z_ij · σ(−z_ij X_ij)        z = +1 at j = y_i, −1 elsewhere. Only live tiles (``filtering.py``) are computed. The work is
 split in column slabs so the scratch stays bounded; per slab:
 
 1. ``_grad_logits_kernel``: one program per live tile recomputes X over the full width D and
@@ -27,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .logits import dot_tile, logits_from_dot
+from .logits import dot_tile, logits_from_dot, sigmoid
 
 
 @triton.jit
@@ -35,6 +38,7 @@ def _grad_logits_kernel(
     a_ptr, b_ptr, bias_ptr, scale_ptr,
     row_index_ptr, n_valid_ptr, col_order_ptr, target_ptr, col_weight_ptr,
     lse_ptr, coef_lse_ptr, coef_target_ptr, coef_uniform_ptr,   # (N,) fp32, compact row order
+    col_lse_ptr, coef_col_ptr,   # (V,) fp32 column LSE and its coefficient c_j, by column id
     live_ptr,            # (row blocks, slab tiles) int8: 1 = compute this tile
     scratch_ptr,         # (row blocks · BLOCK_M, slab tiles · BLOCK_N) dX, input dtype, row-major
     dscale_ptr,          # (row blocks, slab tiles) fp32 partial Σ dX_pre · raw
@@ -42,6 +46,7 @@ def _grad_logits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
+    COL_LSE: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -74,13 +79,25 @@ def _grad_logits_kernel(
                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
     x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP)
 
-    lse = tl.load(lse_ptr + offs_m, mask=m_rows, other=0.0)
+    if DIAG_MASK:
+        x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
     coef_lse = tl.load(coef_lse_ptr + offs_m, mask=m_rows, other=0.0)
-    dx = coef_lse[:, None] * tl.exp(x - lse[:, None])
-    if HAS_TARGET:
+    if SIGMOID:
         target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
-        coef_target = tl.load(coef_target_ptr + offs_m, mask=m_rows, other=0.0)
-        dx -= tl.where(cols[None, :] == target[:, None], coef_target[:, None], 0.0)
+        hit = cols[None, :] == target[:, None]
+        # d softplus(−zX)/dX = −z·σ(−zX)
+        dx = tl.where(hit, -sigmoid(-x), sigmoid(x)) * coef_lse[:, None]
+    else:
+        lse = tl.load(lse_ptr + offs_m, mask=m_rows, other=0.0)
+        dx = coef_lse[:, None] * tl.exp(x - lse[:, None])
+        if COL_LSE:
+            col_lse = tl.load(col_lse_ptr + cols, mask=m_cols, other=0.0)
+            coef_col = tl.load(coef_col_ptr + cols, mask=m_cols, other=0.0)
+            dx += coef_col[None, :] * tl.exp(x - col_lse[None, :])
+        if HAS_TARGET:
+            target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
+            coef_target = tl.load(coef_target_ptr + offs_m, mask=m_rows, other=0.0)
+            dx -= tl.where(cols[None, :] == target[:, None], coef_target[:, None], 0.0)
     if HAS_UNIFORM:
         coef_uniform = tl.load(coef_uniform_ptr + offs_m, mask=m_rows, other=0.0)
         if HAS_COL_WEIGHT:

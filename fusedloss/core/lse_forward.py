@@ -1,11 +1,23 @@
-"""Forward of the linear-log-sum-exp core: row statistics of X = softcap(s · A Bᵀ + bias).
+"""Forward of the linear-log-sum-exp core: row (and column) statistics of X without storing it.
 
-Grid: (row blocks, column splits). Program (i, c) walks the column tiles of split c for the
-BLOCK_M rows of row block i, keeping an online (max, sum) per row, and writes one partial
-per split; the host combines the partials (a log-sum-exp over at most a few dozen splits).
-No logit ever leaves the chip. Besides the LSE it records, per (row block, column tile), the
-largest log-mass log Σ_{j∈tile} exp(X_rj) over the block's rows: the backward turns these into
-safe skipping decisions before it recomputes anything (see ``filtering.py``).
+X = softcap(s · A Bᵀ + bias), optionally with the entries X_ii masked out (``DIAG_MASK``: the
+self-pairs of SimCLR, where A and B are the same rows).
+
+Grid: (row groups, column splits). Program (g, c) owns the rectangle "row blocks of group g ×
+column tiles of split c" and visits it row block by row block, tile by tile:
+
+- per row it keeps an online (max, sum) over its tiles and writes one partial per split;
+- with ``COL_STATS`` it also folds each tile into a per-column (max, sum) partial of its group
+  (a read-modify-write of BLOCK_N pairs that only this program touches): both directions of a
+  symmetric contrastive loss come from one pass over the tiles;
+- it records, per (row block, column tile), the largest log-mass log Σ_{j∈tile} exp(X_rj) over
+  the block's rows (and with ``COL_STATS`` the largest log Σ_{r∈block} exp(X_rj) over the tile's
+  columns): the backward turns these into safe skipping decisions (``filtering.py``).
+
+The host combines the partials (a log-sum-exp over a few dozen entries per row or column).
+
+``SIGMOID`` switches the statistic to the pairwise sigmoid loss of SigLIP: per row the sum
+Σ_j softplus(−z_ij X_ij) with z = +1 at the row's target and −1 elsewhere.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .logits import dot_tile, logits_from_dot
+from .logits import dot_tile, log1p, logits_from_dot
 
 
 @triton.jit
@@ -25,73 +37,115 @@ def _lse_forward_kernel(
     target_ptr,          # (N,) int64: original column id of each compact row's target, or -1
     col_weight_ptr,      # (V,) fp32 column weights of the weighted row sum
     max_out_ptr,         # (splits, N) fp32 partial row max
-    sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X - max)
+    sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X - max)   (SIGMOID: Σ softplus(−zX))
     target_out_ptr,      # (splits, N) fp32 partial target logit
     wsum_out_ptr,        # (splits, N) fp32 partial Σ_j w_j X_ij
     tile_stat_ptr,       # (row blocks, column tiles) fp32 max_r log Σ_{j∈tile} exp(X_rj)
-    N, V, D, stride_a, stride_b, tiles_per_split, n_col_tiles,
+    col_max_ptr,         # (row groups, V) fp32 partial column max, by tile position
+    col_sum_ptr,         # (row groups, V) fp32 partial column Σ exp(X - max)
+    col_tile_stat_ptr,   # (row blocks, column tiles) fp32 max_j log Σ_{r∈block} exp(X_rj)
+    N, V, D, stride_a, stride_b, blocks_per_group, tiles_per_split, n_col_tiles,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_WSUM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
+    COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_valid = tl.load(n_valid_ptr)
-    row_start = pid_m * BLOCK_M
-    if row_start >= n_valid:
-        return
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    m_rows = offs_m < n_valid
-    rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
+    block_begin = pid_g * blocks_per_group
+    block_end = tl.minimum(block_begin + blocks_per_group, tl.cdiv(n_valid, BLOCK_M))
+    tile_begin = pid_s * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, n_col_tiles)
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(tl.float32)
-    if HAS_TARGET:
-        target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
 
-    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    row_sum = tl.zeros((BLOCK_M,), tl.float32)
-    target_logit = tl.zeros((BLOCK_M,), tl.float32)
-    weighted_sum = tl.zeros((BLOCK_M,), tl.float32)
-
-    tile_begin = pid_s * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, n_col_tiles)
-    for t in range(tile_begin, tile_end):
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_cols = offs_n < V
-        if HAS_ORDER:
-            cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
-        else:
-            cols = offs_n.to(tl.int64)
-        raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
-        x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP)
-        x = tl.where(m_cols[None, :], x, float("-inf"))
-
-        new_max = tl.maximum(row_max, tl.max(x, axis=1))
-        p = tl.exp(x - new_max[:, None])
-        tile_sum = tl.sum(p, axis=1)
-        row_sum = row_sum * tl.exp(row_max - new_max) + tile_sum
-        row_max = new_max
-        if RECORD_TILES:
-            tile_mass = tl.where(m_rows, new_max + tl.log(tile_sum), float("-inf"))
-            tl.store(tile_stat_ptr + pid_m.to(tl.int64) * n_col_tiles + t, tl.max(tile_mass, axis=0))
+    for rb in range(block_begin, block_end):
+        offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_rows = offs_m < n_valid
+        rows = tl.load(row_index_ptr + offs_m, mask=m_rows, other=0).to(tl.int64)
         if HAS_TARGET:
-            hit = cols[None, :] == target[:, None]
-            target_logit += tl.sum(tl.where(hit & m_cols[None, :], x, 0.0), axis=1)
-        if HAS_WSUM:
-            xw = tl.where(m_cols[None, :], x, 0.0)
-            if HAS_COL_WEIGHT:
-                w = tl.load(col_weight_ptr + cols, mask=m_cols, other=0.0)
-                xw = xw * w[None, :]
-            weighted_sum += tl.sum(xw, axis=1)
+            target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
 
-    out = pid_s.to(tl.int64) * N + offs_m
-    tl.store(max_out_ptr + out, row_max, mask=m_rows)
-    tl.store(sum_out_ptr + out, row_sum, mask=m_rows)
-    if HAS_TARGET:
-        tl.store(target_out_ptr + out, target_logit, mask=m_rows)
-    if HAS_WSUM:
-        tl.store(wsum_out_ptr + out, weighted_sum, mask=m_rows)
+        row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), tl.float32)
+        target_logit = tl.zeros((BLOCK_M,), tl.float32)
+        weighted_sum = tl.zeros((BLOCK_M,), tl.float32)
+
+        for t in range(tile_begin, tile_end):
+            offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_cols = offs_n < V
+            if HAS_ORDER:
+                cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
+            else:
+                cols = offs_n.to(tl.int64)
+            raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
+            x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP)
+            x = tl.where(m_cols[None, :], x, float("-inf"))
+            if DIAG_MASK:
+                x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
+            if HAS_TARGET:
+                hit = (cols[None, :] == target[:, None]) & m_cols[None, :]
+                target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
+
+            if SIGMOID:
+                # softplus(y), y = −z·X: max(y, 0) + log1p(exp(−|y|)), exact in the tails.
+                y = tl.where(hit, -x, x)
+                softplus = tl.maximum(y, 0.0) + log1p(tl.exp(-tl.abs(y)))
+                row_sum += tl.sum(tl.where(m_cols[None, :], softplus, 0.0), axis=1)
+            else:
+                new_max = tl.maximum(row_max, tl.max(x, axis=1))
+                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+                tile_sum = tl.sum(tl.exp(x - safe_max[:, None]), axis=1)
+                row_sum = row_sum * tl.exp(row_max - safe_max) + tile_sum
+                row_max = new_max
+                if RECORD_TILES:
+                    tile_mass = tl.where(m_rows, new_max + tl.log(tile_sum), float("-inf"))
+                    tl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64),
+                             tl.max(tile_mass, axis=0))
+                if COL_STATS:
+                    _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
+                                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES)
+            if HAS_WSUM:
+                xw = tl.where(m_cols[None, :], x, 0.0)
+                if HAS_COL_WEIGHT:
+                    w = tl.load(col_weight_ptr + cols, mask=m_cols, other=0.0)
+                    xw = xw * w[None, :]
+                weighted_sum += tl.sum(xw, axis=1)
+
+        out = pid_s.to(tl.int64) * N + offs_m
+        if not SIGMOID:
+            tl.store(max_out_ptr + out, row_max, mask=m_rows)
+        tl.store(sum_out_ptr + out, row_sum, mask=m_rows)
+        if HAS_TARGET:
+            tl.store(target_out_ptr + out, target_logit, mask=m_rows)
+        if HAS_WSUM:
+            tl.store(wsum_out_ptr + out, weighted_sum, mask=m_rows)
+
+
+@triton.jit
+def _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
+                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES: tl.constexpr):
+    """Adds one tile's column (max, Σ exp) to the group's running column partials."""
+    xc = tl.where(m_rows[:, None], x, float("-inf"))
+    tile_max = tl.max(xc, axis=0)
+    safe_tile = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+    tile_sum = tl.sum(tl.exp(xc - safe_tile[None, :]), axis=0)
+    if RECORD_TILES:
+        mass = tl.where(m_cols, tile_max + tl.log(tile_sum), float("-inf"))
+        tl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64), tl.max(mass, axis=0))
+    ptrs = pid_g.to(tl.int64) * V + offs_n
+    old_max = tl.load(col_max_ptr + ptrs, mask=m_cols, other=float("-inf"))
+    old_sum = tl.load(col_sum_ptr + ptrs, mask=m_cols, other=0.0)
+    new_max = tl.maximum(old_max, tile_max)
+    safe_new = tl.where(new_max == float("-inf"), 0.0, new_max)
+    new_sum = old_sum * tl.exp(old_max - safe_new) + tile_sum * tl.exp(tile_max - safe_new)
+    tl.store(col_max_ptr + ptrs, new_max, mask=m_cols)
+    tl.store(col_sum_ptr + ptrs, new_sum, mask=m_cols)
+    # The next row block of this program reads these partials back: make the stores visible
+    # to every thread of the block whatever layout the compiler picks.
+    tl.debug_barrier()
