@@ -1,5 +1,9 @@
 """``python -m fusedloss demo``: train the same model twice, once per loss head, and compare.
 
+Two experiments run, one after the other (``--experiment`` picks one): ``lm``, a causal
+language model (``fusedloss.linear_cross_entropy``), and ``clip``, a CLIP-style two-tower
+model (``fusedloss.clip_loss``).
+
 Experiment ``lm`` trains a small causal language model on a synthetic token source two times
 from one seed — same initial weights, same batches, same AdamW — changing only the loss head:
 
@@ -24,9 +28,25 @@ Everything is generated from the seed with ``torch.Generator`` on the CPU, so th
 is identical across runs, devices and heads. Its exact Bayes-optimal loss (the floor any model
 can reach) is computed from the chain and printed for scale.
 
-The module is laid out so that further experiments (e.g. a contrastive two-tower model trained
-with ``fusedloss.clip_loss``) reuse the same pieces: an experiment function returns a
-:class:`Comparison` of two :class:`RunResult` curves, and :func:`report` prints and plots it.
+Experiment ``clip`` trains two small MLP towers on synthetic image–text pairs the same way,
+twice from one seed, changing only the loss:
+
+* **pytorch**: open_clip's ``ClipLoss`` on one process, ``logits = logit_scale · I @ Tᵀ`` and
+  ``(F.cross_entropy(logits, arange(b)) + F.cross_entropy(logits.T, arange(b))) / 2``, which
+  materializes the b×b logits;
+* **fusedloss**: ``fusedloss.clip_loss(I, T, logit_scale)``, which never does.
+
+The towers' outputs are L2-normalized and the temperature is learned as in open_clip: a
+parameter ``t`` with ``logit_scale = t.exp()``, initialized to ``log(1/0.07)`` and clamped so
+that the scale stays at most 100. The pairs (:class:`PairedLatentSource`) share a latent
+``z ~ N(0, I)``: the "image" is a fixed random nonlinear map of ``z`` plus noise and the
+"text" another one plus independent noise. Its report has the same parts as ``lm``'s and
+its own PNG; no closed-form floor is drawn.
+
+The module is laid out so that further experiments reuse the same pieces: an experiment
+function returns a :class:`Comparison` of two :class:`RunResult` curves (:func:`train_both`
+runs the two heads), :func:`report` prints and plots it, and :data:`EXPERIMENTS` registers it
+with the command line.
 """
 
 from __future__ import annotations
@@ -315,6 +335,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     loss_layer_seconds: list[float] = field(default_factory=list)
     loss_layer_peak_bytes: int | None = None
+    final_values: dict[str, float] = field(default_factory=dict)  # e.g. a learned temperature
 
     def mean_loss_layer_ms(self, skip: int) -> float:
         """Mean loss forward+backward time in ms over the timed steps after the first ``skip``.
@@ -436,6 +457,42 @@ def _peak_from_profiler_trace(profiler: torch.profiler.profile) -> int:
     return peak
 
 
+def run_loss_layer(
+    loss_fn: Callable[[], torch.Tensor], device: torch.device, measure_memory: bool = False
+) -> tuple[float, float, int | None]:
+    """Run a loss layer's forward and backward, timed and, when asked, memory-measured.
+
+    ``loss_fn`` computes the loss from detached leaves (and parameters) so that the timing
+    and the memory cover the loss layer alone; the caller pushes the leaves' gradients on.
+
+    Returns:
+        (loss, seconds of forward+backward, peak bytes above the start or None).
+    """
+    meter = peak_memory_above_start(device) if measure_memory else nullcontext({})
+    with meter as memory:
+        synchronize(device)
+        start = time.perf_counter()
+        loss = loss_fn()
+        loss.backward()
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    return loss.item(), seconds, memory.get("peak_bytes")
+
+
+def train_both(train: Callable[[str], RunResult], verbose: bool = True) -> dict[str, RunResult]:
+    """``train(head_name)`` for the "pytorch" then the "fusedloss" head, timing each run."""
+    runs = {}
+    for head_name in ("pytorch", "fusedloss"):
+        start = time.perf_counter()
+        runs[head_name] = train(head_name)
+        if verbose:
+            print(
+                f"  trained with the {head_name} head in {time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
+    return runs
+
+
 def resolve_device(name: str) -> torch.device:
     """``"auto"`` → CUDA when available, else CPU; otherwise the named device."""
     if name == "auto":
@@ -467,21 +524,17 @@ def lm_train_step(
     Returns:
         (loss, loss-layer seconds, loss-layer peak bytes or None).
     """
-    device = tokens.device
     optimizer.zero_grad(set_to_none=True)
     hidden = model(tokens)  # (B, T, D)
     hidden_leaf = hidden.detach().requires_grad_()
-    meter = peak_memory_above_start(device) if measure_memory else nullcontext({})
-    with meter as memory:
-        synchronize(device)
-        start = time.perf_counter()
-        loss = head(hidden_leaf.to(head_dtype), model.lm_head_weight.to(head_dtype), tokens)
-        loss.backward()
-        synchronize(device)
-        seconds = time.perf_counter() - start
+    loss, seconds, peak = run_loss_layer(
+        lambda: head(hidden_leaf.to(head_dtype), model.lm_head_weight.to(head_dtype), tokens),
+        tokens.device,
+        measure_memory,
+    )
     hidden.backward(hidden_leaf.grad)
     optimizer.step()
-    return loss.item(), seconds, memory.get("peak_bytes")
+    return loss, seconds, peak
 
 
 def train_lm(
@@ -544,15 +597,7 @@ def lm_experiment(
 ) -> Comparison:
     """Train the causal LM with the PyTorch head, then with the fusedloss head; compare."""
     source = source or lm_source(config)
-    runs = {}
-    for head_name in ("pytorch", "fusedloss"):
-        start = time.perf_counter()
-        runs[head_name] = train_lm(config, head_name, device, source)
-        if verbose:
-            print(
-                f"  trained with the {head_name} head in {time.perf_counter() - start:.1f} s",
-                flush=True,
-            )
+    runs = train_both(lambda head_name: train_lm(config, head_name, device, source), verbose)
     return Comparison(
         title=f"causal LM, V={config.vocab_size}, D={config.d_model}, {config.n_layers} layers",
         reference=runs["pytorch"],
@@ -586,6 +631,327 @@ def lm_memory_notes(config: LMConfig, device: torch.device) -> list[str]:
             "rows × V fp32 logits at a time (all N rows when N is below its chunk size), so "
             "at this N its CPU peak is no smaller than PyTorch's; the saving is the Triton "
             "path's, on CUDA"
+        )
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Contrastive two-tower (CLIP-style): synthetic paired data
+# ---------------------------------------------------------------------------------------------
+
+
+class RandomTanhMap:
+    """A fixed random two-layer network ``tanh(z W₁) W₂``, scaled to unit-variance outputs.
+
+    ``W₁`` has a gain of 2 so that the tanh bends (the map is not close to linear); ``W₂`` is
+    rescaled so that every output feature has variance 1 over ``z ~ N(0, I)`` (estimated on
+    4096 draws from the same generator).
+    """
+
+    def __init__(
+        self, in_dim: int, hidden_dim: int, out_dim: int, generator: torch.Generator
+    ) -> None:
+        self.w1 = torch.randn(in_dim, hidden_dim, generator=generator) * (2 / in_dim**0.5)
+        self.w2 = torch.randn(hidden_dim, out_dim, generator=generator) / hidden_dim**0.5
+        self.w2 /= self(torch.randn(4096, in_dim, generator=generator)).std(dim=0)
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """(N, in_dim) → (N, out_dim)."""
+        return torch.tanh(z @ self.w1) @ self.w2
+
+
+class PairedLatentSource:
+    """Synthetic image–text pairs that share a latent, deterministic from the seed.
+
+    Pair ``i`` is ``(image_map(z_i) + σ·ε, text_map(z_i) + σ·ε')`` with ``z_i ~ N(0, I)`` and
+    independent Gaussian noise ``ε, ε'``: the two "modalities" are different fixed random
+    nonlinear views of the same latent (:class:`RandomTanhMap`, unit-variance features), so
+    a pair can only be matched by recovering ``z`` from both sides. Everything is drawn with
+    ``torch.Generator`` on the CPU, like :class:`ZipfMarkovSource`.
+    """
+
+    def __init__(
+        self, latent_dim: int, image_dim: int, text_dim: int, noise: float, seed: int = 0
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.latent_dim, self.noise, self.seed = latent_dim, noise, seed
+        hidden_dim = 4 * latent_dim
+        self.image_map = RandomTanhMap(latent_dim, hidden_dim, image_dim, generator)
+        self.text_map = RandomTanhMap(latent_dim, hidden_dim, text_dim, generator)
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs of one training step, a pure function of ``(seed, step)``.
+
+        Returns:
+            (images (batch_size, image_dim), texts (batch_size, text_dim)), fp32 on the CPU;
+            row ``i`` of both is pair ``i``.
+        """
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        z = torch.randn(batch_size, self.latent_dim, generator=generator)
+        views = []
+        for view_map in (self.image_map, self.text_map):
+            view = view_map(z)
+            views.append(view + self.noise * torch.randn(view.shape, generator=generator))
+        return views[0], views[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Contrastive two-tower: model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """Model, data and optimizer settings of the contrastive (CLIP-style) experiment."""
+
+    latent_dim: int = 16
+    image_dim: int = 64
+    text_dim: int = 48
+    noise: float = 0.5
+    hidden_dim: int = 256
+    embed_dim: int = 128
+    batch_size: int = 1024
+    steps: int = 150
+    lr: float = 2e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    seed: int = 0
+    head_dtype: torch.dtype = torch.float32
+
+    def describe(self) -> str:
+        """One line for the report."""
+        dtype = str(self.head_dtype).removeprefix("torch.")
+        towers = " and ".join(
+            f"{d}→{self.hidden_dim}→{self.hidden_dim}→{self.embed_dim}"
+            for d in (self.image_dim, self.text_dim)
+        )
+        return (
+            f"2 MLP towers ({towers}), L2-normalized, learnable logit_scale (init 1/0.07, "
+            f"clamped at 100); batch {self.batch_size} pairs, {self.steps} steps, AdamW lr "
+            f"{self.lr:g}, loss inputs in {dtype}"
+        )
+
+
+CLIP_SIZES: dict[str, ClipConfig] = {
+    # Seconds on a CPU: smoke tests of the whole pipeline.
+    "tiny": ClipConfig(
+        latent_dim=8,
+        image_dim=24,
+        text_dim=16,
+        hidden_dim=64,
+        embed_dim=32,
+        batch_size=64,
+        steps=20,
+        warmup_steps=2,
+    ),
+    # Two runs of 150 steps take about 20 s on one core of a 2-core machine.
+    "small": ClipConfig(),
+    # A GPU-sized run where the b×b logits are 1 GiB in fp32.
+    "large": ClipConfig(
+        latent_dim=32,
+        image_dim=256,
+        text_dim=192,
+        hidden_dim=1024,
+        embed_dim=512,
+        batch_size=16384,
+        steps=250,
+        lr=1e-3,
+        warmup_steps=20,
+        head_dtype=torch.bfloat16,
+    ),
+}
+
+
+def mlp_tower(in_dim: int, hidden_dim: int, out_dim: int) -> nn.Sequential:
+    """Three linear layers with GELUs between: (N, in_dim) → (N, out_dim)."""
+    return nn.Sequential(
+        nn.Linear(in_dim, hidden_dim),
+        nn.GELU(),
+        nn.Linear(hidden_dim, hidden_dim),
+        nn.GELU(),
+        nn.Linear(hidden_dim, out_dim),
+    )
+
+
+class TwoTower(nn.Module):
+    """Image and text towers into one embedding space, with open_clip's learnable temperature.
+
+    ``logit_scale`` holds the log of the scale, initialized to ``log(1/0.07)``; the loss gets
+    ``logit_scale.exp()``, and :func:`clip_train_step` clamps it to ``[0, log 100]`` after every
+    optimizer step (open_clip's training loop does the same).
+    """
+
+    def __init__(self, config: ClipConfig) -> None:
+        super().__init__()
+        self.image_tower = mlp_tower(config.image_dim, config.hidden_dim, config.embed_dim)
+        self.text_tower = mlp_tower(config.text_dim, config.hidden_dim, config.embed_dim)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(
+        self, images: torch.Tensor, texts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, image_dim), (b, text_dim) → unit-norm features (b, E) twice and the scale ()."""
+        image_features = F.normalize(self.image_tower(images), dim=-1)
+        text_features = F.normalize(self.text_tower(texts), dim=-1)
+        return image_features, text_features, self.logit_scale.exp()
+
+
+# ---------------------------------------------------------------------------------------------
+# Contrastive two-tower: losses, (image (b, E), text (b, E), logit_scale ()) → scalar loss, fp32
+# ---------------------------------------------------------------------------------------------
+
+ClipHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def pytorch_clip_head(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor
+) -> torch.Tensor:
+    """Reference: open_clip's ``ClipLoss`` on one process, with the b×b logits upcast to fp32."""
+    logits = (logit_scale * image_features @ text_features.T).float()
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def fusedloss_clip_head(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor
+) -> torch.Tensor:
+    """The same loss via ``fusedloss.clip_loss``: no b×b logits in memory."""
+    return fusedloss.clip_loss(image_features, text_features, logit_scale)
+
+
+CLIP_HEADS: dict[str, ClipHead] = {"pytorch": pytorch_clip_head, "fusedloss": fusedloss_clip_head}
+
+
+# ---------------------------------------------------------------------------------------------
+# Contrastive two-tower: training, fusedloss.clip_loss vs PyTorch
+# ---------------------------------------------------------------------------------------------
+
+
+def clip_train_step(
+    model: TwoTower,
+    optimizer: torch.optim.Optimizer,
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    head: ClipHead,
+    head_dtype: torch.dtype,
+    measure_memory: bool = False,
+) -> tuple[float, float, int | None]:
+    """One optimizer step on a batch of pairs, then the clamp of ``logit_scale``.
+
+    As in :func:`lm_train_step`, the loss runs on detached copies of the features and of the
+    scale, and their gradients are then pushed through the towers.
+
+    Returns:
+        (loss, loss-layer seconds, loss-layer peak bytes or None).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    outputs = model(images, texts)  # image features, text features, logit scale
+    image_leaf, text_leaf, scale_leaf = (out.detach().requires_grad_() for out in outputs)
+    loss, seconds, peak = run_loss_layer(
+        lambda: head(image_leaf.to(head_dtype), text_leaf.to(head_dtype), scale_leaf),
+        images.device,
+        measure_memory,
+    )
+    torch.autograd.backward(outputs, (image_leaf.grad, text_leaf.grad, scale_leaf.grad))
+    optimizer.step()
+    with torch.no_grad():
+        model.logit_scale.clamp_(0, math.log(100))
+    return loss, seconds, peak
+
+
+def train_clip(
+    config: ClipConfig,
+    head_name: str,
+    device: torch.device,
+    source: PairedLatentSource | None = None,
+    memory_step: int = 1,
+) -> RunResult:
+    """Train a fresh :class:`TwoTower` from ``config.seed`` with one contrastive loss.
+
+    Weight decay applies to the weight matrices only, not to biases or ``logit_scale``
+    (open_clip's rule). Arguments and result as in :func:`train_lm`, with ``head_name`` a key
+    of :data:`CLIP_HEADS`; the result's ``final_values`` holds the learned ``logit_scale``.
+    """
+    source = source or clip_source(config)
+    torch.manual_seed(config.seed)
+    model = TwoTower(config).to(device)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
+    )
+    result = RunResult(head_name)
+    memory_step = min(memory_step, config.steps - 1)
+    for step in range(config.steps):
+        images, texts = (x.to(device) for x in source.batch(step, config.batch_size))
+        measure = step == memory_step
+        loss, seconds, peak = clip_train_step(
+            model, optimizer, images, texts, CLIP_HEADS[head_name], config.head_dtype, measure
+        )
+        schedule.step()
+        result.losses.append(loss)
+        result.loss_layer_seconds.append(math.nan if measure else seconds)
+        if measure:
+            result.loss_layer_peak_bytes = peak
+    result.final_values["logit_scale"] = model.logit_scale.exp().item()
+    return result
+
+
+def clip_source(config: ClipConfig) -> PairedLatentSource:
+    """The pair source a :class:`ClipConfig` describes."""
+    return PairedLatentSource(
+        config.latent_dim, config.image_dim, config.text_dim, config.noise, config.seed
+    )
+
+
+def clip_experiment(
+    config: ClipConfig,
+    device: torch.device,
+    source: PairedLatentSource | None = None,
+    verbose: bool = True,
+) -> Comparison:
+    """Train the two towers with the PyTorch loss, then with ``fusedloss.clip_loss``; compare."""
+    source = source or clip_source(config)
+    runs = train_both(lambda head_name: train_clip(config, head_name, device, source), verbose)
+    scales = ", ".join(
+        f"{name} {run.final_values['logit_scale']:.3f}" for name, run in runs.items()
+    )
+    return Comparison(
+        title=f"CLIP-style two towers, batch {config.batch_size} pairs, E={config.embed_dim}",
+        reference=runs["pytorch"],
+        candidate=runs["fusedloss"],
+        tolerance=FINAL_LOSS_TOLERANCE[config.head_dtype],
+        notes=[
+            f"learned logit_scale after {config.steps} steps: {scales} (init {1 / 0.07:.3f})",
+            *clip_memory_notes(config, device),
+        ],
+    )
+
+
+def clip_memory_notes(config: ClipConfig, device: torch.device) -> list[str]:
+    """What each loss must hold, analytically, to put the measured peaks in context."""
+    b = config.batch_size
+    notes = [
+        f"analytic: the PyTorch loss materializes b×b = {b}×{b} fp32 logits = "
+        f"{b * b * 4 / MiB:.1f} MiB, and each of its two F.cross_entropy calls (rows, then "
+        "columns via logits.T) keeps a log-softmax of the same size for the backward"
+    ]
+    if device.type == "cuda":
+        notes.append(
+            "fusedloss.clip_loss (Triton) keeps per-row and per-column log-sum-exps and small "
+            "per-tile records, never a b×b array"
+        )
+    else:
+        notes.append(
+            "on the CPU clip_loss runs its chunked pure-PyTorch path, which holds a block of "
+            "rows × b fp32 logits at a time (all b rows when b is below its chunk size), so at "
+            "this b its CPU peak is no smaller than PyTorch's; the saving is the Triton path's, "
+            "on CUDA"
         )
     return notes
 
@@ -706,6 +1072,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="where to train (auto: CUDA when available)",
     )
     parser.add_argument(
+        "--experiment",
+        choices=["all", *EXPERIMENTS],
+        default="all",
+        help="which experiment to run (default: all: the causal LM, then the CLIP towers)",
+    )
+    parser.add_argument(
         "--size",
         choices=["auto", *LM_SIZES],
         default="auto",
@@ -737,16 +1109,22 @@ def build_parser() -> argparse.ArgumentParser:
     """Parser of ``python -m fusedloss demo``."""
     parser = argparse.ArgumentParser(
         prog="python -m fusedloss demo",
-        description="Train a causal LM twice from one seed (PyTorch head vs fusedloss head) "
-        "and compare loss curves, loss-layer memory and time.",
+        description="Train a causal LM and a CLIP-style two-tower model, each twice from one "
+        "seed (PyTorch loss vs fusedloss loss), and compare loss curves, loss-layer memory and "
+        "time.",
     )
     return add_arguments(parser)
 
 
-def config_from_args(args: argparse.Namespace, device: torch.device) -> LMConfig:
-    """The preset chosen by ``--size`` with ``--steps``, ``--seed`` and ``--dtype`` applied."""
+def config_from_args(
+    args: argparse.Namespace,
+    device: torch.device,
+    presets: dict[str, LMConfig] | dict[str, ClipConfig] = LM_SIZES,
+) -> LMConfig | ClipConfig:
+    """The preset of ``presets`` chosen by ``--size``, with ``--steps``, ``--seed`` and
+    ``--dtype`` applied (``presets``: :data:`LM_SIZES` or :data:`CLIP_SIZES`)."""
     size = args.size if args.size != "auto" else ("large" if device.type == "cuda" else "small")
-    config = replace(LM_SIZES[size], seed=args.seed)
+    config = replace(presets[size], seed=args.seed)
     if args.steps is not None:
         config = replace(config, steps=args.steps)
     if args.dtype != "auto":
@@ -754,20 +1132,34 @@ def config_from_args(args: argparse.Namespace, device: torch.device) -> LMConfig
     return config
 
 
-def main(argv: Sequence[str] | None = None) -> Comparison:
-    """Run the demo; ``argv`` defaults to ``sys.argv[1:]``. Returns the LM comparison."""
+def main(argv: Sequence[str] | None = None) -> dict[str, Comparison]:
+    """Run the demo; ``argv`` defaults to ``sys.argv[1:]``. Returns the comparison of each
+    experiment run, keyed by its name in :data:`EXPERIMENTS`."""
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
-    config = config_from_args(args, device)
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # One thread by default: on a small shared machine an oversubscribed OpenMP pool makes
         # every step several times slower and the timings erratic.
         torch.set_num_threads(args.threads or 1)
+    comparisons = {}
     try:
-        return _run_lm_demo(config, device, args.out, args.log_every)
+        for index, name in enumerate(names):
+            if index:
+                print("\n" + "=" * 100 + "\n")
+            presets, run_demo = EXPERIMENTS[name]
+            config = config_from_args(args, device, presets)
+            comparisons[name] = run_demo(config, device, args.out, args.log_every)
     finally:
         torch.set_num_threads(threads)
+    return comparisons
+
+
+def _where(device: torch.device) -> str:
+    """"1 CPU thread", "2 CPU threads" or the device, for a demo's first line."""
+    threads = torch.get_num_threads()
+    return f"{threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" else str(device)
 
 
 def _run_lm_demo(
@@ -775,9 +1167,7 @@ def _run_lm_demo(
 ) -> Comparison:
     """Print the setup, run :func:`lm_experiment`, and report it."""
     source = lm_source(config)
-    threads = torch.get_num_threads()
-    where = f"{threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" else device
-    print(f"fusedloss demo: causal LM, PyTorch head vs fusedloss head, on {where}")
+    print(f"fusedloss demo: causal LM, PyTorch head vs fusedloss head, on {_where(device)}")
     print(f"  model: {config.describe()}")
     print(
         f"  data: Zipf-Markov chain, {config.support_size} successors per token, exponent "
@@ -790,3 +1180,34 @@ def _run_lm_demo(
     print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
     report(comparison, device, out_dir, "lm_loss_curves.png", every or max(1, config.steps // 15))
     return comparison
+
+
+def _run_clip_demo(
+    config: ClipConfig, device: torch.device, out_dir: Path, every: int | None
+) -> Comparison:
+    """Print the setup, run :func:`clip_experiment`, and report it."""
+    print(
+        "fusedloss demo: CLIP-style two towers, PyTorch loss (open_clip's formula) vs "
+        f"fusedloss.clip_loss, on {_where(device)}"
+    )
+    print(f"  model: {config.describe()}")
+    print(
+        f"  data: latent z ~ N(0, I_{config.latent_dim}); image = a fixed random tanh map of z "
+        f"({config.image_dim} dims), text = another ({config.text_dim} dims), each plus "
+        f"N(0, {config.noise:g}²) noise, seed {config.seed}; loss of a uniform guess ln b = "
+        f"{math.log(config.batch_size):.3f} nats"
+    )
+    start = time.perf_counter()
+    comparison = clip_experiment(config, device)
+    print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
+    report(
+        comparison, device, out_dir, "clip_loss_curves.png", every or max(1, config.steps // 15)
+    )
+    return comparison
+
+
+# name → (presets selected by --size, function printing the set-up, running and reporting it)
+EXPERIMENTS: dict[str, tuple[dict, Callable[..., Comparison]]] = {
+    "lm": (LM_SIZES, _run_lm_demo),
+    "clip": (CLIP_SIZES, _run_clip_demo),
+}

@@ -59,7 +59,13 @@ class Rows:
 
 @dataclass
 class RowStats:
-    """Forward statistics, in compact row order (entries at p >= n_valid are 0)."""
+    """Forward statistics, in compact row order (entries at p >= n_valid are 0).
+
+    Each LSE is also kept as two fp32 numbers, lse = max + log_sum with log_sum = log Σ exp(X −
+    max): the backward forms P = exp((X − max) − log_sum) and the losses form lse − X_target as
+    (max − X_target) + log_sum, as PyTorch's log_softmax does. One rounded fp32 lse would lose
+    the small part (1 − P_ii on a confident row) that the gradient consists of.
+    """
 
     lse: torch.Tensor  # (N,) fp32
     target_logit: torch.Tensor | None  # (N,) fp32
@@ -67,9 +73,21 @@ class RowStats:
     tile_log_mass: torch.Tensor | None  # (row blocks, column tiles) fp32, triton only
     block_m: int = 0
     block_n: int = 0
+    max: torch.Tensor | None = None  # (N,) fp32 row max
+    log_sum: torch.Tensor | None = None  # (N,) fp32 log Σ_j exp(X_ij − max_i)
     col_lse: torch.Tensor | None = None  # (V,) fp32 by column id, with col_stats
+    col_max: torch.Tensor | None = None  # (V,)
+    col_log_sum: torch.Tensor | None = None  # (V,)
     col_tile_log_mass: torch.Tensor | None = None  # (row blocks, column tiles), triton only
     sigmoid_sum: torch.Tensor | None = None  # (N,) fp32 Σ_j softplus(−z_ij X_ij), sigmoid mode
+
+    def lse_minus(self, x: torch.Tensor) -> torch.Tensor:
+        """lse_i − x_i, without rounding lse first."""
+        return (self.max - x) + self.log_sum
+
+    def col_lse_minus(self, x: torch.Tensor) -> torch.Tensor:
+        """lse^col_j − x_j, without rounding lse^col first."""
+        return (self.col_max - x) + self.col_log_sum
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,17 @@ def row_stats(
         return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid)
     return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
                              record_tiles)
+
+
+def _fp_fusion(logits: Logits) -> bool:
+    """Whether the compiler may fuse multiplies and adds (FMA) in the logit kernels.
+
+    Not when the logits are a product (scale, softcap): X = s·raw must be rounded before
+    X − max is formed, as in the forward that found the max, or fma(s, raw, −max) leaves the
+    product's rounding error (≈ ulp(X)) in P = exp(X − max − log_sum) — fatal where the
+    gradient is the tiny 1 − P of a confident row.
+    """
+    return logits.scale is None and not logits.softcap
 
 
 def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
@@ -211,7 +240,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
         HAS_TARGET=has_target, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
         RECORD_TILES=record_tiles, COL_STATS=col_stats, DIAG_MASK=logits.diag_mask,
-        SIGMOID=sigmoid,
+        SIGMOID=sigmoid, enable_fp_fusion=_fp_fusion(logits),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_FP32=dot_fp32, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -219,32 +248,40 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     valid = torch.arange(n, device=a.device) < rows.n_valid
     target_logit = part_target.sum(dim=0) if has_target else None
     if sigmoid:
-        return RowStats(lse=torch.zeros(n, **f32), target_logit=target_logit,
+        zeros = torch.zeros(n, **f32)
+        return RowStats(lse=zeros, max=zeros, log_sum=zeros, target_logit=target_logit,
                         weighted_sum=None, tile_log_mass=None,
                         sigmoid_sum=torch.where(valid, part_sum.sum(dim=0), 0.0))
-    lse = torch.where(valid, _combine_lse(part_max, part_sum), 0.0)
-    col_lse = None
-    if col_stats:
-        col_lse = _combine_lse(col_max, col_sum)
-        if logits.col_order is not None:  # partials are by tile position; report by column id
-            col_lse = torch.empty_like(col_lse).index_copy_(0, logits.col_order, col_lse)
-    return RowStats(
-        lse=lse,
+    row_max, row_log_sum = _combine_partials(part_max, part_sum)
+    row_max, row_log_sum = torch.where(valid, row_max, 0.0), torch.where(valid, row_log_sum, 0.0)
+    stats = RowStats(
+        lse=row_max + row_log_sum,
+        max=row_max,
+        log_sum=row_log_sum,
         target_logit=target_logit,
         weighted_sum=part_wsum.sum(dim=0) if weighted_sum else None,
         tile_log_mass=tiles if record_tiles else None,
         block_m=cfg.block_m,
         block_n=cfg.block_n,
-        col_lse=col_lse,
         col_tile_log_mass=col_tiles if col_stats and record_tiles else None,
     )
+    if col_stats:
+        top, log_sum = _combine_partials(col_max, col_sum)
+        if logits.col_order is not None:  # partials are by tile position; report by column id
+            top = torch.empty_like(top).index_copy_(0, logits.col_order, top)
+            log_sum = torch.empty_like(log_sum).index_copy_(0, logits.col_order, log_sum)
+        stats.col_max, stats.col_log_sum, stats.col_lse = top, log_sum, top + log_sum
+    return stats
 
 
-def _combine_lse(part_max: torch.Tensor, part_sum: torch.Tensor) -> torch.Tensor:
-    """log Σ_k part_sum_k · exp(part_max_k) over dim 0, stable (−inf where every part is empty)."""
+def _combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor):
+    """(max, log Σ exp(· − max)) of partial (max_k, Σ_k) pairs over dim 0.
+
+    The max is finite wherever some partial is (0 where none is, with log_sum = −inf).
+    """
     top = part_max.amax(dim=0)
     safe_top = torch.where(torch.isfinite(top), top, 0.0)
-    return safe_top + torch.log((part_sum * torch.exp(part_max - safe_top)).sum(dim=0))
+    return safe_top, torch.log((part_sum * torch.exp(part_max - safe_top)).sum(dim=0))
 
 
 def _torch_chunk_rows(v: int) -> int:
@@ -274,11 +311,14 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
                      sigmoid) -> RowStats:
     n, v = rows.index.numel(), b.shape[0]
     n_valid = int(rows.n_valid)
-    lse = torch.zeros(n, dtype=torch.float32, device=a.device)
-    target_logit = torch.zeros_like(lse) if rows.target is not None else None
-    wsum = torch.zeros_like(lse) if weighted_sum else None
-    sig = torch.zeros_like(lse) if sigmoid else None
-    col_lse = torch.full((v,), float("-inf"), device=a.device) if col_stats else None
+    row_max = torch.zeros(n, dtype=torch.float32, device=a.device)
+    row_log_sum = torch.zeros_like(row_max)
+    target_logit = torch.zeros_like(row_max) if rows.target is not None else None
+    wsum = torch.zeros_like(row_max) if weighted_sum else None
+    sig = torch.zeros_like(row_max) if sigmoid else None
+    if col_stats:  # running (max, Σ exp(X − max)) per column
+        col_max = torch.full((v,), float("-inf"), device=a.device)
+        col_sum = torch.zeros(v, device=a.device)
     b32 = b.float()
     chunk = _torch_chunk_rows(v)
     for start in range(0, n_valid, chunk):
@@ -293,13 +333,30 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
             hit = torch.arange(v, device=x.device)[None, :] == tgt[:, None]
             sig[pos] = _softplus_neg_zx(x, hit).sum(dim=1)
             continue
-        lse[pos] = torch.logsumexp(x, dim=1)
+        top, log_sum = _max_log_sum(x, dim=1)
+        row_max[pos], row_log_sum[pos] = top, log_sum
         if col_stats:
-            col_lse = torch.logaddexp(col_lse, torch.logsumexp(x, dim=0))
+            top, log_sum = _max_log_sum(x, dim=0)
+            new_max = torch.maximum(col_max, top)
+            safe = torch.where(torch.isfinite(new_max), new_max, 0.0)
+            col_sum = col_sum * torch.exp(col_max - safe) + torch.exp(log_sum + top - safe)
+            col_max = new_max
         if weighted_sum:
             wsum[pos] = (x @ col_weight) if col_weight is not None else x.sum(dim=1)
-    return RowStats(lse=lse, target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None,
-                    col_lse=col_lse, sigmoid_sum=sig)
+    stats = RowStats(lse=row_max + row_log_sum, max=row_max, log_sum=row_log_sum,
+                     target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None,
+                     sigmoid_sum=sig)
+    if col_stats:
+        stats.col_max, stats.col_log_sum = _combine_partials(col_max[None], col_sum[None])
+        stats.col_lse = stats.col_max + stats.col_log_sum
+    return stats
+
+
+def _max_log_sum(x: torch.Tensor, dim: int):
+    """(max, log Σ exp(x − max)) along ``dim``; the max is 0 where every entry is −inf."""
+    top = x.amax(dim=dim)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    return top, torch.log(torch.exp(x - top.unsqueeze(dim)).sum(dim=dim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +386,7 @@ def grads(
     need_bias: bool = False,
     need_scale: bool = False,
     sigmoid: bool = False,
+    filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
@@ -337,6 +395,9 @@ def grads(
     lose to skipped tiles (Triton only; None computes every tile). The uniform term u·w must be
     free of softcap for filtering: with softcap it is folded into the tiles, which are then all
     computed. ``sigmoid`` selects the pairwise sigmoid gradient (never filtered).
+    ``filter_scale`` = (per row (N,), per column (V,)) factors ≤ 1 on ``filter_eps``: each row's
+    (column's) gradient mass relative to its softmax mass, so that the bound is relative to the
+    gradient (``filtering.gradient_mass``).
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -347,7 +408,7 @@ def grads(
         return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
                             need_a, need_b, need_bias, need_scale, sigmoid)
     return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
-                         None if sigmoid else filter_eps,
+                         None if sigmoid else filter_eps, filter_scale or (None, None),
                          need_a, need_b, need_bias, need_scale, sigmoid)
 
 
@@ -362,7 +423,7 @@ def _dense_slab_fraction() -> float:
     return float(os.environ.get("FUSEDLOSS_DENSE_SLAB_FRACTION", 0.25))
 
 
-def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
+def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
                   need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
     from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
 
@@ -379,9 +440,10 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
     eps = None if uniform_in_tiles else filter_eps
     same_tiles = stats.block_m == bm and stats.block_n % bn == 0
     if stats.tile_log_mass is not None and same_tiles:
-        live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, bm, eps)
+        live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, bm, eps, filter_scale[0])
         if coef.col is not None:
-            live = _with_live_columns(live, stats, rows, logits.col_order, v, bm, eps)
+            live = _with_live_columns(live, stats, rows, logits.col_order, v, bm, eps,
+                                      filter_scale[1])
         live = live.repeat_interleave(stats.block_n // bn, dim=1)[:, :n_ct]
     else:
         live = live_tiles(torch.zeros(n_rb, n_ct, **f32), lse, rows.n_valid, bm, None)
@@ -431,10 +493,11 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             a, b, logits.bias if logits.bias is not None else dummy, s,
             rows.index, rows.n_valid, order,
             rows.target if rows.target is not None else rows.index,
-            w, lse, coef.lse,
+            w, stats.max, stats.log_sum, coef.lse,
             coef.target if coef.target is not None else dummy,
             coef.uniform if uniform_in_tiles else dummy,
-            stats.col_lse if coef.col is not None else dummy,
+            stats.col_max if coef.col is not None else dummy,
+            stats.col_log_sum if coef.col is not None else dummy,
             coef.col if coef.col is not None else dummy,
             live_s.view(torch.uint8), scratch, dscale_s,
             v, d, a.stride(0), b.stride(0), t0, nt,
@@ -444,6 +507,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
             HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
             GRAD_SCALE=need_scale, ZERO_DEAD=dense,
             COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
+            enable_fp_fusion=_fp_fusion(logits),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
@@ -513,7 +577,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
     )
 
 
-def _with_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm: int, eps):
+def _with_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm: int, eps,
+                       col_scale):
     """Adds the tiles that some column needs (its column-softmax mass is not negligible).
 
     A tile is skipped only when both its rows and its columns can afford it, so each row and
@@ -525,8 +590,11 @@ def _with_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm:
     n_rb, n_ct = live.shape
     col_lse = stats.col_lse if col_order is None else stats.col_lse[col_order]  # by position
     col_lse = _pad(col_lse, n_ct * bn)
+    if col_scale is not None and col_order is not None:
+        col_scale = col_scale[col_order]
     n_cols = torch.tensor(v, device=live.device)
-    by_cols = live_tiles(stats.col_tile_log_mass.T.contiguous(), col_lse, n_cols, bn, eps).T
+    by_cols = live_tiles(stats.col_tile_log_mass.T.contiguous(), col_lse, n_cols, bn, eps,
+                         col_scale).T
     row_ok = torch.arange(n_rb * bm, device=live.device) < rows.n_valid
     return (live | by_cols) & row_ok.view(n_rb, bm).any(dim=1)[:, None]
 
@@ -633,9 +701,11 @@ def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
             z = torch.where(hit, 1.0, -1.0)
             dx = -coef.lse[pos, None] * z * torch.sigmoid(-z * x)
         else:
-            dx = coef.lse[pos, None] * torch.exp(x - stats.lse[pos, None])
+            dx = coef.lse[pos, None] * torch.exp((x - stats.max[pos, None])
+                                                 - stats.log_sum[pos, None])
         if coef.col is not None:
-            dx += coef.col[None, :] * torch.exp(x - stats.col_lse[None, :])
+            dx += coef.col[None, :] * torch.exp((x - stats.col_max[None, :])
+                                                - stats.col_log_sum[None, :])
         if not sigmoid and rows.target is not None and coef.target is not None:
             tgt = rows.target[pos]
             hit = torch.zeros_like(dx).scatter_(1, tgt.clamp(min=0)[:, None], 1.0)

@@ -13,6 +13,12 @@ probability mass skipped per row:
 So every row loses at most ε of its softmax mass (its gradient changes by at most ε · max_j |B_j|
 in dA and its share of dB likewise), whatever the input: flat logits keep every tile, peaked
 ones skip the tail. Tiles that hold a row's target are always kept.
+
+The bound is made relative to each row's own gradient with a per-row ``scale`` ≤ 1, the row's
+gradient mass: for cross-entropy the gradient row r·(P − e_y) has L1 mass 2r·(1 − P_y), so a
+row may lose ε·min(1, 2(1 − P_y)) of its softmax mass. A confident row (P_y → 1), whose whole
+gradient is the tiny tail it would otherwise drop, then keeps its tiles; every row's gradient
+keeps a relative error ≤ ε.
 """
 
 from __future__ import annotations
@@ -45,12 +51,18 @@ def resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> fl
     return eps if eps > 0.0 else None
 
 
+def gradient_mass(loss: torch.Tensor) -> torch.Tensor:
+    """min(1, 2(1 − P_y)) from a row's loss lse − X_y = −log P_y: the ``scale`` of a CE row."""
+    return torch.clamp(-2.0 * torch.expm1(-loss), max=1.0)
+
+
 def live_tiles(
     tile_log_mass: torch.Tensor,  # (row blocks, column tiles) fp32, from the forward
     lse: torch.Tensor,  # (row blocks * block_m,) fp32, compact row order, padded
     n_valid: torch.Tensor,  # () int64
     block_m: int,
     eps: float | None,
+    scale: torch.Tensor | None = None,  # (n,) n ≤ row blocks * block_m: per-row factor on eps
 ) -> torch.Tensor:
     """Boolean (row blocks, column tiles) mask of the tiles the backward must compute."""
     n_blocks, _ = tile_log_mass.shape
@@ -62,8 +74,14 @@ def live_tiles(
     min_lse = torch.where(row_ok, lse[: n_blocks * block_m], inf).view(n_blocks, block_m)
     min_lse = min_lse.amin(dim=1, keepdim=True)
     bound = torch.exp(tile_log_mass - min_lse)  # ≥ each row's mass in the tile
+    budget = torch.full((n_blocks, 1), float(eps), device=lse.device)
+    if scale is not None:  # the block's budget is its most demanding row's
+        padded = torch.ones(n_blocks * block_m, device=lse.device)
+        padded[: scale.numel()] = scale.float()
+        padded = torch.where(row_ok, padded, inf).view(n_blocks, block_m)
+        budget = eps * torch.nan_to_num(padded, nan=0.0).amin(dim=1, keepdim=True)
     sorted_bound, order = torch.sort(bound, dim=1)
-    skip_sorted = torch.cumsum(sorted_bound, dim=1) <= eps  # NaN compares False: kept
+    skip_sorted = torch.cumsum(sorted_bound, dim=1) <= budget  # NaN compares False: kept
     skip = torch.empty_like(skip_sorted).scatter_(1, order, skip_sorted)
     return ~skip & block_has_rows[:, None]
 

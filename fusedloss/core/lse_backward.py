@@ -37,8 +37,9 @@ from .logits import dot_tile, logits_from_dot, sigmoid
 def _grad_logits_kernel(
     a_ptr, b_ptr, bias_ptr, scale_ptr,
     row_index_ptr, n_valid_ptr, col_order_ptr, target_ptr, col_weight_ptr,
-    lse_ptr, coef_lse_ptr, coef_target_ptr, coef_uniform_ptr,   # (N,) fp32, compact row order
-    col_lse_ptr, coef_col_ptr,   # (V,) fp32 column LSE and its coefficient c_j, by column id
+    row_max_ptr, row_log_sum_ptr,   # (N,) fp32: lse_i = max_i + log_sum_i, compact row order
+    coef_lse_ptr, coef_target_ptr, coef_uniform_ptr,   # (N,) fp32, compact row order
+    col_max_ptr, col_log_sum_ptr, coef_col_ptr,   # (V,) fp32 column LSE (as max + log_sum), c_j
     live_ptr,            # (row blocks, slab tiles) int8: 1 = compute this tile
     scratch_ptr,         # (row blocks · BLOCK_M, slab tiles · BLOCK_N) dX, input dtype, row-major
     dscale_ptr,          # (row blocks, slab tiles) fp32 partial Σ dX_pre · raw
@@ -88,12 +89,15 @@ def _grad_logits_kernel(
         # d softplus(−zX)/dX = −z·σ(−zX)
         dx = tl.where(hit, -sigmoid(-x), sigmoid(x)) * coef_lse[:, None]
     else:
-        lse = tl.load(lse_ptr + offs_m, mask=m_rows, other=0.0)
-        dx = coef_lse[:, None] * tl.exp(x - lse[:, None])
+        # (X − max) − log_sum: the small part of the LSE survives (see RowStats).
+        row_max = tl.load(row_max_ptr + offs_m, mask=m_rows, other=0.0)
+        row_log_sum = tl.load(row_log_sum_ptr + offs_m, mask=m_rows, other=0.0)
+        dx = coef_lse[:, None] * tl.exp((x - row_max[:, None]) - row_log_sum[:, None])
         if COL_LSE:
-            col_lse = tl.load(col_lse_ptr + cols, mask=m_cols, other=0.0)
+            col_max = tl.load(col_max_ptr + cols, mask=m_cols, other=0.0)
+            col_log_sum = tl.load(col_log_sum_ptr + cols, mask=m_cols, other=0.0)
             coef_col = tl.load(coef_col_ptr + cols, mask=m_cols, other=0.0)
-            dx += coef_col[None, :] * tl.exp(x - col_lse[None, :])
+            dx += coef_col[None, :] * tl.exp((x - col_max[None, :]) - col_log_sum[None, :])
         if HAS_TARGET:
             target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
             coef_target = tl.load(coef_target_ptr + offs_m, mask=m_rows, other=0.0)

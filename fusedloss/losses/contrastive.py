@@ -25,7 +25,7 @@ import torch
 
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows
-from ..core.filtering import resolve_filter_eps
+from ..core.filtering import gradient_mass, resolve_filter_eps
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "triton", "torch"]
@@ -65,11 +65,19 @@ class ContrastiveFunction(torch.autograd.Function):
         if spec.kind == "siglip":
             loss = stats.sigmoid_sum
         elif spec.kind == "clip":
-            loss = 0.5 * (stats.lse + stats.col_lse) - stats.target_logit
+            x_ii = stats.target_logit
+            loss = 0.5 * (stats.lse_minus(x_ii) + stats.col_lse_minus(x_ii))
         else:
-            loss = stats.lse - stats.target_logit
+            loss = stats.lse_minus(stats.target_logit)
         ctx.save_for_backward(a, b, scale, bias)
         ctx.spec, ctx.stats = spec, stats
+        ctx.filter_scale = None
+        if spec.kind == "clip":  # each direction's own gradient mass bounds its skipped mass
+            x_ii = stats.target_logit
+            ctx.filter_scale = (gradient_mass(stats.lse_minus(x_ii)),
+                                gradient_mass(stats.col_lse_minus(x_ii)))
+        elif spec.kind != "siglip":
+            ctx.filter_scale = (gradient_mass(loss), None)
         return loss
 
     @staticmethod
@@ -88,7 +96,7 @@ class ContrastiveFunction(torch.autograd.Function):
             a, b, _logits(spec, b, scale, bias), spec.rows, ctx.stats, coef,
             filter_eps=spec.filter_eps, need_a=need_a, need_b=need_b,
             need_bias=bias is not None and need_bias, need_scale=need_scale,
-            sigmoid=spec.kind == "siglip", backend=spec.backend,
+            sigmoid=spec.kind == "siglip", filter_scale=ctx.filter_scale, backend=spec.backend,
         )
         grad_bias = grads.bias.sum() if grads.bias is not None else None
         return grads.a, grads.b, grads.scale, grad_bias, None

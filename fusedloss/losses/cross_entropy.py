@@ -64,7 +64,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             backend=params.backend,
         )
         lse, w_y = stats.lse, params.target_weight
-        loss = (1 - alpha) * w_y * (lse - stats.target_logit)
+        loss = (1 - alpha) * w_y * stats.lse_minus(stats.target_logit)
         if alpha > 0:
             total_w = params.class_weight.sum() if params.class_weight is not None else v
             loss = loss + (alpha / v) * (total_w * lse - stats.weighted_sum)
@@ -102,12 +102,24 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             a, b, Logits(bias=bias, softcap=params.softcap, col_order=params.col_order),
             rows, ctx.stats, coef,
             col_weight=params.class_weight, filter_eps=params.filter_eps,
+            filter_scale=(_gradient_mass(ctx.stats, coef), None),
             need_a=ctx.needs_input_grad[0], need_b=ctx.needs_input_grad[1],
             need_bias=bias is not None and ctx.needs_input_grad[2],
             backend=params.backend,
         )
         grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else None
         return grads.a, grads.b, grad_bias, None
+
+
+def _gradient_mass(stats, coef: GradCoefficients) -> torch.Tensor:
+    """Each row's gradient mass relative to its softmax mass (the filter's per-row scale).
+
+    The tile part of a row's gradient, r·P − t·e_y, has L1 mass r·((1 − P_y) + |P_y − t/r|).
+    """
+    p_target = torch.exp(-stats.lse_minus(stats.target_logit))
+    ratio = torch.where(coef.lse != 0, coef.target / torch.where(coef.lse != 0, coef.lse, 1.0),
+                        1.0)
+    return torch.clamp((1 - p_target) + (p_target - ratio).abs(), max=1.0)
 
 
 def _valid_positions(rows: Rows, n: int) -> torch.Tensor:
