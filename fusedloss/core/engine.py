@@ -154,17 +154,6 @@ def row_stats(
                              record_tiles)
 
 
-def _fp_fusion(logits: Logits) -> bool:
-    """Whether the compiler may fuse multiplies and adds (FMA) in the logit kernels.
-
-    Not when the logits are a product (scale, softcap): X = s·raw must be rounded before
-    X − max is formed, as in the forward that found the max, or fma(s, raw, −max) leaves the
-    product's rounding error (≈ ulp(X)) in P = exp(X − max − log_sum) — fatal where the
-    gradient is the tiny 1 − P of a confident row.
-    """
-    return logits.scale is None and not logits.softcap
-
-
 def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
     """(upcast before tl.dot, tl.dot input_precision) for operands of t's dtype."""
     interp = config.interpreting()
@@ -240,9 +229,9 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
         HAS_TARGET=has_target, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
         RECORD_TILES=record_tiles, COL_STATS=col_stats, DIAG_MASK=logits.diag_mask,
-        SIGMOID=sigmoid, enable_fp_fusion=_fp_fusion(logits),
+        SIGMOID=sigmoid,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_FP32=dot_fp32, PRECISION=precision,
+        DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     valid = torch.arange(n, device=a.device) < rows.n_valid
@@ -387,6 +376,7 @@ def grads(
     need_scale: bool = False,
     sigmoid: bool = False,
     filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    scratch_bytes: int | None = None,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
@@ -397,7 +387,9 @@ def grads(
     computed. ``sigmoid`` selects the pairwise sigmoid gradient (never filtered).
     ``filter_scale`` = (per row (N,), per column (V,)) factors ≤ 1 on ``filter_eps``: each row's
     (column's) gradient mass relative to its softmax mass, so that the bound is relative to the
-    gradient (``filtering.gradient_mass``).
+    gradient (``filtering.gradient_mass``). ``scratch_bytes`` caps the dX scratch of one
+    column slab (default: ``FUSEDLOSS_SCRATCH_MB``, 64 MiB); wider slabs amortize the fp32 dA
+    accumulator's read-modify-write over more columns.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -409,12 +401,13 @@ def grads(
                             need_a, need_b, need_bias, need_scale, sigmoid)
     return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
                          None if sigmoid else filter_eps, filter_scale or (None, None),
-                         need_a, need_b, need_bias, need_scale, sigmoid)
+                         scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid)
 
 
-def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int) -> int:
+def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int, budget: int | None = None) -> int:
     """Column tiles per slab: the dX scratch of one slab stays under the budget."""
-    budget = float(os.environ.get("FUSEDLOSS_SCRATCH_MB", 64)) * 2**20
+    if budget is None:
+        budget = float(os.environ.get("FUSEDLOSS_SCRATCH_MB", 64)) * 2**20
     return max(1, min(n_ct, int(budget // max(1, n_rb * tile_bytes))))
 
 
@@ -424,7 +417,7 @@ def _dense_slab_fraction() -> float:
 
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
-                  need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
+                  scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
     from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
@@ -450,7 +443,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     if rows.target is not None and eps is not None:
         mark_targets_live(live, _target_positions(rows.target, logits.col_order, v), bm, bn)
 
-    slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size())
+    slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
     # One host sync: the number of valid rows and each slab's live count pick dense or sparse.
     counts = torch.nn.functional.pad(live, (0, n_slabs * slab - n_ct)).view(n_rb, n_slabs, slab)
@@ -507,7 +500,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
             GRAD_SCALE=need_scale, ZERO_DEAD=dense,
             COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
-            enable_fp_fusion=_fp_fusion(logits),
+            ROUND=not config.interpreting(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )

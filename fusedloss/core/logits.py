@@ -58,17 +58,36 @@ def dot_tile(
 
 
 @triton.jit
+def mul_rn(x, y, ROUND: tl.constexpr):
+    """x · y rounded to fp32 as written: the compiler may not fuse it into a later add (FMA).
+
+    X = s · raw must be the same rounded number in the forward (which takes max_j X_ij) and in
+    the backward (which forms X − max): fma(s, raw, −max) would keep the product's rounding
+    error, ≈ ulp(X), in P = exp(X − max − log Σ), and that error is the whole gradient of a
+    confident row (1 − P_ii). ``ROUND`` is off under the interpreter (no inline PTX; numpy
+    rounds every product anyway).
+    """
+    if ROUND:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return x * y
+
+
+@triton.jit
 def logits_from_dot(
     raw, bias_ptr, cols, col_mask, scale,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     """X = softcap(scale · raw + bias); returns the fp32 tile (masked columns untouched)."""
     x = raw
     if HAS_SCALE:
-        x = x * scale
+        x = mul_rn(x, tl.zeros_like(x) + scale, ROUND)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         x = x + bias[None, :]
     if SOFTCAP > 0:
-        x = SOFTCAP * tanh(x / SOFTCAP)
+        t = tanh(x / SOFTCAP)
+        x = mul_rn(t, tl.zeros_like(t) + SOFTCAP, ROUND)
     return x

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .logits import dot_tile, logits_from_dot, sigmoid
+from .lse_forward import _may_hold
 
 
 @triton.jit
@@ -49,7 +50,7 @@ def _grad_logits_kernel(
     HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
     COL_LSE: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -78,7 +79,7 @@ def _grad_logits_kernel(
 
     raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
-    x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP)
+    x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP, ROUND)
 
     if DIAG_MASK:
         x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
@@ -100,8 +101,9 @@ def _grad_logits_kernel(
             dx += coef_col[None, :] * tl.exp((x - col_max[None, :]) - col_log_sum[None, :])
         if HAS_TARGET:
             target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
-            coef_target = tl.load(coef_target_ptr + offs_m, mask=m_rows, other=0.0)
-            dx -= tl.where(cols[None, :] == target[:, None], coef_target[:, None], 0.0)
+            if _may_hold(target, slab_tile_start + pid_t, BLOCK_N, HAS_ORDER):
+                coef_target = tl.load(coef_target_ptr + offs_m, mask=m_rows, other=0.0)
+                dx -= tl.where(cols[None, :] == target[:, None], coef_target[:, None], 0.0)
     if HAS_UNIFORM:
         coef_uniform = tl.load(coef_uniform_ptr + offs_m, mask=m_rows, other=0.0)
         if HAS_COL_WEIGHT:

@@ -50,7 +50,7 @@ def _lse_forward_kernel(
     HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
     COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -84,17 +84,21 @@ def _lse_forward_kernel(
                 cols = offs_n.to(tl.int64)
             raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
-            x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP)
+            x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP,
+                                ROUND)
             x = tl.where(m_cols[None, :], x, float("-inf"))
             if DIAG_MASK:
                 x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
+            y = x  # SIGMOID: −z·X, z = +1 at the target
             if HAS_TARGET:
-                hit = (cols[None, :] == target[:, None]) & m_cols[None, :]
-                target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
+                # Most tiles hold no target of this block: test that once, not per element.
+                if _may_hold(target, t, BLOCK_N, HAS_ORDER):
+                    hit = (cols[None, :] == target[:, None]) & m_cols[None, :]
+                    target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
+                    y = tl.where(hit, -x, x)
 
             if SIGMOID:
-                # softplus(y), y = −z·X: max(y, 0) + log1p(exp(−|y|)), exact in the tails.
-                y = tl.where(hit, -x, x)
+                # softplus(y): max(y, 0) + log1p(exp(−|y|)), exact in the tails.
                 softplus = tl.maximum(y, 0.0) + log1p(tl.exp(-tl.abs(y)))
                 row_sum += tl.sum(tl.where(m_cols[None, :], softplus, 0.0), axis=1)
             else:
@@ -125,6 +129,18 @@ def _lse_forward_kernel(
             tl.store(target_out_ptr + out, target_logit, mask=m_rows)
         if HAS_WSUM:
             tl.store(wsum_out_ptr + out, weighted_sum, mask=m_rows)
+
+
+@triton.jit
+def _may_hold(target, t, BLOCK_N: tl.constexpr, HAS_ORDER: tl.constexpr):
+    """Whether column tile t may hold some row's target (targets are column ids; with a
+    column order, tile positions differ from ids and every tile may)."""
+    if HAS_ORDER:
+        return True
+    else:
+        lo = t * BLOCK_N
+        inside = (target >= lo) & (target < lo + BLOCK_N)
+        return tl.max(inside.to(tl.int32), axis=0) > 0
 
 
 @triton.jit

@@ -18,6 +18,7 @@ Both CLIP directions come from one pass: each tile feeds the row and the column 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,10 +97,23 @@ class ContrastiveFunction(torch.autograd.Function):
             a, b, _logits(spec, b, scale, bias), spec.rows, ctx.stats, coef,
             filter_eps=spec.filter_eps, need_a=need_a, need_b=need_b,
             need_bias=bias is not None and need_bias, need_scale=need_scale,
-            sigmoid=spec.kind == "siglip", filter_scale=ctx.filter_scale, backend=spec.backend,
+            sigmoid=spec.kind == "siglip", filter_scale=ctx.filter_scale,
+            scratch_bytes=_scratch_bytes(a), backend=spec.backend,
         )
         grad_bias = grads.bias.sum() if grads.bias is not None else None
         return grads.a, grads.b, grads.scale, grad_bias, None
+
+
+def _scratch_bytes(a: torch.Tensor) -> int | None:
+    """dX scratch per column slab: 2048 columns wide, between 64 MiB and 1 GiB.
+
+    Contrastive widths are small (D ≈ 512), so each slab's read-modify-write of the fp32 dA
+    accumulator (8·N·D bytes) costs as much as a few hundred columns of matmul: slabs of
+    ≥ 2048 columns keep it a small fraction. ``FUSEDLOSS_SCRATCH_MB`` overrides.
+    """
+    if "FUSEDLOSS_SCRATCH_MB" in os.environ:
+        return None
+    return int(min(2**30, max(2**26, a.shape[0] * 2048 * a.element_size())))
 
 
 def _logits(spec: _Spec, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
