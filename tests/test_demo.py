@@ -1,4 +1,4 @@
-"""The demo (``python -m fusedloss demo``) on a tiny configuration: both heads train alike."""
+"""The demo (``python -m fusedloss demo``) on tiny configurations: both heads train alike."""
 
 from __future__ import annotations
 
@@ -13,13 +13,25 @@ from fusedloss import demo
 from fusedloss.__main__ import main as cli_main
 
 TINY = demo.LM_SIZES["tiny"]
+TINY_CLIP = demo.CLIP_SIZES["tiny"]
+EXPERIMENTS = ["lm", "clip"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def tiny_comparison() -> demo.Comparison:
-    """One tiny CPU run of the LM experiment, shared by the tests below."""
-    return demo.lm_experiment(TINY, torch.device("cpu"), verbose=False)
+def tiny_comparisons() -> dict[str, demo.Comparison]:
+    """One tiny CPU run of each experiment, shared by the tests below."""
+    cpu = torch.device("cpu")
+    return {
+        "lm": demo.lm_experiment(TINY, cpu, verbose=False),
+        "clip": demo.clip_experiment(TINY_CLIP, cpu, verbose=False),
+    }
+
+
+@pytest.fixture
+def tiny_comparison(tiny_comparisons) -> demo.Comparison:
+    """The tiny LM comparison."""
+    return tiny_comparisons["lm"]
 
 
 def test_source_is_deterministic_and_zipf_markov():
@@ -35,10 +47,31 @@ def test_source_is_deterministic_and_zipf_markov():
     assert 0 < source.optimal_loss(seq_len=32) < math.log(8)  # at most K successors
 
 
-def test_both_heads_trace_the_same_curve(tiny_comparison):
+def test_pair_source_is_deterministic_with_unit_signal_and_noise():
+    source = demo.PairedLatentSource(latent_dim=4, image_dim=12, text_dim=8, noise=0.5, seed=3)
+    again = demo.PairedLatentSource(latent_dim=4, image_dim=12, text_dim=8, noise=0.5, seed=3)
+    images, texts = source.batch(step=5, batch_size=4096)
+    assert images.shape == (4096, 12) and texts.shape == (4096, 8)
+    assert images.dtype == texts.dtype == torch.float32
+    for x, y in zip((images, texts), again.batch(step=5, batch_size=4096), strict=True):
+        assert torch.equal(x, y)
+    assert not torch.equal(images, source.batch(step=6, batch_size=4096)[0])
+    # The same latents without noise: unit-variance views, and the noise is of the stated size.
+    clean = demo.PairedLatentSource(latent_dim=4, image_dim=12, text_dim=8, noise=0.0, seed=3)
+    clean_views = clean.batch(step=5, batch_size=4096)
+    for noisy_view, clean_view in zip((images, texts), clean_views, strict=True):
+        variance = clean_view.var(dim=0)
+        torch.testing.assert_close(variance, torch.ones_like(variance), atol=0.15, rtol=0)
+        assert (noisy_view - clean_view).std().item() == pytest.approx(0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_both_heads_trace_the_same_curve(tiny_comparisons, experiment):
+    tiny_comparison = tiny_comparisons[experiment]
+    steps = {"lm": TINY, "clip": TINY_CLIP}[experiment].steps
     reference, candidate = tiny_comparison.reference, tiny_comparison.candidate
     assert (reference.name, candidate.name) == ("pytorch", "fusedloss")
-    assert len(reference.losses) == len(candidate.losses) == TINY.steps
+    assert len(reference.losses) == len(candidate.losses) == steps
     assert all(math.isfinite(loss) for loss in reference.losses + candidate.losses)
     assert max(abs(d) for d in tiny_comparison.differences()) < 1e-4
     assert tiny_comparison.agrees()
@@ -62,8 +95,50 @@ def test_heads_compute_the_same_loss(dtype):
     torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
 
 
-def test_report_writes_png(tiny_comparison, tmp_path, capsys):
+def test_learned_logit_scales_agree(tiny_comparisons):
+    reference, candidate = tiny_comparisons["clip"].reference, tiny_comparisons["clip"].candidate
+    scales = reference.final_values["logit_scale"], candidate.final_values["logit_scale"]
+    assert scales[0] != pytest.approx(1 / 0.07, abs=1e-3)  # it is learned
+    assert scales[1] == pytest.approx(scales[0], rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clip_heads_compute_the_same_loss_and_gradients(dtype):
+    generator = torch.Generator().manual_seed(0)
+    features = [
+        torch.nn.functional.normalize(torch.randn(24, 16, generator=generator), dim=1)
+        .to(dtype)
+        .requires_grad_()
+        for _ in range(2)
+    ]
+    scale = torch.tensor(1 / 0.07, requires_grad=True)
+    results = []
+    for head in (demo.fusedloss_clip_head, demo.pytorch_clip_head):
+        loss = head(*features, scale)
+        results.append((loss, *torch.autograd.grad(loss, [*features, scale])))
+    fused, reference = results
+    assert fused[0].dtype == reference[0].dtype == torch.float32
+    # bf16: PyTorch rounds the logits to bf16 before its fp32 softmax; fusedloss does not.
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for f, r in zip(fused, reference, strict=True):
+        torch.testing.assert_close(f.float(), r.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_clip_train_step_clamps_logit_scale():
+    torch.manual_seed(0)
+    model = demo.TwoTower(TINY_CLIP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the step leaves it at 500
+    images, texts = demo.clip_source(TINY_CLIP).batch(step=0, batch_size=8)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(500.0))
+    demo.clip_train_step(model, optimizer, images, texts, demo.fusedloss_clip_head, torch.float32)
+    assert model.logit_scale.item() == pytest.approx(math.log(100.0))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_report_writes_png(tiny_comparisons, experiment, tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="plotting needs matplotlib")
+    tiny_comparison = tiny_comparisons[experiment]
     path = demo.report(tiny_comparison, torch.device("cpu"), tmp_path, "curves.png", every=5)
     assert path == tmp_path / "curves.png"
     assert path.read_bytes().startswith(PNG_SIGNATURE)
@@ -83,7 +158,24 @@ def test_command_line_runs_the_demo(tmp_path, capsys):
     cli_main(["demo", "--size", "tiny", "--device", "cpu", "--steps", "8", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "pytorch" in out and "fusedloss" in out
+    assert "causal LM" in out and "CLIP-style two towers" in out
+    assert out.count("verdict:") == 2
     assert out.rstrip().splitlines()[-1].startswith("verdict:")
+    if "plot written to" in out:
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "clip_loss_curves.png",
+            "lm_loss_curves.png",
+        ]
+
+
+def test_command_line_runs_one_experiment(tmp_path, capsys):
+    comparisons = demo.main(
+        ["--experiment", "clip", "--size", "tiny", "--steps", "4", "--out", str(tmp_path)]
+    )
+    assert list(comparisons) == ["clip"]
+    assert len(comparisons["clip"].reference.losses) == 4
+    out = capsys.readouterr().out
+    assert "causal LM" not in out and out.count("verdict:") == 1
 
 
 def test_config_from_args_applies_overrides():
@@ -94,3 +186,6 @@ def test_config_from_args_applies_overrides():
     assert config == replace(demo.LM_SIZES["large"], steps=7, seed=4, head_dtype=torch.float32)
     auto = demo.config_from_args(demo.build_parser().parse_args([]), torch.device("cpu"))
     assert auto == demo.LM_SIZES["small"]
+    clip = demo.config_from_args(args, torch.device("cpu"), demo.CLIP_SIZES)
+    assert clip == replace(demo.CLIP_SIZES["large"], steps=7, seed=4, head_dtype=torch.float32)
+    assert set(demo.CLIP_SIZES) == set(demo.LM_SIZES)  # --size picks from both

@@ -426,20 +426,26 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     bm, bn, bd = cfg.block_m, cfg.block_n, cfg.block_d
     n_rb, n_ct = triton_cdiv(n, bm), triton_cdiv(v, bn)
     f32 = dict(dtype=torch.float32, device=dev)
-    lse = _pad(stats.lse, n_rb * bm)
 
     # Which tiles to compute. With softcap the uniform term lives inside the tiles: keep all.
     uniform_in_tiles = coef.uniform is not None and bool(logits.softcap)
     eps = None if uniform_in_tiles else filter_eps
-    same_tiles = stats.block_m == bm and stats.block_n % bn == 0
-    if stats.tile_log_mass is not None and same_tiles:
-        live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, bm, eps, filter_scale[0])
+    # The forward's statistics cover (fm × fn) tiles; they bound every (bm × bn) sub-tile.
+    fm, fn = stats.block_m, stats.block_n
+    nested = fm > 0 and fm % bm == 0 and fn % bn == 0
+    if stats.tile_log_mass is not None and nested and eps is not None:
+        lse = _pad(stats.lse, stats.tile_log_mass.shape[0] * fm)
+        live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, fm, eps, filter_scale[0])
         if coef.col is not None:
-            live = _with_live_columns(live, stats, rows, logits.col_order, v, bm, eps,
+            live = _with_live_columns(live, stats, rows, logits.col_order, v, fm, eps,
                                       filter_scale[1])
-        live = live.repeat_interleave(stats.block_n // bn, dim=1)[:, :n_ct]
+        live = live.repeat_interleave(fm // bm, dim=0)[:n_rb]
+        live = live.repeat_interleave(fn // bn, dim=1)[:, :n_ct]
+        row_ok = torch.arange(n_rb * bm, device=dev) < rows.n_valid
+        live &= row_ok.view(n_rb, bm).any(dim=1)[:, None]
     else:
-        live = live_tiles(torch.zeros(n_rb, n_ct, **f32), lse, rows.n_valid, bm, None)
+        live = live_tiles(torch.zeros(n_rb, n_ct, **f32), _pad(stats.lse, n_rb * bm),
+                          rows.n_valid, bm, None)
     if rows.target is not None and eps is not None:
         mark_targets_live(live, _target_positions(rows.target, logits.col_order, v), bm, bn)
 
@@ -466,7 +472,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     a_compact = None  # A in compact row order, for the dense path
 
     dot_fp32, precision = _dot_flags(a)
-    dummy = lse
+    dummy = stats.lse
     scratch_buffer = torch.empty(n_rb * bm * min(slab, n_ct) * bn, dtype=a.dtype, device=dev)
     common = dict(
         HAS_ORDER=logits.col_order is not None, DOT_FP32=dot_fp32, PRECISION=precision,

@@ -188,7 +188,9 @@ def linear_cross_entropy(
             sequence is dropped, without copying ``input``. Per-token outputs then have shape
             ``target[..., 1:].shape``.
         filter_eps: gradient filtering: the backward may skip logit tiles whose softmax mass,
-            summed per row, stays ≤ filter_eps (a proven bound, see docs/filtering). "auto"
+            summed per row, stays ≤ filter_eps × the row's gradient mass min(1, 2(1 − P_y)),
+            so each row's gradient keeps a relative error ≤ filter_eps (a proven bound, see
+            docs/design.md). "auto"
             picks by dtype (bf16 2⁻¹², fp16 2⁻¹⁵, fp32 exact); None or 0 computes everything.
             Only the Triton backend filters; the torch backend is always exact.
         return_lse: also return the per-token log-sum-exp (float32; 0 at ignored tokens).
