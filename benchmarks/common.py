@@ -79,6 +79,45 @@ def _wall_clock_median_ms(fn: Callable[[], Any], timing: TimingSettings) -> floa
     return statistics.median(samples)
 
 
+def median_ms_fixed(fn: Callable[[], Any], device: torch.device | str, reps: int) -> float:
+    """Median of exactly ``reps`` timed calls of ``fn`` in milliseconds, for slow functions.
+
+    ``do_bench`` runs a function at least eight times (one call, five for its estimate, then
+    warm-up and repetitions): too many for calls of seconds. Here each call is timed on its
+    own, between CUDA events with the device synchronized before it (wall clock without
+    CUDA); no L2 flush, which a call of ≥ 100 ms does not notice. The caller warms up.
+    """
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    samples = []
+    for _ in range(reps):
+        if uses_cuda(device):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            samples.append(float(start.elapsed_time(end)))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def call_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
+    """Wall time of one synchronized call of ``fn`` in ms (its result is dropped)."""
+    synchronize(device)
+    begin = time.perf_counter()
+    output = fn()
+    synchronize(device)
+    elapsed = (time.perf_counter() - begin) * 1e3
+    del output
+    return elapsed
+
+
 def synchronize(device: torch.device | str) -> None:
     if uses_cuda(device):
         torch.cuda.synchronize(device)

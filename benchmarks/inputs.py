@@ -11,6 +11,10 @@ compare with the peers' (V×D classifier C, N×D hidden states E, labels y):
 
 "peaked" looks like a trained model (mean loss ≈ 3 nats at V = 256000, a few dozen
 softmax entries per row above 2^-12); "flat" is the worst case for gradient filtering.
+
+Contrastive losses (CLIP, SigLIP, SimCLR) take pairs of L2-normalized feature matrices
+(b × c image and text features, or two views): see :func:`make_pair_features` for the
+"random" and "trained" regimes.
 """
 
 from __future__ import annotations
@@ -94,3 +98,94 @@ def make_lm_head_inputs(
         classifier[:, 0] = -torch.log(rank.to(torch.float32)) / 4.0
         hidden[:, 0] = 4.0
     return hidden.to(dtype), classifier.to(dtype), labels
+
+
+# ----------------------------------------------------------------------------- contrastive
+
+PAIR_REGIMES = ("random", "trained")
+
+# logit_scale (already exp()-ed, open_clip's convention) that goes with each regime:
+# 1/0.07 is CLIP's initial temperature, 100 the value trained CLIP models reach (open_clip
+# clamps logit_scale there).
+RANDOM_LOGIT_SCALE = 1.0 / 0.07
+TRAINED_LOGIT_SCALE = 100.0
+
+# The "trained" generator's parameters (see make_pair_features). Calibrated on CPU with a
+# chunked float32 CLIP loss at b = 16384, c = 512, logit_scale 100, seed 0: mean loss
+# 1.35 nats per direction (image→text 1.350, text→image 1.352), positive-pair cosine 0.35,
+# ≈ 6 softmax entries per row above 2^-12. Neighbouring values: latent 0.40 → 1.90 nats,
+# 0.50 → 0.88 nats (noise 1.5). The loss depends little on b (b = 1024: 1.48, 4096: 1.35) and
+# more on c (b = 4096: c = 256 → 2.9, c = 768 → 0.81 nats); every run reports its own.
+TRAINED_CLUSTER_SIZE = 8  # C = b // 8 clusters: ≈ 8 pairs share a cluster (Poisson sizes)
+TRAINED_LATENT = 0.45  # a: weight of the pair's shared instance latent
+TRAINED_NOISE = 1.5  # s: weight of each side's own noise
+
+
+def pair_logit_scale(regime: str) -> float:
+    """The CLIP ``logit_scale`` of a regime: 1/0.07 (random) or 100 (trained)."""
+    if regime not in PAIR_REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; expected one of {PAIR_REGIMES}")
+    return RANDOM_LOGIT_SCALE if regime == "random" else TRAINED_LOGIT_SCALE
+
+
+def make_pair_features(
+    b: int,
+    c: int,
+    regime: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    cluster_size: int = TRAINED_CLUSTER_SIZE,
+    latent: float = TRAINED_LATENT,
+    noise: float = TRAINED_NOISE,
+) -> tuple[Tensor, Tensor]:
+    """Paired, L2-normalized features ``(image, text)``, each (b, c) in ``dtype``.
+
+    Row i of ``image`` and row i of ``text`` form pair i (for SimCLR: the two views of
+    sample i). Random numbers are drawn in float32 on ``device`` from a generator seeded with
+    ``seed``; the rows are normalized in float32 and cast to ``dtype`` afterwards (so they are
+    unit vectors up to the dtype's rounding).
+
+    ``"random"`` — an untrained model: independent random unit vectors,
+    ``image = normalize(randn(b, c))``, ``text = normalize(randn(b, c))``. With CLIP's
+    initial logit_scale 1/0.07 every softmax is almost flat (loss ≈ log b): the worst case
+    for gradient filtering.
+
+    ``"trained"`` — a model that has learnt something: pairs share a latent, and the batch
+    has cluster structure (near-duplicate captions, several photos of one kind of thing)::
+
+        C = max(1, b // cluster_size) clusters with random unit centres c_k
+        k_i = randint(C) for every pair i      (clusters in random order, as in real batches)
+        w_i, n_i, n'_i random unit vectors     (pair latent, image noise, text noise)
+        image_i = normalize(c_k + latent·w_i + noise·n_i)
+        text_i  = normalize(c_k + latent·w_i + noise·n'_i)
+
+    With the defaults (latent 0.45, noise 1.5) a positive pair has cosine ≈ 0.35, pairs of
+    one cluster ≈ 0.3, unrelated pairs 0 ± 1/√c; at the trained logit_scale 100 the mean CLIP
+    loss on b = 16384, c = 512 is ≈ 1.35 nats per direction (calibration above), and the
+    softmax mass of each row sits on a handful of columns scattered over the whole batch.
+    """
+    if regime not in PAIR_REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; expected one of {PAIR_REGIMES}")
+    device = torch.device(device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+
+    def unit(rows: int) -> Tensor:
+        x = torch.randn(rows, c, generator=generator, device=device, dtype=torch.float32)
+        return torch.nn.functional.normalize(x, dim=1)
+
+    if regime == "random":
+        image = unit(b).to(dtype)
+        text = unit(b).to(dtype)
+        return image, text
+    clusters = max(1, b // max(1, cluster_size))
+    centres = unit(clusters)
+    assignment = torch.randint(0, clusters, (b,), generator=generator, device=device)
+    base = centres[assignment]
+    del centres, assignment
+    base.add_(unit(b), alpha=latent)
+    image = torch.nn.functional.normalize(base + noise * unit(b), dim=1).to(dtype)
+    text = torch.nn.functional.normalize(base.add_(unit(b), alpha=noise), dim=1).to(dtype)
+    return image, text

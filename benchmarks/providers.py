@@ -8,7 +8,11 @@ it with that note.
 
 Peers install as pure-Python wheels without dependencies::
 
-    pip install cut-cross-entropy==25.1.1 liger-kernel==0.8.5 --no-deps
+    pip install cut-cross-entropy==25.1.1 liger-kernel==0.8.5 inf-cl==1.2.1 --no-deps
+
+Contrastive providers (:class:`ContrastiveProvider`, the ``contrastive`` suite) work the same
+way for the CLIP, NT-Xent and SigLIP losses; their loss functions take the loss's own
+arguments (:data:`CONTRASTIVE_SIGNATURES`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -297,5 +302,321 @@ def lm_head_providers() -> dict[str, LMHeadProvider]:
         CutCrossEntropyProvider(),
         CutCrossEntropyProvider(no_filter=True),
         LigerProvider(),
+    ]
+    return {provider.key: provider for provider in providers}
+
+
+# ============================================================================= contrastive
+
+CLIP, NT_XENT, SIGLIP = "clip", "nt-xent", "siglip"
+CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP)
+# What a contrastive provider's loss function takes (all features (rows, c), same dtype):
+CONTRASTIVE_SIGNATURES = {
+    CLIP: "loss(image, text, logit_scale)",  # logit_scale: 0-dim fp32 tensor (gets a gradient)
+    NT_XENT: "loss(features, temperature)",  # features (2B, c): two views stacked; τ a float
+    SIGLIP: "loss(image, text, logit_scale, logit_bias)",  # both 0-dim fp32 tensors
+}
+ContrastiveFn = Callable[..., Tensor]
+
+
+class ContrastiveProvider:
+    """One implementation of some contrastive losses (mean reduction, as the libraries')."""
+
+    key: str = ""
+    label: str = ""
+    distribution: str | None = None
+    is_peer: bool = False
+    install_hint: str = ""
+    losses: tuple[str, ...] = CONTRASTIVE_LOSSES
+
+    def version(self) -> str | None:
+        return package_version(self.distribution) if self.distribution else None
+
+    def display_name(self) -> str:
+        version = self.version() if self.is_peer else None
+        return f"{self.label} {version}" if version else self.label
+
+    def supports(self, loss: str) -> bool:
+        return loss in self.losses
+
+    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
+        """Import what is needed and return the loss function (raise Unavailable)."""
+        raise NotImplementedError
+
+    def describe(self, loss: str) -> str:
+        """The exact call being measured, for the results file."""
+        return ""
+
+
+class FusedLossContrastiveProvider(ContrastiveProvider):
+    """``fusedloss.clip_loss`` / ``nt_xent_loss`` / ``siglip_loss`` with an explicit backend.
+
+    ``exact=True`` passes ``filter_eps=None`` (every tile of the backward computed; SigLIP has
+    no filtering, so the exact variant does not apply to it).
+    """
+
+    distribution = "fusedloss"
+
+    def __init__(self, backend: str = "triton", exact: bool = False):
+        self.backend = backend
+        self.exact = exact
+        self.key = "fusedloss-exact" if exact else "fusedloss"
+        self.label = "fusedloss (exact)" if exact else "fusedloss"
+        self.losses = (CLIP, NT_XENT) if exact else CONTRASTIVE_LOSSES
+
+    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
+        fusedloss = _import("fusedloss", self)
+        name = {CLIP: "clip_loss", NT_XENT: "nt_xent_loss", SIGLIP: "siglip_loss"}[loss]
+        function = getattr(fusedloss, name, None)
+        if function is None:
+            raise Unavailable(f"fusedloss has no {name}")
+        backend = self.backend
+        extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
+        if loss == CLIP:
+            return lambda i, t, s: function(i, t, s, backend=backend, **extra)
+        if loss == NT_XENT:
+            return lambda z, tau: function(z, temperature=tau, backend=backend, **extra)
+        return lambda i, t, s, bias: function(i, t, s, bias, backend=backend)
+
+    def describe(self, loss: str) -> str:
+        extra = ", filter_eps=None" if self.exact else ""
+        backend = f'backend="{self.backend}"'
+        if loss == CLIP:
+            return f"fusedloss.clip_loss(image, text, logit_scale, {backend}{extra})"
+        if loss == NT_XENT:
+            return f"fusedloss.nt_xent_loss(z, temperature=τ, {backend}{extra})"
+        return f"fusedloss.siglip_loss(image, text, logit_scale, logit_bias, {backend})"
+
+
+def materialized_clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor) -> Tensor:
+    """open_clip's ``ClipLoss`` on one process: b×b logits in the input dtype, fp32 CE.
+
+    ``logits = logit_scale * image @ text.T`` (bf16 for bf16 features), then
+    ``(CE(logits, arange) + CE(logits.T, arange)) / 2`` on the logits upcast to fp32 (what
+    autocast does with ``cross_entropy``).
+    """
+    logits = logit_scale * image @ text.T
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.T.float(), labels)) / 2
+
+
+def materialized_nt_xent_loss(features: Tensor, temperature: float) -> Tensor:
+    """SimCLR's NT-Xent with the 2B×2B logits: ``Z Zᵀ/τ`` in the input dtype, diagonal −inf.
+
+    Row i's target is ``(i + B) mod 2B``; CE (mean over the 2B rows) on the logits upcast to
+    fp32. The diagonal is filled in place (no 2B×2B mask).
+    """
+    logits = (features @ features.T) / temperature
+    logits.fill_diagonal_(float("-inf"))
+    rows = logits.shape[0]
+    targets = (torch.arange(rows, device=logits.device) + rows // 2) % rows
+    return F.cross_entropy(logits.float(), targets)
+
+
+def materialized_siglip_loss(
+    image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Tensor
+) -> Tensor:
+    """open_clip's ``SigLipLoss`` on one process: ``−Σ logsigmoid(z ⊙ logits) / b``.
+
+    ``logits = logit_scale * image @ text.T + logit_bias`` and the ±1 labels ``z`` (built as
+    open_clip does, ``2·eye − 1``) in the input dtype; logsigmoid and the sum in fp32.
+    """
+    logits = logit_scale * image @ text.T + logit_bias
+    n = logits.shape[0]
+    labels = 2 * torch.eye(n, device=logits.device, dtype=logits.dtype) - 1
+    return -F.logsigmoid((labels * logits).float()).sum() / n
+
+
+class TorchMaterializedProvider(ContrastiveProvider):
+    """The plain PyTorch losses that hold the whole b×b (2B×2B) logits matrix."""
+
+    key = "torch"
+    label = "torch materialized"
+
+    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
+        return {
+            CLIP: materialized_clip_loss,
+            NT_XENT: materialized_nt_xent_loss,
+            SIGLIP: materialized_siglip_loss,
+        }[loss]
+
+    def describe(self, loss: str) -> str:
+        if loss == CLIP:
+            return (
+                "logits = logit_scale * image @ text.T; (F.cross_entropy(logits.float(), "
+                "arange(b)) + F.cross_entropy(logits.T.float(), arange(b))) / 2"
+            )
+        if loss == NT_XENT:
+            return (
+                "logits = (z @ z.T) / τ; logits.fill_diagonal_(-inf); "
+                "F.cross_entropy(logits.float(), (arange(2B) + B) % 2B)"
+            )
+        return (
+            "logits = logit_scale * image @ text.T + logit_bias; labels = 2·eye(b) − 1; "
+            "-F.logsigmoid((labels * logits).float()).sum() / b"
+        )
+
+
+# inf-cl's process group: created here only when none exists, destroyed at the suite's end.
+_benchmark_process_group: dict[str, Any] = {"created": False, "note": ""}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_single_process_group(device: torch.device) -> str:
+    """A torch.distributed default group for inf-cl on one GPU; returns what was done.
+
+    inf-cl's ``cal_inf_loss`` sends the gradient of ``scale`` through ``dist.all_reduce``
+    (its ``GradientGather``), so a tensor ``logit_scale`` needs a process group even on one
+    GPU. With a group initialized it takes its ring path (``InfProb``: the same Triton
+    kernels, plus one send/receive of dk to itself in the backward). That self send works
+    with NCCL, not with gloo ("Pair is not connected"), so the group is a single-process NCCL
+    group (world size 1) on a TCPStore at a free local port. An existing group is used as is.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise Unavailable("torch.distributed is not available in this torch build")
+    if dist.is_initialized():
+        if _benchmark_process_group["created"]:
+            return str(_benchmark_process_group["note"])
+        return (
+            f"existing process group used ({dist.get_backend()}, world size "
+            f"{dist.get_world_size()})"
+        )
+    if _benchmark_process_group["created"]:  # created, then destroyed by someone else
+        _benchmark_process_group["created"] = False
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+    _benchmark_process_group.update(
+        created=True,
+        note=(
+            "torch.distributed initialized by the benchmark: single-process NCCL group "
+            f"(world size 1, TCPStore 127.0.0.1:{port}), as inf-cl needs for a tensor "
+            "logit_scale; inf-cl then runs its ring path with one rank"
+        ),
+    )
+    return str(_benchmark_process_group["note"])
+
+
+def destroy_benchmark_process_group() -> None:
+    """Tear down the group :func:`ensure_single_process_group` created (if any)."""
+    if not _benchmark_process_group["created"]:
+        return
+    import torch.distributed as dist
+
+    _benchmark_process_group["created"] = False
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def inf_cl_head_dim(width: int) -> int:
+    """inf-cl views (b, c) features as (b, c / head_dim, head_dim): 256 by default (its
+    CLIP wrapper's), else the largest of 128, 64, 32, 16 dividing c (quick runs)."""
+    for head_dim in (256, 128, 64, 32, 16):
+        if width % head_dim == 0:
+            return head_dim
+    raise Unavailable(f"inf-cl needs a width divisible by 16, got c = {width}")
+
+
+def inf_clip_loss(cal_inf_loss: Callable[..., Tensor], scale_inside: bool = True) -> ContrastiveFn:
+    """The CLIP loss from inf-cl's one-direction ``cal_inf_loss``, as ``InfClipLoss`` calls it.
+
+    ``scale_inside``: pass ``logit_scale`` to ``cal_inf_loss`` (its gradient then goes through
+    inf-cl's ``GradientGather``: needs a process group); otherwise multiply the features by it
+    first, which is what ``cal_inf_loss`` does inside. Labels are ``arange(b)``, cached.
+    """
+    labels_cache: dict[tuple[int, torch.device], Tensor] = {}
+
+    def labels_for(x: Tensor) -> Tensor:
+        key = (x.shape[0], x.device)
+        if key not in labels_cache:
+            labels_cache.clear()
+            labels_cache[key] = torch.arange(x.shape[0], device=x.device)
+        return labels_cache[key]
+
+    def loss(image: Tensor, text: Tensor, scale: Tensor) -> Tensor:
+        labels, head_dim = labels_for(image), inf_cl_head_dim(image.shape[1])
+        if scale_inside:
+            i2t = cal_inf_loss(image, text, labels, scale, head_dim=head_dim)
+            t2i = cal_inf_loss(text, image, labels, scale, head_dim=head_dim)
+        else:
+            i2t = cal_inf_loss(scale * image, text, labels, head_dim=head_dim)
+            t2i = cal_inf_loss(scale * text, image, labels, head_dim=head_dim)
+        return ((i2t + t2i) / 2).mean()
+
+    return loss
+
+
+class InfCLProvider(ContrastiveProvider):
+    """Inf-CLIP's ``cal_inf_loss``, called once per direction as its ``InfClipLoss`` does::
+
+        loss = ((cal_inf_loss(image, text, labels, logit_scale)
+                 + cal_inf_loss(text, image, labels, logit_scale)) / 2).mean()
+
+    inf-cl casts the features to fp32 and multiplies in TF32 (64×64 tiles); bf16 features
+    are accepted (``scale * q`` is formed in the features' dtype first). A tensor
+    ``logit_scale`` needs a process group (:func:`ensure_single_process_group`); when none
+    can be made, the scale is applied outside instead (``cal_inf_loss(s·q, k, labels)``,
+    inf-cl's single-device path, the same kernels) and the call says so.
+    """
+
+    key = "inf-cl"
+    label = "inf-cl"
+    distribution = "inf-cl"
+    is_peer = True
+    install_hint = "pip install inf-cl==1.2.1 --no-deps"
+    losses = (CLIP,)
+
+    def __init__(self) -> None:
+        self.call = ""
+        self.process_group_note = ""
+
+    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
+        module = _import("inf_cl", self)
+        function = getattr(module, "cal_inf_loss", None)
+        if function is None:
+            raise Unavailable("inf_cl has no cal_inf_loss")
+        if loss != CLIP:
+            raise Unavailable(f"inf-cl has no {loss} loss")
+        if device.type != "cuda":
+            raise Unavailable("inf-cl's Triton kernels need a CUDA device")
+        try:
+            self.process_group_note = ensure_single_process_group(device)
+        except Exception as error:  # no NCCL here: inf-cl's single-device path instead
+            self.process_group_note = (
+                f"no process group ({type(error).__name__}: {str(error)[:200]}); the scale is "
+                "applied outside cal_inf_loss (no GradientGather)"
+            )
+            self.call = (
+                "((cal_inf_loss(s * image, text, labels, head_dim=h) + "
+                "cal_inf_loss(s * text, image, labels, head_dim=h)) / 2).mean()"
+            )
+            return inf_clip_loss(function, scale_inside=False)
+        self.call = (
+            "((cal_inf_loss(image, text, labels, logit_scale, head_dim=h) + "
+            "cal_inf_loss(text, image, labels, logit_scale, head_dim=h)) / 2).mean()"
+        )
+        return inf_clip_loss(function, scale_inside=True)
+
+    def describe(self, loss: str) -> str:
+        note = f" [{self.process_group_note}]" if self.process_group_note else ""
+        return f"{self.call}, labels = arange(b), h = 256 (c % 256 ≠ 0: 128, 64, …){note}"
+
+
+def contrastive_providers(backend: str = "triton") -> dict[str, ContrastiveProvider]:
+    """All contrastive providers by command-line key, in table order."""
+    providers: list[ContrastiveProvider] = [
+        FusedLossContrastiveProvider(backend),
+        FusedLossContrastiveProvider(backend, exact=True),
+        TorchMaterializedProvider(),
+        InfCLProvider(),
     ]
     return {provider.key: provider for provider in providers}

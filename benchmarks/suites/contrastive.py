@@ -1,0 +1,1431 @@
+"""Suite ``contrastive``: CLIP, NT-Xent and SigLIP losses, ours against PyTorch and inf-cl.
+
+For every case (shape × regime) and provider, one run records:
+
+- a correctness check (untimed; also the warm-up that compiles the Triton kernels): the loss
+  against a reference, and where a float64 reference is affordable the relative L2 errors of
+  every gradient (features, logit_scale, logit_bias);
+- peak device memory above inputs and gradient buffers (:data:`MEMORY_DEFINITION`);
+- the median time of forward+backward (``torch.autograd.grad`` w.r.t. the features and the
+  tensor logit_scale / logit_bias): ``do_bench`` for calls under ``--slow-ms``, a fixed
+  number of individually timed calls above (``do_bench`` would run a 6-second call 8+ times).
+
+Every provider runs inside its own ``try``: an exception or an out-of-memory becomes the
+row's status and the run goes on; device memory is released between providers. The inputs
+and the references are in ``benchmarks/inputs.py`` (:func:`make_pair_features`) and
+:func:`contrastive_reference`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from benchmarks import common
+from benchmarks.common import TimingSettings
+from benchmarks.inputs import (
+    PAIR_REGIMES,
+    TRAINED_CLUSTER_SIZE,
+    TRAINED_LATENT,
+    TRAINED_NOISE,
+    make_pair_features,
+    pair_logit_scale,
+)
+from benchmarks.providers import (
+    CLIP,
+    NT_XENT,
+    SIGLIP,
+    ContrastiveProvider,
+    Unavailable,
+    contrastive_providers,
+    destroy_benchmark_process_group,
+)
+from benchmarks.suites import Suite
+
+NAME = "contrastive"
+RESULTS_PREFIX = "contrastive"
+
+FUSEDLOSS = "fusedloss"
+FUSEDLOSS_EXACT = "fusedloss-exact"
+TORCH = "torch"
+INF_CL = "inf-cl"
+PROVIDER_KEYS = (FUSEDLOSS, FUSEDLOSS_EXACT, TORCH, INF_CL)
+DEFAULT_PROVIDERS = (FUSEDLOSS, TORCH, INF_CL)  # fusedloss-exact on request
+
+# Loss parameters. CLIP's logit_scale comes with the regime (1/0.07 random, 100 trained).
+SIGLIP_LOGIT_SCALE = 10.0  # SigLIP's initialization: t' = log 10, b = −10
+SIGLIP_LOGIT_BIAS = -10.0
+NT_XENT_TEMPERATURE = 0.5  # SimCLR's large-batch temperature
+
+# Sanity bounds of the check (a broken provider, not accuracy: errors are reported).
+LOSS_TOLERANCE = 1e-2  # |loss − reference| ≤ LOSS_TOLERANCE · max(1, |reference|)
+GRADIENT_ERROR_BOUND = 5e-2  # relative L2 error of a feature gradient
+# d logit_scale, d logit_bias: sums over b² entries that largely cancel; the materialized bf16
+# loss reaches 0.1 there (SigLIP), so only a grossly wrong scalar fails the check.
+SCALAR_ERROR_BOUND = 0.5
+
+# What a reference costs: gradients in float64 while rows² · c ≤ this (CLIP b = 16384 × 512
+# and NT-Xent 65536 × 256 qualify, CLIP 65536 × 512 does not); a float32 loss (TF32 products,
+# exact for bf16/fp16 inputs) up to REFERENCE_LOSS_MAX_ROWS rows; none above.
+REFERENCE_GRADS_MAX_WORK = 1 << 40
+REFERENCE_LOSS_MAX_ROWS = 262_144
+
+# Calls slower than this are timed individually instead of by do_bench (see SlowTiming).
+DEFAULT_SLOW_MS = 500.0
+DEFAULT_SLOW_REPS = 3
+SLOW_BUDGET_MS = 10_000.0
+
+MEMORY_LIMIT_MIB = 64.0  # b = 16384 target
+
+MEMORY_DEFINITION = (
+    "peak MB above inputs and gradient buffers = (torch.cuda.max_memory_allocated() during "
+    "one forward+backward call `torch.autograd.grad(loss(...), leaves)` − "
+    "torch.cuda.memory_allocated() just before it − gradient bytes) / 2^20, where the leaves "
+    "are the feature matrices and the tensor logit_scale (and logit_bias for SigLIP) and the "
+    "gradient bytes are theirs in their own dtypes (dI and dT, or dZ, which a training step "
+    "holds anyway). Inputs are allocated before the call; the caching allocator is emptied "
+    "and the peak counter reset right before it. MB = 2^20 bytes."
+)
+ERROR_DEFINITION = (
+    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of each gradient of the mean loss (dI, dT "
+    "and d logit_scale for CLIP; dZ for NT-Xent; plus d logit_bias for SigLIP) against a "
+    "float64 reference of the same (dtype-rounded) inputs, computed on the benchmark device "
+    "a block of rows at a time (never the full matrix in float64); only where rows²·c ≤ 2^40. "
+    "'err ratio' = a method's error ÷ the materialized PyTorch loss's error in the input "
+    "dtype (its b×b logits in that dtype)."
+)
+
+# Result statuses (as in the lm-head suite). A "wrong" result failed the check, still timed.
+OK, WRONG = "ok", "wrong"
+NOT_INSTALLED, UNAVAILABLE = "not installed", "unavailable"
+FAILED, OUT_OF_MEMORY = "failed", "out of memory"
+MEASURED = (OK, WRONG)
+
+MET = "✓ met"
+NOT_MET = "✗ NOT MET"
+
+
+# ----------------------------------------------------------------------------- shapes, cases
+
+
+@dataclass(frozen=True)
+class ContrastiveShape:
+    """One benchmark shape: the loss, the rows (b; 2B for NT-Xent) and the width c."""
+
+    name: str
+    loss: str  # "clip" | "nt-xent" | "siglip"
+    rows: int
+    width: int
+    regimes: tuple[str, ...]  # regimes run by default
+    providers: tuple[str, ...]  # providers that run on it (when selected)
+
+
+_ALL = (FUSEDLOSS, FUSEDLOSS_EXACT, TORCH, INF_CL)
+_OURS = (FUSEDLOSS, FUSEDLOSS_EXACT)
+_BOTH = ("random", "trained")
+
+SHAPES: dict[str, ContrastiveShape] = {
+    shape.name: shape
+    for shape in (
+        ContrastiveShape("clip-16k", CLIP, 16_384, 512, _BOTH, _ALL),
+        ContrastiveShape("siglip-16k", SIGLIP, 16_384, 512, ("random",), (FUSEDLOSS, TORCH)),
+        ContrastiveShape("nt-xent-64k", NT_XENT, 65_536, 256, _BOTH, (*_OURS, TORCH)),
+        ContrastiveShape("clip-64k", CLIP, 65_536, 512, _BOTH, _ALL),
+        ContrastiveShape("clip-128k", CLIP, 131_072, 768, _BOTH, _ALL),
+        ContrastiveShape("clip-256k", CLIP, 262_144, 512, _BOTH, _OURS),
+        ContrastiveShape("clip-1m", CLIP, 1_048_576, 512, ("random",), _OURS),
+    )
+}
+
+# --quick shrinks rows by 256 and widths by 8 (clip-1m → 4096 × 64): runs on a CPU.
+QUICK_ROWS_DIVISOR = 256
+QUICK_WIDTH_DIVISOR = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: ContrastiveShape
+    regime: str
+    rows: int  # b, or 2B for NT-Xent
+    width: int  # c
+
+    @property
+    def loss(self) -> str:
+        return self.shape.loss
+
+    @property
+    def key(self) -> str:
+        return f"{self.shape.name} {self.regime}"
+
+    @property
+    def size_text(self) -> str:
+        if self.loss == NT_XENT:
+            return f"2×{self.rows // 2}×{self.width}"
+        return f"{self.rows}×{self.width}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.loss} {self.size_text} {self.regime}"
+
+    @property
+    def logit_scale(self) -> float:
+        if self.loss == CLIP:
+            return pair_logit_scale(self.regime)
+        if self.loss == SIGLIP:
+            return SIGLIP_LOGIT_SCALE
+        return 1.0 / NT_XENT_TEMPERATURE
+
+    @property
+    def parameters_text(self) -> str:
+        if self.loss == CLIP:
+            return f"logit_scale {self.logit_scale:.4g}"
+        if self.loss == SIGLIP:
+            return f"logit_scale {SIGLIP_LOGIT_SCALE:g}, logit_bias {SIGLIP_LOGIT_BIAS:g}"
+        return f"τ {NT_XENT_TEMPERATURE:g}"
+
+    def floors_ms(self, tflops: float) -> dict[str, float]:
+        """DESIGN §4 at a matmul rate of ``tflops``: one pass 8·r²·c/R, with reuse 4·r²·c/R."""
+        work = float(self.rows) ** 2 * self.width
+        to_ms = 1e3 / (tflops * 1e12)
+        return {"one_pass": 8 * work * to_ms, "one_pass_reuse": 4 * work * to_ms}
+
+    def floor_ms(self, tflops: float) -> float:
+        return self.floors_ms(tflops)["one_pass"]
+
+    @property
+    def reference_grads(self) -> bool:
+        return self.rows**2 * self.width <= REFERENCE_GRADS_MAX_WORK
+
+    @property
+    def reference_loss(self) -> bool:
+        return self.rows <= REFERENCE_LOSS_MAX_ROWS
+
+
+def quick_case_size(shape: ContrastiveShape) -> tuple[int, int]:
+    rows = max(16, shape.rows // QUICK_ROWS_DIVISOR)
+    return rows - rows % 2, max(16, shape.width // QUICK_WIDTH_DIVISOR)
+
+
+def select_cases(
+    shapes: Sequence[str] | None, regimes: Sequence[str] | None, quick: bool
+) -> list[Case]:
+    """Every chosen shape (default: all) × the chosen regimes (default: the shape's own)."""
+    cases = []
+    for name in shapes or list(SHAPES):
+        shape = SHAPES[name]
+        rows, width = quick_case_size(shape) if quick else (shape.rows, shape.width)
+        for regime in regimes or shape.regimes:
+            cases.append(Case(shape, regime, rows, width))
+    return cases
+
+
+@dataclass
+class CaseInputs:
+    """What the loss functions are called with, and what gradients are taken of."""
+
+    args: tuple[Any, ...]
+    leaves: tuple[Tensor, ...]
+    grad_names: tuple[str, ...]
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(leaf.numel() * leaf.element_size() for leaf in self.leaves)
+
+
+def make_case_inputs(
+    case: Case, *, dtype: torch.dtype, device: torch.device, seed: int
+) -> CaseInputs:
+    """Features of the case's regime (requiring grad) and its tensor scale / bias."""
+
+    def scalar(value: float) -> Tensor:
+        return torch.tensor(value, dtype=torch.float32, device=device, requires_grad=True)
+
+    if case.loss == NT_XENT:
+        view1, view2 = make_pair_features(
+            case.rows // 2, case.width, case.regime, dtype=dtype, device=device, seed=seed
+        )
+        features = torch.cat([view1, view2]).requires_grad_(True)
+        del view1, view2
+        return CaseInputs((features, NT_XENT_TEMPERATURE), (features,), ("dZ",))
+    image, text = make_pair_features(
+        case.rows, case.width, case.regime, dtype=dtype, device=device, seed=seed
+    )
+    image.requires_grad_(True)
+    text.requires_grad_(True)
+    scale = scalar(case.logit_scale)
+    if case.loss == CLIP:
+        return CaseInputs((image, text, scale), (image, text, scale), ("dI", "dT", "ds"))
+    bias = scalar(SIGLIP_LOGIT_BIAS)
+    return CaseInputs(
+        (image, text, scale, bias), (image, text, scale, bias), ("dI", "dT", "ds", "db")
+    )
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@dataclass
+class Reference:
+    loss: float
+    dtype: str  # "float64" or "float32 (TF32 products)"
+    directions: tuple[float, float] | None = None  # CLIP: image→text, text→image
+    grads: dict[str, Tensor] | None = None
+
+
+def _as_float(value: Tensor | float) -> float:
+    return float(value.detach()) if isinstance(value, Tensor) else float(value)
+
+
+@contextlib.contextmanager
+def _tf32_products(enabled: bool) -> Iterator[None]:
+    """TF32 float32 matmuls: exact products for bf16/fp16 values (≤ 10 mantissa bits)."""
+    if not enabled:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def contrastive_reference(
+    loss: str,
+    args: Sequence[Any],
+    *,
+    with_grads: bool,
+    dtype: torch.dtype = torch.float64,
+    rows_per_chunk: int = 0,
+) -> Reference:
+    """The mean loss (and its gradients) of ``args`` in ``dtype``, a block of rows at a time.
+
+    ``args`` as the providers take them: CLIP ``(image, text, logit_scale)``, NT-Xent
+    ``(features, τ)``, SigLIP ``(image, text, logit_scale, logit_bias)``. With
+    X = s·A Bᵀ (+ bias) and G = ∂loss/∂X, one pass gives the row (and CLIP column)
+    log-sum-exps or SigLIP's softplus sums; a second pass rebuilds each block of X, forms G
+    and accumulates dA = s·G B, dB = s·Gᵀ A, ds = Σ G ⊙ A Bᵀ, db = Σ G (NT-Xent:
+    dZ = dA + dB). At most ``rows_per_chunk`` × (all columns) entries exist at once
+    (default: ≤ 256 MiB of them, ≤ 4096 rows).
+    """
+    if loss == NT_XENT:
+        a = args[0].detach().to(dtype)
+        b = a
+        scale, bias = 1.0 / _as_float(args[1]), 0.0
+    else:
+        a = args[0].detach().to(dtype)
+        b = args[1].detach().to(dtype)
+        scale = _as_float(args[2])
+        bias = _as_float(args[3]) if loss == SIGLIP else 0.0
+    n, m = a.shape[0], b.shape[0]
+    device = a.device
+    if rows_per_chunk <= 0:
+        rows_per_chunk = max(1, min(4096, (256 << 20) // (a.element_size() * m)))
+    half = n // 2
+    tf32 = dtype == torch.float32 and args[0].dtype in (torch.bfloat16, torch.float16)
+
+    def targets(start: int, stop: int) -> Tensor:
+        rows = torch.arange(start, stop, device=device)
+        return (rows + half) % n if loss == NT_XENT else rows
+
+    def block_logits(start: int, stop: int) -> Tensor:
+        x = a[start:stop] @ b.T
+        x.mul_(scale)
+        if bias:
+            x.add_(bias)
+        if loss == NT_XENT:
+            local = torch.arange(stop - start, device=device)
+            x[local, local + start] = -math.inf
+        return x
+
+    row_lse = torch.empty(n, dtype=dtype, device=device)
+    target_logit = torch.empty(n, dtype=dtype, device=device)
+    col_lse = torch.full((m,), -math.inf, dtype=dtype, device=device)
+    sigmoid_total = torch.zeros((), dtype=dtype, device=device)
+    grads: dict[str, Tensor] = {}
+    if with_grads:
+        grad_a = torch.empty_like(a)
+        grad_b = torch.zeros_like(b)
+        grad_scale = torch.zeros((), dtype=dtype, device=device)
+        grad_bias = torch.zeros((), dtype=dtype, device=device)
+
+    def accumulate(start: int, stop: int, g: Tensor) -> None:
+        g_b = g @ b
+        grad_scale.add_((g_b * a[start:stop]).sum())  # Σ G ⊙ A Bᵀ
+        grad_a[start:stop] = g_b.mul_(scale)
+        grad_b.addmm_(g.T, a[start:stop], alpha=scale)
+
+    with _tf32_products(tf32):
+        for start in range(0, n, rows_per_chunk):
+            stop = min(n, start + rows_per_chunk)
+            local = torch.arange(stop - start, device=device)
+            x = block_logits(start, stop)
+            if loss == SIGLIP:  # z = +1 on the diagonal, −1 elsewhere
+                diagonal = x[local, local + start]
+                sigmoid_total += (
+                    F.softplus(x).sum() - F.softplus(diagonal).sum() + F.softplus(-diagonal).sum()
+                )
+                if with_grads:
+                    g = torch.sigmoid(x).div_(n)
+                    g[local, local + start] = -torch.sigmoid(-diagonal) / n
+                    grad_bias += g.sum()
+                    accumulate(start, stop, g)
+                continue
+            row_lse[start:stop] = torch.logsumexp(x, dim=1)
+            target_logit[start:stop] = x[local, targets(start, stop)]
+            if loss == CLIP:
+                col_lse = torch.logaddexp(col_lse, torch.logsumexp(x, dim=0))
+            del x
+        if with_grads and loss != SIGLIP:
+            for start in range(0, n, rows_per_chunk):
+                stop = min(n, start + rows_per_chunk)
+                local = torch.arange(stop - start, device=device)
+                x = block_logits(start, stop)
+                if loss == CLIP:
+                    g = (x - row_lse[start:stop, None]).exp_().mul_(0.5)
+                    g.add_((x - col_lse[None, :]).exp_(), alpha=0.5)
+                else:
+                    g = x.sub_(row_lse[start:stop, None]).exp_()
+                g[local, targets(start, stop)] -= 1.0
+                g.div_(n)
+                accumulate(start, stop, g)
+                del x, g
+
+    if loss == SIGLIP:
+        value, directions = float(sigmoid_total) / n, None
+    elif loss == CLIP:
+        i2t = float((row_lse - target_logit).mean())
+        t2i = float((col_lse - target_logit).mean())
+        value, directions = (i2t + t2i) / 2, (i2t, t2i)
+    else:
+        value, directions = float((row_lse - target_logit).mean()), None
+    if with_grads:
+        if loss == NT_XENT:
+            grads = {"dZ": grad_a.add_(grad_b)}
+        else:
+            grads = {"dI": grad_a, "dT": grad_b, "ds": grad_scale}
+            if loss == SIGLIP:
+                grads["db"] = grad_bias
+    name = "float64" if dtype == torch.float64 else common.dtype_name(dtype)
+    if tf32:
+        name += " (TF32 products)"
+    return Reference(value, name, directions, grads if with_grads else None)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class SlowTiming:
+    """Calls estimated at ≥ ``threshold_ms`` are timed ``reps`` times individually, with
+    ``reps = clamp(budget_ms / estimate, 2, max_reps)`` (1 if ``max_reps`` is 1)."""
+
+    threshold_ms: float = DEFAULT_SLOW_MS
+    max_reps: int = DEFAULT_SLOW_REPS
+    budget_ms: float = SLOW_BUDGET_MS
+
+    def reps(self, estimate_ms: float) -> int:
+        wanted = int(self.budget_ms // max(estimate_ms, 1e-3))
+        return max(1, min(self.max_reps, max(2, wanted)))
+
+
+@dataclass
+class ProviderResult:
+    provider: str  # command-line key
+    label: str  # column title (with version for peers)
+    status: str = OK
+    note: str = ""
+    call: str = ""
+    ms: float | None = None
+    timing: str = ""  # how ms was measured
+    first_call_ms: float | None = None  # the check call (includes compilation)
+    peak_extra_mib: float | None = None
+    loss: float | None = None
+    loss_error: float | None = None  # |loss − reference|
+    errors: dict[str, float] = field(default_factory=dict)  # gradient name → rel. L2 error
+    ratios: dict[str, float] = field(default_factory=dict)  # error ÷ torch materialized's
+    times_floor: float | None = None  # ms ÷ 8·r²·c/R
+
+    @property
+    def measured(self) -> bool:
+        return self.status in MEASURED and self.ms is not None
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    floors_ms: dict[str, float]
+    reference: Reference | None
+    results: dict[str, ProviderResult] = field(default_factory=dict)
+    note: str = ""
+
+
+def _describe_error(error: BaseException) -> str:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:300]}"
+
+
+def run_provider(
+    provider: ContrastiveProvider,
+    case: Case,
+    inputs: CaseInputs,
+    reference: Reference | None,
+    *,
+    timing: TimingSettings,
+    slow: SlowTiming,
+    floor_ms: float | None,
+) -> ProviderResult:
+    """Check, measure memory, and time one provider on one case; never raises."""
+    device = inputs.leaves[0].device
+    result = ProviderResult(provider.key, provider.display_name())
+    try:
+        loss_fn = provider.build(device, case.loss)
+    except Unavailable as error:
+        result.status = (
+            NOT_INSTALLED if provider.is_peer and "not importable" in str(error) else (UNAVAILABLE)
+        )
+        result.note = str(error)
+        return result
+    except Exception as error:  # e.g. a process group that could not start
+        result.status = FAILED
+        result.note = _describe_error(error)
+        return result
+    result.call = provider.describe(case.loss)
+
+    def forward_backward() -> tuple[Tensor, ...]:
+        return torch.autograd.grad(loss_fn(*inputs.args), inputs.leaves)
+
+    try:
+        begin = time.perf_counter()
+        _check(result, loss_fn, inputs, reference)
+        common.synchronize(device)
+        result.first_call_ms = (time.perf_counter() - begin) * 1e3
+        common.release_memory(device)
+        estimate_ms = result.first_call_ms
+        if common.uses_cuda(device):
+            begin = time.perf_counter()
+            result.peak_extra_mib = common.peak_extra_mib(
+                forward_backward, device, inputs.gradient_bytes
+            )
+            estimate_ms = (time.perf_counter() - begin) * 1e3
+        if estimate_ms >= slow.threshold_ms:
+            reps = slow.reps(estimate_ms)
+            result.ms = common.median_ms_fixed(forward_backward, device, reps)
+            result.timing = f"median of {reps} timed call{'s' if reps > 1 else ''}"
+        else:
+            result.ms = common.median_ms(forward_backward, device, timing)
+            result.timing = "do_bench" if common.uses_cuda(device) else "wall-clock median"
+        if floor_ms:
+            result.times_floor = result.ms / floor_ms
+    except Exception as error:  # report and go on with the next provider
+        result.status = OUT_OF_MEMORY if common.is_out_of_memory(error) else FAILED
+        result.note = _describe_error(error)
+    finally:
+        common.release_memory(device)
+    return result
+
+
+def _check(
+    result: ProviderResult,
+    loss_fn: Callable[..., Tensor],
+    inputs: CaseInputs,
+    reference: Reference | None,
+) -> None:
+    """First (untimed) call: finite loss and gradients, compared with the reference."""
+    problems = []
+    loss = loss_fn(*inputs.args)
+    grads = torch.autograd.grad(loss, inputs.leaves)
+    result.loss = float(loss.detach().float())
+    del loss
+    if not math.isfinite(result.loss):
+        problems.append(f"loss {result.loss}")
+    for name, grad in zip(inputs.grad_names, grads, strict=True):
+        if not bool(torch.isfinite(grad).all()):
+            problems.append(f"{name} not finite")
+    if reference is not None:
+        result.loss_error = abs(result.loss - reference.loss)
+        if not result.loss_error <= LOSS_TOLERANCE * max(1.0, abs(reference.loss)):
+            problems.append(f"loss {result.loss:.6g} vs reference {reference.loss:.6g}")
+        if reference.grads is not None:
+            for name, grad in zip(inputs.grad_names, grads, strict=True):
+                error = common.relative_l2_error(grad, reference.grads[name])
+                result.errors[name] = error
+                bound = GRADIENT_ERROR_BOUND if grad.dim() else SCALAR_ERROR_BOUND
+                if not error <= bound:  # also catches NaN
+                    problems.append(f"{name} relative error {error:.2e} > {bound}")
+    del grads
+    if problems:
+        result.status = WRONG
+        result.note = "; ".join(problems)
+
+
+def run_cases(
+    cases: Sequence[Case],
+    providers: Sequence[ContrastiveProvider],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    timing: TimingSettings,
+    slow: SlowTiming,
+    tflops: float,
+    log: Callable[[str], None] = print,
+) -> list[CaseResult]:
+    """Run every provider of every case (the shape's providers among those selected)."""
+    case_results: list[CaseResult] = []
+    for case in cases:
+        chosen = [p for p in providers if p.key in case.shape.providers and p.supports(case.loss)]
+        case_result = CaseResult(case, case.floors_ms(tflops), None)
+        case_results.append(case_result)
+        try:
+            inputs = make_case_inputs(case, dtype=dtype, device=device, seed=seed)
+        except Exception as error:  # e.g. out of memory for the inputs themselves
+            case_result.note = f"inputs could not be made: {_describe_error(error)}"
+            log(f"[{case.key}] {case_result.note}")
+            common.release_memory(device)
+            continue
+        case_result.reference, reference_note = _make_reference(case, inputs)
+        common.release_memory(device)
+        log(_case_header(case, case_result.reference, reference_note))
+        if reference_note:
+            case_result.note = reference_note
+        for provider in chosen:
+            outcome = run_provider(
+                provider,
+                case,
+                inputs,
+                case_result.reference,
+                timing=timing,
+                slow=slow,
+                floor_ms=case.floor_ms(tflops),
+            )
+            case_result.results[provider.key] = outcome
+            log(f"  {case.key:<22} {outcome.label:<20} {_progress_line(outcome)}")
+        _fill_error_ratios(case_result)
+        del inputs
+        common.release_memory(device)
+    return case_results
+
+
+def _make_reference(case: Case, inputs: CaseInputs) -> tuple[Reference | None, str]:
+    if not case.reference_loss:
+        return None, f"no reference above {REFERENCE_LOSS_MAX_ROWS} rows: loss only checked finite"
+    dtype = torch.float64 if case.reference_grads else torch.float32
+    with_grads = case.reference_grads
+    try:
+        return contrastive_reference(case.loss, inputs.args, with_grads=with_grads, dtype=dtype), ""
+    except Exception as error:  # an OOM here must not end the run
+        return None, f"reference unavailable: {_describe_error(error)}"
+
+
+def _case_header(case: Case, reference: Reference | None, note: str) -> str:
+    text = f"[{case.key}] {case.label}, {case.parameters_text}: "
+    if reference is None:
+        return text + note
+    text += f"reference loss {reference.loss:.4f} ({reference.dtype}"
+    if reference.directions:
+        i2t, t2i = reference.directions
+        text += f"; image→text {i2t:.4f}, text→image {t2i:.4f}"
+    return text + ")"
+
+
+def _fill_error_ratios(case_result: CaseResult) -> None:
+    yardstick = case_result.results.get(TORCH)
+    if yardstick is None or not yardstick.errors:
+        return
+    for result in case_result.results.values():
+        for name, error in result.errors.items():
+            base = yardstick.errors.get(name)
+            if base:
+                result.ratios[name] = error / base
+
+
+def _progress_line(result: ProviderResult) -> str:
+    if not result.measured:
+        return f"{result.status}: {result.note}"
+    text = (
+        f"{common.format_ms(result.ms)} ms ({result.timing}), "
+        f"{common.format_mib(result.peak_extra_mib)} MB, loss {result.loss:.5g}"
+    )
+    if result.times_floor is not None:
+        text += f", {result.times_floor:.2f}× floor"
+    if result.errors:
+        text += ", " + ", ".join(f"{k} {v:.1e}" for k, v in result.errors.items())
+    if result.status != OK:
+        text += f"  [{result.status}: {result.note}]"
+    return text
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """One goal of the issue, checked for fusedloss.
+
+    kind "time": ms ≤ factor × the baseline provider's ms (same case); "memory": MB ≤
+    factor × the baseline's MB; "memory-abs": MB ≤ factor; "floor": ms ≤ factor × 8·b²·c/R;
+    "completes": the forward+backward ran and passed the check; "regime": the trained-like
+    case of a shape ran faster than its random case (``case_key`` is then the shape name).
+    """
+
+    case_key: str
+    provider: str
+    kind: str
+    factor: float = 1.0
+    baseline: str = ""
+    baseline_label: str = ""
+
+    @property
+    def description(self) -> str:
+        if self.kind == "time":
+            return f"time ≤ {self.factor:g}× {self.baseline_label}"
+        if self.kind == "memory":
+            return f"memory ≤ {self.factor:g}× {self.baseline_label}'s"
+        if self.kind == "memory-abs":
+            return f"extra memory ≤ {self.factor:g} MB"
+        if self.kind == "floor":
+            return f"time ≤ {self.factor:g}× floor 8b²c/R"
+        if self.kind == "completes":
+            return "forward+backward completes"
+        return "trained-like faster than random"
+
+
+@dataclass
+class TargetOutcome:
+    target: Target
+    status: str  # MET, NOT_MET, or "n/a (…)"
+    measured: str = ""
+    ratio: float | None = None
+
+
+def targets_for(case_results: Sequence[CaseResult]) -> list[Target]:
+    """The issue's targets that apply to the cases run (fusedloss only)."""
+    targets: list[Target] = []
+    regimes_by_shape: dict[str, set[str]] = {}
+    for cr in case_results:
+        if FUSEDLOSS not in cr.results:
+            continue
+        key, shape = cr.case.key, cr.case.shape.name
+        if cr.case.loss == CLIP:
+            regimes_by_shape.setdefault(shape, set()).add(cr.case.regime)
+        if shape == "clip-16k":
+            targets += [
+                Target(key, FUSEDLOSS, "time", 0.35, TORCH, "torch materialized"),
+                Target(key, FUSEDLOSS, "memory-abs", MEMORY_LIMIT_MIB),
+            ]
+        elif shape in ("clip-64k", "clip-128k"):
+            targets += [
+                Target(key, FUSEDLOSS, "time", 0.04, INF_CL, "inf-cl"),
+                Target(key, FUSEDLOSS, "memory", 1.0, INF_CL, "inf-cl"),
+                Target(key, FUSEDLOSS, "floor", 1.5),
+            ]
+        elif shape == "clip-1m":
+            targets.append(Target(key, FUSEDLOSS, "completes"))
+    for shape, regimes in regimes_by_shape.items():
+        if set(PAIR_REGIMES) <= regimes:
+            targets.append(Target(shape, FUSEDLOSS, "regime"))
+    return targets
+
+
+def evaluate_target(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome:
+    if target.kind == "regime":
+        return _evaluate_regime(target, case_results)
+    case_result = next((cr for cr in case_results if cr.case.key == target.case_key), None)
+    ours = case_result.results.get(target.provider) if case_result else None
+    if ours is None:
+        return TargetOutcome(target, "n/a (not run)")
+    if target.kind == "completes":
+        text = f"{common.format_ms(ours.ms)} ms, {common.format_mib(ours.peak_extra_mib)} MB"
+        if ours.status == OK and ours.ms is not None:
+            return TargetOutcome(target, MET, text)
+        return TargetOutcome(target, f"{NOT_MET} ({ours.status})", ours.note)
+    if not ours.measured:
+        return TargetOutcome(target, f"{NOT_MET} ({ours.provider} {ours.status})")
+    if target.kind == "floor":
+        ratio = ours.times_floor
+        if ratio is None:
+            return TargetOutcome(target, "n/a (no floor)")
+        text = f"{common.format_ms(ours.ms)} ms = {ratio:.2f}× floor"
+        return TargetOutcome(target, MET if ratio <= target.factor else NOT_MET, text, ratio)
+    if target.kind == "memory-abs":
+        if ours.peak_extra_mib is None:
+            return TargetOutcome(target, "n/a (no memory figures without CUDA)")
+        text = f"{common.format_mib(ours.peak_extra_mib)} MB"
+        met = ours.peak_extra_mib <= target.factor
+        return TargetOutcome(target, MET if met else NOT_MET, text, ours.peak_extra_mib)
+
+    def value_of(r: ProviderResult) -> float | None:
+        return r.ms if target.kind == "time" else r.peak_extra_mib
+
+    if value_of(ours) is None:
+        return TargetOutcome(target, "n/a (no memory figures without CUDA)")
+    baseline = case_result.results.get(target.baseline)
+    if baseline is None:
+        return TargetOutcome(target, f"n/a ({target.baseline_label} not run)")
+    if not baseline.measured:
+        if baseline.status == NOT_INSTALLED:
+            return TargetOutcome(target, "n/a (peer not installed)")
+        return TargetOutcome(target, f"n/a ({baseline.label} {baseline.status})")
+    if value_of(baseline) is None:
+        return TargetOutcome(target, "n/a (no memory figures without CUDA)")
+    ours_value, base_value = value_of(ours), value_of(baseline)
+    unit, fmt = ("ms", common.format_ms) if target.kind == "time" else ("MB", common.format_mib)
+    ratio = ours_value / base_value if base_value > 0 else math.inf
+    text = (
+        f"{fmt(ours_value)} {unit} vs {fmt(base_value)} {unit} ({baseline.label}) "
+        f"= {common.format_ratio(ratio)}×"
+    )
+    return TargetOutcome(target, MET if ratio <= target.factor else NOT_MET, text, ratio)
+
+
+def _evaluate_regime(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome:
+    found: dict[str, ProviderResult | None] = {}
+    for cr in case_results:
+        if cr.case.shape.name == target.case_key:
+            found[cr.case.regime] = cr.results.get(target.provider)
+    random, trained = found.get("random"), found.get("trained")
+    if random is None or trained is None:
+        return TargetOutcome(target, "n/a (not run)")
+    if not (random.measured and trained.measured):
+        failed = trained if not trained.measured else random
+        return TargetOutcome(target, f"{NOT_MET} ({failed.status})")
+    ratio = trained.ms / random.ms
+    text = (
+        f"trained {common.format_ms(trained.ms)} ms vs random {common.format_ms(random.ms)} ms "
+        f"= {ratio:.2f}×"
+    )
+    return TargetOutcome(target, MET if ratio < 1.0 else NOT_MET, text, ratio)
+
+
+def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome]:
+    return [evaluate_target(t, case_results) for t in targets_for(case_results)]
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+@dataclass
+class RunInfo:
+    """Everything about a run that is not a per-case figure."""
+
+    environment: dict[str, Any]
+    matmul: dict[str, Any]
+    dtype: str
+    seed: int
+    quick: bool
+    timing: TimingSettings
+    slow: SlowTiming
+    backend: str
+    providers: list[str]
+    peer_versions: dict[str, str | None]
+    calls: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _time_and_memory(result: ProviderResult | None) -> str:
+    if result is None:
+        return "—"
+    if result.measured:
+        text = f"{common.format_ms(result.ms)} / {common.format_mib(result.peak_extra_mib)}"
+        return text + (" (wrong)" if result.status == WRONG else "")
+    return result.status
+
+
+def _errors_text(result: ProviderResult) -> str:
+    if not result.errors:
+        return "—"
+    parts = []
+    for name, error in result.errors.items():
+        ratio = result.ratios.get(name)
+        parts.append(f"{name} {error:.1e}" + (f" ({ratio:.2g}×)" if ratio is not None else ""))
+    return ", ".join(parts)
+
+
+def _provider_columns(case_results: Sequence[CaseResult]) -> list[tuple[str, str]]:
+    columns: dict[str, str] = {}
+    for case_result in case_results:
+        for key, result in case_result.results.items():
+            columns.setdefault(key, result.label)
+    return list(columns.items())
+
+
+def _loss_text(case_result: CaseResult) -> str:
+    reference = case_result.reference
+    if reference is None:
+        ours = case_result.results.get(FUSEDLOSS)
+        if ours is not None and ours.loss is not None:
+            return f"{ours.loss:.4f} (fusedloss; no reference)"
+        return "—"
+    text = f"{reference.loss:.4f}"
+    if reference.directions:
+        text += f" (i→t {reference.directions[0]:.4f}, t→i {reference.directions[1]:.4f})"
+    return text
+
+
+def memory_growth_rows(case_results: Sequence[CaseResult]) -> list[list[str]]:
+    """fusedloss's memory on the CLIP cases of width 512, by b: linear growth is a constant
+    number of bytes per pair."""
+    rows = []
+    for cr in sorted(case_results, key=lambda r: (r.case.regime, r.case.rows)):
+        ours = cr.results.get(FUSEDLOSS)
+        if cr.case.loss != CLIP or cr.case.shape.width != 512:  # quick runs: c = 64
+            continue
+        if ours is None or not ours.measured or ours.peak_extra_mib is None:
+            continue
+        per_pair = ours.peak_extra_mib * common.MIB / cr.case.rows
+        rows.append(
+            [
+                cr.case.regime,
+                str(cr.case.rows),
+                common.format_mib(ours.peak_extra_mib),
+                f"{per_pair:.1f}",
+                common.format_ms(ours.ms),
+            ]
+        )
+    return rows
+
+
+def render_markdown(
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+) -> str:
+    env = info.environment
+    tflops = info.matmul["tflops"]
+    peers = ", ".join(
+        f"{name} {version}" if version else f"{name} not installed"
+        for name, version in info.peer_versions.items()
+    )
+    lines = [f"# Contrastive losses: {env['device_name']}, {env['date']}", ""]
+    if info.quick:
+        lines += [
+            "> **--quick run**: rows shrunk 256×, widths 8×, short timing. A smoke test of "
+            "the runner; the figures are not representative.",
+            "",
+        ]
+    cuda = common.uses_cuda(env["device"])
+    header_rows = [
+        (
+            "GPU / device",
+            f"{env['device_name']}"
+            + (
+                f" (compute capability {env['compute_capability']})"
+                if env.get("compute_capability")
+                else ""
+            ),
+        ),
+        ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
+        (
+            "fusedloss version (git revision)",
+            f"{env.get('fusedloss_version') or 'unknown'} "
+            f"({env.get('fusedloss_revision') or 'unknown'}), backend {info.backend}",
+        ),
+        ("peers", peers),
+        ("date", env["timestamp"]),
+        ("dtype, seed", f"{info.dtype}, seed {info.seed}"),
+        (
+            "matmul rate R",
+            f"{info.matmul['dtype']} {info.matmul['size']}³ random: "
+            f"{info.matmul['ms']:.3f} ms median → {common.format_tflops(tflops)} TFLOP/s",
+        ),
+        (
+            "timing",
+            (
+                "forward+backward = torch.autograd.grad(loss, (features…, logit_scale…)); "
+                "triton.testing.do_bench(fn, warmup="
+                f'{info.timing.warmup_ms:g}, rep={info.timing.rep_ms:g}, return_mode="median") '
+                f"for calls under {info.slow.threshold_ms:g} ms, else the median of "
+                f"clamp({info.slow.budget_ms / 1e3:g} s / call, 2, {info.slow.max_reps}) calls "
+                "each timed between CUDA events (the 'timing' column says which)"
+            )
+            if cuda
+            else "wall-clock median (no CUDA: not comparable with GPU figures)",
+        ),
+        ("memory", MEMORY_DEFINITION),
+        ("gradient error", ERROR_DEFINITION),
+        (
+            "inputs",
+            "bf16 features L2-normalized in fp32 and cast (benchmarks/inputs.py "
+            "make_pair_features). random: independent random unit vectors, CLIP logit_scale "
+            "1/0.07. trained (trained-like): C = b/"
+            f"{TRAINED_CLUSTER_SIZE} clusters with random unit centres c_k, pair i in a random "
+            f"cluster k_i (random order), image_i = normalize(c_k + {TRAINED_LATENT:g}·w_i + "
+            f"{TRAINED_NOISE:g}·n_i), text_i = normalize(c_k + {TRAINED_LATENT:g}·w_i + "
+            f"{TRAINED_NOISE:g}·n'_i) with w, n, n' random unit vectors; CLIP logit_scale 100 "
+            "(calibrated: mean loss ≈ 1.35 nats per direction at b = 16384, c = 512). NT-Xent: "
+            "the two views are the image and text features of B pairs, stacked (2B × c), "
+            f"τ = {NT_XENT_TEMPERATURE:g}. SigLIP: logit_scale {SIGLIP_LOGIT_SCALE:g}, "
+            f"logit_bias {SIGLIP_LOGIT_BIAS:g} (SigLIP's initialization)",
+        ),
+        (
+            "floor",
+            "DESIGN §4 one-pass floor 8·r²·c/R (r = b, or 2B for NT-Xent; R measured above); "
+            "4·r²·c/R if the backward reuses forward statistics well",
+        ),
+    ]
+    lines += [common.markdown_table(["setting", "value"], header_rows), ""]
+
+    columns = _provider_columns(case_results)
+    lines += [
+        "## Time and memory",
+        "",
+        "Median ms / peak MB above inputs and gradient buffers, forward+backward (— = not "
+        "run on this shape); floor 8·r²·c/R and fusedloss's time ÷ floor.",
+        "",
+    ]
+    rows = []
+    for cr in case_results:
+        ours = cr.results.get(FUSEDLOSS)
+        rows.append(
+            [cr.case.label]
+            + [_time_and_memory(cr.results.get(key)) for key, _ in columns]
+            + [
+                common.format_ms(cr.floors_ms["one_pass"]),
+                common.format_ratio(ours.times_floor) if ours else "—",
+            ]
+        )
+    headers = ["case (loss b×c regime)"] + [lbl for _, lbl in columns]
+    headers += ["floor 8r²c/R", "fusedloss × floor"]
+    lines += [common.markdown_table(headers, rows), ""]
+
+    accuracy_cases = [cr for cr in case_results if any(r.errors for r in cr.results.values())]
+    if accuracy_cases:
+        lines += [
+            "## Gradient accuracy",
+            "",
+            "Relative L2 error against the float64 reference (÷ torch materialized's error "
+            "in parentheses).",
+            "",
+        ]
+        rows = [
+            [cr.case.label]
+            + [_errors_text(r) if (r := cr.results.get(key)) else "—" for key, _ in columns]
+            for cr in accuracy_cases
+        ]
+        lines += [common.markdown_table(["case"] + [lbl for _, lbl in columns], rows), ""]
+
+    growth = memory_growth_rows(case_results)
+    if growth:
+        lines += [
+            "## Memory growth (fusedloss, CLIP, c = 512)",
+            "",
+            "Linear growth in b shows as a constant number of bytes per pair.",
+            "",
+        ]
+        headers = ["regime", "b", "MB", "bytes per pair", "ms"]
+        lines += [common.markdown_table(headers, growth), ""]
+
+    lines += ["## Losses", ""]
+    rows = [
+        [
+            cr.case.label,
+            cr.case.parameters_text,
+            _loss_text(cr),
+            cr.reference.dtype if cr.reference else "—",
+        ]
+        for cr in case_results
+    ]
+    lines += [
+        common.markdown_table(["case", "parameters", "mean loss (reference)", "reference"], rows),
+        "",
+    ]
+
+    lines += ["## Cost floors (DESIGN §4)", ""]
+    rows = []
+    for cr in case_results:
+        measured = [r for r in cr.results.values() if r.measured]
+        best = min(measured, key=lambda r: r.ms) if measured else None
+        rows.append(
+            [
+                cr.case.label,
+                common.format_ms(cr.floors_ms["one_pass"]),
+                common.format_ms(cr.floors_ms["one_pass_reuse"]),
+                f"{common.format_ms(best.ms)} ({best.label})" if best else "—",
+            ]
+        )
+    headers = ["case", "8·r²·c/R", "4·r²·c/R", "fastest measured"]
+    lines += [common.markdown_table(headers, rows), ""]
+
+    lines += ["## Targets", ""]
+    if outcomes:
+        rows = [
+            [o.target.case_key, o.target.provider, o.target.description, o.measured, o.status]
+            for o in outcomes
+        ]
+        headers = ["case", "provider", "target", "measured", "met / NOT MET"]
+        lines += [common.markdown_table(headers, rows), ""]
+    else:
+        lines += ["No target applies to the cases and providers run.", ""]
+
+    lines += ["## All figures", ""]
+    rows = []
+    for cr in case_results:
+        for result in cr.results.values():
+            rows.append(
+                [
+                    cr.case.key,
+                    result.label,
+                    result.status,
+                    common.format_ms(result.ms),
+                    result.timing,
+                    common.format_ratio(result.times_floor),
+                    common.format_mib(result.peak_extra_mib),
+                    "—" if result.loss is None else f"{result.loss:.5f}",
+                    "—" if result.loss_error is None else f"{result.loss_error:.1e}",
+                    _errors_text(result),
+                    common.format_ms(result.first_call_ms),
+                    result.note,
+                ]
+            )
+    headers = [
+        "case",
+        "provider",
+        "status",
+        "ms",
+        "timing",
+        "× floor",
+        "MB",
+        "loss",
+        "|loss − ref|",
+        "gradient errors",
+        "first call ms",
+        "note",
+    ]
+    lines += [common.markdown_table(headers, rows), ""]
+
+    if info.calls:
+        lines += ["## Calls measured", ""]
+        lines += [f"- **{key}**: `{call}`" for key, call in info.calls.items()]
+        lines += [""]
+    if info.notes:
+        lines += ["## Notes", ""] + [f"- {note}" for note in info.notes] + [""]
+    return "\n".join(lines)
+
+
+def results_json(
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+) -> dict[str, Any]:
+    return {
+        "suite": NAME,
+        "environment": info.environment,
+        "settings": {
+            "dtype": info.dtype,
+            "seed": info.seed,
+            "quick": info.quick,
+            "warmup_ms": info.timing.warmup_ms,
+            "rep_ms": info.timing.rep_ms,
+            "slow": asdict(info.slow),
+            "backend": info.backend,
+            "providers": info.providers,
+        },
+        "matmul": info.matmul,
+        "peer_versions": info.peer_versions,
+        "inputs": {
+            "trained": {
+                "cluster_size": TRAINED_CLUSTER_SIZE,
+                "latent": TRAINED_LATENT,
+                "noise": TRAINED_NOISE,
+            },
+            "logit_scale": {regime: pair_logit_scale(regime) for regime in PAIR_REGIMES},
+            "siglip": {"logit_scale": SIGLIP_LOGIT_SCALE, "logit_bias": SIGLIP_LOGIT_BIAS},
+            "nt_xent_temperature": NT_XENT_TEMPERATURE,
+        },
+        "definitions": {
+            "memory": MEMORY_DEFINITION,
+            "gradient_error": ERROR_DEFINITION,
+            "floors": "one pass 8·r²·c/R; with reuse of forward statistics 4·r²·c/R",
+            "check": f"|loss − ref| ≤ {LOSS_TOLERANCE}·max(1, |ref|), feature-gradient errors "
+            f"≤ {GRADIENT_ERROR_BOUND}, scalar-gradient errors ≤ {SCALAR_ERROR_BOUND}, all "
+            "finite; failing rows have status 'wrong'",
+        },
+        "cases": [
+            {
+                "case": cr.case.key,
+                "shape": cr.case.shape.name,
+                "loss": cr.case.loss,
+                "rows": cr.case.rows,
+                "width": cr.case.width,
+                "regime": cr.case.regime,
+                "parameters": cr.case.parameters_text,
+                "floors_ms": cr.floors_ms,
+                "reference": None
+                if cr.reference is None
+                else {
+                    "loss": cr.reference.loss,
+                    "dtype": cr.reference.dtype,
+                    "directions": cr.reference.directions,
+                },
+                "note": cr.note,
+                "results": [asdict(r) for r in cr.results.values()],
+            }
+            for cr in case_results
+        ],
+        "targets": [
+            {
+                "case": o.target.case_key,
+                "provider": o.target.provider,
+                "kind": o.target.kind,
+                "factor": o.target.factor,
+                "baseline": o.target.baseline,
+                "target": o.target.description,
+                "measured": o.measured,
+                "ratio": o.ratio,
+                "status": o.status,
+            }
+            for o in outcomes
+        ],
+        "calls": info.calls,
+        "notes": info.notes,
+    }
+
+
+def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]) -> str:
+    """The terminal summary: mean losses, targets, then one line per case and provider."""
+    parts = ["mean loss per case (reference)"]
+    rows = [[cr.case.key, cr.case.parameters_text, _loss_text(cr)] for cr in case_results]
+    parts += [common.text_table(["case", "parameters", "loss"], rows), ""]
+    if outcomes:
+        rows = [[o.status, o.target.case_key, o.target.description, o.measured] for o in outcomes]
+        parts += ["targets", common.text_table(["", "case", "target", "measured"], rows), ""]
+    rows = []
+    for cr in case_results:
+        for result in cr.results.values():
+            rows.append(
+                [
+                    cr.case.key,
+                    result.label,
+                    common.format_ms(result.ms) if result.measured else result.status,
+                    common.format_mib(result.peak_extra_mib),
+                    common.format_ratio(result.times_floor),
+                    _errors_text(result) if result.errors else "—",
+                    (("ok" if result.status == OK else "wrong") if result.measured else ""),
+                ]
+            )
+    headers = ["case", "provider", "ms", "MB", "× floor", "gradient errors", "check"]
+    parts += [common.text_table(headers, rows)]
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}"
+            )
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shapes",
+        type=_comma_list(list(SHAPES)),
+        help=f"comma list of {', '.join(SHAPES)} (default: all)",
+    )
+    parser.add_argument(
+        "--regimes",
+        type=_comma_list(PAIR_REGIMES),
+        help="comma list of random, trained (default: each shape's own; clip-1m and "
+        "siglip-16k run random only)",
+    )
+    parser.add_argument(
+        "--providers",
+        type=_comma_list(PROVIDER_KEYS),
+        default=list(DEFAULT_PROVIDERS),
+        help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: "
+        f"{','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports",
+    )
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="fusedloss backend (default auto: triton on CUDA, torch on the CPU)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="rows/256, widths/8 and short timing: a smoke test that also runs on CPU",
+    )
+    parser.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--warmup-ms",
+        type=float,
+        default=None,
+        help="do_bench warmup in ms (default 100; 5 with --quick)",
+    )
+    parser.add_argument(
+        "--rep-ms",
+        type=float,
+        default=None,
+        help="do_bench rep in ms (default 1000; 20 with --quick)",
+    )
+    parser.add_argument(
+        "--slow-ms",
+        type=float,
+        default=DEFAULT_SLOW_MS,
+        help=f"calls slower than this are timed individually, not by do_bench "
+        f"(default {DEFAULT_SLOW_MS:g})",
+    )
+    parser.add_argument(
+        "--slow-reps",
+        type=int,
+        default=DEFAULT_SLOW_REPS,
+        help=f"at most this many timed calls of a slow method (default {DEFAULT_SLOW_REPS}; "
+        f"fewer when a call is long: clamp({SLOW_BUDGET_MS / 1e3:g} s / call, 2, this))",
+    )
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="size of the matmul-rate probe (default 8192; 256 with --quick)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=common.RESULTS_DIR,
+        help="directory for the .md and .json results (default benchmarks/results)",
+    )
+    parser.add_argument(
+        "--tag", default=None, help="suffix for the results file names (e.g. a subset's name)"
+    )
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not common.uses_cuda(device) and not args.quick:
+        log("the contrastive suite needs a CUDA device at full size; use --quick on a CPU")
+        return 2
+    if args.slow_reps < 1:
+        log("--slow-reps must be at least 1")
+        return 2
+    quick = bool(args.quick)
+    dtype = common.parse_dtype(args.dtype)
+    backend = args.backend
+    if backend == "auto":
+        backend = "triton" if common.uses_cuda(device) else "torch"
+    timing = TimingSettings(
+        warmup_ms=args.warmup_ms if args.warmup_ms is not None else (5.0 if quick else 100.0),
+        rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if quick else 1000.0),
+    )
+    slow = SlowTiming(threshold_ms=args.slow_ms, max_reps=args.slow_reps)
+    notes: list[str] = []
+    if quick:
+        notes.append("--quick: shrunk shapes and short timing; figures are not representative")
+    uses_ours = any(p.startswith(FUSEDLOSS) for p in args.providers)
+    if not common.uses_cuda(device) and backend == "triton" and uses_ours:
+        if "TRITON_INTERPRET" not in os.environ:
+            os.environ["TRITON_INTERPRET"] = "1"
+        notes.append(
+            f"no CUDA: Triton kernels ran on the CPU interpreter "
+            f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
+        )
+
+    all_providers = contrastive_providers(backend)
+    providers = [all_providers[key] for key in args.providers]
+    cases = select_cases(args.shapes, args.regimes, quick)
+    environment = common.collect_environment(device)
+    matmul_size = args.matmul_size or (256 if quick else 8192)
+    log(
+        f"contrastive on {environment['device_name']}: torch {environment['torch']}, "
+        f"triton {environment['triton']}, {common.dtype_name(dtype)}, fusedloss backend "
+        f"{backend}, cases: {', '.join(case.key for case in cases)}"
+    )
+    matmul = common.matmul_tflops(device, matmul_size, timing, dtype)
+    log(
+        f"matmul {matmul['dtype']} {matmul_size}³: {matmul['ms']:.3f} ms → "
+        f"{common.format_tflops(matmul['tflops'])} TFLOP/s"
+    )
+    try:
+        case_results = run_cases(
+            cases,
+            providers,
+            device=device,
+            dtype=dtype,
+            seed=args.seed,
+            timing=timing,
+            slow=slow,
+            tflops=matmul["tflops"],
+            log=log,
+        )
+    finally:
+        destroy_benchmark_process_group()
+    outcomes = evaluate_targets(case_results)
+
+    for provider in providers:
+        process_group_note = getattr(provider, "process_group_note", "")
+        if process_group_note:
+            notes.append(f"{provider.display_name()}: {process_group_note}")
+    calls: dict[str, str] = {}
+    for cr in case_results:
+        if cr.note:
+            notes.append(f"{cr.case.key}: {cr.note}")
+        for result in cr.results.values():
+            if result.call:
+                calls.setdefault(f"{result.label}, {cr.case.loss}", result.call)
+            if not result.measured or result.status == WRONG:
+                note = f"{cr.case.key}: {result.label} {result.status}: {result.note}"
+                if result.status in (NOT_INSTALLED, UNAVAILABLE):
+                    note = f"{result.label} skipped ({result.status}): {result.note}"
+                if note not in notes:
+                    notes.append(note)
+    info = RunInfo(
+        environment=environment,
+        matmul=matmul,
+        dtype=common.dtype_name(dtype),
+        seed=args.seed,
+        quick=quick,
+        timing=timing,
+        slow=slow,
+        backend=backend,
+        providers=list(args.providers),
+        peer_versions={"inf-cl": common.package_version("inf-cl")},
+        calls=calls,
+        notes=notes,
+    )
+    stem = common.results_stem(
+        RESULTS_PREFIX, environment["date"], environment["device_slug"], args.tag
+    )
+    md_path, json_path = common.write_results(
+        args.out,
+        stem,
+        render_markdown(info, case_results, outcomes),
+        results_json(info, case_results, outcomes),
+    )
+    log("")
+    for note in notes:
+        log(f"note: {note}")
+    log(f"results: {md_path}")
+    log(f"         {json_path}")
+    log("")
+    log(short_tables(case_results, outcomes))
+    sys.stdout.flush()
+    return 0
+
+
+SUITE = Suite(
+    name=NAME,
+    help="CLIP, NT-Xent and SigLIP losses against materialized PyTorch and inf-cl",
+    add_arguments=add_arguments,
+    run=run,
+)

@@ -1,0 +1,496 @@
+"""Smoke tests of the contrastive benchmark suite (benchmarks/suites/contrastive.py) on CPU.
+
+Inputs, the chunked float64 reference, the materialized PyTorch losses, the inf-cl wrapper,
+error handling, target checks and results files are checked with tiny sizes; the end-to-end
+run uses ``--quick`` with fusedloss's torch backend. Timing through ``do_bench`` and memory
+figures need CUDA and are tested only there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+common = importlib.import_module("benchmarks.common")
+inputs = importlib.import_module("benchmarks.inputs")
+providers = importlib.import_module("benchmarks.providers")
+contrastive = importlib.import_module("benchmarks.suites.contrastive")
+run_module = importlib.import_module("benchmarks.run")
+reference = importlib.import_module("fusedloss.reference")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CPU = torch.device("cpu")
+
+
+def clip_losses_float64(image, text, scale):
+    """(image→text, text→image) mean CLIP losses in float64, via F.cross_entropy."""
+    logits = scale * image.double() @ text.double().T
+    labels = torch.arange(logits.shape[0])
+    return float(F.cross_entropy(logits, labels)), float(F.cross_entropy(logits.T, labels))
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@pytest.mark.parametrize("regime", inputs.PAIR_REGIMES)
+def test_pair_features_shapes_norms_and_seed(regime):
+    image, text = inputs.make_pair_features(40, 24, regime, seed=3)
+    assert image.shape == text.shape == (40, 24) and image.dtype == torch.bfloat16
+    norms = torch.cat([image, text]).double().norm(dim=1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    again = inputs.make_pair_features(40, 24, regime, seed=3)
+    assert torch.equal(image, again[0]) and torch.equal(text, again[1])
+    assert not torch.equal(image, inputs.make_pair_features(40, 24, regime, seed=4)[0])
+    fp32 = inputs.make_pair_features(5, 8, regime, dtype=torch.float32)
+    assert fp32[0].dtype == torch.float32
+
+
+def test_pair_regimes_scales_and_errors():
+    assert inputs.pair_logit_scale("random") == pytest.approx(1 / 0.07)
+    assert inputs.pair_logit_scale("trained") == 100.0
+    with pytest.raises(ValueError, match="regime"):
+        inputs.make_pair_features(4, 4, "peaked")
+    with pytest.raises(ValueError, match="regime"):
+        inputs.pair_logit_scale("flat")
+
+
+def test_trained_regime_structure_and_loss():
+    b, c = 1024, 512
+    image, text = inputs.make_pair_features(b, c, "trained")
+    cosine = image.double() @ text.double().T
+    positive = cosine.diagonal().mean()
+    assert 0.3 < positive < 0.4  # trained CLIP pairs: cosine ≈ 0.3
+    # Cluster mates: the largest off-diagonal cosines of a row are far above unrelated pairs.
+    off = cosine - 2 * torch.eye(b, dtype=cosine.dtype)
+    assert off.topk(3, dim=1).values.mean() > 0.2
+    assert abs(float(off.median())) < 0.02
+    i2t, t2i = clip_losses_float64(image, text, inputs.TRAINED_LOGIT_SCALE)
+    assert 1.0 < i2t < 2.0 and 1.0 < t2i < 2.0, (i2t, t2i)  # calibrated ≈ 1.35 at b = 16384
+    random_i2t, _ = clip_losses_float64(
+        *inputs.make_pair_features(b, c, "random"), inputs.RANDOM_LOGIT_SCALE
+    )
+    assert abs(random_i2t - math.log(b)) < 0.5  # flat softmax: loss ≈ log b
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _leaves(*tensors):
+    return [t.detach().double().requires_grad_(True) for t in tensors]
+
+
+def _clip_args(b=23, c=16, regime="trained", scale=30.0):
+    image, text = inputs.make_pair_features(b, c, regime, seed=1)
+    return image, text, torch.tensor(scale, requires_grad=True)
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 0])
+def test_reference_clip_matches_autograd(rows_per_chunk):
+    args = _clip_args()
+    ref = contrastive.contrastive_reference(
+        "clip", args, with_grads=True, rows_per_chunk=rows_per_chunk
+    )
+    i, t, s = _leaves(*args)
+    loss = reference.clip_loss_ref(i, t, s)
+    grads = torch.autograd.grad(loss, (i, t, s))
+    assert ref.loss == pytest.approx(float(loss.detach()), rel=1e-12)
+    assert ref.directions == pytest.approx(clip_losses_float64(args[0], args[1], 30.0), rel=1e-10)
+    for name, expected in zip(("dI", "dT", "ds"), grads, strict=True):
+        assert torch.allclose(ref.grads[name], expected, rtol=1e-9, atol=1e-13), name
+    assert ref.dtype == "float64"
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 5, 0])
+def test_reference_nt_xent_matches_autograd(rows_per_chunk):
+    view1, view2 = inputs.make_pair_features(9, 16, "trained", seed=2)
+    features = torch.cat([view1, view2])
+    ref = contrastive.contrastive_reference(
+        "nt-xent", (features, 0.5), with_grads=True, rows_per_chunk=rows_per_chunk
+    )
+    (z,) = _leaves(features)
+    loss = reference.nt_xent_loss_ref(z, 0.5)
+    (grad,) = torch.autograd.grad(loss, (z,))
+    assert ref.loss == pytest.approx(float(loss.detach()), rel=1e-12)
+    assert torch.allclose(ref.grads["dZ"], grad, rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 6, 0])
+def test_reference_siglip_matches_autograd(rows_per_chunk):
+    image, text = inputs.make_pair_features(17, 16, "random", seed=5)
+    args = (image, text, torch.tensor(10.0), torch.tensor(-10.0))
+    ref = contrastive.contrastive_reference(
+        "siglip", args, with_grads=True, rows_per_chunk=rows_per_chunk
+    )
+    i, t, s, bias = _leaves(*args)
+    loss = reference.siglip_loss_ref(i, t, s, bias)
+    grads = torch.autograd.grad(loss, (i, t, s, bias))
+    assert ref.loss == pytest.approx(float(loss.detach()), rel=1e-12)
+    for name, expected in zip(("dI", "dT", "ds", "db"), grads, strict=True):
+        assert torch.allclose(ref.grads[name], expected, rtol=1e-9, atol=1e-13), name
+
+
+def test_reference_loss_only_in_float32():
+    args = _clip_args(b=64, c=32)
+    exact = contrastive.contrastive_reference("clip", args, with_grads=True)
+    loss_only = contrastive.contrastive_reference(
+        "clip", args, with_grads=False, dtype=torch.float32, rows_per_chunk=10
+    )
+    assert loss_only.grads is None and loss_only.dtype == "fp32 (TF32 products)"
+    assert loss_only.loss == pytest.approx(exact.loss, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+@pytest.mark.parametrize("loss", ["clip", "nt-xent", "siglip"])
+def test_materialized_and_fusedloss_providers_agree_with_reference(loss):
+    case = contrastive.Case(contrastive.SHAPES[_shape_of(loss)], "trained", 32, 16)
+    case_inputs = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
+    ref = contrastive.contrastive_reference(loss, case_inputs.args, with_grads=True)
+    for key in ("torch", "fusedloss"):
+        provider = providers.contrastive_providers("torch")[key]
+        assert provider.supports(loss) and provider.describe(loss)
+        value = provider.build(CPU, loss)(*case_inputs.args)
+        grads = torch.autograd.grad(value, case_inputs.leaves)
+        assert float(value.detach()) == pytest.approx(ref.loss, rel=1e-4), key
+        for name, grad in zip(case_inputs.grad_names, grads, strict=True):
+            assert common.relative_l2_error(grad, ref.grads[name]) < 1e-4, (key, name)
+
+
+def _shape_of(loss):
+    return {"clip": "clip-16k", "nt-xent": "nt-xent-64k", "siglip": "siglip-16k"}[loss]
+
+
+def test_exact_variant_and_inf_cl_support():
+    table = providers.contrastive_providers("torch")
+    assert list(table) == ["fusedloss", "fusedloss-exact", "torch", "inf-cl"]
+    assert not table["fusedloss-exact"].supports("siglip")
+    assert table["inf-cl"].supports("clip") and not table["inf-cl"].supports("nt-xent")
+    assert "filter_eps=None" in table["fusedloss-exact"].describe("clip")
+    assert [providers.inf_cl_head_dim(c) for c in (512, 768, 64, 96, 16)] == [256, 256, 64, 32, 16]
+    with pytest.raises(providers.Unavailable):
+        providers.inf_cl_head_dim(24)
+
+
+def _fake_cal_inf_loss(q, k, labels=None, scale=None, head_dim=256):
+    """inf-cl's semantics in plain torch: scale·q, one direction, mean CE (fp32)."""
+    assert q.shape[1] % head_dim == 0
+    scale = 1.0 if scale is None else scale
+    logits = (scale * q).float() @ k.float().T
+    return F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("scale_inside", [True, False])
+def test_inf_clip_wrapper_gives_the_clip_loss(scale_inside):
+    image, text, scale = _clip_args(b=20, c=32)
+    loss_fn = providers.inf_clip_loss(_fake_cal_inf_loss, scale_inside=scale_inside)
+    value = loss_fn(image.float(), text.float(), scale)
+    expected = reference.clip_loss_ref(image, text, 30.0)
+    assert float(value.detach()) == pytest.approx(float(expected), rel=1e-5)
+    (grad_scale,) = torch.autograd.grad(value, (scale,))
+    assert torch.isfinite(grad_scale)
+
+
+def test_inf_cl_missing_or_without_cuda(monkeypatch):
+    provider = providers.contrastive_providers()["inf-cl"]
+    real_import = importlib.import_module
+
+    def no_inf_cl(name, *args):
+        if name.startswith("inf_cl"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(providers.importlib, "import_module", no_inf_cl)
+    with pytest.raises(providers.Unavailable, match="pip install inf-cl"):
+        provider.build(CPU, "clip")
+    fake = types.ModuleType("inf_cl")
+    fake.cal_inf_loss = _fake_cal_inf_loss
+    monkeypatch.setattr(providers.importlib, "import_module", lambda name, *a: fake)
+    with pytest.raises(providers.Unavailable, match="CUDA"):
+        provider.build(CPU, "clip")
+    providers.destroy_benchmark_process_group()  # nothing created: a no-op
+
+
+# ----------------------------------------------------------------------------- run_provider
+
+
+class _FakeProvider(providers.ContrastiveProvider):
+    def __init__(self, key, fn, is_peer=False):
+        self.key, self.label, self.fn, self.is_peer = key, key, fn, is_peer
+
+    def build(self, device, loss):
+        if self.fn is None:
+            raise providers.Unavailable("fake_peer not importable: no module")
+        return self.fn
+
+    def describe(self, loss):
+        return f"{self.key}(...)"
+
+
+def _raise(error):
+    def fn(*args):
+        raise error
+
+    return fn
+
+
+def test_run_provider_reports_failures_and_goes_on():
+    case = contrastive.Case(contrastive.SHAPES["clip-16k"], "random", 16, 16)
+    case_inputs = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
+    ref = contrastive.contrastive_reference("clip", case_inputs.args, with_grads=True)
+    settings = dict(
+        timing=common.TimingSettings(0.0, 1.0), slow=contrastive.SlowTiming(), floor_ms=1.0
+    )
+    good = providers.materialized_clip_loss
+    outcomes = {
+        key: contrastive.run_provider(
+            _FakeProvider(key, fn, is_peer), case, case_inputs, ref, **settings
+        )
+        for key, fn, is_peer in [
+            ("oom", _raise(RuntimeError("CUDA out of memory. Tried to allocate 64 GiB")), False),
+            ("broken", _raise(ValueError("bad shapes")), False),
+            ("off", lambda i, t, s: good(i, t, s) + 1.0, False),
+            ("absent", None, True),
+            ("good", good, False),
+        ]
+    }
+    assert outcomes["oom"].status == contrastive.OUT_OF_MEMORY and outcomes["oom"].ms is None
+    assert outcomes["broken"].status == contrastive.FAILED
+    assert "ValueError: bad shapes" in outcomes["broken"].note
+    assert outcomes["off"].status == contrastive.WRONG and outcomes["off"].ms > 0
+    assert outcomes["absent"].status == contrastive.NOT_INSTALLED
+    good_result = outcomes["good"]
+    assert good_result.status == contrastive.OK and good_result.ms > 0
+    assert good_result.times_floor == pytest.approx(good_result.ms)
+    assert set(good_result.errors) == {"dI", "dT", "ds"} and good_result.loss_error < 1e-5
+    assert good_result.peak_extra_mib is None  # no memory figures without CUDA
+
+
+def test_slow_timing_repetitions():
+    slow = contrastive.SlowTiming(threshold_ms=500, max_reps=3, budget_ms=10_000)
+    assert [slow.reps(ms) for ms in (600, 1000, 4000, 6400, 30_000)] == [3, 3, 2, 2, 2]
+    assert contrastive.SlowTiming(max_reps=1).reps(6400) == 1
+    calls = []
+    assert common.median_ms_fixed(lambda: calls.append(1), CPU, 3) >= 0 and len(calls) == 3
+    assert common.call_ms(lambda: None, CPU) >= 0
+
+
+# ----------------------------------------------------------------------------- cases, targets
+
+
+def test_case_selection_quick_sizes_and_floors():
+    cases = contrastive.select_cases(None, None, False)
+    keys = [c.key for c in cases]
+    assert keys[:2] == ["clip-16k random", "clip-16k trained"]
+    assert "clip-1m random" in keys and "clip-1m trained" not in keys
+    assert "siglip-16k trained" not in keys
+    quick = contrastive.select_cases(["clip-1m", "nt-xent-64k"], ["trained"], True)
+    assert [(c.key, c.rows, c.width) for c in quick] == [
+        ("clip-1m trained", 4096, 64),
+        ("nt-xent-64k trained", 256, 32),
+    ]
+    assert quick[1].label == "nt-xent 2×128×32 trained"
+    clip16k = cases[0]
+    assert clip16k.floor_ms(723.0) == pytest.approx(8 * 16384**2 * 512 / 723e12 * 1e3)
+    assert clip16k.floors_ms(723.0)["one_pass_reuse"] == pytest.approx(clip16k.floor_ms(723) / 2)
+    assert clip16k.reference_grads and clip16k.reference_loss
+    by_key = {c.key: c for c in cases}
+    assert by_key["nt-xent-64k random"].reference_grads
+    assert not by_key["clip-64k random"].reference_grads
+    assert by_key["clip-256k random"].reference_loss
+    assert not by_key["clip-1m random"].reference_loss
+    assert by_key["clip-16k trained"].logit_scale == 100.0
+    assert by_key["siglip-16k random"].parameters_text == "logit_scale 10, logit_bias -10"
+
+
+def _result(key, ms=None, mib=None, status=contrastive.OK, floor=None, label=None):
+    return contrastive.ProviderResult(
+        key, label or key, status=status, ms=ms, peak_extra_mib=mib, times_floor=floor
+    )
+
+
+def _case_result(shape, regime, *results):
+    spec = contrastive.SHAPES[shape]
+    case = contrastive.Case(spec, regime, spec.rows, spec.width)
+    return contrastive.CaseResult(
+        case, case.floors_ms(723.0), None, {r.provider: r for r in results}
+    )
+
+
+def test_targets_met_not_met_and_missing():
+    results = [
+        _case_result(
+            "clip-16k",
+            "random",
+            _result("fusedloss", ms=3.0, mib=10.0),
+            _result("torch", ms=13.1, mib=4592.0),
+        ),
+        _case_result(
+            "clip-16k",
+            "trained",
+            _result("fusedloss", ms=5.0, mib=100.0),
+            _result("torch", status=contrastive.OUT_OF_MEMORY),
+        ),
+        _case_result(
+            "clip-64k",
+            "random",
+            _result("fusedloss", ms=36.0, mib=900.0, floor=1.4),
+            _result("inf-cl", ms=988.0, mib=1156.0),
+        ),
+        _case_result(
+            "clip-64k",
+            "trained",
+            _result("fusedloss", ms=30.0, mib=900.0, floor=1.2),
+            _result("inf-cl", status=contrastive.NOT_INSTALLED),
+        ),
+        _case_result("clip-1m", "random", _result("fusedloss", status=contrastive.OUT_OF_MEMORY)),
+    ]
+    outcomes = {
+        (o.target.case_key, o.target.description): o for o in contrastive.evaluate_targets(results)
+    }
+    met, not_met = contrastive.MET, contrastive.NOT_MET
+    time16 = outcomes[("clip-16k random", "time ≤ 0.35× torch materialized")]
+    assert time16.status == met and time16.ratio == pytest.approx(3.0 / 13.1)
+    assert outcomes[("clip-16k random", "extra memory ≤ 64 MB")].status == met
+    assert outcomes[("clip-16k trained", "extra memory ≤ 64 MB")].status == not_met
+    oom = outcomes[("clip-16k trained", "time ≤ 0.35× torch materialized")]
+    assert oom.status == "n/a (torch out of memory)"
+    assert outcomes[("clip-64k random", "time ≤ 0.04× inf-cl")].status == met
+    assert outcomes[("clip-64k random", "memory ≤ 1× inf-cl's")].status == met
+    assert outcomes[("clip-64k random", "time ≤ 1.5× floor 8b²c/R")].status == met
+    missing = outcomes[("clip-64k trained", "time ≤ 0.04× inf-cl")]
+    assert missing.status == "n/a (peer not installed)"
+    completes = outcomes[("clip-1m random", "forward+backward completes")]
+    assert completes.status.startswith(not_met) and "out of memory" in completes.status
+    faster = outcomes[("clip-16k", "trained-like faster than random")]
+    assert faster.status == not_met and faster.ratio == pytest.approx(5.0 / 3.0)
+    assert outcomes[("clip-64k", "trained-like faster than random")].status == met
+    assert ("clip-1m", "trained-like faster than random") not in outcomes
+    assert contrastive.targets_for([_case_result("clip-16k", "random", _result("torch", 1))]) == []
+
+
+# ----------------------------------------------------------------------------- files, CLI
+
+
+def test_results_files_written(tmp_path):
+    case_results = [
+        _case_result(
+            "clip-16k", "random", _result("fusedloss", 3.0, 10.0, floor=2.0), _result("torch", 13.1)
+        ),
+        _case_result("clip-1m", "random", _result("fusedloss", 9000.0, 2048.0, floor=1.3)),
+    ]
+    case_results[0].reference = contrastive.Reference(9.9, "float64", (9.8, 10.0))
+    outcomes = contrastive.evaluate_targets(case_results)
+    info = contrastive.RunInfo(
+        environment=common.collect_environment("cpu"),
+        matmul={"size": 8192, "dtype": "bf16", "ms": 1.52, "tflops": 723.0},
+        dtype="bf16",
+        seed=0,
+        quick=False,
+        timing=common.TimingSettings(),
+        slow=contrastive.SlowTiming(),
+        backend="triton",
+        providers=["fusedloss", "torch", "inf-cl"],
+        peer_versions={"inf-cl": None},
+        notes=["inf-cl skipped"],
+    )
+    md_path, json_path = common.write_results(
+        tmp_path,
+        "contrastive_test",
+        contrastive.render_markdown(info, case_results, outcomes),
+        contrastive.results_json(info, case_results, outcomes),
+    )
+    markdown = md_path.read_text(encoding="utf-8")
+    for text in (
+        "723 TFLOP/s",
+        "max_memory_allocated",
+        "## Targets",
+        contrastive.MET,
+        "## Memory growth",
+        "i→t 9.8000",
+        "inf-cl not installed",
+        "torch / triton / CUDA",
+    ):
+        assert text in markdown, text
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    assert data["suite"] == "contrastive" and data["cases"][1]["rows"] == 1_048_576
+    assert data["inputs"]["trained"]["latent"] == inputs.TRAINED_LATENT
+    growth = contrastive.memory_growth_rows(case_results)
+    assert [row[1] for row in growth] == ["16384", "1048576"]
+    assert growth[1][3] == f"{2048 * 2**20 / 1048576:.1f}"
+
+
+def test_cli_options_and_cpu_refusal(tmp_path):
+    with pytest.raises(SystemExit):
+        run_module.main(["contrastive", "--shapes", "clip-2m"])
+    with pytest.raises(SystemExit):
+        run_module.main(["contrastive", "--providers", "open-clip"])
+    if not torch.cuda.is_available():
+        assert run_module.main(["contrastive", "--out", str(tmp_path)]) == 2
+
+
+def test_quick_run_end_to_end(tmp_path, capsys):
+    options = (
+        "contrastive --quick --shapes clip-16k,siglip-16k,nt-xent-64k "
+        "--providers fusedloss,torch,inf-cl --matmul-size 64 --rep-ms 1 --warmup-ms 0"
+    )
+    if torch.cuda.is_available():
+        options += " --device cpu"
+    assert run_module.main([*options.split(), "--out", str(tmp_path), "--tag", "t"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip().splitlines()[-1].startswith("nt-xent-64k trained ")  # table last
+    assert "mean loss per case" in printed and "reference loss" in printed
+    (json_path,) = tmp_path.glob("contrastive_*_t.json")
+    (md_path,) = tmp_path.glob("contrastive_*_t.md")
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    assert [c["case"] for c in data["cases"]] == [
+        "clip-16k random",
+        "clip-16k trained",
+        "siglip-16k random",
+        "nt-xent-64k random",
+        "nt-xent-64k trained",
+    ]
+    for case in data["cases"]:
+        by_key = {r["provider"]: r for r in case["results"]}
+        assert set(by_key) == (
+            {"fusedloss", "torch", "inf-cl"}
+            if case["loss"] == "clip"
+            else {
+                "fusedloss",
+                "torch",
+            }
+        )
+        for key in ("fusedloss", "torch"):
+            assert by_key[key]["status"] == "ok" and by_key[key]["ms"] > 0, (case["case"], key)
+            assert by_key[key]["errors"], (case["case"], key)
+        assert by_key["torch"]["ratios"] and all(
+            v == pytest.approx(1.0) for v in by_key["torch"]["ratios"].values()
+        )
+        if "inf-cl" in by_key:
+            assert by_key["inf-cl"]["status"] in ("not installed", "unavailable")
+        assert case["reference"]["dtype"] == "float64"
+    markdown = md_path.read_text(encoding="utf-8")
+    assert "--quick run" in markdown and "## Gradient accuracy" in markdown
+
+
+@requires_cuda
+def test_quick_run_times_with_do_bench_on_cuda(tmp_path):
+    options = "contrastive --quick --shapes clip-16k --providers fusedloss,torch"
+    assert run_module.main([*options.split(), "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("contrastive_*.json")
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    for result in data["cases"][0]["results"]:
+        assert result["status"] == "ok" and result["timing"] == "do_bench"
+        assert result["peak_extra_mib"] is not None
