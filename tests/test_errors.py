@@ -289,4 +289,9 @@ def test_module_call_errors_name_the_argument():
 
 
 def test_public_api():
-    assert fusedloss.__all__ == ["LinearCrossEntropyLoss", "linear_cross_entropy"]
+    assert sorted(fusedloss.__all__) == sorted([
+        "ClipLoss", "InfoNCELoss", "LinearCrossEntropyLoss", "NTXentLoss", "SigLipLoss",
+        "clip_loss", "info_nce_loss", "linear_cross_entropy", "nt_xent_loss", "siglip_loss",
+    ])
+    for name in fusedloss.__all__:
+        assert getattr(fusedloss, name).__doc__, f"{name} has no docstring"
