@@ -328,7 +328,9 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
             top, log_sum = _max_log_sum(x, dim=0)
             new_max = torch.maximum(col_max, top)
             safe = torch.where(torch.isfinite(new_max), new_max, 0.0)
-            col_sum = col_sum * torch.exp(col_max - safe) + torch.exp(log_sum + top - safe)
+            # exp(log_sum) · exp(top − safe): never round log_sum + top (≈ the column LSE)
+            col_sum = col_sum * torch.exp(col_max - safe) + torch.exp(log_sum) * torch.exp(
+                top - safe)
             col_max = new_max
         if weighted_sum:
             wsum[pos] = (x @ col_weight) if col_weight is not None else x.sum(dim=1)

@@ -125,7 +125,8 @@ def _logits(spec: _Spec, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tenso
 def _run(kind, a, b, scale, bias, target, filter_eps, backend) -> torch.Tensor:
     """Per-row losses (N,) fp32 for validated inputs."""
     backend = engine.resolve_backend(backend, a.device)
-    eps = resolve_filter_eps(filter_eps, a.dtype) if backend == "triton" else None
+    eps = resolve_filter_eps(filter_eps, a.dtype)  # validates on every backend
+    eps = eps if backend == "triton" else None
     n = a.shape[0]
     rows = Rows(
         index=torch.arange(n, device=a.device),

@@ -1,0 +1,428 @@
+"""Bad input to the contrastive losses gets a clear error that names the offending argument,
+before any work is done: ``clip_loss``, ``info_nce_loss``, ``nt_xent_loss``, ``siglip_loss``
+and their modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import can_run_triton
+
+import fusedloss
+from fusedloss import (
+    ClipLoss,
+    InfoNCELoss,
+    NTXentLoss,
+    SigLipLoss,
+    clip_loss,
+    info_nce_loss,
+    nt_xent_loss,
+    siglip_loss,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+B, M, D = 6, 9, 5  # pairs / queries, keys, width
+
+
+def features(rows: int = B, width: int = D, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(rows, width, generator=g), dim=1).to(dtype)
+
+
+def call(loss: str, **overrides):
+    """One call of ``loss`` with valid CPU fp32 arguments, some replaced."""
+    if loss == "clip":
+        args = dict(image_features=features(), text_features=features(seed=1), logit_scale=10.0)
+        args.update(overrides)
+        return clip_loss(args.pop("image_features"), args.pop("text_features"),
+                         args.pop("logit_scale"), **args)
+    if loss == "siglip":
+        args = dict(image_features=features(), text_features=features(seed=1), logit_scale=10.0,
+                    logit_bias=-10.0)
+        args.update(overrides)
+        return siglip_loss(args.pop("image_features"), args.pop("text_features"),
+                           args.pop("logit_scale"), args.pop("logit_bias"), **args)
+    if loss == "info_nce":
+        args = dict(query=features(), keys=features(M, seed=1))
+        args.update(overrides)
+        return info_nce_loss(args.pop("query"), args.pop("keys"), **args)
+    args = dict(features=features(2 * B))
+    args.update(overrides)
+    return nt_xent_loss(args.pop("features"), **args)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip", "info_nce", "nt_xent"])
+def test_good_arguments_work(loss):
+    assert torch.isfinite(call(loss))
+
+
+# ---------------------------------------------------------------------------------------------
+# features: shapes, dtypes, types
+
+FEATURE_ARGS = [
+    pytest.param("clip", "image_features", id="clip-image"),
+    pytest.param("clip", "text_features", id="clip-text"),
+    pytest.param("siglip", "image_features", id="siglip-image"),
+    pytest.param("siglip", "text_features", id="siglip-text"),
+    pytest.param("info_nce", "query", id="info_nce-query"),
+    pytest.param("info_nce", "keys", id="info_nce-keys"),
+    pytest.param("nt_xent", "features", id="nt_xent-features"),
+]
+
+
+@pytest.mark.parametrize("loss, name", FEATURE_ARGS)
+@pytest.mark.parametrize("shape", [(B * D,), (2, B, D), ()], ids=["1d", "3d", "scalar"])
+def test_wrong_rank(loss, name, shape):
+    with pytest.raises(ValueError, match=rf"{name} must be 2-D \(batch, D\)"):
+        call(loss, **{name: torch.randn(shape)})
+
+
+@pytest.mark.parametrize("loss, name", FEATURE_ARGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool],
+                         ids=["float64", "int64", "bool"])
+def test_unsupported_dtype(loss, name, dtype):
+    """float64 and integers are refused, whichever argument carries them (both float64: the
+    dtype check, not the mismatch check, must fire)."""
+    others = {"clip": ["image_features", "text_features"],
+              "siglip": ["image_features", "text_features"], "info_nce": ["query", "keys"],
+              "nt_xent": ["features"]}[loss]
+    rows = {"keys": M, "features": 2 * B}
+    bad = {n: features(rows.get(n, B)).to(dtype) for n in others}
+    with pytest.raises(TypeError, match=f"{others[0]} must be float32, bfloat16 or float16"):
+        call(loss, **bad)
+    with pytest.raises(TypeError, match=f"{name} must be float32, bfloat16 or float16"):
+        call(loss, **{name: features(rows.get(name, B)).to(dtype)})
+
+
+@pytest.mark.parametrize("loss, first, second", [
+    pytest.param("clip", "image_features", "text_features", id="clip"),
+    pytest.param("siglip", "image_features", "text_features", id="siglip"),
+    pytest.param("info_nce", "query", "keys", id="info_nce"),
+])
+def test_dtype_mismatch(loss, first, second):
+    rows = M if second == "keys" else B
+    with pytest.raises(TypeError, match=rf"{second} has dtype torch.bfloat16 but {first} has "
+                       "torch.float32"):
+        call(loss, **{second: features(rows).bfloat16()})
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("text_shape", [(B + 1, D), (B - 1, D), (B, D + 1)],
+                         ids=["more-texts", "fewer-texts", "wider"])
+def test_pair_shape_mismatch(loss, text_shape):
+    """Pair i is (image i, text i): a batch or width mismatch is an error naming both."""
+    with pytest.raises(ValueError, match=r"image_features and text_features must have the same "
+                       r"shape \(b, D\)"):
+        call(loss, text_features=features(*text_shape))
+
+
+def test_keys_width_mismatch():
+    with pytest.raises(ValueError, match=r"keys must be \(M, D\) with D = query.shape\[1\]"):
+        call("info_nce", keys=features(M, D + 1))
+
+
+@pytest.mark.parametrize("loss, name", FEATURE_ARGS)
+def test_empty_batch(loss, name):
+    with pytest.raises(ValueError, match=f"{name} is empty"):
+        call(loss, **{name: torch.zeros(0, D)})
+
+
+@pytest.mark.parametrize("loss, name", FEATURE_ARGS)
+def test_zero_width(loss, name):
+    with pytest.raises(ValueError, match=f"{name} has width D = 0"):
+        rows = {"keys": M, "features": 2 * B}.get(name, B)
+        call(loss, **{name: torch.zeros(rows, 0)})
+
+
+@pytest.mark.parametrize("loss, name", FEATURE_ARGS)
+def test_non_tensor_features(loss, name):
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+        call(loss, **{name: [[1.0] * D] * B})
+
+
+# ---------------------------------------------------------------------------------------------
+# devices: the meta device stands in for a second device on a CPU-only machine
+
+
+@pytest.mark.parametrize("loss, first, second", [
+    pytest.param("clip", "image_features", "text_features", id="clip"),
+    pytest.param("siglip", "image_features", "text_features", id="siglip"),
+    pytest.param("info_nce", "query", "keys", id="info_nce"),
+])
+def test_device_mismatch(loss, first, second):
+    rows = M if second == "keys" else B
+    with pytest.raises(ValueError, match=f"{second} is on meta but {first} on cpu"):
+        call(loss, **{second: features(rows).to("meta")})
+
+
+@pytest.mark.parametrize("loss, name", [
+    pytest.param("clip", "logit_scale", id="clip-scale"),
+    pytest.param("clip", "logit_bias", id="clip-bias"),
+    pytest.param("siglip", "logit_scale", id="siglip-scale"),
+    pytest.param("siglip", "logit_bias", id="siglip-bias"),
+    pytest.param("info_nce", "temperature", id="info_nce-temperature"),
+    pytest.param("nt_xent", "temperature", id="nt_xent-temperature"),
+    pytest.param("info_nce", "labels", id="info_nce-labels"),
+])
+def test_scalar_or_labels_on_another_device(loss, name):
+    value = torch.arange(B) if name == "labels" else torch.tensor(0.5)
+    with pytest.raises(ValueError, match=f"{name} is on meta"):
+        call(loss, **{name: value.to("meta")})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_cuda():
+    with pytest.raises(ValueError, match="text_features is on cuda"):
+        call("clip", text_features=features().cuda())
+
+
+# ---------------------------------------------------------------------------------------------
+# logit_scale, logit_bias, temperature
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("name", ["logit_scale", "logit_bias"])
+@pytest.mark.parametrize("shape", [(2,), (1, 3), (0,)], ids=["2", "1x3", "empty"])
+def test_non_scalar_logit_scale_and_bias(loss, name, shape):
+    with pytest.raises(ValueError, match=rf"{name} must be a scalar \(one element\)"):
+        call(loss, **{name: torch.ones(shape)})
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip", "info_nce", "nt_xent"])
+@pytest.mark.parametrize("value", ["10", None, True, [10.0]], ids=["str", "None", "bool", "list"])
+def test_scalar_of_the_wrong_type(loss, value):
+    name = "temperature" if loss in ("info_nce", "nt_xent") else "logit_scale"
+    with pytest.raises(TypeError, match=f"{name} must be a float or a one-element tensor"):
+        call(loss, **{name: value})
+
+
+def test_siglip_needs_a_bias():
+    with pytest.raises(TypeError, match="logit_bias must be a float or a one-element tensor"):
+        call("siglip", logit_bias=None)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip", "info_nce", "nt_xent"])
+def test_integer_scalar_tensor(loss):
+    name = "temperature" if loss in ("info_nce", "nt_xent") else "logit_scale"
+    with pytest.raises(TypeError, match=f"{name} must be floating point"):
+        call(loss, **{name: torch.tensor(2)})
+
+
+@pytest.mark.parametrize("loss", ["info_nce", "nt_xent"])
+@pytest.mark.parametrize("value", [0.0, -0.07, torch.tensor(0.0), torch.tensor([-0.5])],
+                         ids=["float-0", "float-negative", "tensor-0", "tensor-negative"])
+def test_temperature_not_positive(loss, value):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        call(loss, temperature=value)
+
+
+@pytest.mark.parametrize("loss", ["info_nce", "nt_xent"])
+def test_temperature_nan_gives_nan(loss):
+    """NaN is not ≤ 0: it passes the check and poisons the loss, as a NaN input would."""
+    assert torch.isnan(call(loss, temperature=float("nan")))
+
+
+def test_temperature_non_scalar():
+    with pytest.raises(ValueError, match=r"temperature must be a scalar \(one element\)"):
+        call("info_nce", temperature=torch.full((2,), 0.1))
+
+
+# ---------------------------------------------------------------------------------------------
+# info_nce labels, nt_xent row count
+
+
+@pytest.mark.parametrize("bad", [M, M + 3, -1], ids=["M", "M+3", "-1"])
+def test_labels_out_of_range(bad):
+    labels = torch.zeros(B, dtype=torch.long)
+    labels[2] = bad
+    with pytest.raises(ValueError, match=rf"labels holds {bad}, outside \[0, M\) = \[0, {M}\)"):
+        call("info_nce", labels=labels)
+
+
+@pytest.mark.parametrize("shape", [(B + 1,), (B - 1,), (1, B), ()],
+                         ids=["longer", "shorter", "2d", "scalar"])
+def test_labels_wrong_shape(shape):
+    with pytest.raises(ValueError, match=rf"labels must have shape \(N,\) = \({B},\)"):
+        call("info_nce", labels=torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool],
+                         ids=["float32", "float64", "bool"])
+def test_labels_not_integers(dtype):
+    with pytest.raises(TypeError, match="labels must hold integer key indices"):
+        call("info_nce", labels=torch.zeros(B, dtype=dtype))
+
+
+def test_labels_not_a_tensor():
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor or None"):
+        call("info_nce", labels=list(range(B)))
+
+
+def test_default_labels_need_enough_keys():
+    """labels=None pairs query i with key i: fewer keys than queries is an error that says
+    how to fix it; explicit labels into the few keys are fine."""
+    with pytest.raises(ValueError, match="labels=None pairs query i with key i, which needs "
+                       "M >= N"):
+        call("info_nce", keys=features(B - 1))
+    few = call("info_nce", keys=features(B - 1), labels=torch.arange(B) % (B - 1))
+    assert torch.isfinite(few)
+
+
+@pytest.mark.parametrize("rows", [1, 2 * B + 1])
+def test_nt_xent_odd_row_count(rows):
+    with pytest.raises(ValueError, match=rf"features must stack two views .*odd number of "
+                       rf"rows, {rows}"):
+        call("nt_xent", features=features(rows))
+
+
+def test_nt_xent_module_views_of_different_batch():
+    """NTXentLoss(z1, z2) stacks the views: B + (B + 1) rows is the odd-count error."""
+    with pytest.raises(ValueError, match="odd number of rows"):
+        NTXentLoss(backend="torch")(features(B), features(B + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+
+REDUCTION_LOSSES = ["clip", "info_nce", "nt_xent"]
+
+
+@pytest.mark.parametrize("loss", REDUCTION_LOSSES)
+@pytest.mark.parametrize("reduction", ["avg", None, "Mean"], ids=["avg", "None", "Mean"])
+def test_bad_reduction(loss, reduction):
+    with pytest.raises(ValueError, match="reduction must be 'none', 'mean' or 'sum'"):
+        call(loss, reduction=reduction)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip", "info_nce", "nt_xent"])
+@pytest.mark.parametrize("backend", ["cuda", "Triton", None], ids=["cuda", "Triton", "None"])
+def test_bad_backend(loss, backend):
+    with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'"):
+        call(loss, backend=backend)
+
+
+def backend_params():
+    """Both backends; "triton" on CPU tensors needs the interpreter, else it is skipped."""
+    return [
+        pytest.param("torch", id="torch"),
+        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+            not can_run_triton(), reason="needs a CUDA device or TRITON_INTERPRET=1")),
+    ]
+
+
+# filter_eps only matters to the Triton backend, but a bad value is a bug in the caller's code
+# whichever backend runs it: it must not pass on a CPU and fail on a GPU.
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("loss", REDUCTION_LOSSES)
+@pytest.mark.parametrize("filter_eps", ["bogus", -1e-3, float("nan")],
+                         ids=["bogus", "negative", "nan"])
+def test_bad_filter_eps(loss, backend, filter_eps):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = {"clip": ("image_features", "text_features"), "info_nce": ("query", "keys"),
+             "nt_xent": ("features",)}[loss]
+    rows = {"keys": M, "features": 2 * B}
+    tensors = {n: features(rows.get(n, B)).to(device).requires_grad_() for n in names}
+    with pytest.raises(ValueError, match="filter_eps must be 'auto', None or a float >= 0"):
+        call(loss, filter_eps=filter_eps, backend=backend, **tensors)
+
+
+def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
+    """Without TRITON_INTERPRET, backend="triton" on CPU tensors fails clearly for every loss
+    (in a fresh process: the variable must be unset before triton is imported), and "auto"
+    falls back to the torch backend."""
+    script = textwrap.dedent(
+        """
+        import torch
+        import fusedloss
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        calls = {
+            "clip": lambda backend: fusedloss.clip_loss(x, y, 10.0, backend=backend),
+            "siglip": lambda backend: fusedloss.siglip_loss(x, y, 10.0, -10.0, backend=backend),
+            "info_nce": lambda backend: fusedloss.info_nce_loss(x, y, backend=backend),
+            "nt_xent": lambda backend: fusedloss.nt_xent_loss(x, backend=backend),
+        }
+        for name, fn in calls.items():
+            try:
+                fn("triton")
+            except RuntimeError as error:
+                print(name, "RuntimeError:", error)
+            else:
+                print(name, "no error")
+            print(name, "auto:", fn("auto").item())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine must not rescue the CPU tensors
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for name in ("clip", "siglip", "info_nce", "nt_xent"):
+        errors = [line for line in lines if line.startswith(f"{name} RuntimeError:")]
+        assert len(errors) == 1, out.stdout
+        assert "TRITON_INTERPRET=1" in errors[0] and "backend='torch'" in errors[0], errors[0]
+        assert any(line.startswith(f"{name} auto:") for line in lines), out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# modules: validated at construction
+
+
+@pytest.mark.parametrize("module, kwargs, message", [
+    pytest.param(ClipLoss, dict(world_size=2), "world_size=2", id="clip-world-size"),
+    pytest.param(ClipLoss, dict(use_horovod=True), "use_horovod=True", id="clip-horovod"),
+    pytest.param(SigLipLoss, dict(world_size=2), "world_size=2", id="siglip-world-size"),
+    pytest.param(ClipLoss, dict(reduction="avg"), "reduction", id="clip-reduction"),
+    pytest.param(ClipLoss, dict(filter_eps=-1.0), "filter_eps", id="clip-filter-eps"),
+    pytest.param(InfoNCELoss, dict(temperature=0.0), "temperature must be > 0",
+                 id="info_nce-temperature-0"),
+    pytest.param(InfoNCELoss, dict(temperature=-0.1), "temperature must be > 0",
+                 id="info_nce-temperature-negative"),
+    pytest.param(InfoNCELoss, dict(reduction="avg"), "reduction", id="info_nce-reduction"),
+    pytest.param(InfoNCELoss, dict(filter_eps="bogus"), "filter_eps",
+                 id="info_nce-filter-eps"),
+    pytest.param(NTXentLoss, dict(temperature=0.0), "temperature must be > 0",
+                 id="nt_xent-temperature"),
+    pytest.param(NTXentLoss, dict(reduction=None), "reduction", id="nt_xent-reduction"),
+    pytest.param(NTXentLoss, dict(filter_eps=float("nan")), "filter_eps",
+                 id="nt_xent-filter-eps"),
+])
+def test_module_rejects_bad_options(module, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        module(**kwargs)
+
+
+def test_single_process_modules_say_why():
+    """The distributed settings are refused with the reason: only world_size=1 is computed."""
+    with pytest.raises(ValueError, match="single-process loss"):
+        ClipLoss(world_size=2, rank=1)
+    with pytest.raises(ValueError, match="single-process loss"):
+        SigLipLoss(world_size=4)
+
+
+@pytest.mark.parametrize("module, args, message", [
+    pytest.param(ClipLoss(backend="torch"), (features(), features(B + 1), 10.0),
+                 "image_features and text_features", id="clip"),
+    pytest.param(SigLipLoss(backend="torch"), (features(), features(), torch.ones(2), -10.0),
+                 "logit_scale must be a scalar", id="siglip"),
+    pytest.param(InfoNCELoss(backend="torch"), (features(), features(B - 1)), "labels=None",
+                 id="info_nce"),
+    pytest.param(NTXentLoss(backend="torch"), (features(2 * B + 1),), "odd number of rows",
+                 id="nt_xent"),
+])
+def test_module_call_errors_name_the_argument(module, args, message):
+    with pytest.raises(ValueError, match=message):
+        module(*args)
+
+
+def test_public_api():
+    for name in ("clip_loss", "info_nce_loss", "nt_xent_loss", "siglip_loss", "ClipLoss",
+                 "SigLipLoss", "InfoNCELoss", "NTXentLoss"):
+        assert name in fusedloss.__all__ and hasattr(fusedloss, name), name
