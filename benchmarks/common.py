@@ -15,6 +15,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -412,3 +413,17 @@ def write_results(
         json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
     return md_path, json_path
+
+
+def report_results(out, stem: str, markdown: str, payload, notes, tables: str,
+                   log=print) -> None:
+    """Writes a suite's results files, then logs its notes, their paths and the short tables."""
+    md_path, json_path = write_results(out, stem, markdown, payload)
+    log("")
+    for note in notes:
+        log(f"note: {note}")
+    log(f"results: {md_path}")
+    log(f"         {json_path}")
+    log("")
+    log(tables)
+    sys.stdout.flush()

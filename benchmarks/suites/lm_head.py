@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -1059,20 +1058,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     stem = common.results_stem(
         RESULTS_PREFIX, environment["date"], environment["device_slug"], args.tag
     )
-    md_path, json_path = common.write_results(
-        args.out,
-        stem,
+    common.report_results(
+        args.out, stem,
         render_markdown(info, case_results, outcomes),
         results_json(info, case_results, outcomes),
+        notes, short_tables(case_results, outcomes), log,
     )
-    log("")
-    for note in notes:
-        log(f"note: {note}")
-    log(f"results: {md_path}")
-    log(f"         {json_path}")
-    log("")
-    log(short_tables(case_results, outcomes))
-    sys.stdout.flush()
     return 0
 
 
