@@ -1,4 +1,5 @@
-"""What every suite shares: timing, peak memory, errors, environment, results files.
+"""What every suite shares: timing, peak memory, errors, environment, command-line options,
+result statuses and checks, report pieces, results files.
 
 Timing is ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")`` on a CUDA
 device. Without CUDA (``--quick`` smoke runs) a plain wall-clock median stands in; those
@@ -7,21 +8,24 @@ figures only show that the pipeline works and are labelled as such.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
 import math
+import os
 import platform
 import re
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,6 +37,13 @@ MIB = float(1 << 20)
 PASS = "✓"
 FAIL = "✗"
 
+# Result statuses of one provider on one case. A "wrong" result failed its suite's sanity
+# check but is still timed, so it counts as measured.
+OK, WRONG = "ok", "wrong"
+NOT_INSTALLED, UNAVAILABLE = "not installed", "unavailable"
+FAILED, OUT_OF_MEMORY = "failed", "out of memory"
+MEASURED = (OK, WRONG)
+
 
 # ----------------------------------------------------------------------------- timing
 
@@ -43,6 +54,21 @@ class TimingSettings:
 
     warmup_ms: float = 100.0
     rep_ms: float = 1000.0
+
+
+# --quick budgets: enough for a smoke run to show the pipeline works, not for figures.
+QUICK_TIMING = TimingSettings(warmup_ms=5.0, rep_ms=20.0)
+MATMUL_SIZE = 8192
+QUICK_MATMUL_SIZE = 256
+
+
+def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool) -> TimingSettings:
+    """``--warmup-ms`` / ``--rep-ms`` where given, else the (quick) defaults."""
+    default = QUICK_TIMING if quick else TimingSettings()
+    return TimingSettings(
+        warmup_ms=default.warmup_ms if warmup_ms is None else warmup_ms,
+        rep_ms=default.rep_ms if rep_ms is None else rep_ms,
+    )
 
 
 def uses_cuda(device: torch.device | str) -> bool:
@@ -177,6 +203,177 @@ def matmul_tflops(
     }
 
 
+def probe_matmul(
+    device: torch.device | str,
+    size: int | None,
+    quick: bool,
+    timing: TimingSettings,
+    dtype: torch.dtype,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """:func:`matmul_tflops` at ``--matmul-size`` (or its default), logged: the rate R that
+    every cost floor divides by."""
+    size = size or (QUICK_MATMUL_SIZE if quick else MATMUL_SIZE)
+    matmul = matmul_tflops(device, size, timing, dtype)
+    log(
+        f"matmul {matmul['dtype']} {size}³: {matmul['ms']:.3f} ms → "
+        f"{format_tflops(matmul['tflops'])} TFLOP/s"
+    )
+    return matmul
+
+
+# ----------------------------------------------------------------------------- provider results
+
+
+@dataclass
+class ProviderResultBase:
+    """What every suite records of one provider on one case. A suite's ``ProviderResult``
+    adds its own figures; they follow these fields in the JSON, in declaration order."""
+
+    provider: str  # command-line key
+    label: str  # column title (with version for peers)
+    status: str = OK
+    note: str = ""
+    call: str = ""
+    ms: float | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.status in MEASURED and self.ms is not None
+
+
+class Figures(Protocol):
+    """What the shared helpers below read of a suite's ``ProviderResult``."""
+
+    label: str
+    status: str
+    note: str
+    ms: float | None
+    peak_extra_mib: float | None
+    loss: float | None
+    loss_error: float | None
+    times_floor: float | None
+
+    @property
+    def measured(self) -> bool: ...
+
+
+class CaseFigures(Protocol):
+    """What the shared helpers below read of a suite's ``CaseResult``."""
+
+    @property
+    def results(self) -> Mapping[str, Figures]: ...
+
+
+def describe_error(error: BaseException) -> str:
+    """The exception's type and first line, short enough for a table cell."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:300]}"
+
+
+@contextlib.contextmanager
+def failures_recorded(result: Figures, device: torch.device | str) -> Iterator[None]:
+    """Turns an exception inside the block into ``result``'s status and note, and releases
+    device memory afterwards either way: one provider's failure must not end the run."""
+    try:
+        yield
+    except Exception as error:  # report and go on with the next provider
+        result.status = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
+        result.note = describe_error(error)
+    finally:
+        release_memory(device)
+
+
+def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, list[str]]:
+    """``|loss − reference|``, and the problem if it exceeds ``tolerance · max(1, |reference|)``
+    (as a NaN loss does)."""
+    error = abs(loss - reference)
+    if error <= tolerance * max(1.0, abs(reference)):
+        return error, []
+    return error, [f"loss {loss:.6g} vs reference {reference:.6g}"]
+
+
+def mark_wrong(result: Figures, problems: Sequence[str]) -> None:
+    """A result with problems stays measured (and timed) but is marked wrong."""
+    if problems:
+        result.status = WRONG
+        result.note = "; ".join(problems)
+
+
+def progress_line(result: Figures, figures_text: Callable[[Figures], str]) -> str:
+    """A provider's line in the progress log: ``figures_text(result)``, flagged when wrong,
+    for a measured result; its status and note otherwise."""
+    if not result.measured:
+        return f"{result.status}: {result.note}"
+    text = figures_text(result)
+    if result.status != OK:
+        text += f"  [{result.status}: {result.note}]"
+    return text
+
+
+def note_problem(notes: list[str], case_key: str, result: Figures) -> None:
+    """Adds a note, once, for a provider that was skipped, failed or got a wrong result."""
+    if result.measured and result.status != WRONG:
+        return
+    note = f"{case_key}: {result.label} {result.status}: {result.note}"
+    if result.status in (NOT_INSTALLED, UNAVAILABLE):
+        note = f"{result.label} skipped ({result.status}): {result.note}"
+    if note not in notes:
+        notes.append(note)
+
+
+# ----------------------------------------------------------------------------- targets
+
+TargetT = TypeVar("TargetT")
+
+
+@dataclass
+class TargetOutcome(Generic[TargetT]):
+    """A suite's target (case_key, provider, kind, factor, description) as evaluated."""
+
+    target: TargetT
+    status: str  # the suite's met / not-met mark, or "n/a (…)"
+    measured: str = ""
+    ratio: float | None = None  # measured ÷ what the target compares it with
+
+
+def figure_of(kind: str) -> Callable[[Figures], float | None]:
+    """What a target of ``kind`` compares: ms for "time", else peak MB."""
+    if kind == "time":
+        return lambda result: result.ms
+    return lambda result: result.peak_extra_mib
+
+
+def baseline_ratio(kind: str, ours: Figures, baseline: Figures) -> tuple[float, str]:
+    """``ours ÷ baseline`` in the figure of ``kind`` (both present), and its table text."""
+    value_of = figure_of(kind)
+    ours_value, base_value = value_of(ours), value_of(baseline)
+    unit, fmt = ("ms", format_ms) if kind == "time" else ("MB", format_mib)
+    ratio = ours_value / base_value if base_value > 0 else math.inf
+    text = (
+        f"{fmt(ours_value)} {unit} vs {fmt(base_value)} {unit} ({baseline.label}) "
+        f"= {format_ratio(ratio)}×"
+    )
+    return ratio, text
+
+
+def target_json(outcome: TargetOutcome[Any], **baseline: Any) -> dict[str, Any]:
+    """A target's entry in the results JSON; ``baseline`` holds the suite's own baseline
+    field(s), which go after ``factor``."""
+    target = outcome.target
+    return {
+        "case": target.case_key,
+        "provider": target.provider,
+        "kind": target.kind,
+        "factor": target.factor,
+        **baseline,
+        "target": target.description,
+        "measured": outcome.measured,
+        "ratio": outcome.ratio,
+        "status": outcome.status,
+    }
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -233,29 +430,26 @@ def package_version(distribution: str) -> str | None:
         return None
 
 
-def git_revision() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    revision = out.stdout.strip()
-    if out.returncode != 0 or not revision:
-        return None
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=10,
         check=False,
-    ).stdout.strip()
+    )
+
+
+def git_revision() -> str | None:
+    try:
+        out = _git("rev-parse", "--short", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    revision = out.stdout.strip()
+    if out.returncode != 0 or not revision:
+        return None
+    dirty = _git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     return revision + ("+dirty" if dirty else "")
 
 
@@ -380,6 +574,143 @@ def _looks_numeric(text: str) -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- report pieces
+
+WALL_CLOCK_TIMING = "wall-clock median (no CUDA: not comparable with GPU figures)"
+# Next to summary_cells, which fills these columns, so that the two stay in step.
+SUMMARY_HEADERS = ["case", "provider", "ms", "MB", "× floor"]
+
+
+@dataclass(kw_only=True)
+class RunInfoBase:
+    """Everything about a run that is not a per-case figure; a suite's ``RunInfo`` adds its
+    own settings."""
+
+    environment: dict[str, Any]
+    matmul: dict[str, Any]
+    dtype: str
+    seed: int
+    quick: bool
+    timing: TimingSettings
+    providers: list[str]
+    peer_versions: dict[str, str | None]
+    calls: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def do_bench_text(timing: TimingSettings) -> str:
+    return (
+        f"triton.testing.do_bench(fn, warmup={timing.warmup_ms:g}, rep={timing.rep_ms:g}, "
+        'return_mode="median")'
+    )
+
+
+def environment_rows(
+    env: Mapping[str, Any], peer_versions: Mapping[str, str | None], version_suffix: str = ""
+) -> list[tuple[str, str]]:
+    """The first rows of a report's settings table: device, versions, peers, date."""
+    capability = env.get("compute_capability")
+    peers = ", ".join(
+        f"{name} {version}" if version else f"{name} not installed"
+        for name, version in peer_versions.items()
+    )
+    return [
+        (
+            "GPU / device",
+            env["device_name"] + (f" (compute capability {capability})" if capability else ""),
+        ),
+        ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
+        (
+            "fusedloss version (git revision)",
+            f"{env.get('fusedloss_version') or 'unknown'} "
+            f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}",
+        ),
+        ("peers", peers),
+        ("date", env["timestamp"]),
+    ]
+
+
+def matmul_row(matmul: Mapping[str, Any]) -> tuple[str, str]:
+    return (
+        "matmul rate R",
+        f"{matmul['dtype']} {matmul['size']}³ random: "
+        f"{matmul['ms']:.3f} ms median → {format_tflops(matmul['tflops'])} TFLOP/s",
+    )
+
+
+def provider_columns(case_results: Iterable[CaseFigures]) -> list[tuple[str, str]]:
+    """(key, label) of every provider that ran on some case, in order of first appearance."""
+    columns: dict[str, str] = {}
+    for case_result in case_results:
+        for key, result in case_result.results.items():
+            columns.setdefault(key, result.label)
+    return list(columns.items())
+
+
+def time_and_memory_cell(result: Figures | None, missing: str) -> str:
+    """``ms / MB`` of a measured result, its status otherwise, ``missing`` where it did not
+    run at all."""
+    if result is None:
+        return missing
+    if result.measured:
+        text = f"{format_ms(result.ms)} / {format_mib(result.peak_extra_mib)}"
+        return text + (" (wrong)" if result.status == WRONG else "")
+    return result.status
+
+
+def fastest_cell(results: Iterable[Figures]) -> str:
+    """The fastest measured result of a case, as ``ms (label)``."""
+    measured = [r for r in results if r.measured]
+    best = min(measured, key=lambda r: r.ms) if measured else None
+    return f"{format_ms(best.ms)} ({best.label})" if best else "—"
+
+
+def loss_cells(result: Figures) -> list[str]:
+    """The "loss" and "|loss − ref|" cells of a result's row in "All figures"."""
+    return [
+        "—" if result.loss is None else f"{result.loss:.5f}",
+        "—" if result.loss_error is None else f"{result.loss_error:.1e}",
+    ]
+
+
+def summary_cells(case_key: str, result: Figures) -> list[str]:
+    """The cells under :data:`SUMMARY_HEADERS` of one provider's line of the summary."""
+    return [
+        case_key,
+        result.label,
+        format_ms(result.ms) if result.measured else result.status,
+        format_mib(result.peak_extra_mib),
+        format_ratio(result.times_floor),
+    ]
+
+
+def targets_section(
+    outcomes: Sequence[TargetOutcome[Any]], status_header: str, if_none: str
+) -> list[str]:
+    """The report's "Targets" section; ``if_none`` says why there are none."""
+    lines = ["## Targets", ""]
+    if not outcomes:
+        return lines + [if_none, ""]
+    rows = [
+        [o.target.case_key, o.target.provider, o.target.description, o.measured, o.status]
+        for o in outcomes
+    ]
+    headers = ["case", "provider", "target", "measured", status_header]
+    return lines + [markdown_table(headers, rows), ""]
+
+
+def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:
+    """The report's last sections: the exact calls measured, then the notes."""
+    lines: list[str] = []
+    if calls:
+        lines += ["## Calls measured", ""]
+        lines += [f"- **{key}**: `{call}`" for key, call in calls.items()]
+        lines += [""]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {note}" for note in notes] + [""]
+    return lines
+
+
 # ----------------------------------------------------------------------------- results files
 
 
@@ -415,15 +746,115 @@ def write_results(
     return md_path, json_path
 
 
-def report_results(out, stem: str, markdown: str, payload, notes, tables: str,
-                   log=print) -> None:
-    """Writes a suite's results files, then logs its notes, their paths and the short tables."""
-    md_path, json_path = write_results(out, stem, markdown, payload)
+def report_results(
+    out_dir: Path | str,
+    suite_slug: str,
+    tag: str | None,
+    info: RunInfoBase,
+    *,
+    markdown: str,
+    payload: dict[str, Any],
+    tables: str,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Writes a suite's results files (named by :func:`results_stem`), then logs the run's
+    notes, the files' paths and the short tables (last, so that they end the output)."""
+    env = info.environment
+    stem = results_stem(suite_slug, env["date"], env["device_slug"], tag)
+    md_path, json_path = write_results(out_dir, stem, markdown, payload)
     log("")
-    for note in notes:
+    for note in info.notes:
         log(f"note: {note}")
     log(f"results: {md_path}")
     log(f"         {json_path}")
     log("")
     log(tables)
     sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for a comma list of ``choices`` (at least one)."""
+
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}"
+            )
+        return values
+
+    return parse
+
+
+# The options every suite takes come in three groups, so that each suite can put its own
+# options between them where they belong in --help.
+
+
+def add_dtype_seed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_quick_device_timing_arguments(parser: argparse.ArgumentParser, quick_help: str) -> None:
+    default = TimingSettings()
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--warmup-ms",
+        type=float,
+        default=None,
+        help=f"do_bench warmup in ms (default {default.warmup_ms:g}; "
+        f"{QUICK_TIMING.warmup_ms:g} with --quick)",
+    )
+    parser.add_argument(
+        "--rep-ms",
+        type=float,
+        default=None,
+        help=f"do_bench rep in ms (default {default.rep_ms:g}; "
+        f"{QUICK_TIMING.rep_ms:g} with --quick)",
+    )
+
+
+def add_matmul_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help=f"size of the matmul-rate probe (default {MATMUL_SIZE}; "
+        f"{QUICK_MATMUL_SIZE} with --quick)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR,
+        help="directory for the .md and .json results (default benchmarks/results)",
+    )
+    parser.add_argument(
+        "--tag", default=None, help="suffix for the results file names (e.g. a subset's name)"
+    )
+
+
+QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"
+
+
+def pick_device(name: str | None) -> torch.device:
+    """``--device``, else CUDA where there is one and the CPU otherwise."""
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def use_triton_interpreter() -> str:
+    """Without CUDA, Triton kernels run only on Triton's CPU interpreter: turns it on unless
+    the caller already chose, and returns the note that says so."""
+    if "TRITON_INTERPRET" not in os.environ:
+        # Triton reads this when a kernel is decorated, i.e. when fusedloss is imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+    return (
+        f"no CUDA: Triton kernels ran on the CPU interpreter "
+        f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
+    )

@@ -28,6 +28,11 @@ from torch import Tensor
 REGIMES = ("peaked", "flat")
 
 
+def _check_regime(regime: str, regimes: tuple[str, ...]) -> None:
+    if regime not in regimes:
+        raise ValueError(f"unknown regime {regime!r}; expected one of {regimes}")
+
+
 @dataclass(frozen=True)
 class LMHeadShape:
     """A language-model head: vocabulary size V and hidden size D."""
@@ -79,11 +84,9 @@ def make_lm_head_inputs(
     ``seed``, in the order C, y, then E's noise, then the rank permutation, so one seed
     gives one input per device.
     """
-    if regime not in REGIMES:
-        raise ValueError(f"unknown regime {regime!r}; expected one of {REGIMES}")
+    _check_regime(regime, REGIMES)
     device = torch.device(device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size: int) -> Tensor:
         return torch.randn(*size, generator=generator, device=device, dtype=torch.float32)
@@ -123,8 +126,7 @@ TRAINED_NOISE = 1.5  # s: weight of each side's own noise
 
 def pair_logit_scale(regime: str) -> float:
     """The CLIP ``logit_scale`` of a regime: 1/0.07 (random) or 100 (trained)."""
-    if regime not in PAIR_REGIMES:
-        raise ValueError(f"unknown regime {regime!r}; expected one of {PAIR_REGIMES}")
+    _check_regime(regime, PAIR_REGIMES)
     return RANDOM_LOGIT_SCALE if regime == "random" else TRAINED_LOGIT_SCALE
 
 
@@ -166,11 +168,9 @@ def make_pair_features(
     loss on b = 16384, c = 512 is ≈ 1.35 nats per direction (calibration above), and the
     softmax mass of each row sits on a handful of columns scattered over the whole batch.
     """
-    if regime not in PAIR_REGIMES:
-        raise ValueError(f"unknown regime {regime!r}; expected one of {PAIR_REGIMES}")
+    _check_regime(regime, PAIR_REGIMES)
     device = torch.device(device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
 
     def unit(rows: int) -> Tensor:
         x = torch.randn(rows, c, generator=generator, device=device, dtype=torch.float32)

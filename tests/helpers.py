@@ -1,4 +1,5 @@
-"""Shared test helpers: relative errors and the "no worse than PyTorch" accuracy check.
+"""Shared test helpers: relative errors, the "no worse than PyTorch" accuracy check, and
+what the benchmark runner's tests share.
 
 Import from test modules as ``from helpers import ...`` (pytest puts ``tests/`` on sys.path).
 
@@ -9,12 +10,22 @@ plus a small floor for results that PyTorch happens to get (nearly) exact.
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 _TRUE_STRINGS = ("1", "true", "on", "yes")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def triton_interpreter_enabled() -> bool:
@@ -80,3 +91,25 @@ def assert_close_to_ref(
         f"{factor} x torch's {torch_err:.3e} (same dtype {torch_same_dtype.dtype}) "
         f"+ floor {floor:.3e}"
     )
+
+
+# ----------------------------------------------------------------------------- benchmark tests
+
+
+def import_benchmarks(*names: str) -> list[ModuleType]:
+    """The modules ``benchmarks.<name>`` for ``names``.
+
+    benchmarks/ is not part of the installed package: it becomes importable once the
+    repository root is on sys.path, as ``python benchmarks/run.py`` arranges for itself.
+    """
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return [importlib.import_module(f"benchmarks.{name}") for name in names]
+
+
+def read_results(directory: Path, pattern: str) -> tuple[dict[str, Any], str]:
+    """The JSON data and the markdown of the one results pair ``<pattern>.json`` / ``.md``
+    that a benchmark run wrote to ``directory``."""
+    (json_path,) = directory.glob(f"{pattern}.json")
+    (md_path,) = directory.glob(f"{pattern}.md")
+    return json.loads(json_path.read_text(encoding="utf-8")), md_path.read_text(encoding="utf-8")

@@ -11,24 +11,15 @@ import dataclasses
 import importlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import import_benchmarks, read_results, requires_cuda
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-common = importlib.import_module("benchmarks.common")
-inputs = importlib.import_module("benchmarks.inputs")
-providers = importlib.import_module("benchmarks.providers")
-lm_head = importlib.import_module("benchmarks.suites.lm_head")
-run_module = importlib.import_module("benchmarks.run")
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+common, inputs, providers, lm_head, run_module = import_benchmarks(
+    "common", "inputs", "providers", "suites.lm_head", "run"
+)
 
 
 def mean_cross_entropy(hidden: torch.Tensor, classifier: torch.Tensor, labels) -> float:
@@ -123,7 +114,7 @@ def _case(shape="gemma2-2b", regime="peaked", mode="fwd+bwd"):
     return lm_head.Case(inputs.LM_HEAD_SHAPES[shape], regime, mode, 8192)
 
 
-def _result(key, ms=None, mib=None, status=lm_head.OK, err=(None, None), label=None):
+def _result(key, ms=None, mib=None, status=common.OK, err=(None, None), label=None):
     return lm_head.ProviderResult(
         key,
         label or key,
@@ -182,7 +173,7 @@ def test_target_checks_pass_fail_and_missing_peers():
         _result("torch-compile", ms=46.6, mib=4000.0),
         _result("cce", ms=107.7, mib=3.0),
         _result("cce-nofilter", ms=169.0, mib=1.0),
-        _result("liger", status=lm_head.NOT_INSTALLED),
+        _result("liger", status=common.NOT_INSTALLED),
     )
     outcomes = _by_description(lm_head.evaluate_targets([case_result]))
     compile_time = outcomes[("fusedloss", "time ≤ 0.7× torch.compile")]
@@ -203,7 +194,7 @@ def test_target_checks_when_baseline_or_ours_did_not_run():
     slow = _case_result(
         _case("phi3.5"),
         _result("fusedloss", ms=9.0, mib=1.0, err=(1e-3, 1e-3)),
-        _result("torch-compile", status=lm_head.FAILED, label="torch.compile"),
+        _result("torch-compile", status=common.FAILED, label="torch.compile"),
     )
     outcomes = lm_head.evaluate_targets([slow])
     assert {o.status for o in outcomes if o.target.kind != "error"} == {
@@ -211,7 +202,7 @@ def test_target_checks_when_baseline_or_ours_did_not_run():
     }
     broken = _case_result(
         _case(regime="flat"),
-        _result("fusedloss", status=lm_head.OUT_OF_MEMORY),
+        _result("fusedloss", status=common.OUT_OF_MEMORY),
         _result("torch-compile", ms=45.0, mib=4000.0),
     )
     assert all(o.status.startswith(common.FAIL) for o in lm_head.evaluate_targets([broken]))
@@ -333,9 +324,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert printed.rstrip().splitlines()[-1].startswith("phi3.5 flat fwd ")  # table last
-    (json_path,) = tmp_path.glob("lm_head_*.json")
-    (md_path,) = tmp_path.glob("lm_head_*.md")
-    data = json.loads(json_path.read_text(encoding="utf-8"))
+    data, markdown = read_results(tmp_path, "lm_head_*")
     assert [c["case"] for c in data["cases"]] == [
         "phi3.5 peaked fwd+bwd",
         "phi3.5 peaked fwd",
@@ -350,7 +339,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
             assert eager["ratio_hidden"] == pytest.approx(1.0)  # the yardstick itself
             assert 0 < case["torch_bf16_error"]["dE"] < 2e-2
     assert data["cases"][0]["reference_loss"] < 0.5 * math.log(data["cases"][0]["vocab_size"])
-    assert "--quick run" in md_path.read_text(encoding="utf-8")
+    assert "--quick run" in markdown
 
 
 @requires_cuda
@@ -358,7 +347,6 @@ def test_quick_run_times_with_do_bench_on_cuda(tmp_path):
     options = "--quick --providers torch-eager,torch-compile --shapes phi3.5"
     code = run_module.main([*options.split(), "--out", str(tmp_path)])
     assert code == 0
-    (json_path,) = tmp_path.glob("lm_head_*.json")
-    data = json.loads(json_path.read_text(encoding="utf-8"))
+    data, _ = read_results(tmp_path, "lm_head_*")
     eager = data["cases"][0]["results"][0]
     assert eager["ms"] > 0 and eager["peak_extra_mib"] is not None and eager["peak_extra_mib"] > 0

@@ -11,26 +11,19 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import import_benchmarks, read_results, requires_cuda
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from fusedloss import reference
 
-common = importlib.import_module("benchmarks.common")
-inputs = importlib.import_module("benchmarks.inputs")
-providers = importlib.import_module("benchmarks.providers")
-contrastive = importlib.import_module("benchmarks.suites.contrastive")
-run_module = importlib.import_module("benchmarks.run")
-reference = importlib.import_module("fusedloss.reference")
+common, inputs, providers, contrastive, run_module = import_benchmarks(
+    "common", "inputs", "providers", "suites.contrastive", "run"
+)
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CPU = torch.device("cpu")
 
 
@@ -266,13 +259,13 @@ def test_run_provider_reports_failures_and_goes_on():
             ("good", good, False),
         ]
     }
-    assert outcomes["oom"].status == contrastive.OUT_OF_MEMORY and outcomes["oom"].ms is None
-    assert outcomes["broken"].status == contrastive.FAILED
+    assert outcomes["oom"].status == common.OUT_OF_MEMORY and outcomes["oom"].ms is None
+    assert outcomes["broken"].status == common.FAILED
     assert "ValueError: bad shapes" in outcomes["broken"].note
-    assert outcomes["off"].status == contrastive.WRONG and outcomes["off"].ms > 0
-    assert outcomes["absent"].status == contrastive.NOT_INSTALLED
+    assert outcomes["off"].status == common.WRONG and outcomes["off"].ms > 0
+    assert outcomes["absent"].status == common.NOT_INSTALLED
     good_result = outcomes["good"]
-    assert good_result.status == contrastive.OK and good_result.ms > 0
+    assert good_result.status == common.OK and good_result.ms > 0
     assert good_result.times_floor == pytest.approx(good_result.ms)
     assert set(good_result.errors) == {"dI", "dT", "ds"} and good_result.loss_error < 1e-5
     assert good_result.peak_extra_mib is None  # no memory figures without CUDA
@@ -315,7 +308,7 @@ def test_case_selection_quick_sizes_and_floors():
     assert by_key["siglip-16k random"].parameters_text == "logit_scale 10, logit_bias -10"
 
 
-def _result(key, ms=None, mib=None, status=contrastive.OK, floor=None, label=None):
+def _result(key, ms=None, mib=None, status=common.OK, floor=None, label=None):
     return contrastive.ProviderResult(
         key, label or key, status=status, ms=ms, peak_extra_mib=mib, times_floor=floor
     )
@@ -341,7 +334,7 @@ def test_targets_met_not_met_and_missing():
             "clip-16k",
             "trained",
             _result("fusedloss", ms=5.0, mib=100.0),
-            _result("torch", status=contrastive.OUT_OF_MEMORY),
+            _result("torch", status=common.OUT_OF_MEMORY),
         ),
         _case_result(
             "clip-64k",
@@ -353,9 +346,9 @@ def test_targets_met_not_met_and_missing():
             "clip-64k",
             "trained",
             _result("fusedloss", ms=30.0, mib=900.0, floor=1.2),
-            _result("inf-cl", status=contrastive.NOT_INSTALLED),
+            _result("inf-cl", status=common.NOT_INSTALLED),
         ),
-        _case_result("clip-1m", "random", _result("fusedloss", status=contrastive.OUT_OF_MEMORY)),
+        _case_result("clip-1m", "random", _result("fusedloss", status=common.OUT_OF_MEMORY)),
     ]
     outcomes = {
         (o.target.case_key, o.target.description): o for o in contrastive.evaluate_targets(results)
@@ -452,9 +445,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.rstrip().splitlines()[-1].startswith("nt-xent-64k trained ")  # table last
     assert "mean loss per case" in printed and "reference loss" in printed
-    (json_path,) = tmp_path.glob("contrastive_*_t.json")
-    (md_path,) = tmp_path.glob("contrastive_*_t.md")
-    data = json.loads(json_path.read_text(encoding="utf-8"))
+    data, markdown = read_results(tmp_path, "contrastive_*_t")
     assert [c["case"] for c in data["cases"]] == [
         "clip-16k random",
         "clip-16k trained",
@@ -481,7 +472,6 @@ def test_quick_run_end_to_end(tmp_path, capsys):
         if "inf-cl" in by_key:
             assert by_key["inf-cl"]["status"] in ("not installed", "unavailable")
         assert case["reference"]["dtype"] == "float64"
-    markdown = md_path.read_text(encoding="utf-8")
     assert "--quick run" in markdown and "## Gradient accuracy" in markdown
 
 
@@ -489,8 +479,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
 def test_quick_run_times_with_do_bench_on_cuda(tmp_path):
     options = "contrastive --quick --shapes clip-16k --providers fusedloss,torch"
     assert run_module.main([*options.split(), "--out", str(tmp_path)]) == 0
-    (json_path,) = tmp_path.glob("contrastive_*.json")
-    data = json.loads(json_path.read_text(encoding="utf-8"))
+    data, _ = read_results(tmp_path, "contrastive_*")
     for result in data["cases"][0]["results"]:
         assert result["status"] == "ok" and result["timing"] == "do_bench"
         assert result["peak_extra_mib"] is not None

@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks import common
-from benchmarks.common import TimingSettings
+from benchmarks.common import (
+    FAILED,
+    NOT_INSTALLED,
+    OK,
+    UNAVAILABLE,
+    TargetOutcome,
+    TimingSettings,
+)
 from benchmarks.inputs import (
     PAIR_REGIMES,
     TRAINED_CLUSTER_SIZE,
@@ -105,12 +110,6 @@ ERROR_DEFINITION = (
     "'err ratio' = a method's error ÷ the materialized PyTorch loss's error in the input "
     "dtype (its b×b logits in that dtype)."
 )
-
-# Result statuses (as in the lm-head suite). A "wrong" result failed the check, still timed.
-OK, WRONG = "ok", "wrong"
-NOT_INSTALLED, UNAVAILABLE = "not installed", "unavailable"
-FAILED, OUT_OF_MEMORY = "failed", "out of memory"
-MEASURED = (OK, WRONG)
 
 MET = "✓ met"
 NOT_MET = "✗ NOT MET"
@@ -441,13 +440,9 @@ class SlowTiming:
 
 
 @dataclass
-class ProviderResult:
-    provider: str  # command-line key
-    label: str  # column title (with version for peers)
-    status: str = OK
-    note: str = ""
-    call: str = ""
-    ms: float | None = None
+class ProviderResult(common.ProviderResultBase):
+    """One provider on one case: the fields every suite records, then these figures."""
+
     timing: str = ""  # how ms was measured
     first_call_ms: float | None = None  # the check call (includes compilation)
     peak_extra_mib: float | None = None
@@ -457,10 +452,6 @@ class ProviderResult:
     ratios: dict[str, float] = field(default_factory=dict)  # error ÷ torch materialized's
     times_floor: float | None = None  # ms ÷ 8·r²·c/R
 
-    @property
-    def measured(self) -> bool:
-        return self.status in MEASURED and self.ms is not None
-
 
 @dataclass
 class CaseResult:
@@ -469,11 +460,6 @@ class CaseResult:
     reference: Reference | None
     results: dict[str, ProviderResult] = field(default_factory=dict)
     note: str = ""
-
-
-def _describe_error(error: BaseException) -> str:
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line[:300]}"
 
 
 def run_provider(
@@ -499,14 +485,14 @@ def run_provider(
         return result
     except Exception as error:  # e.g. a process group that could not start
         result.status = FAILED
-        result.note = _describe_error(error)
+        result.note = common.describe_error(error)
         return result
     result.call = provider.describe(case.loss)
 
     def forward_backward() -> tuple[Tensor, ...]:
         return torch.autograd.grad(loss_fn(*inputs.args), inputs.leaves)
 
-    try:
+    with common.failures_recorded(result, device):
         begin = time.perf_counter()
         _check(result, loss_fn, inputs, reference)
         common.synchronize(device)
@@ -528,11 +514,6 @@ def run_provider(
             result.timing = "do_bench" if common.uses_cuda(device) else "wall-clock median"
         if floor_ms:
             result.times_floor = result.ms / floor_ms
-    except Exception as error:  # report and go on with the next provider
-        result.status = OUT_OF_MEMORY if common.is_out_of_memory(error) else FAILED
-        result.note = _describe_error(error)
-    finally:
-        common.release_memory(device)
     return result
 
 
@@ -554,9 +535,10 @@ def _check(
         if not bool(torch.isfinite(grad).all()):
             problems.append(f"{name} not finite")
     if reference is not None:
-        result.loss_error = abs(result.loss - reference.loss)
-        if not result.loss_error <= LOSS_TOLERANCE * max(1.0, abs(reference.loss)):
-            problems.append(f"loss {result.loss:.6g} vs reference {reference.loss:.6g}")
+        result.loss_error, loss_problems = common.check_loss(
+            result.loss, reference.loss, LOSS_TOLERANCE
+        )
+        problems += loss_problems
         if reference.grads is not None:
             for name, grad in zip(inputs.grad_names, grads, strict=True):
                 error = common.relative_l2_error(grad, reference.grads[name])
@@ -565,9 +547,7 @@ def _check(
                 if not error <= bound:  # also catches NaN
                     problems.append(f"{name} relative error {error:.2e} > {bound}")
     del grads
-    if problems:
-        result.status = WRONG
-        result.note = "; ".join(problems)
+    common.mark_wrong(result, problems)
 
 
 def run_cases(
@@ -591,7 +571,7 @@ def run_cases(
         try:
             inputs = make_case_inputs(case, dtype=dtype, device=device, seed=seed)
         except Exception as error:  # e.g. out of memory for the inputs themselves
-            case_result.note = f"inputs could not be made: {_describe_error(error)}"
+            case_result.note = f"inputs could not be made: {common.describe_error(error)}"
             log(f"[{case.key}] {case_result.note}")
             common.release_memory(device)
             continue
@@ -611,7 +591,8 @@ def run_cases(
                 floor_ms=case.floor_ms(tflops),
             )
             case_result.results[provider.key] = outcome
-            log(f"  {case.key:<22} {outcome.label:<20} {_progress_line(outcome)}")
+            progress = common.progress_line(outcome, _figures_text)
+            log(f"  {case.key:<22} {outcome.label:<20} {progress}")
         _fill_error_ratios(case_result)
         del inputs
         common.release_memory(device)
@@ -626,7 +607,7 @@ def _make_reference(case: Case, inputs: CaseInputs) -> tuple[Reference | None, s
     try:
         return contrastive_reference(case.loss, inputs.args, with_grads=with_grads, dtype=dtype), ""
     except Exception as error:  # an OOM here must not end the run
-        return None, f"reference unavailable: {_describe_error(error)}"
+        return None, f"reference unavailable: {common.describe_error(error)}"
 
 
 def _case_header(case: Case, reference: Reference | None, note: str) -> str:
@@ -651,9 +632,7 @@ def _fill_error_ratios(case_result: CaseResult) -> None:
                 result.ratios[name] = error / base
 
 
-def _progress_line(result: ProviderResult) -> str:
-    if not result.measured:
-        return f"{result.status}: {result.note}"
+def _figures_text(result: ProviderResult) -> str:
     text = (
         f"{common.format_ms(result.ms)} ms ({result.timing}), "
         f"{common.format_mib(result.peak_extra_mib)} MB, loss {result.loss:.5g}"
@@ -662,8 +641,6 @@ def _progress_line(result: ProviderResult) -> str:
         text += f", {result.times_floor:.2f}× floor"
     if result.errors:
         text += ", " + ", ".join(f"{k} {v:.1e}" for k, v in result.errors.items())
-    if result.status != OK:
-        text += f"  [{result.status}: {result.note}]"
     return text
 
 
@@ -702,14 +679,6 @@ class Target:
         return "trained-like faster than random"
 
 
-@dataclass
-class TargetOutcome:
-    target: Target
-    status: str  # MET, NOT_MET, or "n/a (…)"
-    measured: str = ""
-    ratio: float | None = None
-
-
 def targets_for(case_results: Sequence[CaseResult]) -> list[Target]:
     """The issue's targets that apply to the cases run (fusedloss only)."""
     targets: list[Target] = []
@@ -739,7 +708,8 @@ def targets_for(case_results: Sequence[CaseResult]) -> list[Target]:
     return targets
 
 
-def evaluate_target(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome:
+def evaluate_target(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome[Target]:
+    """MET or NOT_MET, with the measured ratio."""
     if target.kind == "regime":
         return _evaluate_regime(target, case_results)
     case_result = next((cr for cr in case_results if cr.case.key == target.case_key), None)
@@ -766,9 +736,7 @@ def evaluate_target(target: Target, case_results: Sequence[CaseResult]) -> Targe
         met = ours.peak_extra_mib <= target.factor
         return TargetOutcome(target, MET if met else NOT_MET, text, ours.peak_extra_mib)
 
-    def value_of(r: ProviderResult) -> float | None:
-        return r.ms if target.kind == "time" else r.peak_extra_mib
-
+    value_of = common.figure_of(target.kind)
     if value_of(ours) is None:
         return TargetOutcome(target, "n/a (no memory figures without CUDA)")
     baseline = case_result.results.get(target.baseline)
@@ -780,17 +748,11 @@ def evaluate_target(target: Target, case_results: Sequence[CaseResult]) -> Targe
         return TargetOutcome(target, f"n/a ({baseline.label} {baseline.status})")
     if value_of(baseline) is None:
         return TargetOutcome(target, "n/a (no memory figures without CUDA)")
-    ours_value, base_value = value_of(ours), value_of(baseline)
-    unit, fmt = ("ms", common.format_ms) if target.kind == "time" else ("MB", common.format_mib)
-    ratio = ours_value / base_value if base_value > 0 else math.inf
-    text = (
-        f"{fmt(ours_value)} {unit} vs {fmt(base_value)} {unit} ({baseline.label}) "
-        f"= {common.format_ratio(ratio)}×"
-    )
+    ratio, text = common.baseline_ratio(target.kind, ours, baseline)
     return TargetOutcome(target, MET if ratio <= target.factor else NOT_MET, text, ratio)
 
 
-def _evaluate_regime(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome:
+def _evaluate_regime(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome[Target]:
     found: dict[str, ProviderResult | None] = {}
     for cr in case_results:
         if cr.case.shape.name == target.case_key:
@@ -809,38 +771,20 @@ def _evaluate_regime(target: Target, case_results: Sequence[CaseResult]) -> Targ
     return TargetOutcome(target, MET if ratio < 1.0 else NOT_MET, text, ratio)
 
 
-def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome]:
+def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome[Target]]:
     return [evaluate_target(t, case_results) for t in targets_for(case_results)]
 
 
 # ----------------------------------------------------------------------------- reports
 
 
-@dataclass
-class RunInfo:
-    """Everything about a run that is not a per-case figure."""
+@dataclass(kw_only=True)
+class RunInfo(common.RunInfoBase):
+    """Everything about a run that is not a per-case figure: the shared settings, then the
+    timing of slow calls and the fusedloss backend."""
 
-    environment: dict[str, Any]
-    matmul: dict[str, Any]
-    dtype: str
-    seed: int
-    quick: bool
-    timing: TimingSettings
     slow: SlowTiming
     backend: str
-    providers: list[str]
-    peer_versions: dict[str, str | None]
-    calls: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-
-def _time_and_memory(result: ProviderResult | None) -> str:
-    if result is None:
-        return "—"
-    if result.measured:
-        text = f"{common.format_ms(result.ms)} / {common.format_mib(result.peak_extra_mib)}"
-        return text + (" (wrong)" if result.status == WRONG else "")
-    return result.status
 
 
 def _errors_text(result: ProviderResult) -> str:
@@ -851,14 +795,6 @@ def _errors_text(result: ProviderResult) -> str:
         ratio = result.ratios.get(name)
         parts.append(f"{name} {error:.1e}" + (f" ({ratio:.2g}×)" if ratio is not None else ""))
     return ", ".join(parts)
-
-
-def _provider_columns(case_results: Sequence[CaseResult]) -> list[tuple[str, str]]:
-    columns: dict[str, str] = {}
-    for case_result in case_results:
-        for key, result in case_result.results.items():
-            columns.setdefault(key, result.label)
-    return list(columns.items())
 
 
 def _loss_text(case_result: CaseResult) -> str:
@@ -898,14 +834,9 @@ def memory_growth_rows(case_results: Sequence[CaseResult]) -> list[list[str]]:
 
 
 def render_markdown(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
 ) -> str:
     env = info.environment
-    tflops = info.matmul["tflops"]
-    peers = ", ".join(
-        f"{name} {version}" if version else f"{name} not installed"
-        for name, version in info.peer_versions.items()
-    )
     lines = [f"# Contrastive losses: {env['device_name']}, {env['date']}", ""]
     if info.quick:
         lines += [
@@ -913,43 +844,21 @@ def render_markdown(
             "the runner; the figures are not representative.",
             "",
         ]
-    cuda = common.uses_cuda(env["device"])
     header_rows = [
-        (
-            "GPU / device",
-            f"{env['device_name']}"
-            + (
-                f" (compute capability {env['compute_capability']})"
-                if env.get("compute_capability")
-                else ""
-            ),
-        ),
-        ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
-        (
-            "fusedloss version (git revision)",
-            f"{env.get('fusedloss_version') or 'unknown'} "
-            f"({env.get('fusedloss_revision') or 'unknown'}), backend {info.backend}",
-        ),
-        ("peers", peers),
-        ("date", env["timestamp"]),
+        *common.environment_rows(env, info.peer_versions, f", backend {info.backend}"),
         ("dtype, seed", f"{info.dtype}, seed {info.seed}"),
-        (
-            "matmul rate R",
-            f"{info.matmul['dtype']} {info.matmul['size']}³ random: "
-            f"{info.matmul['ms']:.3f} ms median → {common.format_tflops(tflops)} TFLOP/s",
-        ),
+        common.matmul_row(info.matmul),
         (
             "timing",
             (
                 "forward+backward = torch.autograd.grad(loss, (features…, logit_scale…)); "
-                "triton.testing.do_bench(fn, warmup="
-                f'{info.timing.warmup_ms:g}, rep={info.timing.rep_ms:g}, return_mode="median") '
+                f"{common.do_bench_text(info.timing)} "
                 f"for calls under {info.slow.threshold_ms:g} ms, else the median of "
                 f"clamp({info.slow.budget_ms / 1e3:g} s / call, 2, {info.slow.max_reps}) calls "
                 "each timed between CUDA events (the 'timing' column says which)"
             )
-            if cuda
-            else "wall-clock median (no CUDA: not comparable with GPU figures)",
+            if common.uses_cuda(env["device"])
+            else common.WALL_CLOCK_TIMING,
         ),
         ("memory", MEMORY_DEFINITION),
         ("gradient error", ERROR_DEFINITION),
@@ -975,7 +884,7 @@ def render_markdown(
     ]
     lines += [common.markdown_table(["setting", "value"], header_rows), ""]
 
-    columns = _provider_columns(case_results)
+    columns = common.provider_columns(case_results)
     lines += [
         "## Time and memory",
         "",
@@ -988,7 +897,7 @@ def render_markdown(
         ours = cr.results.get(FUSEDLOSS)
         rows.append(
             [cr.case.label]
-            + [_time_and_memory(cr.results.get(key)) for key, _ in columns]
+            + [common.time_and_memory_cell(cr.results.get(key), "—") for key, _ in columns]
             + [
                 common.format_ms(cr.floors_ms["one_pass"]),
                 common.format_ratio(ours.times_floor) if ours else "—",
@@ -1041,31 +950,21 @@ def render_markdown(
     ]
 
     lines += ["## Cost floors (DESIGN §4)", ""]
-    rows = []
-    for cr in case_results:
-        measured = [r for r in cr.results.values() if r.measured]
-        best = min(measured, key=lambda r: r.ms) if measured else None
-        rows.append(
-            [
-                cr.case.label,
-                common.format_ms(cr.floors_ms["one_pass"]),
-                common.format_ms(cr.floors_ms["one_pass_reuse"]),
-                f"{common.format_ms(best.ms)} ({best.label})" if best else "—",
-            ]
-        )
+    rows = [
+        [
+            cr.case.label,
+            common.format_ms(cr.floors_ms["one_pass"]),
+            common.format_ms(cr.floors_ms["one_pass_reuse"]),
+            common.fastest_cell(cr.results.values()),
+        ]
+        for cr in case_results
+    ]
     headers = ["case", "8·r²·c/R", "4·r²·c/R", "fastest measured"]
     lines += [common.markdown_table(headers, rows), ""]
 
-    lines += ["## Targets", ""]
-    if outcomes:
-        rows = [
-            [o.target.case_key, o.target.provider, o.target.description, o.measured, o.status]
-            for o in outcomes
-        ]
-        headers = ["case", "provider", "target", "measured", "met / NOT MET"]
-        lines += [common.markdown_table(headers, rows), ""]
-    else:
-        lines += ["No target applies to the cases and providers run.", ""]
+    lines += common.targets_section(
+        outcomes, "met / NOT MET", "No target applies to the cases and providers run."
+    )
 
     lines += ["## All figures", ""]
     rows = []
@@ -1080,8 +979,7 @@ def render_markdown(
                     result.timing,
                     common.format_ratio(result.times_floor),
                     common.format_mib(result.peak_extra_mib),
-                    "—" if result.loss is None else f"{result.loss:.5f}",
-                    "—" if result.loss_error is None else f"{result.loss_error:.1e}",
+                    *common.loss_cells(result),
                     _errors_text(result),
                     common.format_ms(result.first_call_ms),
                     result.note,
@@ -1102,18 +1000,12 @@ def render_markdown(
         "note",
     ]
     lines += [common.markdown_table(headers, rows), ""]
-
-    if info.calls:
-        lines += ["## Calls measured", ""]
-        lines += [f"- **{key}**: `{call}`" for key, call in info.calls.items()]
-        lines += [""]
-    if info.notes:
-        lines += ["## Notes", ""] + [f"- {note}" for note in info.notes] + [""]
+    lines += common.closing_sections(info.calls, info.notes)
     return "\n".join(lines)
 
 
 def results_json(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
 ) -> dict[str, Any]:
     return {
         "suite": NAME,
@@ -1170,26 +1062,15 @@ def results_json(
             }
             for cr in case_results
         ],
-        "targets": [
-            {
-                "case": o.target.case_key,
-                "provider": o.target.provider,
-                "kind": o.target.kind,
-                "factor": o.target.factor,
-                "baseline": o.target.baseline,
-                "target": o.target.description,
-                "measured": o.measured,
-                "ratio": o.ratio,
-                "status": o.status,
-            }
-            for o in outcomes
-        ],
+        "targets": [common.target_json(o, baseline=o.target.baseline) for o in outcomes],
         "calls": info.calls,
         "notes": info.notes,
     }
 
 
-def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]) -> str:
+def short_tables(
+    case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
+) -> str:
     """The terminal summary: mean losses, targets, then one line per case and provider."""
     parts = ["mean loss per case (reference)"]
     rows = [[cr.case.key, cr.case.parameters_text, _loss_text(cr)] for cr in case_results]
@@ -1197,21 +1078,16 @@ def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOu
     if outcomes:
         rows = [[o.status, o.target.case_key, o.target.description, o.measured] for o in outcomes]
         parts += ["targets", common.text_table(["", "case", "target", "measured"], rows), ""]
-    rows = []
-    for cr in case_results:
-        for result in cr.results.values():
-            rows.append(
-                [
-                    cr.case.key,
-                    result.label,
-                    common.format_ms(result.ms) if result.measured else result.status,
-                    common.format_mib(result.peak_extra_mib),
-                    common.format_ratio(result.times_floor),
-                    _errors_text(result) if result.errors else "—",
-                    (("ok" if result.status == OK else "wrong") if result.measured else ""),
-                ]
-            )
-    headers = ["case", "provider", "ms", "MB", "× floor", "gradient errors", "check"]
+    rows = [
+        [
+            *common.summary_cells(cr.case.key, result),
+            _errors_text(result) if result.errors else "—",
+            (("ok" if result.status == OK else "wrong") if result.measured else ""),
+        ]
+        for cr in case_results
+        for result in cr.results.values()
+    ]
+    headers = [*common.SUMMARY_HEADERS, "gradient errors", "check"]
     parts += [common.text_table(headers, rows)]
     return "\n".join(parts)
 
@@ -1219,65 +1095,34 @@ def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOu
 # ----------------------------------------------------------------------------- command line
 
 
-def _comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        unknown = [v for v in values if v not in choices]
-        if unknown or not values:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}"
-            )
-        return values
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shapes",
-        type=_comma_list(list(SHAPES)),
+        type=common.comma_list(list(SHAPES)),
         help=f"comma list of {', '.join(SHAPES)} (default: all)",
     )
     parser.add_argument(
         "--regimes",
-        type=_comma_list(PAIR_REGIMES),
+        type=common.comma_list(PAIR_REGIMES),
         help="comma list of random, trained (default: each shape's own; clip-1m and "
         "siglip-16k run random only)",
     )
     parser.add_argument(
         "--providers",
-        type=_comma_list(PROVIDER_KEYS),
+        type=common.comma_list(PROVIDER_KEYS),
         default=list(DEFAULT_PROVIDERS),
         help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: "
         f"{','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports",
     )
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--seed", type=int, default=0)
+    common.add_dtype_seed_arguments(parser)
     parser.add_argument(
         "--backend",
         default="auto",
         choices=["auto", "triton", "torch"],
         help="fusedloss backend (default auto: triton on CUDA, torch on the CPU)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="rows/256, widths/8 and short timing: a smoke test that also runs on CPU",
-    )
-    parser.add_argument(
-        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
-    )
-    parser.add_argument(
-        "--warmup-ms",
-        type=float,
-        default=None,
-        help="do_bench warmup in ms (default 100; 5 with --quick)",
-    )
-    parser.add_argument(
-        "--rep-ms",
-        type=float,
-        default=None,
-        help="do_bench rep in ms (default 1000; 20 with --quick)",
+    common.add_quick_device_timing_arguments(
+        parser, "rows/256, widths/8 and short timing: a smoke test that also runs on CPU"
     )
     parser.add_argument(
         "--slow-ms",
@@ -1293,25 +1138,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"at most this many timed calls of a slow method (default {DEFAULT_SLOW_REPS}; "
         f"fewer when a call is long: clamp({SLOW_BUDGET_MS / 1e3:g} s / call, 2, this))",
     )
-    parser.add_argument(
-        "--matmul-size",
-        type=int,
-        default=None,
-        help="size of the matmul-rate probe (default 8192; 256 with --quick)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=common.RESULTS_DIR,
-        help="directory for the .md and .json results (default benchmarks/results)",
-    )
-    parser.add_argument(
-        "--tag", default=None, help="suffix for the results file names (e.g. a subset's name)"
-    )
+    common.add_matmul_output_arguments(parser)
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = common.pick_device(args.device)
     if not common.uses_cuda(device) and not args.quick:
         log("the contrastive suite needs a CUDA device at full size; use --quick on a CPU")
         return 2
@@ -1323,38 +1154,23 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "triton" if common.uses_cuda(device) else "torch"
-    timing = TimingSettings(
-        warmup_ms=args.warmup_ms if args.warmup_ms is not None else (5.0 if quick else 100.0),
-        rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if quick else 1000.0),
-    )
+    timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
     slow = SlowTiming(threshold_ms=args.slow_ms, max_reps=args.slow_reps)
-    notes: list[str] = []
-    if quick:
-        notes.append("--quick: shrunk shapes and short timing; figures are not representative")
+    notes: list[str] = [common.QUICK_NOTE] if quick else []
     uses_ours = any(p.startswith(FUSEDLOSS) for p in args.providers)
     if not common.uses_cuda(device) and backend == "triton" and uses_ours:
-        if "TRITON_INTERPRET" not in os.environ:
-            os.environ["TRITON_INTERPRET"] = "1"
-        notes.append(
-            f"no CUDA: Triton kernels ran on the CPU interpreter "
-            f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
-        )
+        notes.append(common.use_triton_interpreter())
 
     all_providers = contrastive_providers(backend)
     providers = [all_providers[key] for key in args.providers]
     cases = select_cases(args.shapes, args.regimes, quick)
     environment = common.collect_environment(device)
-    matmul_size = args.matmul_size or (256 if quick else 8192)
     log(
         f"contrastive on {environment['device_name']}: torch {environment['torch']}, "
         f"triton {environment['triton']}, {common.dtype_name(dtype)}, fusedloss backend "
         f"{backend}, cases: {', '.join(case.key for case in cases)}"
     )
-    matmul = common.matmul_tflops(device, matmul_size, timing, dtype)
-    log(
-        f"matmul {matmul['dtype']} {matmul_size}³: {matmul['ms']:.3f} ms → "
-        f"{common.format_tflops(matmul['tflops'])} TFLOP/s"
-    )
+    matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, log)
     try:
         case_results = run_cases(
             cases,
@@ -1382,12 +1198,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         for result in cr.results.values():
             if result.call:
                 calls.setdefault(f"{result.label}, {cr.case.loss}", result.call)
-            if not result.measured or result.status == WRONG:
-                note = f"{cr.case.key}: {result.label} {result.status}: {result.note}"
-                if result.status in (NOT_INSTALLED, UNAVAILABLE):
-                    note = f"{result.label} skipped ({result.status}): {result.note}"
-                if note not in notes:
-                    notes.append(note)
+            common.note_problem(notes, cr.case.key, result)
     info = RunInfo(
         environment=environment,
         matmul=matmul,
@@ -1402,14 +1213,15 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         calls=calls,
         notes=notes,
     )
-    stem = common.results_stem(
-        RESULTS_PREFIX, environment["date"], environment["device_slug"], args.tag
-    )
     common.report_results(
-        args.out, stem,
-        render_markdown(info, case_results, outcomes),
-        results_json(info, case_results, outcomes),
-        notes, short_tables(case_results, outcomes), log,
+        args.out,
+        RESULTS_PREFIX,
+        args.tag,
+        info,
+        markdown=render_markdown(info, case_results, outcomes),
+        payload=results_json(info, case_results, outcomes),
+        tables=short_tables(case_results, outcomes),
+        log=log,
     )
     return 0
 

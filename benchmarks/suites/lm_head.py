@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from benchmarks import common
-from benchmarks.common import FAIL, PASS, TimingSettings
+from benchmarks.common import (
+    FAIL,
+    NOT_INSTALLED,
+    OK,
+    PASS,
+    UNAVAILABLE,
+    TargetOutcome,
+    TimingSettings,
+)
 from benchmarks.inputs import (
     LM_HEAD_SHAPES,
     QUICK_N,
@@ -84,12 +90,6 @@ TORCH_EAGER = "torch-eager"
 TORCH_COMPILE = "torch-compile"
 CCE_FAMILY = ("cce", "cce-nofilter")
 LIGER = "liger"
-
-# Result statuses. A "wrong" result failed the sanity check but is still timed.
-OK, WRONG = "ok", "wrong"
-NOT_INSTALLED, UNAVAILABLE, NOT_RUN = "not installed", "unavailable", "not run"
-FAILED, OUT_OF_MEMORY = "failed", "out of memory"
-MEASURED = (OK, WRONG)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -228,20 +228,16 @@ def measure_yardstick(
             common.relative_l2_error(grad_classifier, reference.grad_classifier),
         )
     except Exception as error:  # an OOM here must not end the run
-        return Yardstick(note=f"torch eager yardstick unavailable: {_describe_error(error)}")
+        return Yardstick(note=f"torch eager yardstick unavailable: {common.describe_error(error)}")
 
 
 # ----------------------------------------------------------------------------- results
 
 
 @dataclass
-class ProviderResult:
-    provider: str  # command-line key
-    label: str  # column title (with version for peers)
-    status: str = OK
-    note: str = ""
-    call: str = ""
-    ms: float | None = None
+class ProviderResult(common.ProviderResultBase):
+    """One provider on one case: the fields every suite records, then these figures."""
+
     peak_extra_mib: float | None = None
     loss: float | None = None
     loss_error: float | None = None  # |loss − float64 reference|
@@ -251,10 +247,6 @@ class ProviderResult:
     ratio_classifier: float | None = None
     times_floor: float | None = None  # ms ÷ the case's floor
 
-    @property
-    def measured(self) -> bool:
-        return self.status in MEASURED and self.ms is not None
-
 
 @dataclass
 class CaseResult:
@@ -263,11 +255,6 @@ class CaseResult:
     reference_loss: float | None
     yardstick: Yardstick
     results: dict[str, ProviderResult] = field(default_factory=dict)
-
-
-def _describe_error(error: BaseException) -> str:
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line[:300]}"
 
 
 def run_provider(
@@ -297,7 +284,7 @@ def run_provider(
     def forward_backward() -> tuple[Tensor, ...]:
         return torch.autograd.grad(loss_fn(hidden, classifier, labels), (hidden, classifier))
 
-    try:
+    with common.failures_recorded(result, device):
         _check(result, forward, (hidden, classifier), case, reference, yardstick)
         common.release_memory(device)
         if case.with_backward:
@@ -309,11 +296,6 @@ def run_provider(
         result.ms = common.median_ms(timed, device, timing)
         if floor_ms:
             result.times_floor = result.ms / floor_ms
-    except Exception as error:  # report and go on with the next provider
-        result.status = OUT_OF_MEMORY if common.is_out_of_memory(error) else FAILED
-        result.note = _describe_error(error)
-    finally:
-        common.release_memory(device)
     return result
 
 
@@ -342,12 +324,10 @@ def _check(
                 problems.append(f"{name} relative error {error:.2e} > {GRADIENT_ERROR_BOUND}")
     result.loss = float(loss.detach().float())
     del loss
-    result.loss_error = abs(result.loss - reference.loss)
-    if not result.loss_error <= LOSS_TOLERANCE * max(1.0, abs(reference.loss)):
-        problems.append(f"loss {result.loss:.6g} vs reference {reference.loss:.6g}")
-    if problems:
-        result.status = WRONG
-        result.note = "; ".join(problems)
+    result.loss_error, loss_problems = common.check_loss(
+        result.loss, reference.loss, LOSS_TOLERANCE
+    )
+    common.mark_wrong(result, problems + loss_problems)
 
 
 def run_cases(
@@ -410,24 +390,21 @@ def run_cases(
                     case.floor_ms(tflops),
                 )
                 case_result.results[provider.key] = outcome
-                log(f"  {case.key:<28} {outcome.label:<34} {_progress_line(outcome)}")
+                progress = common.progress_line(outcome, _figures_text)
+                log(f"  {case.key:<28} {outcome.label:<34} {progress}")
             case_results.append(case_result)
         del hidden, classifier, labels, reference
         common.release_memory(device)
     return case_results
 
 
-def _progress_line(result: ProviderResult) -> str:
-    if not result.measured:
-        return f"{result.status}: {result.note}"
+def _figures_text(result: ProviderResult) -> str:
     text = (
         f"{common.format_ms(result.ms)} ms, {common.format_mib(result.peak_extra_mib)} MB, "
         f"loss err {result.loss_error:.1e}"
     )
     if result.err_hidden is not None:
         text += f", dE {result.err_hidden:.1e}, dC {result.err_classifier:.1e}"
-    if result.status != OK:
-        text += f"  [{result.status}: {result.note}]"
     return text
 
 
@@ -458,14 +435,6 @@ class Target:
         if self.kind == "memory":
             return f"memory ≤ {self.factor:.0%} of {self.baseline_label}"
         return f"gradient error ≤ {factor}× torch bf16 (dE and dC)"
-
-
-@dataclass
-class TargetOutcome:
-    target: Target
-    status: str  # PASS, FAIL, or "n/a (…)"
-    measured: str = ""
-    ratio: float | None = None  # measured ÷ baseline (error: the worse of dE, dC)
 
 
 def targets_for_case(case: Case, providers: Sequence[str]) -> list[Target]:
@@ -499,7 +468,8 @@ def targets_for_case(case: Case, providers: Sequence[str]) -> list[Target]:
     return targets
 
 
-def evaluate_target(target: Target, case_result: CaseResult) -> TargetOutcome:
+def evaluate_target(target: Target, case_result: CaseResult) -> TargetOutcome[Target]:
+    """PASS or FAIL, with the ratio against the baseline (error: the worse of dE, dC)."""
     ours = case_result.results.get(target.provider)
     if ours is None:
         return TargetOutcome(target, "n/a (not run)")
@@ -508,23 +478,15 @@ def evaluate_target(target: Target, case_result: CaseResult) -> TargetOutcome:
     if target.kind == "error":
         return _evaluate_error(target, ours, case_result.yardstick)
 
-    value_of: Callable[[ProviderResult], float | None] = (
-        (lambda r: r.ms) if target.kind == "time" else (lambda r: r.peak_extra_mib)
-    )
+    value_of = common.figure_of(target.kind)
     if value_of(ours) is None:
         return TargetOutcome(target, "n/a (no memory figures without CUDA)")
     candidates = [case_result.results.get(key) for key in target.baselines]
     measured = [r for r in candidates if r is not None and r.measured and value_of(r) is not None]
     if not measured:
         return TargetOutcome(target, _missing_baseline_status(target, candidates))
-    baseline = min(measured, key=lambda r: value_of(r))
-    ours_value, baseline_value = value_of(ours), value_of(baseline)
-    unit, fmt = ("ms", common.format_ms) if target.kind == "time" else ("MB", common.format_mib)
-    ratio = ours_value / baseline_value if baseline_value > 0 else math.inf
-    text = (
-        f"{fmt(ours_value)} {unit} vs {fmt(baseline_value)} {unit} ({baseline.label}) "
-        f"= {common.format_ratio(ratio)}×"
-    )
+    baseline = min(measured, key=value_of)
+    ratio, text = common.baseline_ratio(target.kind, ours, baseline)
     return TargetOutcome(target, PASS if ratio <= target.factor else FAIL, text, ratio)
 
 
@@ -540,7 +502,9 @@ def _missing_baseline_status(target: Target, candidates: list[ProviderResult | N
     return f"n/a ({worst.label} {worst.status})"
 
 
-def _evaluate_error(target: Target, ours: ProviderResult, yardstick: Yardstick) -> TargetOutcome:
+def _evaluate_error(
+    target: Target, ours: ProviderResult, yardstick: Yardstick
+) -> TargetOutcome[Target]:
     if not yardstick.err_hidden or not yardstick.err_classifier:
         return TargetOutcome(target, "n/a (torch bf16 yardstick unavailable)")
     if ours.err_hidden is None or ours.err_classifier is None:
@@ -555,7 +519,7 @@ def _evaluate_error(target: Target, ours: ProviderResult, yardstick: Yardstick) 
     return TargetOutcome(target, PASS if ratio <= target.factor else FAIL, text, ratio)
 
 
-def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome]:
+def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome[Target]]:
     outcomes = []
     for case_result in case_results:
         for target in targets_for_case(case_result.case, list(case_result.results)):
@@ -566,30 +530,11 @@ def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome]:
 # ----------------------------------------------------------------------------- reports
 
 
-@dataclass
-class RunInfo:
-    """Everything about a run that is not a per-case figure."""
+@dataclass(kw_only=True)
+class RunInfo(common.RunInfoBase):
+    """Everything about a run that is not a per-case figure: the shared settings, then N."""
 
-    environment: dict[str, Any]
-    matmul: dict[str, Any]
     n: int
-    dtype: str
-    seed: int
-    quick: bool
-    timing: TimingSettings
-    providers: list[str]
-    peer_versions: dict[str, str | None]
-    calls: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-
-def _time_and_memory(result: ProviderResult | None) -> str:
-    if result is None:
-        return ""
-    if result.measured:
-        text = f"{common.format_ms(result.ms)} / {common.format_mib(result.peak_extra_mib)}"
-        return text + (" (wrong)" if result.status == WRONG else "")
-    return result.status
 
 
 def _error_cell(result: ProviderResult | None) -> str:
@@ -607,23 +552,11 @@ def _ratio_cell(result: ProviderResult) -> str:
     return f"{result.ratio_hidden:.2f} / {result.ratio_classifier:.2f}"
 
 
-def _provider_columns(case_results: Sequence[CaseResult]) -> list[tuple[str, str]]:
-    columns: dict[str, str] = {}
-    for case_result in case_results:
-        for key, result in case_result.results.items():
-            columns.setdefault(key, result.label)
-    return list(columns.items())
-
-
 def render_markdown(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
 ) -> str:
     env = info.environment
     tflops = info.matmul["tflops"]
-    peers = ", ".join(
-        f"{name} {version}" if version else f"{name} not installed"
-        for name, version in info.peer_versions.items()
-    )
     title = f"# LM-head linear cross-entropy: {env['device_name']}, {env['date']}"
     lines = [title, ""]
     if info.quick:
@@ -633,36 +566,15 @@ def render_markdown(
             "",
         ]
     header_rows = [
-        (
-            "GPU / device",
-            f"{env['device_name']}"
-            + (
-                f" (compute capability {env['compute_capability']})"
-                if env.get("compute_capability")
-                else ""
-            ),
-        ),
-        ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
-        (
-            "fusedloss version (git revision)",
-            f"{env.get('fusedloss_version') or 'unknown'} "
-            f"({env.get('fusedloss_revision') or 'unknown'})",
-        ),
-        ("peers", peers),
-        ("date", env["timestamp"]),
+        *common.environment_rows(env, info.peer_versions),
         ("N, dtype, seed", f"{info.n} tokens, {info.dtype}, seed {info.seed}"),
-        (
-            "matmul rate R",
-            f"{info.matmul['dtype']} {info.matmul['size']}³ random: "
-            f"{info.matmul['ms']:.3f} ms median → {common.format_tflops(tflops)} TFLOP/s",
-        ),
+        common.matmul_row(info.matmul),
         (
             "timing",
-            "triton.testing.do_bench(fn, warmup="
-            f'{info.timing.warmup_ms:g}, rep={info.timing.rep_ms:g}, return_mode="median"), '
-            "ms; forward+backward = torch.autograd.grad(loss, (E, C))"
+            common.do_bench_text(info.timing)
+            + ", ms; forward+backward = torch.autograd.grad(loss, (E, C))"
             if common.uses_cuda(env["device"])
-            else "wall-clock median (no CUDA: not comparable with GPU figures)",
+            else common.WALL_CLOCK_TIMING,
         ),
         ("memory", MEMORY_DEFINITION),
         ("gradient error", ERROR_DEFINITION),
@@ -675,7 +587,7 @@ def render_markdown(
     ]
     lines += [common.markdown_table(["setting", "value"], header_rows), ""]
 
-    columns = _provider_columns(case_results)
+    columns = common.provider_columns(case_results)
     lines += [
         "## Time and memory",
         "",
@@ -683,7 +595,8 @@ def render_markdown(
         "",
     ]
     rows = [
-        [cr.case.label] + [_time_and_memory(cr.results.get(key)) for key, _ in columns]
+        [cr.case.label]
+        + [common.time_and_memory_cell(cr.results.get(key), "") for key, _ in columns]
         for cr in case_results
     ]
     lines += [common.markdown_table(["case (V, D)"] + [lbl for _, lbl in columns], rows), ""]
@@ -719,32 +632,22 @@ def render_markdown(
         "(torch eager, torch.compile) need only 6NVD/R for forward+backward.",
         "",
     ]
-    rows = []
-    for cr in case_results:
-        measured = [r for r in cr.results.values() if r.measured]
-        best = min(measured, key=lambda r: r.ms) if measured else None
-        rows.append(
-            [
-                cr.case.label,
-                common.format_ms(cr.floors_ms["forward"]),
-                common.format_ms(cr.floors_ms["backward_unskipped"]),
-                common.format_ms(cr.floors_ms["forward_backward_unskipped"]),
-                f"{common.format_ms(best.ms)} ({best.label})" if best else "—",
-            ]
-        )
+    rows = [
+        [
+            cr.case.label,
+            common.format_ms(cr.floors_ms["forward"]),
+            common.format_ms(cr.floors_ms["backward_unskipped"]),
+            common.format_ms(cr.floors_ms["forward_backward_unskipped"]),
+            common.fastest_cell(cr.results.values()),
+        ]
+        for cr in case_results
+    ]
     headers = ["case (V, D)", "fwd 2NVD/R", "bwd 6NVD/R", "fwd+bwd 8NVD/R", "fastest measured"]
     lines += [common.markdown_table(headers, rows), ""]
 
-    lines += ["## Targets", ""]
-    if outcomes:
-        rows = [
-            [o.target.case_key, o.target.provider, o.target.description, o.measured, o.status]
-            for o in outcomes
-        ]
-        headers = ["case", "provider", "target", "measured", PASS + "/" + FAIL]
-        lines += [common.markdown_table(headers, rows), ""]
-    else:
-        lines += ["No fusedloss provider was selected, so no targets apply.", ""]
+    lines += common.targets_section(
+        outcomes, PASS + "/" + FAIL, "No fusedloss provider was selected, so no targets apply."
+    )
 
     lines += ["## All figures", ""]
     rows = []
@@ -758,8 +661,7 @@ def render_markdown(
                     common.format_ms(result.ms),
                     common.format_ratio(result.times_floor),
                     common.format_mib(result.peak_extra_mib),
-                    "—" if result.loss is None else f"{result.loss:.5f}",
-                    "—" if result.loss_error is None else f"{result.loss_error:.1e}",
+                    *common.loss_cells(result),
                     common.format_error(result.err_hidden),
                     common.format_error(result.err_classifier),
                     _ratio_cell(result),
@@ -787,18 +689,12 @@ def render_markdown(
         if cr.reference_loss is not None
     ]
     lines += [common.markdown_table(["case", "float64 reference loss"], ref_rows), ""]
-
-    if info.calls:
-        lines += ["## Calls measured", ""]
-        lines += [f"- **{key}**: `{call}`" for key, call in info.calls.items()]
-        lines += [""]
-    if info.notes:
-        lines += ["## Notes", ""] + [f"- {note}" for note in info.notes] + [""]
+    lines += common.closing_sections(info.calls, info.notes)
     return "\n".join(lines)
 
 
 def results_json(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]
+    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
 ) -> dict[str, Any]:
     return {
         "suite": NAME,
@@ -841,26 +737,15 @@ def results_json(
             }
             for cr in case_results
         ],
-        "targets": [
-            {
-                "case": o.target.case_key,
-                "provider": o.target.provider,
-                "kind": o.target.kind,
-                "factor": o.target.factor,
-                "baselines": list(o.target.baselines),
-                "target": o.target.description,
-                "measured": o.measured,
-                "ratio": o.ratio,
-                "status": o.status,
-            }
-            for o in outcomes
-        ],
+        "targets": [common.target_json(o, baselines=list(o.target.baselines)) for o in outcomes],
         "calls": info.calls,
         "notes": info.notes,
     }
 
 
-def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome]) -> str:
+def short_tables(
+    case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
+) -> str:
     """The terminal summary: targets, then one line per case and provider."""
     parts = []
     if outcomes:
@@ -873,21 +758,16 @@ def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOu
             common.text_table(["", "case", "provider", "target", "measured"], rows),
             "",
         ]
-    rows = []
-    for cr in case_results:
-        for result in cr.results.values():
-            rows.append(
-                [
-                    cr.case.key,
-                    result.label,
-                    common.format_ms(result.ms) if result.measured else result.status,
-                    common.format_mib(result.peak_extra_mib),
-                    common.format_ratio(result.times_floor),
-                    _ratio_cell(result),
-                    (PASS if result.status == OK else FAIL) if result.measured else "",
-                ]
-            )
-    headers = ["case", "provider", "ms", "MB", "× floor", "err ratio dE/dC", "check"]
+    rows = [
+        [
+            *common.summary_cells(cr.case.key, result),
+            _ratio_cell(result),
+            (PASS if result.status == OK else FAIL) if result.measured else "",
+        ]
+        for cr in case_results
+        for result in cr.results.values()
+    ]
+    headers = [*common.SUMMARY_HEADERS, "err ratio dE/dC", "check"]
     parts += [common.text_table(headers, rows)]
     return "\n".join(parts)
 
@@ -895,39 +775,26 @@ def short_tables(case_results: Sequence[CaseResult], outcomes: Sequence[TargetOu
 # ----------------------------------------------------------------------------- command line
 
 
-def _comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        unknown = [v for v in values if v not in choices]
-        if unknown or not values:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}"
-            )
-        return values
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     provider_keys = list(lm_head_providers())
     parser.add_argument(
         "--shapes",
-        type=_comma_list(list(LM_HEAD_SHAPES)),
+        type=common.comma_list(list(LM_HEAD_SHAPES)),
         help=f"comma list of {', '.join(LM_HEAD_SHAPES)}",
     )
     parser.add_argument(
         "--regimes",
-        type=_comma_list(REGIMES),
+        type=common.comma_list(REGIMES),
         help="comma list of peaked, flat (default with --shapes/--modes: peaked)",
     )
     parser.add_argument(
         "--modes",
-        type=_comma_list(MODES),
+        type=common.comma_list(MODES),
         help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)",
     )
     parser.add_argument(
         "--providers",
-        type=_comma_list(provider_keys),
+        type=common.comma_list(provider_keys),
         default=provider_keys,
         help=f"comma list of {', '.join(provider_keys)} (default: all)",
     )
@@ -937,83 +804,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"tokens N (default {DEFAULT_N}; {QUICK_N} with --quick)",
     )
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny shapes and short timing: a smoke test that also runs on CPU",
+    common.add_dtype_seed_arguments(parser)
+    common.add_quick_device_timing_arguments(
+        parser, "tiny shapes and short timing: a smoke test that also runs on CPU"
     )
-    parser.add_argument(
-        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
-    )
-    parser.add_argument(
-        "--warmup-ms",
-        type=float,
-        default=None,
-        help="do_bench warmup in ms (default 100; 5 with --quick)",
-    )
-    parser.add_argument(
-        "--rep-ms",
-        type=float,
-        default=None,
-        help="do_bench rep in ms (default 1000; 20 with --quick)",
-    )
-    parser.add_argument(
-        "--matmul-size",
-        type=int,
-        default=None,
-        help="size of the matmul-rate probe (default 8192; 256 with --quick)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=common.RESULTS_DIR,
-        help="directory for the .md and .json results (default benchmarks/results)",
-    )
-    parser.add_argument(
-        "--tag", default=None, help="suffix for the results file names (e.g. a subset's name)"
-    )
+    common.add_matmul_output_arguments(parser)
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = common.pick_device(args.device)
     if not common.uses_cuda(device) and not args.quick:
         log("the lm-head suite needs a CUDA device at full size; use --quick for a CPU smoke run")
         return 2
     quick = bool(args.quick)
     n = args.n or (QUICK_N if quick else DEFAULT_N)
     dtype = common.parse_dtype(args.dtype)
-    timing = TimingSettings(
-        warmup_ms=args.warmup_ms if args.warmup_ms is not None else (5.0 if quick else 100.0),
-        rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if quick else 1000.0),
-    )
-    notes: list[str] = []
-    if quick:
-        notes.append("--quick: shrunk shapes and short timing; figures are not representative")
+    timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
+    notes: list[str] = [common.QUICK_NOTE] if quick else []
     if not common.uses_cuda(device) and any(p.startswith(FUSEDLOSS) for p in args.providers):
-        if "TRITON_INTERPRET" not in os.environ:
-            # Triton reads this when a kernel is decorated, i.e. when fusedloss is imported.
-            os.environ["TRITON_INTERPRET"] = "1"
-        notes.append(
-            f"no CUDA: Triton kernels ran on the CPU interpreter "
-            f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
-        )
+        notes.append(common.use_triton_interpreter())
 
     all_providers = lm_head_providers()
     providers = [all_providers[key] for key in args.providers]
     cases = select_cases(args.shapes, args.regimes, args.modes, n, quick)
     environment = common.collect_environment(device)
-    matmul_size = args.matmul_size or (256 if quick else 8192)
     log(
         f"lm-head on {environment['device_name']}: torch {environment['torch']}, "
         f"triton {environment['triton']}, N={n}, {common.dtype_name(dtype)}"
     )
-    matmul = common.matmul_tflops(device, matmul_size, timing, dtype)
-    log(
-        f"matmul {matmul['dtype']} {matmul_size}³: {matmul['ms']:.3f} ms → "
-        f"{common.format_tflops(matmul['tflops'])} TFLOP/s"
-    )
+    matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, log)
 
     case_results = run_cases(
         cases,
@@ -1032,12 +851,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         for result in cr.results.values():
             if result.call:
                 calls.setdefault(result.label, result.call)
-            if not result.measured or result.status == WRONG:
-                note = f"{cr.case.key}: {result.label} {result.status}: {result.note}"
-                if result.status in (NOT_INSTALLED, UNAVAILABLE):
-                    note = f"{result.label} skipped ({result.status}): {result.note}"
-                if note not in notes:
-                    notes.append(note)
+            common.note_problem(notes, cr.case.key, result)
         if cr.yardstick.note:
             notes.append(f"{cr.case.key}: {cr.yardstick.note}")
     info = RunInfo(
@@ -1055,14 +869,15 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         calls=calls,
         notes=notes,
     )
-    stem = common.results_stem(
-        RESULTS_PREFIX, environment["date"], environment["device_slug"], args.tag
-    )
     common.report_results(
-        args.out, stem,
-        render_markdown(info, case_results, outcomes),
-        results_json(info, case_results, outcomes),
-        notes, short_tables(case_results, outcomes), log,
+        args.out,
+        RESULTS_PREFIX,
+        args.tag,
+        info,
+        markdown=render_markdown(info, case_results, outcomes),
+        payload=results_json(info, case_results, outcomes),
+        tables=short_tables(case_results, outcomes),
+        log=log,
     )
     return 0
 
