@@ -43,10 +43,11 @@ that the scale stays at most 100. The pairs (:class:`PairedLatentSource`) share 
 "text" another one plus independent noise. Its report has the same parts as ``lm``'s and
 its own PNG; no closed-form floor is drawn.
 
-The module is laid out so that further experiments reuse the same pieces: an experiment
-function returns a :class:`Comparison` of two :class:`RunResult` curves (:func:`train_both`
-runs the two heads), :func:`report` prints and plots it, and :data:`EXPERIMENTS` registers it
-with the command line.
+The module is laid out so that further experiments reuse the same pieces: an experiment's
+training step is an :func:`optimizer_step` (its loss layer timed and measured on its own),
+:func:`run_training` loops it into a :class:`RunResult`, :func:`train_both` runs the two
+heads and :func:`compare_heads` pairs them into a :class:`Comparison`, :func:`report` prints
+and plots it, and :data:`EXPERIMENTS` registers it with the command line.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ from torch import nn
 import fusedloss
 
 MiB = 2**20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``, for the report."""
+    return str(dtype).removeprefix("torch.")
+
 
 # ---------------------------------------------------------------------------------------------
 # Causal LM: synthetic data
@@ -193,11 +200,11 @@ class LMConfig:
 
     def describe(self) -> str:
         """One line for the report."""
-        dtype = str(self.head_dtype).removeprefix("torch.")
         return (
             f"V={self.vocab_size}, D={self.d_model}, {self.n_layers} × transformer block "
             f"({self.n_heads} heads), batch {self.batch_size}×{self.seq_len} tokens, "
-            f"{self.steps} steps, AdamW lr {self.lr:g}, loss-head inputs in {dtype}"
+            f"{self.steps} steps, AdamW lr {self.lr:g}, loss-head inputs in "
+            f"{dtype_name(self.head_dtype)}"
         )
 
     @property
@@ -323,7 +330,7 @@ LM_HEADS: dict[str, LossHead] = {"pytorch": pytorch_lm_head, "fusedloss": fusedl
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared by experiments: results, comparison, schedule, measuring
+# Shared by experiments: results, comparison, schedule, measuring, training loop
 # ---------------------------------------------------------------------------------------------
 
 
@@ -479,6 +486,61 @@ def run_loss_layer(
     return loss.item(), seconds, memory.get("peak_bytes")
 
 
+# What one training step reports: (loss, loss-layer seconds, loss-layer peak bytes or None).
+StepCost = tuple[float, float, int | None]
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    forward: Callable[[], Sequence[torch.Tensor]],
+    loss_fn: Callable[..., torch.Tensor],
+    measure_memory: bool = False,
+) -> StepCost:
+    """One optimizer step whose loss layer is timed, and measured when asked, on its own.
+
+    ``forward()`` runs the model body; ``loss_fn`` gets detached copies of its outputs, so that
+    :func:`run_loss_layer` sees only the loss layer, and their gradients are then pushed
+    through the body. The result is the same gradient as one ``loss.backward()`` through
+    everything.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    outputs = tuple(forward())
+    leaves = [output.detach().requires_grad_() for output in outputs]
+    cost = run_loss_layer(lambda: loss_fn(*leaves), outputs[0].device, measure_memory)
+    torch.autograd.backward(outputs, [leaf.grad for leaf in leaves])
+    optimizer.step()
+    return cost
+
+
+def run_training(
+    name: str,
+    config: LMConfig | ClipConfig,
+    optimizer: torch.optim.Optimizer,
+    train_step: Callable[[int, bool], StepCost],
+    memory_step: int = 1,
+) -> RunResult:
+    """Run ``train_step(step, measure_memory)`` for ``config.steps`` steps under the
+    :func:`warmup_cosine` schedule and record the losses and loss-layer costs.
+
+    Only step ``memory_step`` is memory-measured, and its time is left out (recorded as NaN):
+    on CPU it runs under the profiler, which slows it down.
+    """
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
+    )
+    result = RunResult(name)
+    memory_step = min(memory_step, config.steps - 1)
+    for step in range(config.steps):
+        measure = step == memory_step
+        loss, seconds, peak = train_step(step, measure)
+        schedule.step()
+        result.losses.append(loss)
+        result.loss_layer_seconds.append(math.nan if measure else seconds)
+        if measure:
+            result.loss_layer_peak_bytes = peak
+    return result
+
+
 def train_both(train: Callable[[str], RunResult], verbose: bool = True) -> dict[str, RunResult]:
     """``train(head_name)`` for the "pytorch" then the "fusedloss" head, timing each run."""
     runs = {}
@@ -491,6 +553,31 @@ def train_both(train: Callable[[str], RunResult], verbose: bool = True) -> dict[
                 flush=True,
             )
     return runs
+
+
+def compare_heads(
+    title: str,
+    runs: dict[str, RunResult],
+    head_dtype: torch.dtype,
+    notes: list[str],
+    floor: float | None = None,
+) -> Comparison:
+    """The :func:`train_both` runs as a :class:`Comparison`: fusedloss against the PyTorch
+    reference, within the final-loss tolerance of the loss inputs' dtype."""
+    return Comparison(
+        title=title,
+        reference=runs["pytorch"],
+        candidate=runs["fusedloss"],
+        tolerance=FINAL_LOSS_TOLERANCE[head_dtype],
+        notes=notes,
+        floor=floor,
+    )
+
+
+def memory_notes(device: torch.device, analytic: str, cuda: str, cpu: str) -> list[str]:
+    """The analytic note on what the PyTorch loss holds, then the one on the path fusedloss
+    takes on ``device`` (Triton on CUDA, chunked PyTorch on the CPU)."""
+    return [analytic, cuda if device.type == "cuda" else cpu]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -514,27 +601,21 @@ def lm_train_step(
     head: LossHead,
     head_dtype: torch.dtype,
     measure_memory: bool = False,
-) -> tuple[float, float, int | None]:
-    """One optimizer step on a (B, T) batch.
+) -> StepCost:
+    """One optimizer step on a (B, T) batch (see :func:`optimizer_step`).
 
-    The loss layer runs on a detached copy of the hidden states so that its forward+backward
-    can be timed and measured on its own; its input gradient is then pushed through the body.
-    The result is the same gradient as one ``loss.backward()`` through everything.
+    The loss layer runs on a detached copy of the (B, T, D) hidden states; the head weight
+    is a parameter of the loss layer itself.
 
     Returns:
         (loss, loss-layer seconds, loss-layer peak bytes or None).
     """
-    optimizer.zero_grad(set_to_none=True)
-    hidden = model(tokens)  # (B, T, D)
-    hidden_leaf = hidden.detach().requires_grad_()
-    loss, seconds, peak = run_loss_layer(
-        lambda: head(hidden_leaf.to(head_dtype), model.lm_head_weight.to(head_dtype), tokens),
-        tokens.device,
+    return optimizer_step(
+        optimizer,
+        lambda: (model(tokens),),
+        lambda hidden: head(hidden.to(head_dtype), model.lm_head_weight.to(head_dtype), tokens),
         measure_memory,
     )
-    hidden.backward(hidden_leaf.grad)
-    optimizer.step()
-    return loss, seconds, peak
 
 
 def train_lm(
@@ -563,23 +644,13 @@ def train_lm(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
-    )
-    result = RunResult(head_name)
-    memory_step = min(memory_step, config.steps - 1)
-    for step in range(config.steps):
+    head = LM_HEADS[head_name]
+
+    def train_step(step: int, measure_memory: bool) -> StepCost:
         tokens = source.batch(step, config.batch_size, config.seq_len).to(device)
-        measure = step == memory_step
-        loss, seconds, peak = lm_train_step(
-            model, optimizer, tokens, LM_HEADS[head_name], config.head_dtype, measure
-        )
-        schedule.step()
-        result.losses.append(loss)
-        result.loss_layer_seconds.append(math.nan if measure else seconds)
-        if measure:
-            result.loss_layer_peak_bytes = peak
-    return result
+        return lm_train_step(model, optimizer, tokens, head, config.head_dtype, measure_memory)
+
+    return run_training(head_name, config, optimizer, train_step, memory_step)
 
 
 def lm_source(config: LMConfig) -> ZipfMarkovSource:
@@ -598,11 +669,10 @@ def lm_experiment(
     """Train the causal LM with the PyTorch head, then with the fusedloss head; compare."""
     source = source or lm_source(config)
     runs = train_both(lambda head_name: train_lm(config, head_name, device, source), verbose)
-    return Comparison(
-        title=f"causal LM, V={config.vocab_size}, D={config.d_model}, {config.n_layers} layers",
-        reference=runs["pytorch"],
-        candidate=runs["fusedloss"],
-        tolerance=FINAL_LOSS_TOLERANCE[config.head_dtype],
+    return compare_heads(
+        f"causal LM, V={config.vocab_size}, D={config.d_model}, {config.n_layers} layers",
+        runs,
+        config.head_dtype,
         notes=lm_memory_notes(config, device),
         floor=source.optimal_loss(config.seq_len),
     )
@@ -614,25 +684,19 @@ def lm_memory_notes(config: LMConfig, device: torch.device) -> list[str]:
     logits = f"N×V = {n}×{v} fp32 logits = {n * v * 4 / MiB:.1f} MiB"
     if config.head_dtype != torch.float32:
         size = n * v * config.head_dtype.itemsize / MiB
-        logits += f" (and first the {str(config.head_dtype).removeprefix('torch.')} ones, "
+        logits += f" (and first the {dtype_name(config.head_dtype)} ones, "
         logits += f"{size:.1f} MiB)"
-    notes = [
-        f"analytic: the PyTorch head materializes {logits}, and F.cross_entropy keeps a "
-        "log-softmax of the same size for the backward"
-    ]
-    if device.type == "cuda":
-        notes.append(
-            "fusedloss (Triton) keeps per-row statistics and small per-tile records, never an "
-            "N×V array"
-        )
-    else:
-        notes.append(
-            "on the CPU fusedloss runs its chunked pure-PyTorch path, which holds a block of "
-            "rows × V fp32 logits at a time (all N rows when N is below its chunk size), so "
-            "at this N its CPU peak is no smaller than PyTorch's; the saving is the Triton "
-            "path's, on CUDA"
-        )
-    return notes
+    return memory_notes(
+        device,
+        analytic=f"analytic: the PyTorch head materializes {logits}, and F.cross_entropy keeps "
+        "a log-softmax of the same size for the backward",
+        cuda="fusedloss (Triton) keeps per-row statistics and small per-tile records, never an "
+        "N×V array",
+        cpu="on the CPU fusedloss runs its chunked pure-PyTorch path, which holds a block of "
+        "rows × V fp32 logits at a time (all N rows when N is below its chunk size), so "
+        "at this N its CPU peak is no smaller than PyTorch's; the saving is the Triton "
+        "path's, on CUDA",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -720,7 +784,6 @@ class ClipConfig:
 
     def describe(self) -> str:
         """One line for the report."""
-        dtype = str(self.head_dtype).removeprefix("torch.")
         towers = " and ".join(
             f"{d}→{self.hidden_dim}→{self.hidden_dim}→{self.embed_dim}"
             for d in (self.image_dim, self.text_dim)
@@ -728,7 +791,7 @@ class ClipConfig:
         return (
             f"2 MLP towers ({towers}), L2-normalized, learnable logit_scale (init 1/0.07, "
             f"clamped at 100); batch {self.batch_size} pairs, {self.steps} steps, AdamW lr "
-            f"{self.lr:g}, loss inputs in {dtype}"
+            f"{self.lr:g}, loss inputs in {dtype_name(self.head_dtype)}"
         )
 
 
@@ -835,28 +898,24 @@ def clip_train_step(
     head: ClipHead,
     head_dtype: torch.dtype,
     measure_memory: bool = False,
-) -> tuple[float, float, int | None]:
+) -> StepCost:
     """One optimizer step on a batch of pairs, then the clamp of ``logit_scale``.
 
     As in :func:`lm_train_step`, the loss runs on detached copies of the features and of the
-    scale, and their gradients are then pushed through the towers.
+    scale, and their gradients are then pushed through the towers (:func:`optimizer_step`).
 
     Returns:
         (loss, loss-layer seconds, loss-layer peak bytes or None).
     """
-    optimizer.zero_grad(set_to_none=True)
-    outputs = model(images, texts)  # image features, text features, logit scale
-    image_leaf, text_leaf, scale_leaf = (out.detach().requires_grad_() for out in outputs)
-    loss, seconds, peak = run_loss_layer(
-        lambda: head(image_leaf.to(head_dtype), text_leaf.to(head_dtype), scale_leaf),
-        images.device,
+    cost = optimizer_step(
+        optimizer,
+        lambda: model(images, texts),  # image features, text features, logit scale
+        lambda image, text, scale: head(image.to(head_dtype), text.to(head_dtype), scale),
         measure_memory,
     )
-    torch.autograd.backward(outputs, (image_leaf.grad, text_leaf.grad, scale_leaf.grad))
-    optimizer.step()
     with torch.no_grad():
         model.logit_scale.clamp_(0, math.log(100))
-    return loss, seconds, peak
+    return cost
 
 
 def train_clip(
@@ -882,22 +941,15 @@ def train_clip(
         lr=config.lr,
         weight_decay=config.weight_decay,
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
-    )
-    result = RunResult(head_name)
-    memory_step = min(memory_step, config.steps - 1)
-    for step in range(config.steps):
+    head = CLIP_HEADS[head_name]
+
+    def train_step(step: int, measure_memory: bool) -> StepCost:
         images, texts = (x.to(device) for x in source.batch(step, config.batch_size))
-        measure = step == memory_step
-        loss, seconds, peak = clip_train_step(
-            model, optimizer, images, texts, CLIP_HEADS[head_name], config.head_dtype, measure
+        return clip_train_step(
+            model, optimizer, images, texts, head, config.head_dtype, measure_memory
         )
-        schedule.step()
-        result.losses.append(loss)
-        result.loss_layer_seconds.append(math.nan if measure else seconds)
-        if measure:
-            result.loss_layer_peak_bytes = peak
+
+    result = run_training(head_name, config, optimizer, train_step, memory_step)
     result.final_values["logit_scale"] = model.logit_scale.exp().item()
     return result
 
@@ -921,11 +973,10 @@ def clip_experiment(
     scales = ", ".join(
         f"{name} {run.final_values['logit_scale']:.3f}" for name, run in runs.items()
     )
-    return Comparison(
-        title=f"CLIP-style two towers, batch {config.batch_size} pairs, E={config.embed_dim}",
-        reference=runs["pytorch"],
-        candidate=runs["fusedloss"],
-        tolerance=FINAL_LOSS_TOLERANCE[config.head_dtype],
+    return compare_heads(
+        f"CLIP-style two towers, batch {config.batch_size} pairs, E={config.embed_dim}",
+        runs,
+        config.head_dtype,
         notes=[
             f"learned logit_scale after {config.steps} steps: {scales} (init {1 / 0.07:.3f})",
             *clip_memory_notes(config, device),
@@ -936,24 +987,18 @@ def clip_experiment(
 def clip_memory_notes(config: ClipConfig, device: torch.device) -> list[str]:
     """What each loss must hold, analytically, to put the measured peaks in context."""
     b = config.batch_size
-    notes = [
-        f"analytic: the PyTorch loss materializes b×b = {b}×{b} fp32 logits = "
+    return memory_notes(
+        device,
+        analytic=f"analytic: the PyTorch loss materializes b×b = {b}×{b} fp32 logits = "
         f"{b * b * 4 / MiB:.1f} MiB, and each of its two F.cross_entropy calls (rows, then "
-        "columns via logits.T) keeps a log-softmax of the same size for the backward"
-    ]
-    if device.type == "cuda":
-        notes.append(
-            "fusedloss.clip_loss (Triton) keeps per-row and per-column log-sum-exps and small "
-            "per-tile records, never a b×b array"
-        )
-    else:
-        notes.append(
-            "on the CPU clip_loss runs its chunked pure-PyTorch path, which holds a block of "
-            "rows × b fp32 logits at a time (all b rows when b is below its chunk size), so at "
-            "this b its CPU peak is no smaller than PyTorch's; the saving is the Triton path's, "
-            "on CUDA"
-        )
-    return notes
+        "columns via logits.T) keeps a log-softmax of the same size for the backward",
+        cuda="fusedloss.clip_loss (Triton) keeps per-row and per-column log-sum-exps and small "
+        "per-tile records, never a b×b array",
+        cpu="on the CPU clip_loss runs its chunked pure-PyTorch path, which holds a block of "
+        "rows × b fp32 logits at a time (all b rows when b is below its chunk size), so at "
+        "this b its CPU peak is no smaller than PyTorch's; the saving is the Triton path's, "
+        "on CUDA",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1162,48 +1207,72 @@ def _where(device: torch.device) -> str:
     return f"{threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" else str(device)
 
 
+def _run_demo(
+    config: LMConfig | ClipConfig,
+    device: torch.device,
+    out_dir: Path,
+    every: int | None,
+    *,
+    what: str,
+    data: str,
+    experiment: Callable[[], Comparison],
+    plot_name: str,
+) -> Comparison:
+    """Print an experiment's set-up (``what`` it compares, its model and its ``data``), run
+    it, and report it with a table row every ``every`` steps (default: about 15 rows)."""
+    print(f"fusedloss demo: {what}, on {_where(device)}")
+    print(f"  model: {config.describe()}")
+    print(f"  data: {data}")
+    start = time.perf_counter()
+    comparison = experiment()
+    print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
+    report(comparison, device, out_dir, plot_name, every or max(1, config.steps // 15))
+    return comparison
+
+
 def _run_lm_demo(
     config: LMConfig, device: torch.device, out_dir: Path, every: int | None
 ) -> Comparison:
     """Print the setup, run :func:`lm_experiment`, and report it."""
     source = lm_source(config)
-    print(f"fusedloss demo: causal LM, PyTorch head vs fusedloss head, on {_where(device)}")
-    print(f"  model: {config.describe()}")
-    print(
-        f"  data: Zipf-Markov chain, {config.support_size} successors per token, exponent "
+    data = (
+        f"Zipf-Markov chain, {config.support_size} successors per token, exponent "
         f"{config.zipf_exponent}, seed {config.seed}; loss of a uniform guess ln V = "
         f"{math.log(config.vocab_size):.3f}, best possible = "
         f"{source.optimal_loss(config.seq_len):.3f} nats"
     )
-    start = time.perf_counter()
-    comparison = lm_experiment(config, device, source)
-    print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
-    report(comparison, device, out_dir, "lm_loss_curves.png", every or max(1, config.steps // 15))
-    return comparison
+    return _run_demo(
+        config,
+        device,
+        out_dir,
+        every,
+        what="causal LM, PyTorch head vs fusedloss head",
+        data=data,
+        experiment=lambda: lm_experiment(config, device, source),
+        plot_name="lm_loss_curves.png",
+    )
 
 
 def _run_clip_demo(
     config: ClipConfig, device: torch.device, out_dir: Path, every: int | None
 ) -> Comparison:
     """Print the setup, run :func:`clip_experiment`, and report it."""
-    print(
-        "fusedloss demo: CLIP-style two towers, PyTorch loss (open_clip's formula) vs "
-        f"fusedloss.clip_loss, on {_where(device)}"
-    )
-    print(f"  model: {config.describe()}")
-    print(
-        f"  data: latent z ~ N(0, I_{config.latent_dim}); image = a fixed random tanh map of z "
+    data = (
+        f"latent z ~ N(0, I_{config.latent_dim}); image = a fixed random tanh map of z "
         f"({config.image_dim} dims), text = another ({config.text_dim} dims), each plus "
         f"N(0, {config.noise:g}²) noise, seed {config.seed}; loss of a uniform guess ln b = "
         f"{math.log(config.batch_size):.3f} nats"
     )
-    start = time.perf_counter()
-    comparison = clip_experiment(config, device)
-    print(f"  both runs: {time.perf_counter() - start:.1f} s\n")
-    report(
-        comparison, device, out_dir, "clip_loss_curves.png", every or max(1, config.steps // 15)
+    return _run_demo(
+        config,
+        device,
+        out_dir,
+        every,
+        what="CLIP-style two towers, PyTorch loss (open_clip's formula) vs fusedloss.clip_loss",
+        data=data,
+        experiment=lambda: clip_experiment(config, device),
+        plot_name="clip_loss_curves.png",
     )
-    return comparison
 
 
 # name → (presets selected by --size, function printing the set-up, running and reporting it)

@@ -189,3 +189,36 @@ def test_config_from_args_applies_overrides():
     clip = demo.config_from_args(args, torch.device("cpu"), demo.CLIP_SIZES)
     assert clip == replace(demo.CLIP_SIZES["large"], steps=7, seed=4, head_dtype=torch.float32)
     assert set(demo.CLIP_SIZES) == set(demo.LM_SIZES)  # --size picks from both
+
+
+def test_optimizer_step_gives_the_gradient_of_one_backward():
+    torch.manual_seed(0)
+    body, weight = torch.nn.Linear(6, 4), torch.nn.Parameter(torch.randn(3, 4))
+    x, labels = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
+
+    def loss_fn(hidden):
+        return torch.nn.functional.cross_entropy(hidden @ weight.T, labels)
+
+    parameters = [*body.parameters(), weight]
+    expected = torch.autograd.grad(loss_fn(body(x)), parameters)
+    optimizer = torch.optim.SGD(parameters, lr=0.0)  # keeps the gradients comparable
+    loss, seconds, peak = demo.optimizer_step(optimizer, lambda: (body(x),), loss_fn)
+    assert loss == pytest.approx(loss_fn(body(x)).item()) and seconds > 0 and peak is None
+    for parameter, gradient in zip(parameters, expected, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient)
+
+
+def test_run_training_measures_memory_at_one_step_only():
+    measured = []
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+    def train_step(step, measure_memory):
+        measured.append(measure_memory)
+        optimizer.step()  # the schedule expects it first
+        return float(step), 1e-3, 64 if measure_memory else None
+
+    result = demo.run_training("x", replace(TINY, steps=4), optimizer, train_step, memory_step=9)
+    assert measured == [False, False, False, True]  # clamped to the last step
+    assert result.losses == [0.0, 1.0, 2.0, 3.0] and result.loss_layer_peak_bytes == 64
+    assert math.isnan(result.loss_layer_seconds[3])
+    assert result.mean_loss_layer_ms(skip=0) == pytest.approx(1.0)
