@@ -42,11 +42,24 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def precise_math(dtype: torch.dtype) -> bool:
+    """Whether kernels use correctly rounded division and libdevice's exp/log1p (≤ 2 ulp) over
+    the hardware approximations: for fp32 inputs, whose results must match PyTorch's fp32
+    error; bf16/fp16 results round far above either. Never under the interpreter (numpy's
+    functions are exact there, and it has no libdevice)."""
+    return dtype == torch.float32 and not interpreting()
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("FUSEDLOSS_AUTOTUNE", "0") == "1"
 
 
 _INTERPRETER = TileConfig(block_m=16, block_n=16, block_k=16, block_d=16, num_warps=1, num_stages=1)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (cached)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -66,7 +79,7 @@ def forward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileConf
         return _INTERPRETER
     if (tile := _override("FUSEDLOSS_FORWARD_TILE")) is not None:
         return tile
-    major, _ = _capability(device.index or 0)
+    major, _ = capability(device)
     if dtype == torch.float32:
         return TileConfig(128, 64, 32, 0, num_warps=8, num_stages=3)
     if major >= 9:
@@ -86,7 +99,7 @@ def backward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileCon
         return _INTERPRETER
     if (tile := _override("FUSEDLOSS_BACKWARD_TILE")) is not None:
         return tile
-    major, _ = _capability(device.index or 0)
+    major, _ = capability(device)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=3)
     if major >= 9:

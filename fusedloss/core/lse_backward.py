@@ -30,17 +30,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .logits import dot_tile, logits_from_dot, sigmoid
+from .logits import accumulate, div, dot_tile, dot_tile_tma, exp, logits_from_dot, sigmoid
 from .lse_forward import _may_hold
 
 
 @triton.jit
 def _grad_logits_kernel(
-    a_ptr, b_ptr, bias_ptr, scale_ptr,
+    a_ptr, b_ptr,
+    a_desc, b_desc,      # TMA descriptors of A in compact row order and of B, or None (USE_TMA)
+    bias_ptr, scale_ptr,
     row_index_ptr, n_valid_ptr, col_order_ptr, target_ptr, col_weight_ptr,
-    row_max_ptr, row_log_sum_ptr,   # (N,) fp32: lse_i = max_i + log_sum_i, compact row order
-    coef_lse_ptr, coef_target_ptr, coef_uniform_ptr,   # (N,) fp32, compact row order
-    col_max_ptr, col_log_sum_ptr, coef_col_ptr,   # (V,) fp32 column LSE (as max + log_sum), c_j
+    row_max_ptr,         # (N,) fp32 row max, compact row order
+    coef_lse_ptr,        # (N,) fp32 r_i / Σ_j exp(X_ij − max_i): r_i · P_ij = this · exp(X − max)
+    coef_target_ptr, coef_uniform_ptr,   # (N,) fp32 t_i, u_i, compact row order
+    col_max_ptr,         # (V,) fp32 column max
+    coef_col_ptr,        # (V,) fp32 c_j / Σ_i exp(X_ij − max_j), by column id
     live_ptr,            # (row blocks, slab tiles) int8: 1 = compute this tile
     scratch_ptr,         # (row blocks · BLOCK_M, slab tiles · BLOCK_N) dX, input dtype, row-major
     dscale_ptr,          # (row blocks, slab tiles) fp32 partial Σ dX_pre · raw
@@ -50,7 +54,8 @@ def _grad_logits_kernel(
     HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
     COL_LSE: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -77,9 +82,14 @@ def _grad_logits_kernel(
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(tl.float32)
 
-    raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
-                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
-    x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP, ROUND)
+    if USE_TMA:
+        raw = dot_tile_tma(a_desc, b_desc, pid_m * BLOCK_M, (slab_tile_start + pid_t) * BLOCK_N, D,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION, PRECISE)
+    else:
+        raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION, PRECISE)
+    x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP, ROUND,
+                        PRECISE)
 
     if DIAG_MASK:
         x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
@@ -88,17 +98,15 @@ def _grad_logits_kernel(
         target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
         hit = cols[None, :] == target[:, None]
         # d softplus(−zX)/dX = −z·σ(−zX)
-        dx = tl.where(hit, -sigmoid(-x), sigmoid(x)) * coef_lse[:, None]
+        dx = tl.where(hit, -sigmoid(-x, PRECISE), sigmoid(x, PRECISE)) * coef_lse[:, None]
     else:
-        # (X − max) − log_sum: the small part of the LSE survives (see RowStats).
+        # P = exp(X − max) / Σ: the division is folded into the coefficient (see RowStats).
         row_max = tl.load(row_max_ptr + offs_m, mask=m_rows, other=0.0)
-        row_log_sum = tl.load(row_log_sum_ptr + offs_m, mask=m_rows, other=0.0)
-        dx = coef_lse[:, None] * tl.exp((x - row_max[:, None]) - row_log_sum[:, None])
+        dx = coef_lse[:, None] * exp(x - row_max[:, None], PRECISE)
         if COL_LSE:
             col_max = tl.load(col_max_ptr + cols, mask=m_cols, other=0.0)
-            col_log_sum = tl.load(col_log_sum_ptr + cols, mask=m_cols, other=0.0)
             coef_col = tl.load(coef_col_ptr + cols, mask=m_cols, other=0.0)
-            dx += coef_col[None, :] * tl.exp((x - col_max[None, :]) - col_log_sum[None, :])
+            dx += coef_col[None, :] * exp(x - col_max[None, :], PRECISE)
         if HAS_TARGET:
             target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
             if _may_hold(target, slab_tile_start + pid_t, BLOCK_N, HAS_ORDER):
@@ -112,7 +120,7 @@ def _grad_logits_kernel(
         else:
             dx -= coef_uniform[:, None]
     if SOFTCAP > 0:
-        capped = x / SOFTCAP
+        capped = div(x, SOFTCAP, PRECISE)
         dx = dx * (1.0 - capped * capped)
     dx = tl.where(m_rows[:, None] & m_cols[None, :], dx, 0.0)
     if GRAD_SCALE:
@@ -136,7 +144,7 @@ def _grad_b_kernel(
     HAS_SCALE: tl.constexpr, HAS_ORDER: tl.constexpr, GRAD_B: tl.constexpr,
     GRAD_BIAS: tl.constexpr, HAS_RANK1: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, PRECISE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -167,9 +175,8 @@ def _grad_b_kernel(
                         mask=m_rows[:, None] & m_d[None, :], other=0.0)
             if DOT_FP32:
                 a = a.to(tl.float32)
-                acc = tl.dot(tl.trans(dx.to(tl.float32)), a, acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(tl.trans(dx), a, acc, input_precision=PRECISION)
+                dx = dx.to(tl.float32)
+            acc = accumulate(acc, tl.trans(dx), a, PRECISION, PRECISE)
         if GRAD_BIAS:
             bias_acc += tl.sum(dx.to(tl.float32), axis=0)
 
@@ -206,7 +213,7 @@ def _grad_a_kernel(
     V, D, stride_b, n_slab_tiles, slab_tile_start,
     HAS_ORDER: tl.constexpr, FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, PRECISE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -236,7 +243,7 @@ def _grad_a_kernel(
         if DOT_FP32:
             dx = dx.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(dx, b, acc, input_precision=PRECISION)
+        acc = accumulate(acc, dx, b, PRECISION, PRECISE)
 
     acc_ptrs = acc_ptr + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :]
     mask = m_rows[:, None] & m_d[None, :]

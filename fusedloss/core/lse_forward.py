@@ -25,12 +25,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .logits import dot_tile, log1p, logits_from_dot
+from .logits import dot_tile, dot_tile_tma, exp, log1p_exp_neg, logits_from_dot
 
 
 @triton.jit
 def _lse_forward_kernel(
-    a_ptr, b_ptr, bias_ptr, scale_ptr,
+    a_ptr, b_ptr,
+    a_desc, b_desc,      # TMA descriptors of A in compact row order and of B, or None (USE_TMA)
+    bias_ptr, scale_ptr,
     row_index_ptr,       # (N,) int64: compact row p reads A[row_index[p]]
     n_valid_ptr,         # () int64: rows p >= n_valid are skipped (ignored tokens)
     col_order_ptr,       # (V,) int64: tile position j holds column col_order[j] (vocabulary sorting)
@@ -50,7 +52,8 @@ def _lse_forward_kernel(
     HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
     COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -82,10 +85,14 @@ def _lse_forward_kernel(
                 cols = tl.load(col_order_ptr + offs_n, mask=m_cols, other=0).to(tl.int64)
             else:
                 cols = offs_n.to(tl.int64)
-            raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION)
+            if USE_TMA:
+                raw = dot_tile_tma(a_desc, b_desc, rb * BLOCK_M, t * BLOCK_N, D,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION, PRECISE)
+            else:
+                raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a, stride_b, D,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION, PRECISE)
             x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP,
-                                ROUND)
+                                ROUND, PRECISE)
             x = tl.where(m_cols[None, :], x, float("-inf"))
             if DIAG_MASK:
                 x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
@@ -99,13 +106,13 @@ def _lse_forward_kernel(
 
             if SIGMOID:
                 # softplus(y): max(y, 0) + log1p(exp(−|y|)), exact in the tails.
-                softplus = tl.maximum(y, 0.0) + log1p(tl.exp(-tl.abs(y)))
+                softplus = tl.maximum(y, 0.0) + log1p_exp_neg(tl.abs(y), PRECISE)
                 row_sum += tl.sum(tl.where(m_cols[None, :], softplus, 0.0), axis=1)
             else:
                 new_max = tl.maximum(row_max, tl.max(x, axis=1))
                 safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-                tile_sum = tl.sum(tl.exp(x - safe_max[:, None]), axis=1)
-                row_sum = row_sum * tl.exp(row_max - safe_max) + tile_sum
+                tile_sum = tl.sum(exp(x - safe_max[:, None], PRECISE), axis=1)
+                row_sum = row_sum * exp(row_max - safe_max, PRECISE) + tile_sum
                 row_max = new_max
                 if RECORD_TILES:
                     tile_mass = tl.where(m_rows, new_max + tl.log(tile_sum), float("-inf"))
@@ -113,7 +120,8 @@ def _lse_forward_kernel(
                              tl.max(tile_mass, axis=0))
                 if COL_STATS:
                     _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
-                                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES)
+                                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES,
+                                  PRECISE)
             if HAS_WSUM:
                 xw = tl.where(m_cols[None, :], x, 0.0)
                 if HAS_COL_WEIGHT:
@@ -145,12 +153,13 @@ def _may_hold(target, t, BLOCK_N: tl.constexpr, HAS_ORDER: tl.constexpr):
 
 @triton.jit
 def _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
-                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES: tl.constexpr):
+                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES: tl.constexpr,
+                  PRECISE: tl.constexpr):
     """Adds one tile's column (max, Σ exp) to the group's running column partials."""
     xc = tl.where(m_rows[:, None], x, float("-inf"))
     tile_max = tl.max(xc, axis=0)
     safe_tile = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-    tile_sum = tl.sum(tl.exp(xc - safe_tile[None, :]), axis=0)
+    tile_sum = tl.sum(exp(xc - safe_tile[None, :], PRECISE), axis=0)
     if RECORD_TILES:
         mass = tl.where(m_cols, tile_max + tl.log(tile_sum), float("-inf"))
         tl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64), tl.max(mass, axis=0))
@@ -159,7 +168,8 @@ def _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
     old_sum = tl.load(col_sum_ptr + ptrs, mask=m_cols, other=0.0)
     new_max = tl.maximum(old_max, tile_max)
     safe_new = tl.where(new_max == float("-inf"), 0.0, new_max)
-    new_sum = old_sum * tl.exp(old_max - safe_new) + tile_sum * tl.exp(tile_max - safe_new)
+    new_sum = (old_sum * exp(old_max - safe_new, PRECISE)
+               + tile_sum * exp(tile_max - safe_new, PRECISE))
     tl.store(col_max_ptr + ptrs, new_max, mask=m_cols)
     tl.store(col_sum_ptr + ptrs, new_sum, mask=m_cols)
     # The next row block of this program reads these partials back: make the stores visible
