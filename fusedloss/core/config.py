@@ -50,6 +50,12 @@ def precise_math(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and not interpreting()
 
 
+def tma_enabled() -> bool:
+    """Whether kernels may read operand tiles through TMA descriptors (``FUSEDLOSS_TMA=0``
+    turns it off, for comparison or as a fallback)."""
+    return os.environ.get("FUSEDLOSS_TMA", "1") != "0"
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("FUSEDLOSS_AUTOTUNE", "0") == "1"
 

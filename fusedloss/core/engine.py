@@ -205,7 +205,8 @@ def tile_descriptors(a: torch.Tensor, b: torch.Tensor, logits: Logits, rows: Row
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if logits.col_order is not None or not (_tma_ready(a) and _tma_ready(b)):
+    if (not config.tma_enabled() or logits.col_order is not None
+            or not (_tma_ready(a) and _tma_ready(b))):
         return None, None
     a_rows = a if rows.is_identity() else a.index_select(0, rows.index)
     if not _tma_ready(a_rows):

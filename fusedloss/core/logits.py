@@ -111,8 +111,8 @@ def dot_tile_tma(
     """``dot_tile`` for blocks of consecutive rows, fed by the bulk copy engine (rows past
     either matrix's end read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    row0 = row0.to(tl.int32)  # TMA coordinates are 32-bit (rows < 2³¹ always hold)
-    col0 = col0.to(tl.int32)
+    row0 = tl.cast(row0, tl.int32)  # TMA coordinates are 32-bit (rows < 2³¹ always hold)
+    col0 = tl.cast(col0, tl.int32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
         a = a_desc.load([row0, k * BLOCK_K])
         b = b_desc.load([col0, k * BLOCK_K])

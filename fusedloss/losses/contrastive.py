@@ -132,6 +132,7 @@ def _run(kind, a, b, scale, bias, target, filter_eps, backend) -> torch.Tensor:
         index=torch.arange(n, device=a.device),
         n_valid=torch.tensor(n, device=a.device),
         target=target,
+        identity=True,
     )
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = a if kind == "nt_xent" else (b if b.stride(-1) == 1 else b.contiguous())

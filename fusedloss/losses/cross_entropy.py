@@ -233,7 +233,10 @@ def linear_cross_entropy(
 
     valid = flat_target != ignore_index
     out_of_range = valid & ((flat_target < 0) | (flat_target >= v))
-    if bool(out_of_range.any()):
+    # One host sync for both: the error check, and whether the compact order is the identity
+    # (every row counts), which lets the kernels read A by whole blocks.
+    any_out_of_range, all_valid = torch.stack([out_of_range.any(), valid.all()]).tolist()
+    if any_out_of_range:
         bad = int(flat_target[out_of_range][0])
         raise ValueError(
             f"target holds {bad}, outside [0, {v}) and not ignore_index={ignore_index}"
@@ -249,7 +252,8 @@ def linear_cross_entropy(
         rows = engine.compact_rows(valid)
         compact_target = torch.where(_valid_positions(rows, a.shape[0]),
                                      flat_target[rows.index], -1)
-        rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target)
+        rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
+                    identity=bool(all_valid))
         class_weight = weight.float() if weight is not None else None
         if class_weight is not None:
             w_y = torch.where(compact_target >= 0, class_weight[compact_target.clamp(min=0)], 0.0)
