@@ -1,0 +1,102 @@
+"""How the kernels load operand tiles: TMA descriptors where they can serve, pointers elsewhere.
+
+``engine.tile_descriptors`` picks the path; both must give the same results (same dots, same
+order over D), and the descriptor path must step aside where TMA cannot read the rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import can_run_triton
+
+import fusedloss
+from fusedloss.core import config, engine
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_triton = pytest.mark.skipif(
+    not can_run_triton(), reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+
+
+def _tma_capable() -> bool:
+    return config.interpreting() or (
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def _rows(n: int, identity: bool | None = None) -> engine.Rows:
+    return engine.Rows(index=torch.arange(n, device=DEVICE),
+                       n_valid=torch.tensor(n, device=DEVICE), identity=identity)
+
+
+@requires_triton
+@pytest.mark.skipif(not _tma_capable(), reason="TMA needs a Hopper GPU or the interpreter")
+def test_descriptors_where_tma_can_read(monkeypatch):
+    a = torch.randn(40, 32, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(50, 32, device=DEVICE, dtype=torch.bfloat16)
+    a_desc, b_desc = engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16)
+    assert a_desc is not None and b_desc is not None
+    # Rows that are not the identity are read from a compact copy: still by TMA.
+    rows = engine.Rows(index=torch.arange(39, -1, -1, device=DEVICE),
+                       n_valid=torch.tensor(40, device=DEVICE))
+    assert not rows.is_identity()
+    assert engine.tile_descriptors(a, b, engine.Logits(), rows, 16, 16, 16)[0] is not None
+    monkeypatch.setenv("FUSEDLOSS_TMA", "0")
+    assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == (None, None)
+
+
+@requires_triton
+def test_pointer_path_where_tma_cannot_read():
+    # A row of 7 fp32 values is 28 bytes: not a multiple of 16.
+    a = torch.randn(40, 7, device=DEVICE)
+    b = torch.randn(50, 7, device=DEVICE)
+    assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == (None, None)
+    # Vocabulary sorting reads B in a permuted order: rows are gathered by pointer.
+    a16 = torch.randn(40, 32, device=DEVICE, dtype=torch.bfloat16)
+    b16 = torch.randn(50, 32, device=DEVICE, dtype=torch.bfloat16)
+    order = engine.Logits(col_order=torch.randperm(50, device=DEVICE))
+    assert engine.tile_descriptors(a16, b16, order, _rows(40), 16, 16, 16) == (None, None)
+
+
+def test_rows_identity_is_checked_when_unknown():
+    assert _rows(5).is_identity()
+    assert _rows(5, identity=True).is_identity()
+    shuffled = engine.Rows(index=torch.tensor([1, 0, 2], device=DEVICE),
+                           n_valid=torch.tensor(3, device=DEVICE))
+    assert not shuffled.is_identity()
+
+
+def _lm_head(dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(2, 23, 32, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(101, 32, device=DEVICE, generator=g) / 6).to(dtype).requires_grad_()
+    y = torch.randint(0, 101, (2, 23), device=DEVICE, generator=g)
+    y[0, :5] = -100  # ignored tokens: the compact row order is not the identity
+    loss = fusedloss.linear_cross_entropy(x, w, y, shift=True, backend="triton")
+    return [loss.detach(), *torch.autograd.grad(loss, (x, w))]
+
+
+def _clip(dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    i = F.normalize(torch.randn(45, 32, device=DEVICE, generator=g), dim=1).to(dtype)
+    t = F.normalize(torch.randn(45, 32, device=DEVICE, generator=g), dim=1).to(dtype)
+    i.requires_grad_()
+    t.requires_grad_()
+    loss = fusedloss.clip_loss(i, t, 20.0, backend="triton")
+    return [loss.detach(), *torch.autograd.grad(loss, (i, t))]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("run", [_lm_head, _clip], ids=["lm-head", "clip"])
+def test_tma_and_pointer_paths_agree(monkeypatch, run, dtype):
+    """The same dots in the same order over D: the two load paths agree to the last bit under
+    the interpreter, and to a few ulps on a GPU (where the compiler may pick other MMAs)."""
+    with_tma = run(dtype)
+    monkeypatch.setenv("FUSEDLOSS_TMA", "0")
+    with_pointers = run(dtype)
+    for ours, theirs in zip(with_tma, with_pointers, strict=True):
+        if config.interpreting():
+            assert torch.equal(ours, theirs)
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=4 * torch.finfo(dtype).eps, atol=0)
