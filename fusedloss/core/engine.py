@@ -176,7 +176,7 @@ def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
 
     fp32 operands multiply exactly ("ieee", not TF32: three-TF32 products measured 4× the
     forward loss error of cuBLAS on peaked logits); the kernels then keep the FMA chains short
-    (``PRECISE``, see ``logits.dot_tile``). The interpreter casts bf16 operands up first (its
+    (``PRECISE``, see ``logits.accumulate``). The interpreter casts bf16 operands up first (its
     bf16 dot is wrong).
     """
     return config.interpreting() and t.dtype != torch.float32, (
