@@ -19,6 +19,9 @@ requires_triton = pytest.mark.skipif(
     not can_run_triton(), reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
 
 
+NO_TMA = (None, None, None)
+
+
 def _tma_capable() -> bool:
     return config.interpreting() or (
         torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
@@ -34,15 +37,18 @@ def _rows(n: int, identity: bool | None = None) -> engine.Rows:
 def test_descriptors_where_tma_can_read(monkeypatch):
     a = torch.randn(40, 32, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(50, 32, device=DEVICE, dtype=torch.bfloat16)
-    a_desc, b_desc = engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16)
+    a_desc, b_desc, a_rows = engine.tile_descriptors(a, b, engine.Logits(), _rows(40),
+                                                     16, 16, 16)
     assert a_desc is not None and b_desc is not None
+    assert a_rows is a  # every row counts, in order: no copy
     # Rows that are not the identity are read from a compact copy: still by TMA.
     rows = engine.Rows(index=torch.arange(39, -1, -1, device=DEVICE),
                        n_valid=torch.tensor(40, device=DEVICE))
     assert not rows.is_identity()
-    assert engine.tile_descriptors(a, b, engine.Logits(), rows, 16, 16, 16)[0] is not None
+    a_desc, _, a_rows = engine.tile_descriptors(a, b, engine.Logits(), rows, 16, 16, 16)
+    assert a_desc is not None and torch.equal(a_rows, a.flip(0))
     monkeypatch.setenv("FUSEDLOSS_TMA", "0")
-    assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == (None, None)
+    assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == NO_TMA
 
 
 @requires_triton
@@ -50,12 +56,12 @@ def test_pointer_path_where_tma_cannot_read():
     # A row of 7 fp32 values is 28 bytes: not a multiple of 16.
     a = torch.randn(40, 7, device=DEVICE)
     b = torch.randn(50, 7, device=DEVICE)
-    assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == (None, None)
+    assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == NO_TMA
     # Vocabulary sorting reads B in a permuted order: rows are gathered by pointer.
     a16 = torch.randn(40, 32, device=DEVICE, dtype=torch.bfloat16)
     b16 = torch.randn(50, 32, device=DEVICE, dtype=torch.bfloat16)
     order = engine.Logits(col_order=torch.randperm(50, device=DEVICE))
-    assert engine.tile_descriptors(a16, b16, order, _rows(40), 16, 16, 16) == (None, None)
+    assert engine.tile_descriptors(a16, b16, order, _rows(40), 16, 16, 16) == NO_TMA
 
 
 def test_rows_identity_is_checked_when_unknown():

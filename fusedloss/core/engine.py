@@ -193,26 +193,31 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and (t.stride(0) * size) % 16 == 0)
 
 
+def compact_operand(a: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """A in compact row order: A itself when every row counts in order, else a copy (N·D)."""
+    return a if rows.is_identity() else a.index_select(0, rows.index)
+
+
 def tile_descriptors(a: torch.Tensor, b: torch.Tensor, logits: Logits, rows: Rows,
                      block_m: int, block_n: int, block_k: int):
-    """(A descriptor, B descriptor) for TMA loads of row block × column tile operands, or
-    (None, None) where the kernels must gather rows by pointer instead.
+    """(A descriptor, B descriptor, A in compact row order) for TMA loads of row block × column
+    tile operands, or (None, None, None) where the kernels must gather rows by pointer instead.
 
-    TMA reads whole blocks of consecutive rows: A in compact row order (a copy, N·D elements,
-    when rows are skipped or shifted) and B in column order (with vocabulary sorting the
-    kernels gather, as a sorted copy of B would cost V·D). Measured on an H200 (N=8192,
-    V=256000, D=2304, bf16): the forward goes from 23.9 to 17.1 ms (cuBLAS's matmul: 14.3).
+    TMA reads whole blocks of consecutive rows: A in compact row order (``compact_operand``) and
+    B in column order (with vocabulary sorting the kernels gather, as a sorted copy of B would
+    cost V·D). Measured on an H200 (N=8192, V=256000, D=2304, bf16): the forward goes from 23.9
+    to 17.1 ms (cuBLAS's matmul: 14.3).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if (not config.tma_enabled() or logits.col_order is not None
             or not (_tma_ready(a) and _tma_ready(b))):
-        return None, None
-    a_rows = a if rows.is_identity() else a.index_select(0, rows.index)
+        return None, None, None
+    a_rows = compact_operand(a, rows)
     if not _tma_ready(a_rows):
-        return None, None
+        return None, None, None
     return (TensorDescriptor.from_tensor(a_rows, [block_m, block_k]),
-            TensorDescriptor.from_tensor(b, [block_n, block_k]))
+            TensorDescriptor.from_tensor(b, [block_n, block_k]), a_rows)
 
 
 def _program_target(device: torch.device) -> int:
@@ -268,7 +273,8 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         col_tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else col_sum
     dot_fp32, precision = _dot_flags(a)
     dummy = part_sum
-    a_desc, b_desc = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n, cfg.block_k)
+    a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
+                                         cfg.block_k)
     _lse_forward_kernel[(groups, splits)](
         a, b, a_desc, b_desc,
         logits.bias if logits.bias is not None else dummy,
@@ -540,7 +546,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
 
     dot_fp32, precision = _dot_flags(a)
     dummy = stats.lse
-    a_desc, b_desc = tile_descriptors(a, b, logits, rows, bm, bn, cfg.block_k)
+    # The dense path multiplies by A in compact row order too: one copy serves both.
+    a_desc, b_desc, a_rows = tile_descriptors(a, b, logits, rows, bm, bn, cfg.block_k)
     scratch_buffer = torch.empty(n_rb * bm * min(slab, n_ct) * bn, dtype=a.dtype, device=dev)
     common = dict(
         HAS_ORDER=logits.col_order is not None, DOT_FP32=dot_fp32, PRECISION=precision,
@@ -584,8 +591,9 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         if dense:
             dx = scratch[:n_valid, : c1 - c0]
             if a_compact is None and (need_b or need_a):
-                a_compact = a.index_select(0, rows.index[:n_valid]) if n_valid < a.shape[0] or \
-                    not _is_identity(rows.index) else a
+                if a_rows is None:
+                    a_rows = compact_operand(a, rows)
+                a_compact = a_rows[:n_valid]
             if need_b:
                 if cols is None and logits.scale is None and not rank1:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
