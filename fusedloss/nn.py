@@ -173,13 +173,11 @@ class SigLipLoss(nn.Module):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
-class InfoNCELoss(nn.Module):
-    """Module form of :func:`info_nce_loss`: ``forward(query (N, D), keys (M, D), labels=None)``.
+class _TemperatureLoss(nn.Module):
+    """Shared constructor of the softmax losses with a fixed temperature (a float > 0 here;
+    pass a tensor to the functional forms to learn it)."""
 
-    ``temperature`` is a float > 0 here; pass a tensor to the functional form to learn it.
-    """
-
-    def __init__(self, temperature: float = 0.07, *, reduction: str = "mean",
+    def __init__(self, temperature: float, *, reduction: str = "mean",
                  filter_eps: float | str | None = "auto", backend: str = "auto") -> None:
         super().__init__()
         if not float(temperature) > 0:
@@ -187,34 +185,37 @@ class InfoNCELoss(nn.Module):
         _check_options(reduction, filter_eps)
         self.temperature, self.reduction = float(temperature), reduction
         self.filter_eps, self.backend = filter_eps, backend
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, reduction={self.reduction!r}"
+
+
+class InfoNCELoss(_TemperatureLoss):
+    """Module form of :func:`info_nce_loss`: ``forward(query (N, D), keys (M, D), labels=None)``.
+
+    ``temperature`` is a float > 0 here; pass a tensor to the functional form to learn it.
+    Keyword options: ``reduction``, ``filter_eps``, ``backend``, as in the functional form.
+    """
+
+    def __init__(self, temperature: float = 0.07, **options) -> None:
+        super().__init__(temperature, **options)
 
     def forward(self, query, keys, labels=None):
         return info_nce_loss(query, keys, labels, temperature=self.temperature,
                              reduction=self.reduction, filter_eps=self.filter_eps,
                              backend=self.backend)
 
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, reduction={self.reduction!r}"
 
-
-class NTXentLoss(nn.Module):
+class NTXentLoss(_TemperatureLoss):
     """Module form of :func:`nt_xent_loss`: ``forward(features (2B, D))`` or
-    ``forward(z1 (B, D), z2 (B, D))`` (the two views, stacked for you)."""
+    ``forward(z1 (B, D), z2 (B, D))`` (the two views, stacked for you). Keyword options:
+    ``reduction``, ``filter_eps``, ``backend``, as in the functional form."""
 
-    def __init__(self, temperature: float = 0.5, *, reduction: str = "mean",
-                 filter_eps: float | str | None = "auto", backend: str = "auto") -> None:
-        super().__init__()
-        if not float(temperature) > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        _check_options(reduction, filter_eps)
-        self.temperature, self.reduction = float(temperature), reduction
-        self.filter_eps, self.backend = filter_eps, backend
+    def __init__(self, temperature: float = 0.5, **options) -> None:
+        super().__init__(temperature, **options)
 
     def forward(self, features, second_view=None):
         if second_view is not None:
             features = torch.cat([features, second_view], dim=0)
         return nt_xent_loss(features, self.temperature, reduction=self.reduction,
                             filter_eps=self.filter_eps, backend=self.backend)
-
-    def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, reduction={self.reduction!r}"
