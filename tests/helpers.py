@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import note
+from hypothesis.control import currently_in_test_context
 from torch import Tensor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -113,3 +115,9 @@ def read_results(directory: Path, pattern: str) -> tuple[dict[str, Any], str]:
     (json_path,) = directory.glob(f"{pattern}.json")
     (md_path,) = directory.glob(f"{pattern}.md")
     return json.loads(json_path.read_text(encoding="utf-8")), md_path.read_text(encoding="utf-8")
+
+
+def note_case(text: str) -> None:
+    """Records text in hypothesis's report of a failing example; a no-op outside one."""
+    if currently_in_test_context():
+        note(text)

@@ -30,10 +30,9 @@ from dataclasses import dataclass, fields, replace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close_to_ref, can_run_triton, default_floor, rel_err
-from hypothesis import given, note
+from helpers import assert_close_to_ref, can_run_triton, default_floor, note_case, rel_err
+from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.control import currently_in_test_context
 
 import fusedloss
 from fusedloss import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
@@ -520,13 +519,8 @@ def _bias_condition(case: Case, problem: Problem) -> float:
     return d_x.abs().sum().item() / total if total > 0 else 0.0
 
 
-def _note(text: str) -> None:
-    if currently_in_test_context():
-        note(text)
-
-
 def check_case(case: Case, backend: str, **extra) -> Result:
-    _note(case.id)
+    note_case(case.id)
     problem = make_problem(case)
     ours = run_ours(case, problem, backend, **extra)
     check_invariants(case, problem, ours)

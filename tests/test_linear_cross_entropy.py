@@ -18,10 +18,9 @@ from dataclasses import dataclass, field, fields
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close_to_ref, can_run_triton, default_floor, rel_err
-from hypothesis import given, note, settings
+from helpers import assert_close_to_ref, can_run_triton, default_floor, note_case, rel_err
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.control import currently_in_test_context
 
 import fusedloss
 from fusedloss.reference import linear_cross_entropy_ref
@@ -410,13 +409,8 @@ def check_against_reference(case: Case, ours: Result, theirs: Result, ref: Resul
                             floor=floor, name=f"grad {name}")
 
 
-def _note(text: str) -> None:
-    if currently_in_test_context():
-        note(text)
-
-
 def check_case(case: Case, backend: str, **extra) -> Result:
-    _note(case.id)
+    note_case(case.id)
     problem = make_problem(case)
     ours = run_ours(case, problem, backend, **extra)
     check_invariants(case, problem, ours)
@@ -515,7 +509,7 @@ def test_triton_backend_matches_reference(case):
 @given(case=cases(**TRITON_SHAPES))
 def test_backends_agree(case):
     """Both backends compute the same loss and lse (fp32 statistics of the same logits)."""
-    _note(case.id)
+    note_case(case.id)
     problem = make_problem(case)
     fused = run_ours(case, problem, "triton")
     chunked = run_ours(case, problem, "torch")
