@@ -275,6 +275,13 @@ def _resident_programs(cfg: config.TileConfig, element_size: int) -> int:
     return max(1, min(228 * 1024 // max(1, smem), 64 // cfg.num_warps // 4))
 
 
+def _check_ids(n: int, v: int) -> None:
+    """The kernels compare row and column ids in 32 bits."""
+    if max(n, v) >= 2**31:
+        raise ValueError(f"the Triton backend takes fewer than 2^31 rows and columns, got "
+                         f"{n} rows and {v} columns; use backend='torch'")
+
+
 def triton_cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
@@ -284,6 +291,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     from .lse_forward import _lse_forward_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
+    _check_ids(n, v)
     cfg = config.forward_config(a.device, a.dtype, d)
     n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
     groups, blocks_per_group, splits, tiles_per_split = _forward_grid(
@@ -523,6 +531,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
+    _check_ids(n, v)
     dev = a.device
     cfg = config.backward_config(dev, a.dtype, d)
     bm, bn, bd = cfg.block_m, cfg.block_n, cfg.block_d

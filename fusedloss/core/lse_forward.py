@@ -94,15 +94,27 @@ def _lse_forward_kernel(
             x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS, HAS_SCALE, SOFTCAP,
                                 ROUND, PRECISE)
             x = tl.where(m_cols[None, :], x, float("-inf"))
+            # Tile-wide id comparisons in 32 bits (ids < 2³¹, checked by the host): a 64-bit
+            # one holds two registers per entry and made the tile spill.
             if DIAG_MASK:
-                x = tl.where(rows[:, None] == cols[None, :], float("-inf"), x)
+                x = tl.where(rows.to(tl.int32)[:, None] == cols.to(tl.int32)[None, :],
+                             float("-inf"), x)
             y = x  # SIGMOID: −z·X, z = +1 at the target
             if HAS_TARGET:
-                # Most tiles hold no target of this block: test that once, not per element.
-                if _may_hold(target, t, BLOCK_N, HAS_ORDER):
-                    hit = (cols[None, :] == target[:, None]) & m_cols[None, :]
+                # Which is faster depends on what else the tile carries (registers spill
+                # either way; measured on an H100): with column statistics or the sigmoid loss,
+                # test once whether the tile holds any of the block's targets (most tiles
+                # don't); for the LM head's row statistics, the masked sum on every tile is 15%
+                # faster than the branch.
+                if COL_STATS or SIGMOID:
+                    if _may_hold(target, t, BLOCK_N, HAS_ORDER):
+                        hit = _is_target(target, cols, t, BLOCK_N, HAS_ORDER) & m_cols[None, :]
+                        target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
+                        if SIGMOID:
+                            y = tl.where(hit, -x, x)
+                else:
+                    hit = _is_target(target, cols, t, BLOCK_N, HAS_ORDER) & m_cols[None, :]
                     target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
-                    y = tl.where(hit, -x, x)
 
             if SIGMOID:
                 # softplus(y): max(y, 0) + log1p(exp(−|y|)), exact in the tails.
@@ -149,6 +161,20 @@ def _may_hold(target, t, BLOCK_N: tl.constexpr, HAS_ORDER: tl.constexpr):
         lo = t * BLOCK_N
         inside = (target >= lo) & (target < lo + BLOCK_N)
         return tl.max(inside.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _is_target(target, cols, t, BLOCK_N: tl.constexpr, HAS_ORDER: tl.constexpr):
+    """(rows, tile columns) mask of each row's target in column tile t.
+
+    In 32 bits (ids < 2³¹, checked by the host): a 64-bit comparison holds two registers per
+    entry. Without a column order, positions are ids: compare offsets within the tile.
+    """
+    if HAS_ORDER:
+        return cols.to(tl.int32)[None, :] == target.to(tl.int32)[:, None]
+    else:
+        local = (target - t * BLOCK_N).to(tl.int32)
+        return tl.arange(0, BLOCK_N)[None, :] == local[:, None]
 
 
 @triton.jit
