@@ -126,3 +126,12 @@ def test_forward_splits_fill_the_last_wave(groups, tiles, slots):
     assert time(splits) <= 1.05 * min(time(s) for s in range(1, tiles + 1))
     if (groups, tiles, slots) == (64, 1000, 132):  # gemma2-2b on an H100: one wave, 2 splits
         assert (splits, per) == (2, 500)
+
+
+def test_ids_past_32_bits_are_refused():
+    """The kernels compare row and column ids in 32 bits: the host says so instead."""
+    with pytest.raises(ValueError, match="2\\^31"):
+        engine._check_ids(2**31, 10)
+    with pytest.raises(ValueError, match="2\\^31"):
+        engine._check_ids(10, 2**31)
+    engine._check_ids(2**31 - 1, 2**31 - 1)
