@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -121,3 +123,15 @@ def note_case(text: str) -> None:
     """Records text in hypothesis's report of a failing example; a no-op outside one."""
     if currently_in_test_context():
         note(text)
+
+
+def run_on_cpu_without_interpreter(script: str) -> str:
+    """Runs ``script`` (dedented) in a fresh Python with TRITON_INTERPRET unset and no GPU
+    visible, and returns its stdout (the variable must be unset before triton is imported)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine must not rescue the CPU tensors
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout

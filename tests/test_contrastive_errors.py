@@ -4,15 +4,9 @@ and their modules."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import can_run_triton
+from helpers import can_run_triton, run_on_cpu_without_interpreter
 
 import fusedloss
 from fusedloss import (
@@ -26,7 +20,6 @@ from fusedloss import (
     siglip_loss,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 B, M, D = 6, 9, 5  # pairs / queries, keys, width
 
 
@@ -336,7 +329,7 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
     """Without TRITON_INTERPRET, backend="triton" on CPU tensors fails clearly for every loss
     (in a fresh process: the variable must be unset before triton is imported), and "auto"
     falls back to the torch backend."""
-    script = textwrap.dedent(
+    stdout = run_on_cpu_without_interpreter(
         """
         import torch
         import fusedloss
@@ -357,18 +350,12 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
             print(name, "auto:", fn("auto").item())
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine must not rescue the CPU tensors
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=REPO_ROOT)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = stdout.splitlines()
     for name in ("clip", "siglip", "info_nce", "nt_xent"):
         errors = [line for line in lines if line.startswith(f"{name} RuntimeError:")]
-        assert len(errors) == 1, out.stdout
+        assert len(errors) == 1, stdout
         assert "TRITON_INTERPRET=1" in errors[0] and "backend='torch'" in errors[0], errors[0]
-        assert any(line.startswith(f"{name} auto:") for line in lines), out.stdout
+        assert any(line.startswith(f"{name} auto:") for line in lines), stdout
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import can_run_triton
+from helpers import can_run_triton, run_on_cpu_without_interpreter
 
 import fusedloss
 from fusedloss import LinearCrossEntropyLoss, linear_cross_entropy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 N, V, D = 7, 11, 5
 
 
@@ -235,7 +228,7 @@ def test_bad_vocab_order(backend, order):
 def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
     """Without TRITON_INTERPRET, backend="triton" on CPU tensors fails clearly (in a fresh
     process: the variable must be unset before triton is imported)."""
-    script = textwrap.dedent(
+    stdout = run_on_cpu_without_interpreter(
         """
         import torch
         import fusedloss
@@ -250,15 +243,9 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
         print("auto:", fusedloss.linear_cross_entropy(x, w, y, backend="auto").item())
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine must not rescue the CPU tensors
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=REPO_ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "RuntimeError:" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout
-    assert "backend='torch'" in out.stdout  # names the way out
-    assert "auto:" in out.stdout  # "auto" falls back to the torch backend
+    assert "RuntimeError:" in stdout and "TRITON_INTERPRET=1" in stdout, stdout
+    assert "backend='torch'" in stdout  # names the way out
+    assert "auto:" in stdout  # "auto" falls back to the torch backend
 
 
 # ---------------------------------------------------------------------------------------------
