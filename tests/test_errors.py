@@ -129,6 +129,15 @@ def test_target_outside_vocabulary(bad):
         call(target=target)
 
 
+@pytest.mark.parametrize("bad", [V + 5, -7], ids=["V+5", "-7"])
+def test_target_outside_vocabulary_with_class_weights(bad):
+    # The check comes after the class weights are gathered: that gather must stay in bounds.
+    target = torch.zeros(N, dtype=torch.long)
+    target[3] = bad
+    with pytest.raises(ValueError, match=rf"target holds {bad}, outside"):
+        call(target=target, weight=torch.rand(V))
+
+
 def test_target_equal_to_a_custom_ignore_index_is_fine():
     target = torch.zeros(N, dtype=torch.long)
     target[3] = -1

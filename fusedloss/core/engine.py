@@ -562,11 +562,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
-    # One host sync: the number of valid rows and each slab's live count pick dense or sparse.
     counts = torch.nn.functional.pad(live, (0, n_slabs * slab - n_ct)).view(n_rb, n_slabs, slab)
-    host = torch.cat([rows.n_valid.view(1), counts.sum(dim=(0, 2))]).tolist()
-    n_valid, slab_live = host[0], host[1:]
-    n_valid_blocks = triton_cdiv(n_valid, bm)
+    counts = torch.cat([rows.n_valid.view(1), counts.sum(dim=(0, 2))])
 
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
     rank1 = coef.uniform is not None and not uniform_in_tiles
@@ -592,6 +589,12 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         PRECISE=config.precise_math(a.dtype),
     )
     order = logits.col_order if logits.col_order is not None else rows.index
+    # One host sync, after everything above is queued: the number of valid rows and each slab's
+    # live count pick the grid and the dense or sparse path. (No torch.tensor(…, device=…)
+    # anywhere on this path: a copy from pageable host memory would be a sync of its own.)
+    host = counts.tolist()
+    n_valid, slab_live = host[0], host[1:]
+    n_valid_blocks = triton_cdiv(n_valid, bm)
     first_a = True
     for k in range(n_slabs):
         t0, t1 = k * slab, min((k + 1) * slab, n_ct)
@@ -705,8 +708,7 @@ def _with_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm:
     col_lse = _pad(col_lse, n_ct * bn)
     if col_scale is not None and col_order is not None:
         col_scale = col_scale[col_order]
-    n_cols = torch.tensor(v, device=live.device)
-    by_cols = live_tiles(stats.col_tile_log_mass.T.contiguous(), col_lse, n_cols, bn, eps,
+    by_cols = live_tiles(stats.col_tile_log_mass.T.contiguous(), col_lse, v, bn, eps,
                          col_scale).T
     row_ok = torch.arange(n_rb * bm, device=live.device) < rows.n_valid
     return (live | by_cols) & row_ok.view(n_rb, bm).any(dim=1)[:, None]
@@ -752,6 +754,9 @@ def _write_cols(out: torch.Tensor, values: torch.Tensor, cols, c0: int, c1: int)
 
 def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b) -> None:
     """dB_j = s · Σ_i dX_ij A_i − w_j · v for one slab's columns, rounded once."""
+    if rank1_b is None and cols is None:
+        torch.mul(part, s, out=grad_b[c0:c1])  # scaled and rounded in one pass
+        return
     part *= s
     if rank1_b is not None:
         part -= _slice_cols(w, cols, c0, c1)[:, None] * rank1_b

@@ -59,7 +59,7 @@ def gradient_mass(loss: torch.Tensor) -> torch.Tensor:
 def live_tiles(
     tile_log_mass: torch.Tensor,  # (row blocks, column tiles) fp32, from the forward
     lse: torch.Tensor,  # (row blocks * block_m,) fp32, compact row order, padded
-    n_valid: torch.Tensor,  # () int64
+    n_valid: torch.Tensor | int,  # () int64 on the device, or a host int
     block_m: int,
     eps: float | None,
     scale: torch.Tensor | None = None,  # (n,) n ≤ row blocks * block_m: per-row factor on eps
@@ -70,7 +70,8 @@ def live_tiles(
     block_has_rows = row_ok.view(n_blocks, block_m).any(dim=1)
     if eps is None:
         return block_has_rows[:, None].expand_as(tile_log_mass).clone()
-    inf = torch.tensor(float("inf"), device=lse.device)
+    # Python scalars, not torch.tensor(…, device=…): a host-to-device copy would wait for the GPU.
+    inf = float("inf")
     min_lse = torch.where(row_ok, lse[: n_blocks * block_m], inf).view(n_blocks, block_m)
     min_lse = min_lse.amin(dim=1, keepdim=True)
     bound = torch.exp(tile_log_mass - min_lse)  # ≥ each row's mass in the tile

@@ -130,7 +130,7 @@ def _run(kind, a, b, scale, bias, target, filter_eps, backend) -> torch.Tensor:
     n = a.shape[0]
     rows = Rows(
         index=torch.arange(n, device=a.device),
-        n_valid=torch.tensor(n, device=a.device),
+        n_valid=torch.full((), n, dtype=torch.int64, device=a.device),  # a fill: no host sync
         target=target,
         identity=True,
     )
@@ -385,7 +385,11 @@ def _as_scalar(value, name: str, device: torch.device, positive: bool = False) -
             raise ValueError(f"{name} is on {value.device} but the features on {device}")
         out = value.reshape(()).float()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        out = torch.tensor(float(value), dtype=torch.float32, device=device)
+        if positive and float(value) <= 0:
+            raise ValueError(f"{name} must be > 0, got {float(value)}")
+        # A fill kernel: torch.tensor(…, device=…) would copy from pageable host memory, which
+        # waits for every kernel queued before it.
+        return torch.full((), float(value), dtype=torch.float32, device=device)
     else:
         raise TypeError(f"{name} must be a float or a one-element tensor, got "
                         f"{type(value).__name__}")

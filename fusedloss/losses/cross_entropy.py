@@ -233,14 +233,6 @@ def linear_cross_entropy(
 
     valid = flat_target != ignore_index
     out_of_range = valid & ((flat_target < 0) | (flat_target >= v))
-    # One host sync for both: the error check, and whether the compact order is the identity
-    # (every row counts), which lets the kernels read A by whole blocks.
-    any_out_of_range, all_valid = torch.stack([out_of_range.any(), valid.all()]).tolist()
-    if any_out_of_range:
-        bad = int(flat_target[out_of_range][0])
-        raise ValueError(
-            f"target holds {bad}, outside [0, {v}) and not ignore_index={ignore_index}"
-        )
 
     if a.shape[0] == 0:
         # Nothing to compute, but keep the graph: gradients are zeros of the right shapes.
@@ -249,18 +241,30 @@ def linear_cross_entropy(
             loss_tok = loss_tok + linear_bias[:0].float().sum()
         lse = loss_tok.detach()
     else:
+        flags = torch.stack([out_of_range.any(), valid.all()])
         rows = engine.compact_rows(valid)
         compact_target = torch.where(_valid_positions(rows, a.shape[0]),
                                      flat_target[rows.index], -1)
-        rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
-                    identity=bool(all_valid))
         class_weight = weight.float() if weight is not None else None
         if class_weight is not None:
-            w_y = torch.where(compact_target >= 0, class_weight[compact_target.clamp(min=0)], 0.0)
+            # Clamped: an out-of-range target must not index out of bounds before the check.
+            picked = class_weight[compact_target.clamp(0, v - 1)]
+            w_y = torch.where(compact_target >= 0, picked, 0.0)
         else:
             w_y = (compact_target >= 0).float()
         eps = resolve_filter_eps(filter_eps, input.dtype) if backend == "triton" else None
         order = _resolve_vocab_order(vocab_order, a, b, linear_bias, valid, eps, backend)
+        # One host sync, once the work above is queued (the GPU keeps busy while the host
+        # waits): the error check, and whether the compact order is the identity (every row
+        # counts), which lets the kernels read A by whole blocks.
+        any_out_of_range, all_valid = flags.tolist()
+        if any_out_of_range:
+            bad = int(flat_target[out_of_range][0])
+            raise ValueError(
+                f"target holds {bad}, outside [0, {v}) and not ignore_index={ignore_index}"
+            )
+        rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
+                    identity=bool(all_valid))
         params = _Params(
             rows=rows, softcap=softcap, col_order=order, class_weight=class_weight,
             target_weight=w_y, label_smoothing=float(label_smoothing), z_loss=float(z_loss),
