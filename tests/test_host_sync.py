@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import requires_cuda
 
 import fusedloss
-from helpers import requires_cuda
 
 CALLS = {
     "clip": lambda x, y: fusedloss.clip_loss(x, y, 1 / 0.07),
