@@ -562,8 +562,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
-    counts = torch.nn.functional.pad(live, (0, n_slabs * slab - n_ct)).view(n_rb, n_slabs, slab)
-    counts = torch.cat([rows.n_valid.view(1), counts.sum(dim=(0, 2))])
+    by_slab = torch.nn.functional.pad(live, (0, n_slabs * slab - n_ct)).view(n_rb, n_slabs, slab)
+    host_needs = torch.cat([rows.n_valid.view(1), by_slab.sum(dim=(0, 2))])  # read below
 
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
     rank1 = coef.uniform is not None and not uniform_in_tiles
@@ -592,7 +592,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     # One host sync, after everything above is queued: the number of valid rows and each slab's
     # live count pick the grid and the dense or sparse path. (No torch.tensor(…, device=…)
     # anywhere on this path: a copy from pageable host memory would be a sync of its own.)
-    host = counts.tolist()
+    host = host_needs.tolist()
     n_valid, slab_live = host[0], host[1:]
     n_valid_blocks = triton_cdiv(n_valid, bm)
     first_a = True
