@@ -301,12 +301,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     part_max = torch.full((splits, n), float("-inf"), **f32)
     part_sum = torch.zeros((splits, n), **f32)
     has_target = rows.target is not None
-    # With column statistics (targets on the diagonal, no column order), the target logits come
-    # from a second launch over the few tiles that hold them: in the main loop their test costs
-    # registers on every tile.
-    target_pass = has_target and col_stats and logits.col_order is None
-    part_target = (torch.zeros((1 if target_pass else splits, n), **f32) if has_target
-                   else part_sum)
+    part_target = torch.zeros((splits, n), **f32) if has_target else part_sum
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
     tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
@@ -317,7 +312,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     dummy = part_sum
     a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                          cfg.block_k)
-    head = (
+    _lse_forward_kernel[(groups, splits)](
         a, b, a_desc, b_desc,
         logits.bias if logits.bias is not None else dummy,
         logits.scale if logits.scale is not None else dummy,
@@ -328,29 +323,17 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         part_max, part_sum, part_target, part_wsum, tiles,
         col_max if col_stats else dummy, col_sum if col_stats else dummy,
         col_tiles if col_stats else dummy,
-        n, v, d, a.stride(0), b.stride(0),
-    )
-    flags = dict(
+        n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
         HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
         SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
-        HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
-        DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
-        # One exponential per entry for both directions; fp32 inputs keep two (a few ulps
-        # closer to PyTorch's fp32 softmax, which is what their tolerance measures).
-        FACTORED=a.dtype != torch.float32,
+        HAS_TARGET=has_target, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
+        RECORD_TILES=record_tiles, COL_STATS=col_stats, DIAG_MASK=logits.diag_mask,
+        SIGMOID=sigmoid,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
         PRECISE=config.precise_math(a.dtype), USE_TMA=a_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _lse_forward_kernel[(groups, splits)](
-        *head, blocks_per_group, tiles_per_split, n_ct, **flags,
-        HAS_TARGET=has_target and not target_pass, RECORD_TILES=record_tiles,
-        COL_STATS=col_stats, TARGETS_ONLY=False)
-    if target_pass:  # the same tile code, so each X_ii is bitwise the one inside the sums
-        _lse_forward_kernel[(n_rb, 1)](
-            *head, 1, n_ct, n_ct, **flags,
-            HAS_TARGET=True, RECORD_TILES=False, COL_STATS=False, TARGETS_ONLY=True)
     valid = torch.arange(n, device=a.device) < rows.n_valid
     target_logit = part_target.sum(dim=0) if has_target else None
     if sigmoid:

@@ -9,18 +9,12 @@ column tiles of split c" and visits it row block by row block, tile by tile:
 - per row it keeps an online (max, sum) over its tiles and writes one partial per split;
 - with ``COL_STATS`` it also folds each tile into a per-column (max, sum) partial of its group
   (a read-modify-write of BLOCK_N pairs that only this program touches): both directions of a
-  symmetric contrastive loss come from one pass over the tiles. With ``FACTORED`` one
-  exponential per entry serves both directions (``_fold_columns_factored``);
+  symmetric contrastive loss come from one pass over the tiles;
 - it records, per (row block, column tile), the largest log-mass log Σ_{j∈tile} exp(X_rj) over
   the block's rows (and with ``COL_STATS`` the largest log Σ_{r∈block} exp(X_rj) over the tile's
   columns): the backward turns these into safe skipping decisions (``filtering.py``).
 
 The host combines the partials (a log-sum-exp over a few dozen entries per row or column).
-
-``TARGETS_ONLY`` is a second, small launch of the same kernel for the symmetric losses: it
-visits only the tiles that hold each row block's targets (the diagonal ones) and writes the
-target logits, bitwise the X_ii of the main pass. Testing every tile of the main pass for
-targets cost registers that made the one-warpgroup 128 × 128 tile spill.
 
 ``SIGMOID`` switches the statistic to the pairwise sigmoid loss of SigLIP: per row the sum
 Σ_j softplus(−z_ij X_ij) with z = +1 at the row's target and −1 elsewhere.
@@ -57,8 +51,6 @@ def _lse_forward_kernel(
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_WSUM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
     COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
-    FACTORED: tl.constexpr,      # column sums from the row exponentials (_fold_columns_factored)
-    TARGETS_ONLY: tl.constexpr,  # visit only the tiles holding the block's targets; targets only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -86,12 +78,7 @@ def _lse_forward_kernel(
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
         weighted_sum = tl.zeros((BLOCK_M,), tl.float32)
 
-        t_lo = tile_begin
-        t_hi = tile_end
-        if TARGETS_ONLY:  # the tiles between the block's first and last target (no column order)
-            t_lo = tl.maximum(t_lo, tl.min(tl.where(target >= 0, target, V), axis=0) // BLOCK_N)
-            t_hi = tl.minimum(t_hi, tl.max(target, axis=0) // BLOCK_N + 1)
-        for t in range(t_lo, t_hi):
+        for t in range(tile_begin, tile_end):
             offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
             m_cols = offs_n < V
             if HAS_ORDER:
@@ -114,12 +101,12 @@ def _lse_forward_kernel(
                              float("-inf"), x)
             y = x  # SIGMOID: −z·X, z = +1 at the target
             if HAS_TARGET:
-                # Which is faster depends on what else the tile carries (measured on an H100):
-                # for the sigmoid loss, test once whether the tile holds any of the block's
-                # targets (most tiles don't); for the LM head's row statistics, the masked sum
-                # on every tile is 15% faster than the branch. (Column statistics take their
-                # targets from a separate pass over the few tiles that hold them: TARGETS_ONLY.)
-                if SIGMOID:
+                # Which is faster depends on what else the tile carries (registers spill
+                # either way; measured on an H100): with column statistics or the sigmoid loss,
+                # test once whether the tile holds any of the block's targets (most tiles
+                # don't); for the LM head's row statistics, the masked sum on every tile is 15%
+                # faster than the branch.
+                if COL_STATS or SIGMOID:
                     if _may_hold(target, t, BLOCK_N, HAS_ORDER):
                         hit = _is_target(target, cols, t, BLOCK_N, HAS_ORDER) & m_cols[None, :]
                         target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
@@ -129,52 +116,10 @@ def _lse_forward_kernel(
                     hit = _is_target(target, cols, t, BLOCK_N, HAS_ORDER) & m_cols[None, :]
                     target_logit += tl.sum(tl.where(hit, x, 0.0), axis=1)
 
-            if TARGETS_ONLY:
-                pass
-            elif SIGMOID:
+            if SIGMOID:
                 # softplus(y): max(y, 0) + log1p(exp(−|y|)), exact in the tails.
                 softplus = tl.maximum(y, 0.0) + log1p_exp_neg(tl.abs(y), PRECISE)
                 row_sum += tl.sum(tl.where(m_cols[None, :], softplus, 0.0), axis=1)
-            elif COL_STATS and FACTORED:
-                # One exponential per entry serves both directions: e = exp(X − m_i) with the
-                # tile's row maxima m_i; the column sums are Σ_i e_ij · exp(m_i − M) (M: the
-                # tile's max), the rows' online sums take Σ_j e_ij rescaled to the running max.
-                tile_max = tl.max(x, axis=1)
-                safe_tile = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-                e = exp(x - safe_tile[:, None], PRECISE)
-                tile_sum = tl.sum(e, axis=1)
-                new_max = tl.maximum(row_max, tile_max)
-                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-                row_sum = (row_sum * exp(row_max - safe_max, PRECISE)
-                           + tile_sum * exp(tile_max - safe_max, PRECISE))
-                row_max = new_max
-                if RECORD_TILES:
-                    tile_mass = tl.where(m_rows, tile_max + tl.log(tile_sum), float("-inf"))
-                    tl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64),
-                             tl.max(tile_mass, axis=0))
-                folded = _fold_columns_factored(e, tile_max, m_rows, m_cols, offs_n, pid_g, rb,
-                                                t, V, n_col_tiles, col_max_ptr, col_sum_ptr,
-                                                col_tile_stat_ptr, RECORD_TILES, PRECISE)
-                if not folded:
-                    # Some column's entries all lie far below the tile's max: form the tile
-                    # again (bitwise the same logits) and fold it with per-column maxima.
-                    if USE_TMA:
-                        raw = dot_tile_tma(a_desc, b_desc, rb * BLOCK_M, t * BLOCK_N, D,
-                                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, PRECISION,
-                                           PRECISE)
-                    else:
-                        raw = dot_tile(a_ptr, b_ptr, rows, cols, m_rows, m_cols, stride_a,
-                                       stride_b, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32,
-                                       PRECISION, PRECISE)
-                    x = logits_from_dot(raw, bias_ptr, cols, m_cols, scale, HAS_BIAS,
-                                        HAS_SCALE, SOFTCAP, ROUND, PRECISE)
-                    x = tl.where(m_cols[None, :], x, float("-inf"))
-                    if DIAG_MASK:
-                        x = tl.where(rows.to(tl.int32)[:, None] == cols.to(tl.int32)[None, :],
-                                     float("-inf"), x)
-                    _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
-                                  col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES,
-                                  PRECISE)
             else:
                 new_max = tl.maximum(row_max, tl.max(x, axis=1))
                 safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -189,7 +134,7 @@ def _lse_forward_kernel(
                     _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
                                   col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES,
                                   PRECISE)
-            if HAS_WSUM and not TARGETS_ONLY:
+            if HAS_WSUM:
                 xw = tl.where(m_cols[None, :], x, 0.0)
                 if HAS_COL_WEIGHT:
                     w = tl.load(col_weight_ptr + cols, mask=m_cols, other=0.0)
@@ -197,13 +142,12 @@ def _lse_forward_kernel(
                 weighted_sum += tl.sum(xw, axis=1)
 
         out = pid_s.to(tl.int64) * N + offs_m
-        if not TARGETS_ONLY:
-            if not SIGMOID:
-                tl.store(max_out_ptr + out, row_max, mask=m_rows)
-            tl.store(sum_out_ptr + out, row_sum, mask=m_rows)
+        if not SIGMOID:
+            tl.store(max_out_ptr + out, row_max, mask=m_rows)
+        tl.store(sum_out_ptr + out, row_sum, mask=m_rows)
         if HAS_TARGET:
             tl.store(target_out_ptr + out, target_logit, mask=m_rows)
-        if HAS_WSUM and not TARGETS_ONLY:
+        if HAS_WSUM:
             tl.store(wsum_out_ptr + out, weighted_sum, mask=m_rows)
 
 
@@ -257,40 +201,3 @@ def _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
     # The next row block of this program reads these partials back: make the stores visible
     # to every thread of the block whatever layout the compiler picks.
     tl.debug_barrier()
-
-
-@triton.jit
-def _fold_columns_factored(e, tile_max, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
-                           col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
-                           RECORD_TILES: tl.constexpr, PRECISE: tl.constexpr):
-    """``_fold_columns`` from the row exponentials e_ij = exp(X_ij − m_i) (m_i: row i's max in
-    the tile), without a second exponential per entry: Σ_i exp(X_ij − M) = Σ_i e_ij · w_i with
-    w_i = exp(m_i − M), M = max_i m_i, and M serves as every column's reference.
-
-    The sums are exact to a few ulps unless one underflows, which needs all of a column's
-    entries to lie far below M. Then nothing is written and it returns False: the caller folds
-    the tile with per-column maxima instead. The threshold, Σ ≥ 2⁻⁶⁰, keeps each column's
-    reference within ≈ 46 of its true max (Σ ≤ BLOCK_M · exp(max_j − M)), so the backward's
-    exp(X − reference) stays far above fp32's underflow for every entry that matters.
-    """
-    tile_max = tl.where(m_rows, tile_max, float("-inf"))
-    big = tl.max(tile_max, axis=0)
-    safe_big = tl.where(big == float("-inf"), 0.0, big)
-    w = exp(tile_max - safe_big, PRECISE)
-    tile_sum = tl.sum(e * w[:, None], axis=0)
-    weak = m_cols & (tile_sum < 8.673617379884035e-19)  # 2⁻⁶⁰ (NaN is not weak: it propagates)
-    folded = tl.max(weak.to(tl.int32), axis=0) == 0
-    if folded:
-        if RECORD_TILES:
-            mass = big + tl.log(tl.max(tl.where(m_cols, tile_sum, 0.0), axis=0))
-            tl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64), mass)
-        ptrs = pid_g.to(tl.int64) * V + offs_n
-        old_max = tl.load(col_max_ptr + ptrs, mask=m_cols, other=float("-inf"))
-        old_sum = tl.load(col_sum_ptr + ptrs, mask=m_cols, other=0.0)
-        new_max = tl.maximum(old_max, big)
-        safe_new = tl.where(new_max == float("-inf"), 0.0, new_max)
-        new_sum = (old_sum * exp(old_max - safe_new, PRECISE)
-                   + tile_sum * exp(big - safe_new, PRECISE))
-        tl.store(col_max_ptr + ptrs, new_max, mask=m_cols)
-        tl.store(col_sum_ptr + ptrs, new_sum, mask=m_cols)
-    return folded
