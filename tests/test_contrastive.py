@@ -1128,9 +1128,8 @@ def test_clip_column_far_below_its_tile_is_folded_exactly():
     texts = images.clone()
     texts[5] = F.normalize(torch.randn(d, generator=gen), dim=-1)
     images, texts = images.bfloat16(), texts.bfloat16()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    a = images.to(device, copy=True).requires_grad_()
-    b = texts.to(device, copy=True).requires_grad_()
+    a = images.to(DEVICE, copy=True).requires_grad_()
+    b = texts.to(DEVICE, copy=True).requires_grad_()
     ours = fusedloss.clip_loss(a, b, 100.0, reduction="sum", backend="triton")
     ours.backward()
     a64 = images.double().requires_grad_()
