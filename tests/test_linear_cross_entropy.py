@@ -763,3 +763,25 @@ def test_huge_logits_stay_finite(backend, dtype):
     ours = run_ours(case, problem, backend)
     check_invariants(case, problem, ours)
     assert ours.lse.abs().max() > 1000
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [pytest.param(t, id=n) for n, t in DTYPES.items()])
+@pytest.mark.parametrize("softcap", [None, 300.0], ids=["plain", "softcap"])
+def test_confident_tokens_lose_exactly_zero(backend, dtype, softcap):
+    """A token whose target logit beats every other by ~50 has loss e^-50 ≈ 0 in fp32: LSE and
+    target logit must be the same rounded number. The Triton backend takes the target logits
+    from a launch of their own; a value one ulp off the forward tile's would show here."""
+    g = torch.Generator().manual_seed(3)
+    v, d, n = 300, 64, 70
+    weight = F.normalize(torch.randn(v, d, generator=g), dim=1)
+    target = torch.randint(0, v, (n,), generator=g)
+    # X[i, target] = 100; the others 100·cos(w_t, w_j), cosines of random directions (< 0.6).
+    hidden = 100 * weight[target]
+    x = hidden @ weight.T
+    margin = x.gather(1, target[:, None]).squeeze(1) - x.scatter(1, target[:, None], -1e9).amax(1)
+    assert margin.min() > 40
+    loss = fusedloss.linear_cross_entropy(
+        hidden.to(DEVICE, dtype), weight.to(DEVICE, dtype), target.to(DEVICE),
+        reduction="none", softcap=softcap, backend=backend)
+    assert (loss == 0).all(), f"confident tokens: max loss {loss.max().item():.3e}, expected 0"

@@ -288,7 +288,7 @@ def triton_cdiv(x: int, y: int) -> int:
 
 def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
                       record_tiles) -> RowStats:
-    from .lse_forward import _lse_forward_kernel
+    from .lse_forward import _lse_forward_kernel, _target_logit_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
     _check_ids(n, v)
@@ -301,7 +301,10 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     part_max = torch.full((splits, n), float("-inf"), **f32)
     part_sum = torch.zeros((splits, n), **f32)
     has_target = rows.target is not None
-    part_target = torch.zeros((splits, n), **f32) if has_target else part_sum
+    # The sigmoid loss needs each tile's targets (they flip sign); the others take the target
+    # logits from a launch of their own (_target_logit_kernel), bit for bit the tiles' values.
+    target_in_tiles = has_target and sigmoid
+    part_target = torch.zeros((splits, n), **f32) if target_in_tiles else part_sum
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
     tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
@@ -326,7 +329,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
         HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
         SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
-        HAS_TARGET=has_target, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
+        HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
         RECORD_TILES=record_tiles, COL_STATS=col_stats, DIAG_MASK=logits.diag_mask,
         SIGMOID=sigmoid,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -334,8 +337,24 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         PRECISE=config.precise_math(a.dtype), USE_TMA=a_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    target_logit = None
+    if target_in_tiles:
+        target_logit = part_target.sum(dim=0)
+    elif has_target:
+        target_logit = torch.empty(n, **f32)
+        _target_logit_kernel[(triton_cdiv(n, cfg.block_m),)](
+            a, b, logits.bias if logits.bias is not None else dummy,
+            logits.scale if logits.scale is not None else dummy,
+            rows.index, rows.n_valid, rows.target, target_logit,
+            n, d, a.stride(0), b.stride(0),
+            HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
+            SOFTCAP=float(logits.softcap or 0.0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
+            PRECISE=config.precise_math(a.dtype), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     valid = torch.arange(n, device=a.device) < rows.n_valid
-    target_logit = part_target.sum(dim=0) if has_target else None
     if sigmoid:
         zeros = torch.zeros(n, **f32)
         return RowStats(lse=zeros, max=zeros, log_sum=zeros, target_logit=target_logit,
