@@ -20,9 +20,25 @@ from fusedloss.core import engine
 from fusedloss.core.filtering import (
     AUTO_FILTER_EPS,
     live_tiles,
+    live_tiles_into,
     mark_targets_live,
     resolve_filter_eps,
 )
+
+# The PyTorch rule and its one-launch Triton form (the engine's), where Triton can run.
+IMPLS = ["torch", "triton"] if can_run_triton() else ["torch"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_live(impl, tile_log_mass, lse, n_valid, block, eps, scale=None):
+    """The live mask by either implementation, on the CPU."""
+    if impl == "torch" or eps is None:
+        return live_tiles(tile_log_mass, lse, torch.tensor(n_valid), block, eps, scale)
+    args = [t.to(DEVICE) for t in (tile_log_mass, lse)]
+    out = torch.empty(tile_log_mass.shape, dtype=torch.bool, device=DEVICE)
+    live_tiles_into(out, *args, torch.tensor(n_valid, device=DEVICE), block, eps,
+                    scale.to(DEVICE) if scale is not None else None)
+    return out.cpu()
 
 # ---------------------------------------------------------------------------------------------
 # hand-built tile statistics
@@ -85,13 +101,14 @@ SLACK = 1e-4
     regime=st.sampled_from(["flat", "peaked", "sharp"]),
     eps=st.sampled_from([1e-9, 2.0**-15, 2.0**-12, 2.0**-7, 0.1, 0.5, 1.0]),
     seed=st.integers(0, 2**16),
+    impl=st.sampled_from(IMPLS),
 )
 def test_live_tiles_drop_at_most_eps_per_row(n, v, block_m, block_n, valid_fraction, regime,
-                                              eps, seed):
+                                              eps, seed, impl):
     logits = make_logits(n, v, regime, seed)
     n_valid = int(valid_fraction * n)
     tile_log_mass, lse = tile_statistics(logits, n_valid, block_m, block_n)
-    live = live_tiles(tile_log_mass, lse, torch.tensor(n_valid), block_m, eps)
+    live = run_live(impl, tile_log_mass, lse, n_valid, block_m, eps)
     assert live.shape == tile_log_mass.shape and live.dtype == torch.bool
     dropped = dropped_mass(logits, live, n_valid, block_m, block_n)
     worst = dropped.max().item() if n_valid else 0.0
@@ -100,13 +117,14 @@ def test_live_tiles_drop_at_most_eps_per_row(n, v, block_m, block_n, valid_fract
     assert not live[~blocks_with_rows].any(), "a block without valid rows must keep no tile"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("regime", ["flat", "peaked", "sharp"])
-def test_live_tiles_keep_everything_on_flat_logits_and_skip_on_peaked(regime):
+def test_live_tiles_keep_everything_on_flat_logits_and_skip_on_peaked(regime, impl):
     """The bound is not vacuous: peaked softmaxes skip most tiles, flat ones keep all."""
     n, v, block_m, block_n, eps = 64, 512, 16, 16, 2.0**-12
     logits = make_logits(n, v, regime, seed=0)
     tile_log_mass, lse = tile_statistics(logits, n, block_m, block_n)
-    live = live_tiles(tile_log_mass, lse, torch.tensor(n), block_m, eps)
+    live = run_live(impl, tile_log_mass, lse, n, block_m, eps)
     fraction = live.float().mean().item()
     if regime == "flat":
         assert fraction == 1.0
@@ -122,14 +140,51 @@ def test_live_tiles_keep_everything_on_flat_logits_and_skip_on_peaked(regime):
     seed=st.integers(0, 2**16),
     eps_small=st.sampled_from([1e-9, 2.0**-15, 2.0**-12]),
     eps_large=st.sampled_from([2.0**-7, 0.1, 1.0]),
+    impl=st.sampled_from(IMPLS),
 )
-def test_live_tiles_monotone_in_eps(regime, seed, eps_small, eps_large):
+def test_live_tiles_monotone_in_eps(regime, seed, eps_small, eps_large, impl):
     """A larger eps never brings a skipped tile back."""
     logits = make_logits(37, 300, regime, seed)
     stats = tile_statistics(logits, 37, 16, 16)
-    small = live_tiles(*stats, torch.tensor(37), 16, eps_small)
-    large = live_tiles(*stats, torch.tensor(37), 16, eps_large)
+    small = run_live(impl, *stats, 37, 16, eps_small)
+    large = run_live(impl, *stats, 37, 16, eps_large)
     assert not (large & ~small).any()
+
+
+@pytest.mark.skipif("triton" not in IMPLS, reason="needs Triton")
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n_valid", [5, 37, 48])
+def test_triton_rule_agrees_with_torch_rows_then_columns(seed, n_valid):
+    """The engine's one-launch masks equal the PyTorch rule on untied bounds: rows with a
+    per-row budget scale, then the column direction OR-ed in through the transposed view,
+    leaving row blocks without valid rows dead."""
+    n, v, block_m, block_n, eps = 48, 200, 16, 8, 0.1
+    logits = make_logits(n, v, "peaked", seed)
+    tile_log_mass, lse = tile_statistics(logits, n_valid, block_m, block_n)
+    scale = 0.5 + 0.5 * torch.rand(n_valid, generator=torch.Generator().manual_seed(seed))
+    # Column statistics: the same construction on (v, n) logits of their own, every column
+    # peaked on the last row, so the column direction keeps the last row block (which holds
+    # no valid row when n_valid = 5: it must stay dead) and skips the others.
+    col_logits = make_logits(v, n, "flat", seed)
+    col_logits[:, n - 1] += 60.0
+    col_stat, col_lse = tile_statistics(col_logits, v, block_n, block_m)
+    col_stat = col_stat.T.contiguous()  # (row blocks, column tiles), as the forward stores it
+    n_rb, n_ct = tile_log_mass.shape
+    col_lse = col_lse[: n_ct * block_n]
+
+    expected = live_tiles(tile_log_mass, lse, torch.tensor(n_valid), block_m, eps, scale)
+    by_cols = live_tiles(col_stat.T.contiguous(), col_lse, torch.tensor(v), block_n, eps).T
+    row_ok = (torch.arange(n_rb) * block_m < n_valid)[:, None]
+    expected = (expected | by_cols) & row_ok
+
+    d = DEVICE
+    live = torch.empty((n_rb, n_ct), dtype=torch.bool, device=d)
+    live_tiles_into(live, tile_log_mass.to(d), lse.to(d), torch.tensor(n_valid, device=d),
+                    block_m, eps, scale.to(d))
+    live_tiles_into(live.T, col_stat.to(d).T, col_lse.to(d), v, block_n, eps, accumulate=True,
+                    tile_rows=block_m, tile_limit=torch.tensor(n_valid, device=d))
+    assert torch.equal(live.cpu(), expected)
+    assert not expected.all() and expected.any(), "the case should skip some tiles, not all"
 
 
 @pytest.mark.parametrize("n_valid", [0, 1, 16, 17, 37])
@@ -141,25 +196,27 @@ def test_eps_none_keeps_every_tile_of_blocks_with_valid_rows(n_valid):
     assert torch.equal(live, expected)
 
 
-def test_nan_statistics_keep_their_tiles():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_statistics_keep_their_tiles(impl):
     """NaN (a NaN input row) never licenses a skip: the whole block stays live."""
     logits = make_logits(32, 256, "sharp", seed=2)
     tile_log_mass, lse = tile_statistics(logits, 32, 16, 16)
-    assert not live_tiles(tile_log_mass, lse, torch.tensor(32), 16, 0.5).all()
+    assert not run_live(impl, tile_log_mass, lse, 32, 16, 0.5).all()
     nan_lse = lse.clone()
     nan_lse[3] = float("nan")  # block 0
-    live = live_tiles(tile_log_mass, nan_lse, torch.tensor(32), 16, 0.5)
+    live = run_live(impl, tile_log_mass, nan_lse, 32, 16, 0.5)
     assert live[0].all()
     nan_stat = tile_log_mass.clone()
     nan_stat[1, 2] = float("nan")
-    assert live_tiles(nan_stat, lse, torch.tensor(32), 16, 0.5)[1, 2]
+    assert run_live(impl, nan_stat, lse, 32, 16, 0.5)[1, 2]
 
 
-def test_empty_tiles_are_skipped():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_tiles_are_skipped(impl):
     """A tile with no mass at all (−inf statistics) is skipped for any eps > 0."""
     tile_log_mass = torch.tensor([[0.0, -math.inf, 0.0]])
     lse = torch.full((4,), math.log(2.0))
-    live = live_tiles(tile_log_mass, lse, torch.tensor(4), 4, 1e-9)
+    live = run_live(impl, tile_log_mass, lse, 4, 4, 1e-9)
     assert live.tolist() == [[True, False, True]]
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import config
-from .filtering import live_tiles, mark_targets_live
+from .filtering import live_tiles, live_tiles_into, mark_targets_live
 
 
 @dataclass(frozen=True)
@@ -565,10 +565,10 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     nested = fm > 0 and fm % bm == 0 and fn % bn == 0
     if stats.tile_log_mass is not None and nested and eps is not None:
         lse = _pad(stats.lse, stats.tile_log_mass.shape[0] * fm)
-        live = live_tiles(stats.tile_log_mass, lse, rows.n_valid, fm, eps, filter_scale[0])
+        live = torch.empty(stats.tile_log_mass.shape, dtype=torch.bool, device=dev)
+        live_tiles_into(live, stats.tile_log_mass, lse, rows.n_valid, fm, eps, filter_scale[0])
         if coef.col is not None:
-            live = _with_live_columns(live, stats, rows, logits.col_order, v, fm, eps,
-                                      filter_scale[1])
+            _add_live_columns(live, stats, rows, logits.col_order, v, fm, eps, filter_scale[1])
         live = live.repeat_interleave(fm // bm, dim=0)[:n_rb]
         live = live.repeat_interleave(fn // bn, dim=1)[:, :n_ct]
         row_ok = torch.arange(n_rb * bm, device=dev) < rows.n_valid
@@ -712,25 +712,25 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     )
 
 
-def _with_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm: int, eps,
-                       col_scale):
-    """Adds the tiles that some column needs (its column-softmax mass is not negligible).
+def _add_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm: int, eps,
+                      col_scale) -> None:
+    """Adds to ``live`` the tiles that some column needs (its column-softmax mass is not
+    negligible), in row blocks that hold valid rows.
 
     A tile is skipped only when both its rows and its columns can afford it, so each row and
     each column still loses at most ``eps`` of its mass.
     """
-    if eps is None or stats.col_tile_log_mass is None:
-        return live
+    if stats.col_tile_log_mass is None:
+        return
     bn = stats.block_n
-    n_rb, n_ct = live.shape
+    n_ct = live.shape[1]
     col_lse = stats.col_lse if col_order is None else stats.col_lse[col_order]  # by position
     col_lse = _pad(col_lse, n_ct * bn)
     if col_scale is not None and col_order is not None:
         col_scale = col_scale[col_order]
-    by_cols = live_tiles(stats.col_tile_log_mass.T.contiguous(), col_lse, v, bn, eps,
-                         col_scale).T
-    row_ok = torch.arange(n_rb * bm, device=live.device) < rows.n_valid
-    return (live | by_cols) & row_ok.view(n_rb, bm).any(dim=1)[:, None]
+    # The column direction is the row direction of the transposed statistics.
+    live_tiles_into(live.T, stats.col_tile_log_mass.T, col_lse, v, bn, eps, col_scale,
+                    accumulate=True, tile_rows=bm, tile_limit=rows.n_valid)
 
 
 def _is_identity(index: torch.Tensor) -> bool:

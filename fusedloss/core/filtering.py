@@ -24,6 +24,10 @@ keeps a relative error ≤ ε.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from .logits import exp
 
 # Probability mass a row may lose, by input dtype: a fraction of one ulp of the dtype, so the
 # dropped mass stays below the rounding the gradient gets anyway when it is stored.
@@ -102,3 +106,92 @@ def mark_targets_live(
     marks = torch.zeros(live.numel(), dtype=torch.uint8, device=live.device)
     marks.scatter_reduce_(0, flat, has.to(torch.uint8), reduce="amax")
     live |= marks.view_as(live).bool()
+
+
+def live_tiles_into(
+    out: torch.Tensor,  # (blocks, tiles) bool, written (or OR-ed into with ``accumulate``)
+    tile_log_mass: torch.Tensor,  # (blocks, tiles) fp32, any strides
+    lse: torch.Tensor,  # (blocks * block,) fp32
+    n_valid: torch.Tensor | int,  # () int64 on the device, or a host int
+    block: int,
+    eps: float,
+    scale: torch.Tensor | None = None,
+    *,
+    accumulate: bool = False,
+    tile_rows: int = 0,  # with ``accumulate``: tile t counts only if t * tile_rows < tile_limit
+    tile_limit: torch.Tensor | None = None,
+) -> None:
+    """``live_tiles`` in one Triton launch (one program per block), where the PyTorch version
+    issues ~25 small operations: on a short call the host's time to issue them, not the GPU,
+    was the limit. Same bound, same guarantee; where bounds tie at the threshold this keeps
+    every tied tile (PyTorch's sort may skip some of them), so it never skips more.
+    ``out`` may be a transposed view (the column direction); ``accumulate`` ORs into it."""
+    from . import config
+
+    n_blocks, n_tiles = tile_log_mass.shape
+    block_t = max(2, triton.next_power_of_2(n_tiles))
+    flat = out.view(torch.uint8)
+    from_ptr = isinstance(n_valid, torch.Tensor)
+    _live_tiles_kernel[(n_blocks,)](
+        tile_log_mass, tile_log_mass.stride(0), tile_log_mass.stride(1),
+        lse, n_valid if from_ptr else lse, 0 if from_ptr else int(n_valid),
+        scale if scale is not None else lse, scale.numel() if scale is not None else 0,
+        flat, flat.stride(0), flat.stride(1),
+        tile_limit if tile_limit is not None else lse, n_tiles, float(eps),
+        BLOCK=block, BLOCK_T=block_t, N_VALID_PTR=from_ptr, HAS_SCALE=scale is not None,
+        ACCUMULATE=accumulate, TILE_ROWS=tile_rows,
+        PRECISE=not config.interpreting(), num_warps=8 if block_t >= 2048 else 4,
+    )
+
+
+@triton.jit
+def _live_tiles_kernel(
+    stat_ptr, stride_sb, stride_st,  # (blocks, tiles) fp32 log-mass statistics
+    lse_ptr,                         # (blocks * BLOCK,) fp32
+    n_valid_ptr, n_valid_int,        # valid rows: a () int64 on the device or a host int
+    scale_ptr, n_scale,              # (n_scale,) per-row factor on eps; 1 beyond n_scale
+    live_ptr, stride_lb, stride_lt,  # (blocks, tiles) uint8 out
+    tile_limit_ptr,                  # () int64: tiles t with t * TILE_ROWS >= it stay as they are
+    n_tiles, eps,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, N_VALID_PTR: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, TILE_ROWS: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    if N_VALID_PTR:
+        n_valid = tl.load(n_valid_ptr)
+    else:
+        n_valid = n_valid_int
+    offs_r = b * BLOCK + tl.arange(0, BLOCK)
+    valid = offs_r < n_valid
+    lse = tl.load(lse_ptr + offs_r, mask=valid, other=float("inf"))
+    has_rows = tl.max(valid.to(tl.int32), axis=0) > 0
+    # A NaN LSE (a NaN input row) licenses no skip in its block.
+    nan_row = tl.max((valid & (lse != lse)).to(tl.int32), axis=0) > 0
+    min_lse = tl.min(tl.where(valid, lse, float("inf")), axis=0)
+    budget = eps
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + offs_r, mask=valid & (offs_r < n_scale), other=1.0)
+        s = tl.where(s != s, 0.0, s)
+        budget = eps * tl.min(tl.where(valid, s, float("inf")), axis=0)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    in_range = offs_t < n_tiles
+    stat = tl.load(stat_ptr + b * stride_sb + offs_t.to(tl.int64) * stride_st, mask=in_range,
+                   other=float("inf"))
+    bound = exp(stat - min_lse, PRECISE)  # ≥ every valid row's mass in the tile
+    # Skip the smallest bounds while their running sum stays within the budget: every tile
+    # below the first sorted bound whose running sum exceeds it (NaN sorts as +inf: kept).
+    key = tl.where(bound == bound, bound, float("inf"))
+    ordered = tl.sort(key)
+    running = tl.cumsum(ordered, 0)
+    threshold = tl.min(tl.where(running > budget, ordered, float("inf")), axis=0)
+    live = ~(bound < threshold) | nan_row
+    live = live & has_rows
+    ptrs = live_ptr + b * stride_lb + offs_t.to(tl.int64) * stride_lt
+    m_out = in_range
+    if ACCUMULATE:
+        live = live | (tl.load(ptrs, mask=in_range, other=0) != 0)
+    if TILE_ROWS > 0:
+        m_out = m_out & (offs_t * TILE_ROWS < tl.load(tile_limit_ptr))
+    tl.store(ptrs, live.to(tl.uint8), mask=m_out)
