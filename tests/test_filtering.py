@@ -16,7 +16,7 @@ from helpers import can_run_triton
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fusedloss.core import engine
+from fusedloss.core import engine, filtering
 from fusedloss.core.filtering import (
     AUTO_FILTER_EPS,
     live_tiles,
@@ -152,12 +152,17 @@ def test_live_tiles_monotone_in_eps(regime, seed, eps_small, eps_large, impl):
 
 
 @pytest.mark.skipif("triton" not in IMPLS, reason="needs Triton")
+@pytest.mark.parametrize("sorted_in_kernel", [True, False], ids=["kernel", "fallback"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n_valid", [5, 37, 48])
-def test_triton_rule_agrees_with_torch_rows_then_columns(seed, n_valid):
+def test_triton_rule_agrees_with_torch_rows_then_columns(seed, n_valid, sorted_in_kernel,
+                                                         monkeypatch):
     """The engine's one-launch masks equal the PyTorch rule on untied bounds: rows with a
     per-row budget scale, then the column direction OR-ed in through the transposed view,
-    leaving row blocks without valid rows dead."""
+    leaving row blocks without valid rows dead. Also through the fallback for tile counts too
+    large for one program's sort."""
+    if not sorted_in_kernel:
+        monkeypatch.setattr(filtering, "MAX_SORTED_TILES", 1)
     n, v, block_m, block_n, eps = 48, 200, 16, 8, 0.1
     logits = make_logits(n, v, "peaked", seed)
     tile_log_mass, lse = tile_statistics(logits, n_valid, block_m, block_n)

@@ -108,6 +108,10 @@ def mark_targets_live(
     live |= marks.view_as(live).bool()
 
 
+# Largest tile count one program of ``live_tiles_into`` sorts (larger: the PyTorch rule).
+MAX_SORTED_TILES = 16384
+
+
 def live_tiles_into(
     out: torch.Tensor,  # (blocks, tiles) bool, written (or OR-ed into with ``accumulate``)
     tile_log_mass: torch.Tensor,  # (blocks, tiles) fp32, any strides
@@ -130,6 +134,16 @@ def live_tiles_into(
 
     n_blocks, n_tiles = tile_log_mass.shape
     block_t = max(2, triton.next_power_of_2(n_tiles))
+    if block_t > MAX_SORTED_TILES:  # one program's sort would not fit its registers
+        live = live_tiles(tile_log_mass, lse, n_valid, block, eps, scale)
+        if not accumulate:
+            out.copy_(live)
+            return
+        if tile_rows > 0:
+            counted = torch.arange(n_tiles, device=out.device) * tile_rows < tile_limit
+            live &= counted[None, :]
+        out |= live
+        return
     flat = out.view(torch.uint8)
     from_ptr = isinstance(n_valid, torch.Tensor)
     _live_tiles_kernel[(n_blocks,)](
