@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import config
 from .logits import exp
 
 # Probability mass a row may lose, by input dtype: a fraction of one ulp of the dtype, so the
@@ -130,8 +131,6 @@ def live_tiles_into(
     was the limit. Same bound, same guarantee; where bounds tie at the threshold this keeps
     every tied tile (PyTorch's sort may skip some of them), so it never skips more.
     ``out`` may be a transposed view (the column direction); ``accumulate`` ORs into it."""
-    from . import config
-
     n_blocks, n_tiles = tile_log_mass.shape
     block_t = max(2, triton.next_power_of_2(n_tiles))
     if block_t > MAX_SORTED_TILES:  # one program's sort would not fit its registers
