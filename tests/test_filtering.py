@@ -274,6 +274,63 @@ def test_mark_targets_live_ignored_rows_do_not_erase_a_mark():
 
 
 # ---------------------------------------------------------------------------------------------
+# backward_tiles: the forward's mask on the backward's tiles, in one launch
+
+
+def expected_backward_tiles(coarse, factors, n_blocks, n_tiles, block_m, block_n, n_valid,
+                            target_pos):
+    """The same mask from PyTorch operations: expand, keep blocks with valid rows, mark targets."""
+    if coarse is None:
+        live = torch.ones(n_blocks, n_tiles, dtype=torch.bool)
+    else:
+        live = coarse.repeat_interleave(factors[0], dim=0)[:n_blocks]
+        live = live.repeat_interleave(factors[1], dim=1)[:, :n_tiles]
+    live &= (torch.arange(n_blocks) * block_m < n_valid)[:, None]
+    if target_pos is not None:
+        mark_targets_live(live, target_pos, block_m, block_n)
+    return live
+
+
+@pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or TRITON_INTERPRET=1")
+@given(
+    n=st.integers(1, 90),
+    v=st.integers(1, 200),
+    block_m=st.sampled_from([1, 4, 8]),
+    block_n=st.sampled_from([1, 4, 16]),
+    row_factor=st.sampled_from([1, 2, 4]),
+    col_factor=st.sampled_from([1, 2]),
+    has_coarse=st.booleans(),
+    valid_fraction=st.sampled_from([0.0, 0.4, 1.0]),
+    targets=st.sampled_from(["none", "some", "all"]),
+    seed=st.integers(0, 2**16),
+)
+def test_backward_tiles_agrees_with_torch(n, v, block_m, block_n, row_factor, col_factor,
+                                          has_coarse, valid_fraction, targets, seed):
+    """Expansion from coarse tiles, row-block validity and target marks, against the PyTorch
+    composition (``repeat_interleave``, a row mask, ``mark_targets_live``); duplicate targets
+    and ignored rows (−1) included."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks, n_tiles = math.ceil(n / block_m), math.ceil(v / block_n)
+    coarse_shape = (math.ceil(n / (block_m * row_factor)), math.ceil(v / (block_n * col_factor)))
+    coarse = torch.rand(coarse_shape, generator=g) < 0.4 if has_coarse else None
+    n_valid = int(round(valid_fraction * n))
+    target_pos = None
+    if targets != "none":
+        target_pos = torch.randint(0, min(v, 5 if seed % 2 else v), (n,), generator=g)
+        if targets == "some":
+            target_pos[torch.rand(n, generator=g) < 0.5] = -1
+    factors = (row_factor, col_factor) if has_coarse else (1, 1)
+    expected = expected_backward_tiles(coarse, factors, n_blocks, n_tiles, block_m, block_n,
+                                       n_valid, None if target_pos is None else
+                                       torch.where(torch.arange(n) < n_valid, target_pos, -1))
+    got = filtering.backward_tiles(
+        None if coarse is None else coarse.to(DEVICE), factors, n_blocks, n_tiles, block_m,
+        block_n, torch.tensor(n_valid, device=DEVICE),
+        None if target_pos is None else target_pos.to(DEVICE))
+    assert torch.equal(got.cpu(), expected)
+
+
+# ---------------------------------------------------------------------------------------------
 # resolve_filter_eps
 
 

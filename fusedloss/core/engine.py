@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import config
-from .filtering import live_tiles, live_tiles_into, mark_targets_live
+from .filtering import backward_tiles, live_tiles_into
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def triton_cdiv(x: int, y: int) -> int:
 
 def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
                       record_tiles) -> RowStats:
-    from .lse_forward import _lse_forward_kernel, _target_logit_kernel
+    from .lse_forward import _combine_partials_kernel, _lse_forward_kernel, _target_logit_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
     _check_ids(n, v)
@@ -298,8 +298,9 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         n_rb, n_ct, col_stats, a.device, _resident_programs(cfg, a.element_size()))
     record_tiles = record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
-    part_max = torch.full((splits, n), float("-inf"), **f32)
-    part_sum = torch.zeros((splits, n), **f32)
+    # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
+    part_max = torch.empty((splits, n), **f32)
+    part_sum = torch.empty((splits, n), **f32)
     has_target = rows.target is not None
     # The sigmoid loss needs each tile's targets (they flip sign); the others take the target
     # logits from a launch of their own (_target_logit_kernel), bit for bit the tiles' values.
@@ -354,20 +355,30 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             PRECISE=config.precise_math(a.dtype), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    valid = torch.arange(n, device=a.device) < rows.n_valid
     if sigmoid:
+        valid = torch.arange(n, device=a.device) < rows.n_valid
         zeros = torch.zeros(n, **f32)
         return RowStats(lse=zeros, max=zeros, log_sum=zeros, target_logit=target_logit,
                         weighted_sum=None, tile_log_mass=None,
                         sigmoid_sum=torch.where(valid, part_sum.sum(dim=0), 0.0))
-    row_max, row_sum = _combine_partials(part_max, part_sum)
-    row_max, row_sum = torch.where(valid, row_max, 0.0), torch.where(valid, row_sum, 1.0)
-    row_log_sum = torch.log(row_sum)
+    # (max, sum, log sum, lse) per row, and per column id with column statistics.
+    row_out = torch.empty((4, n), **f32)
+    col_out = torch.empty((4, v), **f32) if col_stats else row_out
+    block = 1024 if not config.interpreting() else 64
+    row_programs = triton_cdiv(n, block)
+    _combine_partials_kernel[(row_programs + (triton_cdiv(v, block) if col_stats else 0),)](
+        part_max, part_sum, splits, n, rows.n_valid, row_out,
+        col_max if col_stats else dummy, col_sum if col_stats else dummy,
+        groups if col_stats else 0, v,
+        logits.col_order if logits.col_order is not None else rows.index, col_out,
+        row_programs, COLUMNS=col_stats, HAS_ORDER=logits.col_order is not None, BLOCK=block,
+        PRECISE=not config.interpreting(), num_warps=4,
+    )
     stats = RowStats(
-        lse=row_max + row_log_sum,
-        max=row_max,
-        log_sum=row_log_sum,
-        sum=row_sum,
+        lse=row_out[3],
+        max=row_out[0],
+        log_sum=row_out[2],
+        sum=row_out[1],
         target_logit=target_logit,
         weighted_sum=part_wsum.sum(dim=0) if weighted_sum else None,
         tile_log_mass=tiles if record_tiles else None,
@@ -376,11 +387,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         col_tile_log_mass=col_tiles if col_stats and record_tiles else None,
     )
     if col_stats:
-        top, total = _combine_partials(col_max, col_sum)
-        if logits.col_order is not None:  # partials are by tile position; report by column id
-            top = torch.empty_like(top).index_copy_(0, logits.col_order, top)
-            total = torch.empty_like(total).index_copy_(0, logits.col_order, total)
-        stats.set_columns(top, total)
+        stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = col_out.unbind(0)
     return stats
 
 
@@ -518,6 +525,8 @@ def grads(
         coef.lse, coef.target, coef.uniform, coef.col)))
     if not sigmoid:
         # From here on r·P = (r / sum) · exp(X − max): the backends take r / sum (see RowStats).
+        # (Dividing in the recompute kernel instead, as it loads r, measured 3% slower on CLIP at
+        # b = 65536: two more loads ahead of each tile's exponentials.)
         coef = dataclasses.replace(coef, lse=_over(coef.lse, stats.sum),
                                    col=None if coef.col is None else _over(coef.col, stats.col_sum))
     if backend == "torch":
@@ -563,33 +572,37 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     # The forward's statistics cover (fm × fn) tiles; they bound every (bm × bn) sub-tile.
     fm, fn = stats.block_m, stats.block_n
     nested = fm > 0 and fm % bm == 0 and fn % bn == 0
+    coarse, factors = None, (1, 1)
     if stats.tile_log_mass is not None and nested and eps is not None:
         lse = _pad(stats.lse, stats.tile_log_mass.shape[0] * fm)
-        live = torch.empty(stats.tile_log_mass.shape, dtype=torch.bool, device=dev)
-        live_tiles_into(live, stats.tile_log_mass, lse, rows.n_valid, fm, eps, filter_scale[0])
+        coarse = torch.empty(stats.tile_log_mass.shape, dtype=torch.bool, device=dev)
+        live_tiles_into(coarse, stats.tile_log_mass, lse, rows.n_valid, fm, eps, filter_scale[0])
         if coef.col is not None:
-            _add_live_columns(live, stats, rows, logits.col_order, v, fm, eps, filter_scale[1])
-        live = live.repeat_interleave(fm // bm, dim=0)[:n_rb]
-        live = live.repeat_interleave(fn // bn, dim=1)[:, :n_ct]
-        row_ok = torch.arange(n_rb * bm, device=dev) < rows.n_valid
-        live &= row_ok.view(n_rb, bm).any(dim=1)[:, None]
-    else:
-        live = live_tiles(torch.zeros(n_rb, n_ct, **f32), _pad(stats.lse, n_rb * bm),
-                          rows.n_valid, bm, None)
-    if rows.target is not None and eps is not None:
-        mark_targets_live(live, _target_positions(rows.target, logits.col_order, v), bm, bn)
+            _add_live_columns(coarse, stats, rows, logits.col_order, v, fm, eps, filter_scale[1])
+        factors = (fm // bm, fn // bn)
+    targets = None
+    if rows.target is not None and coarse is not None:
+        targets = _target_positions(rows.target, logits.col_order, v)
+    live = backward_tiles(coarse, factors, n_rb, n_ct, bm, bn, rows.n_valid, targets)
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
-    by_slab = torch.nn.functional.pad(live, (0, n_slabs * slab - n_ct)).view(n_rb, n_slabs, slab)
+    by_slab = _pad_columns(live, n_slabs * slab).view(n_rb, n_slabs, slab)
     host_needs = torch.cat([rows.n_valid.view(1), by_slab.sum(dim=(0, 2))])  # read below
 
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
     rank1 = coef.uniform is not None and not uniform_in_tiles
-    w = col_weight if col_weight is not None else torch.ones(v, **f32)
-    s = logits.scale if logits.scale is not None else torch.ones((), **f32)
+    w = col_weight if col_weight is not None or not rank1 else torch.ones(v, **f32)
+    s = logits.scale  # None means 1
+    # The recompute writes s·dX to the scratch (one rounding either way), so that the matmuls
+    # give dA and dB directly. With a bias, whose gradient needs dX itself, the matmuls' results
+    # are scaled instead (whichever gradients are asked for, so that each is the same).
+    scale_dx = s is not None and logits.bias is None
+    post_scale = s if s is not None and not scale_dx else None
     if rank1:
-        rank1_b = s * _weighted_row_sum(a, _scatter_rows(coef.uniform, rows, a.shape[0]))
+        rank1_b = _weighted_row_sum(a, _scatter_rows(coef.uniform, rows, a.shape[0]))
+        if s is not None:
+            rank1_b *= s
         rank1_bias = coef.uniform.sum()
 
     grad_b = torch.empty_like(b) if need_b else None
@@ -620,22 +633,22 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         nt = t1 - t0
         c0, c1 = t0 * bn, min(t1 * bn, v)
         dense = slab_live[k] >= _dense_slab_fraction() * max(1, n_valid_blocks * nt)
-        live_s = live[:, t0:t1].contiguous()
-        dscale_s = dscale[:, t0:t1].contiguous() if need_scale else dummy
+        live_s = live[:, t0:t1]
         # The slab's dX as a row-major (rows, slab columns) matrix; the last slab may be narrower.
         scratch = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
         _grad_logits_kernel[(n_valid_blocks, nt)](
-            a, b, a_desc, b_desc, logits.bias if logits.bias is not None else dummy, s,
+            a, b, a_desc, b_desc, logits.bias if logits.bias is not None else dummy,
+            s if s is not None else dummy,
             rows.index, rows.n_valid, order,
             rows.target if rows.target is not None else rows.index,
-            w, stats.max, coef.lse,
+            w if w is not None else dummy, stats.max, coef.lse,
             coef.target if coef.target is not None else dummy,
             coef.uniform if uniform_in_tiles else dummy,
             stats.col_max if coef.col is not None else dummy,
             coef.col if coef.col is not None else dummy,
-            live_s.view(torch.uint8), scratch, dscale_s,
-            v, d, a.stride(0), b.stride(0), t0, nt,
-            HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
+            live.view(torch.uint8), scratch, dscale if need_scale else dummy,
+            v, d, a.stride(0), b.stride(0), t0, nt, n_ct,
+            HAS_BIAS=logits.bias is not None, HAS_SCALE=s is not None, SCALE_DX=scale_dx,
             SOFTCAP=float(logits.softcap or 0.0),
             HAS_TARGET=rows.target is not None and coef.target is not None,
             HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
@@ -645,8 +658,6 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
-        if need_scale:
-            dscale[:, t0:t1] = dscale_s
         cols = logits.col_order[c0:c1] if logits.col_order is not None else None
         if dense:
             dx = scratch[:n_valid, : c1 - c0]
@@ -655,12 +666,13 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     a_rows = compact_operand(a, rows)
                 a_compact = a_rows[:n_valid]
             if need_b:
-                if cols is None and logits.scale is None and not rank1:
+                if cols is None and post_scale is None and not rank1:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b[c0:c1])
                 else:
                     part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
-                    _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b if rank1 else None)
+                    _finish_grad_b(part, grad_b, cols, c0, c1, post_scale, w,
+                                   rank1_b if rank1 else None)
             if need_bias:
                 bias_part = dx.sum(dim=0, dtype=torch.float32)
                 if rank1:
@@ -674,12 +686,14 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             if need_b or need_bias:
                 col_list, col_count = _live_lists(live_s.T)
                 _grad_b_kernel[(nt, triton_cdiv(d, bd) if need_b else 1)](
-                    a, scratch, s, rows.index, rows.n_valid, order, col_list, col_count,
+                    a, scratch, post_scale if post_scale is not None else dummy,
+                    rows.index, rows.n_valid, order, col_list, col_count,
                     grad_b if need_b else dummy,
                     grad_bias if need_bias else dummy,
-                    w, rank1_b if rank1 else dummy, rank1_bias if rank1 else dummy,
+                    w if w is not None else dummy,
+                    rank1_b if rank1 else dummy, rank1_bias if rank1 else dummy,
                     v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, nt, t0,
-                    HAS_SCALE=logits.scale is not None,
+                    HAS_SCALE=post_scale is not None,
                     GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
                     num_warps=cfg.num_warps, num_stages=cfg.matmul_stages, **common,
@@ -698,12 +712,16 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     if need_a:
         # dA_i = s · Σ_j dX_ij B_j  − s · u_i · Σ_j w_j B_j   (the rank-1 term needs no tile)
         acc = acc_a[:n_valid]
-        if logits.scale is not None:
-            acc *= s
+        if post_scale is not None:
+            acc *= post_scale
         if rank1:
-            acc -= coef.uniform[:n_valid, None] * (s * _weighted_row_sum(b, w))
-        grad_a = torch.zeros_like(a)
-        grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a.dtype))
+            row_term = _weighted_row_sum(b, w)
+            acc -= coef.uniform[:n_valid, None] * (row_term if s is None else s * row_term)
+        if rows.identity and n_valid == a.shape[0]:  # every row, in order
+            grad_a = acc.to(a.dtype)
+        else:
+            grad_a = torch.zeros_like(a)
+            grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a.dtype))
     return Grads(
         a=grad_a,
         b=grad_b,
@@ -772,11 +790,12 @@ def _write_cols(out: torch.Tensor, values: torch.Tensor, cols, c0: int, c1: int)
 
 
 def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b) -> None:
-    """dB_j = s · Σ_i dX_ij A_i − w_j · v for one slab's columns, rounded once."""
-    if rank1_b is None and cols is None:
+    """dB_j = s · Σ_i dX_ij A_i − w_j · v for one slab's columns, rounded once (s None: 1)."""
+    if rank1_b is None and cols is None and s is not None:
         torch.mul(part, s, out=grad_b[c0:c1])  # scaled and rounded in one pass
         return
-    part *= s
+    if s is not None:
+        part *= s
     if rank1_b is not None:
         part -= _slice_cols(w, cols, c0, c1)[:, None] * rank1_b
     _write_cols(grad_b, part, cols, c0, c1)
@@ -784,6 +803,10 @@ def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b) -> None:
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.numel() == n else torch.nn.functional.pad(x, (0, n - x.numel()))
+
+
+def _pad_columns(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.shape[1] == n else torch.nn.functional.pad(x, (0, n - x.shape[1]))
 
 
 def _target_positions(target: torch.Tensor, col_order: torch.Tensor | None, v: int):

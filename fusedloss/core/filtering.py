@@ -109,6 +109,66 @@ def mark_targets_live(
     live |= marks.view_as(live).bool()
 
 
+def backward_tiles(
+    coarse: torch.Tensor | None,  # (coarse blocks, coarse tiles) bool, or None: every tile
+    factors: tuple[int, int],  # (rows, columns) of a coarse tile over those of a backward tile
+    n_blocks: int,
+    n_tiles: int,
+    block_m: int,
+    block_n: int,
+    n_valid: torch.Tensor,  # () int64 on the device
+    target_pos: torch.Tensor | None = None,  # (N,) int64 target's position in column order, or -1
+) -> torch.Tensor:
+    """The (n_blocks, n_tiles) bool mask of the backward's (block_m × block_n) tiles, in one
+    launch: tile (i, j) is live when its row block holds valid rows and the coarse tile that
+    covers it is live (the forward's tiles are whole multiples of the backward's), or when it
+    holds some row's target (``mark_targets_live``, whose one-hot term is never negligible).
+    """
+    out = torch.empty((n_blocks, n_tiles), dtype=torch.bool, device=n_valid.device)
+    _backward_tiles_kernel[(n_blocks,)](
+        coarse.view(torch.uint8) if coarse is not None else out,
+        coarse.stride(0) if coarse is not None else 0,
+        out.view(torch.uint8), n_tiles, n_valid,
+        target_pos if target_pos is not None else n_valid,
+        HAS_COARSE=coarse is not None, HAS_TARGETS=target_pos is not None,
+        ROW_FACTOR=factors[0], COL_FACTOR=factors[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        CHUNK=min(4096, max(16, triton.next_power_of_2(n_tiles))), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _backward_tiles_kernel(
+    coarse_ptr, stride_coarse,  # (coarse blocks, coarse tiles) uint8
+    out_ptr,                    # (blocks, n_tiles) uint8
+    n_tiles, n_valid_ptr,
+    target_ptr,                 # (N,) int64 target positions, or -1
+    HAS_COARSE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    ROW_FACTOR: tl.constexpr, COL_FACTOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    n_valid = tl.load(n_valid_ptr)
+    has_rows = i * BLOCK_M < n_valid
+    row = out_ptr + i.to(tl.int64) * n_tiles
+    for j0 in range(0, n_tiles, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        inside = j < n_tiles
+        live = inside & has_rows
+        if HAS_COARSE:
+            c = tl.load(coarse_ptr + (i // ROW_FACTOR).to(tl.int64) * stride_coarse
+                        + j // COL_FACTOR, mask=inside, other=0)
+            live = live & (c != 0)
+        tl.store(row + j, live.to(tl.uint8), mask=inside)
+    if HAS_TARGETS:
+        # After the row is written: the barrier orders these stores after the ones above.
+        tl.debug_barrier()
+        offs = i * BLOCK_M + tl.arange(0, BLOCK_M)
+        pos = tl.load(target_ptr + offs, mask=offs < n_valid, other=-1)
+        tl.store(row + tl.where(pos >= 0, pos, 0) // BLOCK_N, tl.full((BLOCK_M,), 1, tl.uint8),
+                 mask=pos >= 0)
+
+
 # Largest tile count one program of ``live_tiles_into`` sorts (larger: the PyTorch rule).
 MAX_SORTED_TILES = 16384
 

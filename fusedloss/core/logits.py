@@ -23,6 +23,15 @@ def exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def log(x, PRECISE: tl.constexpr):
+    """log x. ``PRECISE``: libdevice's logf (≤ 1 ulp); otherwise the hardware lg2.approx."""
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def div(x, y, PRECISE: tl.constexpr):
     """x / y, correctly rounded when ``PRECISE`` (Triton's fp32 division is approximate)."""
     if PRECISE:

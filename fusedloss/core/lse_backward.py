@@ -12,7 +12,8 @@ respect to the logits is
 split in column slabs so the scratch stays bounded; per slab:
 
 1. ``_grad_logits_kernel``: one program per live tile recomputes X over the full width D and
-   writes dX (input dtype) into a slab scratch, plus the tile's share of d(scale).
+   writes dX (input dtype; s·dX when the logits have a scale and no bias, so that the matmuls
+   below need no scaling) into a slab scratch, plus the tile's share of d(scale).
 2. ``_grad_b_kernel``: one program per (column tile, D chunk) reduces dXᵀ · A over the tile's
    live row blocks, in fp32 on chip, and writes dB once (dbias too).
 3. ``_grad_a_kernel``: one program per (row block, D chunk) reduces dX · B over the block's
@@ -45,11 +46,13 @@ def _grad_logits_kernel(
     coef_target_ptr, coef_uniform_ptr,   # (N,) fp32 t_i, u_i, compact row order
     col_max_ptr,         # (V,) fp32 column max
     coef_col_ptr,        # (V,) fp32 c_j / Σ_i exp(X_ij − max_j), by column id
-    live_ptr,            # (row blocks, slab tiles) int8: 1 = compute this tile
+    live_ptr,            # (row blocks, column tiles) int8: 1 = compute this tile
     scratch_ptr,         # (row blocks · BLOCK_M, slab tiles · BLOCK_N) dX, input dtype, row-major
-    dscale_ptr,          # (row blocks, slab tiles) fp32 partial Σ dX_pre · raw
-    V, D, stride_a, stride_b, slab_tile_start, n_slab_tiles,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    dscale_ptr,          # (row blocks, column tiles) fp32 partial Σ dX_pre · raw
+    V, D, stride_a, stride_b, slab_tile_start, n_slab_tiles, n_col_tiles,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    SCALE_DX: tl.constexpr,  # store s · dX (the gradient matmuls then need no scaling)
+    SOFTCAP: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
     COL_LSE: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
@@ -59,7 +62,7 @@ def _grad_logits_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
-    tile_id = pid_m.to(tl.int64) * n_slab_tiles + pid_t
+    tile_id = pid_m.to(tl.int64) * n_col_tiles + slab_tile_start + pid_t
     width = n_slab_tiles * BLOCK_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if tl.load(live_ptr + tile_id) == 0:
@@ -127,6 +130,8 @@ def _grad_logits_kernel(
     dx = tl.where(m_rows[:, None] & m_cols[None, :], dx, 0.0)
     if GRAD_SCALE:
         tl.store(dscale_ptr + tile_id, tl.sum(tl.sum(dx * raw, axis=1), axis=0))
+    if SCALE_DX:
+        dx = dx * scale
 
     tl.store(_scratch_tile(scratch_ptr, offs_m, pid_t, width, BLOCK_N),
              dx.to(scratch_ptr.dtype.element_ty))

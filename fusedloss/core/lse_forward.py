@@ -14,7 +14,8 @@ column tiles of split c" and visits it row block by row block, tile by tile:
   the block's rows (and with ``COL_STATS`` the largest log Σ_{r∈block} exp(X_rj) over the tile's
   columns): the backward turns these into safe skipping decisions (``filtering.py``).
 
-The host combines the partials (a log-sum-exp over a few dozen entries per row or column).
+``_combine_partials_kernel`` then merges the partials (a log-sum-exp over a few dozen
+entries per row or column) in one launch for rows and columns together.
 Each row's target logit comes from ``_target_logit_kernel``, one small tile per row block
 that reproduces the forward's value for it bit for bit (a confident row's loss, LSE − target,
 is then exactly 0 where it rounds to 0).
@@ -28,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .logits import dot_tile, dot_tile_tma, exp, log1p_exp_neg, logits_from_dot
+from .logits import dot_tile, dot_tile_tma, exp, log, log1p_exp_neg, logits_from_dot
 
 
 @triton.jit
@@ -244,3 +245,59 @@ def _target_logit_kernel(
         own = (tl.arange(0, BLOCK_M)[:, None] == local[None, :]) & m_cols[None, :]
         target_logit += tl.sum(tl.where(own, x, 0.0), axis=1)
     tl.store(out_ptr + offs_m, target_logit, mask=offs_m < N)
+
+
+@triton.jit
+def _combine_partials_kernel(
+    row_max_ptr, row_sum_ptr,  # (row parts, N) fp32 partial (max, Σ exp(X − max)) per row
+    n_row_parts, N,
+    n_valid_ptr,               # () int64: rows p >= n_valid get max 0, sum 1 (lse 0)
+    row_out_ptr,               # (4, N) fp32 out: max, sum, log sum, lse per row
+    col_max_ptr, col_sum_ptr,  # (column parts, V) fp32 partials per column, by tile position
+    n_col_parts, V,
+    col_order_ptr,             # (V,) int64: position j holds column col_order[j] (HAS_ORDER)
+    col_out_ptr,               # (4, V) fp32 out, by column id
+    n_row_programs,
+    COLUMNS: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """lse = max + log Σ_k sum_k · exp(max_k − max) over the partials of each row (programs
+    below ``n_row_programs``) and each column (the others): one launch where the host would
+    issue two dozen small operations. The max is 0 where no partial is finite (sum then 0)."""
+    pid = tl.program_id(0)
+    if pid < n_row_programs:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < tl.load(n_valid_ptr)
+        _combine(row_max_ptr, row_sum_ptr, n_row_parts, N, offs, valid, offs, row_out_ptr,
+                 BLOCK, PRECISE)
+    elif COLUMNS:
+        offs = (pid - n_row_programs) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < V
+        dest = offs
+        if HAS_ORDER:
+            dest = tl.load(col_order_ptr + offs, mask=inside, other=0)
+        _combine(col_max_ptr, col_sum_ptr, n_col_parts, V, offs, inside, dest, col_out_ptr,
+                 BLOCK, PRECISE)
+
+
+@triton.jit
+def _combine(max_ptr, sum_ptr, n_parts, n, offs, valid, dest, out_ptr, BLOCK: tl.constexpr,
+             PRECISE: tl.constexpr):
+    inside = offs < n
+    top = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for k in range(n_parts):
+        part = tl.load(max_ptr + k * n + offs, mask=valid, other=float("-inf"))
+        top = tl.maximum(top, part, propagate_nan=tl.PropagateNan.ALL)
+    top = tl.where(top - top == 0.0, top, 0.0)  # ±inf and NaN → 0, as the kernels' safe max
+    total = tl.zeros((BLOCK,), tl.float32)
+    for k in range(n_parts):
+        part = tl.load(max_ptr + k * n + offs, mask=valid, other=float("-inf"))
+        total += tl.load(sum_ptr + k * n + offs, mask=valid, other=0.0) * exp(part - top, PRECISE)
+    top = tl.where(valid, top, 0.0)
+    total = tl.where(valid, total, 1.0)
+    log_sum = log(total, PRECISE)
+    dest = dest.to(tl.int64)
+    tl.store(out_ptr + dest, top, mask=inside)
+    tl.store(out_ptr + n + dest, total, mask=inside)
+    tl.store(out_ptr + 2 * n + dest, log_sum, mask=inside)
+    tl.store(out_ptr + 3 * n + dest, top + log_sum, mask=inside)

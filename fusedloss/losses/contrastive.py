@@ -67,16 +67,15 @@ class ContrastiveFunction(torch.autograd.Function):
             loss = stats.sigmoid_sum
         elif spec.kind == "clip":
             x_ii = stats.target_logit
-            loss = 0.5 * (stats.lse_minus(x_ii) + stats.col_lse_minus(x_ii))
+            row_margin, col_margin = stats.lse_minus(x_ii), stats.col_lse_minus(x_ii)
+            loss = 0.5 * (row_margin + col_margin)
         else:
             loss = stats.lse_minus(stats.target_logit)
         ctx.save_for_backward(a, b, scale, bias)
         ctx.spec, ctx.stats = spec, stats
         ctx.filter_scale = None
         if spec.kind == "clip":  # each direction's own gradient mass bounds its skipped mass
-            x_ii = stats.target_logit
-            ctx.filter_scale = (gradient_mass(stats.lse_minus(x_ii)),
-                                gradient_mass(stats.col_lse_minus(x_ii)))
+            ctx.filter_scale = (gradient_mass(row_margin), gradient_mass(col_margin))
         elif spec.kind != "siglip":
             ctx.filter_scale = (gradient_mass(loss), None)
         return loss
@@ -87,7 +86,8 @@ class ContrastiveFunction(torch.autograd.Function):
         spec: _Spec = ctx.spec
         g = grad_loss.float().contiguous()  # a reduction may hand us a stride-0 expand
         if spec.kind == "clip":
-            coef = GradCoefficients(lse=0.5 * g, col=0.5 * g, target=g)
+            half = 0.5 * g
+            coef = GradCoefficients(lse=half, col=half, target=g)
         elif spec.kind == "siglip":
             coef = GradCoefficients(lse=g)
         else:
