@@ -98,7 +98,10 @@ def mark_targets_live(
     block_m: int,
     block_n: int,
 ) -> None:
-    """Keeps every tile that holds some row's target (its one-hot term is never negligible)."""
+    """Keeps every tile that holds some row's target (its one-hot term is never negligible).
+
+    The PyTorch form of what ``backward_tiles`` does in its launch; the tests hold the two to
+    each other."""
     n_tiles = live.shape[1]
     row_block = torch.arange(target_pos.numel(), device=target_pos.device) // block_m
     has = target_pos >= 0
