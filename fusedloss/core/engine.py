@@ -292,7 +292,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
 
     n, (v, d) = rows.index.numel(), b.shape
     _check_ids(n, v)
-    cfg = config.forward_config(a.device, a.dtype, d, sigmoid=sigmoid)
+    cfg = config.forward_config(a.device, a.dtype, d, sigmoid=sigmoid, col_stats=col_stats)
     n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
     groups, blocks_per_group, splits, tiles_per_split = _forward_grid(
         n_rb, n_ct, col_stats, a.device, _resident_programs(cfg, a.element_size()))
