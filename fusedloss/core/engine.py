@@ -587,7 +587,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
-    by_slab = _pad_columns(live, n_slabs * slab).view(n_rb, n_slabs, slab)
+    by_slab = _pad(live, n_slabs * slab).view(n_rb, n_slabs, slab)
     host_needs = torch.cat([rows.n_valid.view(1), by_slab.sum(dim=(0, 2))])  # read below
 
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
@@ -802,11 +802,8 @@ def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b) -> None:
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x if x.numel() == n else torch.nn.functional.pad(x, (0, n - x.numel()))
-
-
-def _pad_columns(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x if x.shape[1] == n else torch.nn.functional.pad(x, (0, n - x.shape[1]))
+    """x zero-padded along its last dimension to length n."""
+    return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))
 
 
 def _target_positions(target: torch.Tensor, col_order: torch.Tensor | None, v: int):
