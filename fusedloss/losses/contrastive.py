@@ -111,8 +111,9 @@ def _scratch_bytes(a: torch.Tensor) -> int | None:
     Contrastive widths are small (D ≈ 512), so each slab's read-modify-write of the fp32 dA
     accumulator (8·N·D bytes) costs as much as a few hundred columns of matmul, and the slab's
     dB matmul (slab columns × D outputs, N deep) needs width to fill the GPU. Measured on an
-    H100 (2026-11-22, CLIP fwd+bwd, bf16): 4096 columns against 2048 took b = 65536, c = 512
-    from 49.7 to 47.1 ms and b = 131072, c = 768 from 268 to 258 ms (8192: 47.3 and 257).
+    H100 (2026-11-22, CLIP fwd+bwd, bf16, alternating runs): 4096 columns against 2048 took
+    b = 65536, c = 512 from 49.7–49.9 to 47.9 ms and b = 131072, c = 768 from 267–268 to
+    258–259 ms (8192 columns: no further gain).
     Up to 16384 rows the scratch stays at 64 MiB, the size the memory budget at b = 16384 is
     set against. ``FUSEDLOSS_SCRATCH_MB`` overrides.
     """
