@@ -809,7 +809,8 @@ def test_backend_option_selects_the_engine(monkeypatch, loss):
             assert rel_err(fused.grads[name], grad) < 1e-4, name
 
 
-SPARSE = {"FUSEDLOSS_DENSE_SLAB_FRACTION": "2"}  # every slab through the block-sparse path
+# Every slab through the block-sparse path (which the contrastive losses take only on request).
+SPARSE = {"FUSEDLOSS_DENSE_SLAB_FRACTION": "2", "FUSEDLOSS_SPARSE_SLABS": "1"}
 
 
 def filter_case(loss: str, **changes) -> Case:

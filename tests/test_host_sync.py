@@ -1,4 +1,4 @@
-"""The contrastive forwards never wait for the GPU (docs/design.md, "Host synchronization").
+"""The contrastive losses never wait for the GPU (docs/design.md, "Host synchronization").
 
 A host sync in the middle of a call leaves the GPU idle while the host issues the rest of the
 call's small operations one by one; at b = 16384 that cost more than the kernels. CUDA only:
@@ -37,5 +37,42 @@ def test_forward_queues_without_waiting(name):
         loss = CALLS[name](x, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    loss.backward()  # the backward syncs once, by design
+    loss.backward()
     assert torch.isfinite(loss)
+
+
+def _features():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.nn.functional.normalize(torch.randn(300, 64, device="cuda", generator=gen),
+                                          dim=1).bfloat16().requires_grad_() for _ in range(2)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", list(CALLS))
+def test_backward_queues_without_waiting(name):
+    x, y = _features()
+    CALLS[name](x, y).backward()  # compile first
+    torch.cuda.synchronize()
+    loss = CALLS[name](x, y)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad.float()).all()
+
+
+@requires_cuda
+def test_sparse_slabs_wait_once(monkeypatch):
+    """FUSEDLOSS_SPARSE_SLABS=1 lets a slab take the sparse path: its live count is read back."""
+    monkeypatch.setenv("FUSEDLOSS_SPARSE_SLABS", "1")
+    x, y = _features()
+    CALLS["clip"](x, y).backward()
+    torch.cuda.synchronize()
+    loss = CALLS["clip"](x, y)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

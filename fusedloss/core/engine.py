@@ -37,6 +37,7 @@ import torch
 
 from . import config
 from .filtering import backward_tiles, live_tiles_into
+from .launch import RepeatedLaunch
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Rows:
     n_valid: torch.Tensor  # () int64 on the device
     target: torch.Tensor | None = None  # (N,) int64 original column id per position, or -1
     identity: bool | None = None  # index == arange(N); None: not known (checked when needed)
+    all_valid: bool = False  # every row counts (n_valid == N), known without asking the GPU
 
     def is_identity(self) -> bool:
         if self.identity is None:
@@ -504,6 +506,7 @@ def grads(
     sigmoid: bool = False,
     filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     scratch_bytes: int | None = None,
+    sparse: bool = True,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
@@ -517,6 +520,11 @@ def grads(
     gradient (``filtering.gradient_mass``). ``scratch_bytes`` caps the dX scratch of one
     column slab (default: ``FUSEDLOSS_SCRATCH_MB``, 64 MiB); wider slabs amortize the fp32 dA
     accumulator's read-modify-write over more columns.
+
+    ``sparse``: a slab whose live tiles are few goes through the sparse matmul kernels, which
+    the host picks from the live counts, with one wait for the GPU. ``sparse=False`` takes
+    every slab through the dense path (skipped tiles reach cuBLAS as zeros), and when
+    ``rows.all_valid`` the backward then never waits for the GPU.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -534,7 +542,7 @@ def grads(
                             need_a, need_b, need_bias, need_scale, sigmoid)
     return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
                          None if sigmoid else filter_eps, filter_scale or (None, None),
-                         scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid)
+                         scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid, sparse)
 
 
 def _over(weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -555,7 +563,8 @@ def _dense_slab_fraction() -> float:
 
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
-                  scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
+                  scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid,
+                  sparse=True) -> Grads:
     from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
@@ -587,8 +596,14 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
-    by_slab = _pad(live, n_slabs * slab).view(n_rb, n_slabs, slab)
-    host_needs = torch.cat([rows.n_valid.view(1), by_slab.sum(dim=(0, 2))])  # read below
+    # What the host must read back (below): the valid rows, unless known; each slab's live
+    # count, unless every slab takes the dense path.
+    host_needs = None
+    if sparse:
+        by_slab = _pad(live, n_slabs * slab).view(n_rb, n_slabs, slab)
+        host_needs = torch.cat([rows.n_valid.view(1), by_slab.sum(dim=(0, 2))])
+    elif not rows.all_valid:
+        host_needs = rows.n_valid.view(1)
 
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
     rank1 = coef.uniform is not None and not uniform_in_tiles
@@ -621,43 +636,53 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         PRECISE=config.precise_math(a.dtype),
     )
     order = logits.col_order if logits.col_order is not None else rows.index
-    # One host sync, after everything above is queued: the number of valid rows and each slab's
-    # live count pick the grid and the dense or sparse path. (No torch.tensor(…, device=…)
-    # anywhere on this path: a copy from pageable host memory would be a sync of its own.)
-    host = host_needs.tolist()
-    n_valid, slab_live = host[0], host[1:]
+    # At most one host sync, after everything above is queued: the number of valid rows and
+    # each slab's live count pick the grid and the dense or sparse path. (No
+    # torch.tensor(…, device=…) anywhere on this path: a copy from pageable host memory would
+    # be a sync of its own.)
+    host = host_needs.tolist() if host_needs is not None else [n]
+    n_valid = host[0]
+    slab_live = host[1:] if sparse else None
     n_valid_blocks = triton_cdiv(n_valid, bm)
+    # One launch per slab, the same arguments but for the slab's tiles, its scratch view and
+    # the dense flag: bound once (core/launch.py).
+    recompute = RepeatedLaunch(
+        _grad_logits_kernel, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        a_ptr=a, b_ptr=b, a_desc=a_desc, b_desc=b_desc,
+        bias_ptr=logits.bias if logits.bias is not None else dummy,
+        scale_ptr=s if s is not None else dummy,
+        row_index_ptr=rows.index, n_valid_ptr=rows.n_valid, col_order_ptr=order,
+        target_ptr=rows.target if rows.target is not None else rows.index,
+        col_weight_ptr=w if w is not None else dummy, row_max_ptr=stats.max,
+        coef_lse_ptr=coef.lse,
+        coef_target_ptr=coef.target if coef.target is not None else dummy,
+        coef_uniform_ptr=coef.uniform if uniform_in_tiles else dummy,
+        col_max_ptr=stats.col_max if coef.col is not None else dummy,
+        coef_col_ptr=coef.col if coef.col is not None else dummy,
+        live_ptr=live.view(torch.uint8), scratch_ptr=None,
+        dscale_ptr=dscale if need_scale else dummy,
+        V=v, D=d, stride_a=a.stride(0), stride_b=b.stride(0), slab_tile_start=0,
+        n_slab_tiles=0, n_col_tiles=n_ct,
+        HAS_BIAS=logits.bias is not None, HAS_SCALE=s is not None, SCALE_DX=scale_dx,
+        SOFTCAP=float(logits.softcap or 0.0),
+        HAS_TARGET=rows.target is not None and coef.target is not None,
+        HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
+        GRAD_SCALE=need_scale, ZERO_DEAD=None,
+        COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
+        ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, **common,
+    )
+    dense_fraction = _dense_slab_fraction()
     first_a = True
     for k in range(n_slabs):
         t0, t1 = k * slab, min((k + 1) * slab, n_ct)
         nt = t1 - t0
         c0, c1 = t0 * bn, min(t1 * bn, v)
-        dense = slab_live[k] >= _dense_slab_fraction() * max(1, n_valid_blocks * nt)
-        live_s = live[:, t0:t1]
+        dense = slab_live is None or slab_live[k] >= dense_fraction * max(1, n_valid_blocks * nt)
         # The slab's dX as a row-major (rows, slab columns) matrix; the last slab may be narrower.
         scratch = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
-        _grad_logits_kernel[(n_valid_blocks, nt)](
-            a, b, a_desc, b_desc, logits.bias if logits.bias is not None else dummy,
-            s if s is not None else dummy,
-            rows.index, rows.n_valid, order,
-            rows.target if rows.target is not None else rows.index,
-            w if w is not None else dummy, stats.max, coef.lse,
-            coef.target if coef.target is not None else dummy,
-            coef.uniform if uniform_in_tiles else dummy,
-            stats.col_max if coef.col is not None else dummy,
-            coef.col if coef.col is not None else dummy,
-            live.view(torch.uint8), scratch, dscale if need_scale else dummy,
-            v, d, a.stride(0), b.stride(0), t0, nt, n_ct,
-            HAS_BIAS=logits.bias is not None, HAS_SCALE=s is not None, SCALE_DX=scale_dx,
-            SOFTCAP=float(logits.softcap or 0.0),
-            HAS_TARGET=rows.target is not None and coef.target is not None,
-            HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
-            GRAD_SCALE=need_scale, ZERO_DEAD=dense,
-            COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
-            ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        )
+        recompute((n_valid_blocks, nt), scratch_ptr=scratch, slab_tile_start=t0,
+                  n_slab_tiles=nt, ZERO_DEAD=dense)
         cols = logits.col_order[c0:c1] if logits.col_order is not None else None
         if dense:
             dx = scratch[:n_valid, : c1 - c0]
@@ -684,7 +709,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                 first_a = False
         else:
             if need_b or need_bias:
-                col_list, col_count = _live_lists(live_s.T)
+                col_list, col_count = _live_lists(live[:, t0:t1].T)
                 _grad_b_kernel[(nt, triton_cdiv(d, bd) if need_b else 1)](
                     a, scratch, post_scale if post_scale is not None else dummy,
                     rows.index, rows.n_valid, order, col_list, col_count,
@@ -699,7 +724,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     num_warps=cfg.num_warps, num_stages=cfg.matmul_stages, **common,
                 )
             if need_a:
-                row_list, row_count = _live_lists(live_s)
+                row_list, row_count = _live_lists(live[:, t0:t1])
                 _grad_a_kernel[(n_valid_blocks, triton_cdiv(d, bd))](
                     b, scratch, rows.n_valid, order, row_list, row_count, acc_a,
                     v, d, b.stride(0), nt, t0, FIRST=first_a,

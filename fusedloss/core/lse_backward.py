@@ -35,7 +35,9 @@ from .logits import accumulate, div, dot_tile, dot_tile_tma, exp, logits_from_do
 from .lse_forward import _is_target, _may_hold
 
 
-@triton.jit
+# The slab's first tile and width change from launch to launch of one compiled kernel
+# (core/launch.py): never specialized on.
+@triton.jit(do_not_specialize=["slab_tile_start", "n_slab_tiles"])
 def _grad_logits_kernel(
     a_ptr, b_ptr,
     a_desc, b_desc,      # TMA descriptors of A in compact row order and of B, or None (USE_TMA)

@@ -98,10 +98,21 @@ class ContrastiveFunction(torch.autograd.Function):
             filter_eps=spec.filter_eps, need_a=need_a, need_b=need_b,
             need_bias=bias is not None and need_bias, need_scale=need_scale,
             sigmoid=spec.kind == "siglip", filter_scale=ctx.filter_scale,
-            scratch_bytes=_scratch_bytes(a), backend=spec.backend,
+            scratch_bytes=_scratch_bytes(a), sparse=_sparse_slabs(), backend=spec.backend,
         )
         grad_bias = grads.bias.sum() if grads.bias is not None else None
         return grads.a, grads.b, grads.scale, grad_bias, None
+
+
+def _sparse_slabs() -> bool:
+    """Whether the backward may send a slab with few live tiles through the sparse matmul
+    kernels (``FUSEDLOSS_SPARSE_SLABS=1``). That choice needs the live counts on the host, one
+    wait for the GPU per call. By default every slab takes the dense path and the backward never
+    waits: on the measured inputs the filter keeps every tile (docs/results.md), and at
+    b ≤ 16384 the wait, which leaves the GPU idle while the host issues the slabs, costs more
+    than the sparse path could save.
+    """
+    return os.environ.get("FUSEDLOSS_SPARSE_SLABS", "0") == "1"
 
 
 def _scratch_bytes(a: torch.Tensor) -> int | None:
@@ -141,6 +152,7 @@ def _run(kind, a, b, scale, bias, target, filter_eps, backend) -> torch.Tensor:
         n_valid=torch.full((), n, dtype=torch.int64, device=a.device),  # a fill: no host sync
         target=target,
         identity=True,
+        all_valid=True,
     )
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = a if kind == "nt_xent" else (b if b.stride(-1) == 1 else b.contiguous())
