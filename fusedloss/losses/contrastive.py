@@ -115,41 +115,27 @@ def _sparse_slabs() -> bool:
     return os.environ.get("FUSEDLOSS_SPARSE_SLABS", "0") == "1"
 
 
-# Up to this many rows the backward keeps its dX scratch and fp32 dA accumulator within a
-# budget (the batch sizes of single-GPU contrastive training, where memory is tight); beyond
-# it, speed decides.
-_BUDGET_ROWS = 16384
-_BUDGET_BYTES = 60 * 2**20  # + ~1.5 MiB of statistics: ≤ 64 MiB beyond inputs and gradients
-_MIN_BUDGET_COLUMNS = 768   # narrower slabs would leave the host issuing launches
-
-
 def _scratch_bytes(a: torch.Tensor) -> int | None:
-    """dX scratch per column slab.
+    """dX scratch per column slab: 2048 columns wide up to N = 16384 rows, 4096 beyond;
+    between 64 MiB and 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides.
 
-    Up to 16384 rows, what the fp32 dA accumulator (4·N·D bytes) leaves of 60 MiB, when that
-    is ≥ 768 columns (CLIP b = 16384, c = 512: 28 MiB, 896 columns; 61.4 MiB in all); else, and
-    for wider features, 2048 columns (≥ 64 MiB). Beyond 16384 rows, 4096 columns up to 1 GiB.
-
-    Measured on an H100 (2026-11-22, CLIP fwd+bwd, bf16, alternating runs). At b = 16384, the
-    28 MiB scratch took 3.58–3.69 ms against 3.00–3.02 with 64 MiB (97.4 MiB in all), 24 MiB
-    4.54–4.69 ms: each slab costs a launch of the recompute kernel and two cuBLAS calls, and
-    below ~900 columns the host issuing them sets the pace. Beyond 16384 rows: each slab's
-    read-modify-write of the fp32 dA accumulator (8·N·D bytes) costs as much as a few hundred
-    columns of matmul, and the slab's dB matmul (slab columns × D outputs, N deep) needs width
-    to fill the GPU; 4096 columns against 2048 took b = 65536, c = 512 from 49.7–49.9 to 47.9
-    ms and b = 131072, c = 768 from 267–268 to 258–259 ms (8192 columns: no further gain).
-    ``FUSEDLOSS_SCRATCH_MB`` overrides.
+    Measured on H100s (2026-11-22, CLIP fwd+bwd, bf16, c = 512). At b = 16384, 64 MiB (97.5
+    MiB in all with the fp32 dA accumulator) took 3.0–3.2 ms. A 28 MiB scratch (896 columns,
+    61.5 MiB in all) took 3.6–3.7 ms on one machine and 5.0–5.6 ms on another, where 64 MiB
+    took 3.16: each slab costs a launch of the recompute kernel and two cuBLAS calls, and at
+    19 slabs the host issuing them sets the pace, at the host's speed. So the default keeps
+    64 MiB; ``FUSEDLOSS_SCRATCH_MB=28`` is the setting for ≤ 64 MiB at that size.
+    Beyond 16384 rows: each slab's read-modify-write of the fp32 dA accumulator (8·N·D bytes)
+    costs as much as a few hundred columns of matmul, and the slab's dB matmul (slab columns ×
+    D outputs, N deep) needs width to fill the GPU. In alternating runs, 4096 columns against
+    2048 took b = 65536 from 49.7–49.9 to 47.9 ms and b = 131072, c = 768 from 267–268 to
+    258–259 ms (8192 columns: no further gain).
     """
     if "FUSEDLOSS_SCRATCH_MB" in os.environ:
         return None
-    n, d = a.shape
-    column = n * a.element_size()  # bytes per scratch column
-    if n <= _BUDGET_ROWS:
-        budget = _BUDGET_BYTES - 4 * n * d
-        if budget >= _MIN_BUDGET_COLUMNS * column:
-            return budget
-        return max(2**26, 2048 * column)
-    return min(2**30, 4096 * column)
+    n = a.shape[0]
+    columns = 2048 if n <= 16384 else 4096
+    return int(min(2**30, max(2**26, n * columns * a.element_size())))
 
 
 def _logits(spec: _Spec, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
