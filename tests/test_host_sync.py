@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import requires_cuda
+from helpers import can_run_triton, requires_cuda
 
 import fusedloss
 
@@ -76,3 +76,27 @@ def test_sparse_slabs_wait_once(monkeypatch):
             loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("sparse", ["0", "1"])
+def test_backward_reads_back_only_for_sparse_slabs(monkeypatch, sparse):
+    """The engine's one read-back (the live counts) happens only when sparse slabs may be
+    taken: the same check as above, on any machine that runs the kernels (a spy on .tolist)."""
+    monkeypatch.setenv("FUSEDLOSS_SPARSE_SLABS", sparse)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, y = (torch.nn.functional.normalize(torch.randn(37, 16, device=device, generator=gen),
+                                          dim=1).requires_grad_() for _ in range(2))
+    loss = fusedloss.clip_loss(x, y, 1 / 0.07, backend="triton")
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def spy(self):
+        reads.append(self.shape)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    loss.backward()
+    assert len(reads) == (1 if sparse == "1" else 0), reads
+    assert torch.isfinite(x.grad).all()
