@@ -24,12 +24,17 @@ CALLS = {
 }
 
 
+def _features(device="cuda", rows=300, width=64, dtype=torch.bfloat16):
+    """Two batches of unit feature vectors that require gradients."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.nn.functional.normalize(torch.randn(rows, width, device=device, generator=gen),
+                                          dim=1).to(dtype).requires_grad_() for _ in range(2)]
+
+
 @requires_cuda
 @pytest.mark.parametrize("name", list(CALLS))
 def test_forward_queues_without_waiting(name):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x, y = (torch.nn.functional.normalize(torch.randn(300, 64, device="cuda", generator=gen),
-                                          dim=1).bfloat16().requires_grad_() for _ in range(2))
+    x, y = _features()
     CALLS[name](x, y)  # compile first: Triton's first launch may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -41,10 +46,6 @@ def test_forward_queues_without_waiting(name):
     assert torch.isfinite(loss)
 
 
-def _features():
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    return [torch.nn.functional.normalize(torch.randn(300, 64, device="cuda", generator=gen),
-                                          dim=1).bfloat16().requires_grad_() for _ in range(2)]
 
 
 @requires_cuda
@@ -84,10 +85,7 @@ def test_backward_reads_back_only_for_sparse_slabs(monkeypatch, sparse):
     """The engine's one read-back (the live counts) happens only when sparse slabs may be
     taken: the same check as above, on any machine that runs the kernels (a spy on .tolist)."""
     monkeypatch.setenv("FUSEDLOSS_SPARSE_SLABS", sparse)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(0)
-    x, y = (torch.nn.functional.normalize(torch.randn(37, 16, device=device, generator=gen),
-                                          dim=1).requires_grad_() for _ in range(2))
+    x, y = _features("cuda" if torch.cuda.is_available() else "cpu", 37, 16, torch.float32)
     loss = fusedloss.clip_loss(x, y, 1 / 0.07, backend="triton")
     reads = []
     tolist = torch.Tensor.tolist

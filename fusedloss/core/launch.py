@@ -43,7 +43,7 @@ class RepeatedLaunch:
         if missing:
             raise TypeError(f"RepeatedLaunch of {kernel.fn.__name__}: missing {sorted(missing)}")
         self.names = list(params)
-        self.constexprs = {name for name, p in params.items() if p.is_constexpr}
+        self.constexprs = sorted(name for name, p in params.items() if p.is_constexpr)
         self.unspecialized = {name for name, p in params.items() if p.do_not_specialize}
 
     def __call__(self, grid: tuple[int, ...], **changes) -> None:
@@ -56,7 +56,7 @@ class RepeatedLaunch:
                 raise ValueError(f"{self.kernel.fn.__name__}: {name} is specialized on; "
                                  "it may not change between repeated launches")
         arguments = {**self.arguments, **changes}
-        key = tuple(arguments[name] for name in sorted(self.constexprs))
+        key = tuple(arguments[name] for name in self.constexprs)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](**arguments, **self.options)
