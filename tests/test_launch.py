@@ -52,3 +52,35 @@ def test_a_specialized_scalar_may_not_change():
 def test_every_parameter_must_be_given():
     with pytest.raises(TypeError, match="missing"):
         RepeatedLaunch(_ramp_kernel, {}, out_ptr=torch.zeros(4, device="cuda"), start=0, n=4)
+
+
+@requires_cuda
+def test_launch_hooks_see_repeated_launches():
+    """With a launch hook registered (a profiler's), every launch goes through Triton's own
+    launch path, so the hook sees each one."""
+    from triton import knobs
+
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    chain = knobs.runtime.launch_enter_hook
+    out = torch.zeros(64, device="cuda")
+    launch = RepeatedLaunch(_ramp_kernel, dict(num_warps=1), out_ptr=out, start=0, n=64,
+                            OFFSET=0.0, BLOCK=16)
+    launch((1,), start=0)  # compiles, through the JIT
+    if hasattr(chain, "add"):
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    try:
+        for start in (16, 32, 48):
+            launch((1,), start=start)
+    finally:
+        if hasattr(chain, "remove"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = chain
+    assert len(seen) == 3
+    torch.testing.assert_close(out.cpu(), torch.arange(64, dtype=torch.float32), rtol=0, atol=0)

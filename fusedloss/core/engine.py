@@ -636,14 +636,6 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         PRECISE=config.precise_math(a.dtype),
     )
     order = logits.col_order if logits.col_order is not None else rows.index
-    # At most one host sync, after everything above is queued: the number of valid rows and
-    # each slab's live count pick the grid and the dense or sparse path. (No
-    # torch.tensor(…, device=…) anywhere on this path: a copy from pageable host memory would
-    # be a sync of its own.)
-    host = host_needs.tolist() if host_needs is not None else [n]
-    n_valid = host[0]
-    slab_live = host[1:] if sparse else None
-    n_valid_blocks = triton_cdiv(n_valid, bm)
     # One launch per slab, the same arguments but for the slab's tiles, its scratch view and
     # the dense flag: bound once (core/launch.py).
     recompute = RepeatedLaunch(
@@ -672,20 +664,58 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, **common,
     )
+    scratch_views = {}
+
+    def recompute_slab(k: int, row_blocks: int, dense: bool) -> torch.Tensor:
+        """Launches slab k's recompute; returns its scratch as a row-major (rows, slab
+        columns) matrix (the last slab may be narrower; each shape's view is formed once)."""
+        t0, nt = k * slab, min(slab, n_ct - k * slab)
+        if nt not in scratch_views:
+            scratch_views[nt] = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
+        recompute((row_blocks, nt), scratch_ptr=scratch_views[nt], slab_tile_start=t0,
+                  n_slab_tiles=nt, ZERO_DEAD=dense)
+        return scratch_views[nt]
+
+    # At most one host sync, after everything above is queued: the number of valid rows and
+    # each slab's live count pick the grid and the dense or sparse path. The first slab's
+    # recompute goes in before the wait, over every row block and dense (right for either
+    # path), so that the GPU has work while the host resumes. (No torch.tensor(…, device=…)
+    # anywhere on this path: a copy from pageable host memory would be a sync of its own.)
+    first_scratch = None
+    if host_needs is not None:
+        def queue_first_slab():
+            nonlocal first_scratch
+            first_scratch = recompute_slab(0, n_rb, True)
+        host = _read_back(host_needs, before_waiting=queue_first_slab)
+    else:
+        host = [n]
+    n_valid = host[0]
+    slab_live = host[1:] if sparse else None
+    n_valid_blocks = triton_cdiv(n_valid, bm)
+
     dense_fraction = _dense_slab_fraction()
     first_a = True
+    # Views that every slab uses, formed once (each view costs the host a few µs, and a step at
+    # b = 16384 has up to ~20 slabs): the slab's rows of B and of dB, the valid rows of dA.
+    dx_views = {}
+    slab_cols = slab * bn
+    b_slabs = b.split(slab_cols) if logits.col_order is None else None
+    grad_b_slabs = grad_b.split(slab_cols) if need_b and logits.col_order is None else None
+    acc_valid = acc_a[:n_valid] if need_a else None
     for k in range(n_slabs):
         t0, t1 = k * slab, min((k + 1) * slab, n_ct)
         nt = t1 - t0
         c0, c1 = t0 * bn, min(t1 * bn, v)
         dense = slab_live is None or slab_live[k] >= dense_fraction * max(1, n_valid_blocks * nt)
-        # The slab's dX as a row-major (rows, slab columns) matrix; the last slab may be narrower.
-        scratch = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
-        recompute((n_valid_blocks, nt), scratch_ptr=scratch, slab_tile_start=t0,
-                  n_slab_tiles=nt, ZERO_DEAD=dense)
+        if k == 0 and first_scratch is not None:
+            scratch = first_scratch
+        else:
+            scratch = recompute_slab(k, n_valid_blocks, dense)
+        if (nt, c1 - c0) not in dx_views:
+            dx_views[nt, c1 - c0] = scratch[:n_valid, : c1 - c0]
+        dx = dx_views[nt, c1 - c0]
         cols = logits.col_order[c0:c1] if logits.col_order is not None else None
         if dense:
-            dx = scratch[:n_valid, : c1 - c0]
             if a_compact is None and (need_b or need_a):
                 if a_rows is None:
                     a_rows = compact_operand(a, rows)
@@ -693,7 +723,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             if need_b:
                 if cols is None and post_scale is None and not rank1:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
-                    torch.mm(dx.T, a_compact, out=grad_b[c0:c1])
+                    torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
                 else:
                     part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
                     _finish_grad_b(part, grad_b, cols, c0, c1, post_scale, w,
@@ -704,8 +734,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     bias_part -= _slice_cols(w, cols, c0, c1) * rank1_bias
                 _write_cols(grad_bias, bias_part, cols, c0, c1)
             if need_a:
-                b_slab = b.index_select(0, cols) if cols is not None else b[c0:c1]
-                _addmm_f32_(acc_a[:n_valid], dx, b_slab)
+                b_slab = b.index_select(0, cols) if cols is not None else b_slabs[k]
+                _addmm_f32_(acc_valid, dx, b_slab)
                 first_a = False
         else:
             if need_b or need_bias:
@@ -753,6 +783,22 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         bias=grad_bias,
         scale=dscale.sum() if need_scale else None,
     )
+
+
+def _read_back(values: torch.Tensor, before_waiting) -> list:
+    """``values.tolist()``, with ``before_waiting()`` (launches that need none of the values)
+    queued between the copy and the wait: the GPU works on them while the host waits and
+    then resumes, instead of idling until the host's next launch."""
+    if not values.is_cuda:
+        before_waiting()
+        return values.tolist()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    before_waiting()
+    ready.synchronize()
+    return host.tolist()
 
 
 def _add_live_columns(live, stats: RowStats, rows: Rows, col_order, v: int, bm: int, eps,
