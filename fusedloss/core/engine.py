@@ -507,6 +507,7 @@ def grads(
     filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     scratch_bytes: int | None = None,
     sparse: bool = True,
+    split_accumulator: bool = False,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
@@ -525,6 +526,13 @@ def grads(
     the host picks from the live counts, with one wait for the GPU. ``sparse=False`` takes
     every slab through the dense path (skipped tiles reach cuBLAS as zeros), and when
     ``rows.all_valid`` the backward then never waits for the GPU.
+
+    ``split_accumulator``: dA accumulates over the slabs as a pair of bf16 matrices — the
+    returned gradient (the sum rounded) and one more (the rest) — instead of in fp32: half the
+    bytes (2·N·D instead of 4·N·D), ~16 significant bits kept between slabs, and the result
+    the sum rounded once, as with fp32 (``_accumulate_split_kernel``). Taken where it applies:
+    bf16 inputs, every slab dense (``sparse=False``), every row valid and in order, no bias
+    (the scale then goes into dX) and no rank-1 term; elsewhere dA accumulates in fp32.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -542,7 +550,8 @@ def grads(
                             need_a, need_b, need_bias, need_scale, sigmoid)
     return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
                          None if sigmoid else filter_eps, filter_scale or (None, None),
-                         scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid, sparse)
+                         scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid, sparse,
+                         split_accumulator)
 
 
 def _over(weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -564,8 +573,13 @@ def _dense_slab_fraction() -> float:
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
                   scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid,
-                  sparse=True) -> Grads:
-    from .lse_backward import _grad_a_kernel, _grad_b_kernel, _grad_logits_kernel
+                  sparse=True, split_accumulator=False) -> Grads:
+    from .lse_backward import (
+        _accumulate_split_kernel,
+        _grad_a_kernel,
+        _grad_b_kernel,
+        _grad_logits_kernel,
+    )
 
     n, (v, d) = rows.index.numel(), b.shape
     _check_ids(n, v)
@@ -623,14 +637,22 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     grad_b = torch.empty_like(b) if need_b else None
     grad_bias = torch.empty(v, **f32) if need_bias else None
     dscale = torch.zeros(n_rb, n_ct, **f32) if need_scale else None
-    acc_a = torch.zeros(n_rb * bm, d, **f32) if need_a else None
+    # dA's accumulator: fp32, or the split bf16 pair (hi is the returned gradient itself).
+    split = (split_accumulator and need_a and a.dtype == torch.bfloat16 and not sparse
+             and rows.all_valid and rows.identity and post_scale is None and not rank1)
+    acc_a = torch.zeros(n_rb * bm, d, **f32) if need_a and not split else None
+    split_hi = torch.empty_like(a) if split else None
+    split_lo = torch.empty_like(a) if split else None
     a_compact = None  # A in compact row order, for the dense path
 
     dot_fp32, precision = _dot_flags(a)
     dummy = stats.lse
     # The dense path multiplies by A in compact row order too: one copy serves both.
     a_desc, b_desc, a_rows = tile_descriptors(a, b, logits, rows, bm, bn, cfg.block_k)
-    scratch_buffer = torch.empty(n_rb * bm * min(slab, n_ct) * bn, dtype=a.dtype, device=dev)
+    # The slab's dX as a row-major (rows, slab columns) matrix; a narrower last slab keeps the
+    # same row stride (its view is the left part), so every launch sees the same scratch.
+    scratch_width = min(slab, n_ct) * bn
+    scratch = torch.empty(n_rb * bm, scratch_width, dtype=a.dtype, device=dev)
     common = dict(
         HAS_ORDER=logits.col_order is not None, DOT_FP32=dot_fp32, PRECISION=precision,
         PRECISE=config.precise_math(a.dtype),
@@ -651,10 +673,10 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         coef_uniform_ptr=coef.uniform if uniform_in_tiles else dummy,
         col_max_ptr=stats.col_max if coef.col is not None else dummy,
         coef_col_ptr=coef.col if coef.col is not None else dummy,
-        live_ptr=live.view(torch.uint8), scratch_ptr=None,
+        live_ptr=live.view(torch.uint8), scratch_ptr=scratch,
         dscale_ptr=dscale if need_scale else dummy,
         V=v, D=d, stride_a=a.stride(0), stride_b=b.stride(0), slab_tile_start=0,
-        n_slab_tiles=0, n_col_tiles=n_ct,
+        scratch_width=scratch_width, n_col_tiles=n_ct,
         HAS_BIAS=logits.bias is not None, HAS_SCALE=s is not None, SCALE_DX=scale_dx,
         SOFTCAP=float(logits.softcap or 0.0),
         HAS_TARGET=rows.target is not None and coef.target is not None,
@@ -664,29 +686,18 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, **common,
     )
-    scratch_views = {}
-
-    def recompute_slab(k: int, row_blocks: int, dense: bool) -> torch.Tensor:
-        """Launches slab k's recompute; returns its scratch as a row-major (rows, slab
-        columns) matrix (the last slab may be narrower; each shape's view is formed once)."""
-        t0, nt = k * slab, min(slab, n_ct - k * slab)
-        if nt not in scratch_views:
-            scratch_views[nt] = scratch_buffer[: n_rb * bm * nt * bn].view(n_rb * bm, nt * bn)
-        recompute((row_blocks, nt), scratch_ptr=scratch_views[nt], slab_tile_start=t0,
-                  n_slab_tiles=nt, ZERO_DEAD=dense)
-        return scratch_views[nt]
+    def recompute_slab(k: int, row_blocks: int, dense: bool) -> None:
+        """Launches slab k's recompute into the scratch."""
+        recompute((row_blocks, min(slab, n_ct - k * slab)), slab_tile_start=k * slab,
+                  ZERO_DEAD=dense)
 
     # At most one host sync, after everything above is queued: the number of valid rows and
     # each slab's live count pick the grid and the dense or sparse path. The first slab's
     # recompute goes in before the wait, over every row block and dense (right for either
     # path), so that the GPU has work while the host resumes. (No torch.tensor(…, device=…)
     # anywhere on this path: a copy from pageable host memory would be a sync of its own.)
-    first_scratch = None
     if host_needs is not None:
-        def queue_first_slab():
-            nonlocal first_scratch
-            first_scratch = recompute_slab(0, n_rb, True)
-        host = _read_back(host_needs, before_waiting=queue_first_slab)
+        host = _read_back(host_needs, before_waiting=lambda: recompute_slab(0, n_rb, True))
     else:
         host = [n]
     n_valid = host[0]
@@ -697,23 +708,38 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     first_a = True
     # Views that every slab uses, formed once (each view costs the host a few µs, and a step at
     # b = 16384 has up to ~20 slabs): the slab's rows of B and of dB, the valid rows of dA.
-    dx_views = {}
     slab_cols = slab * bn
     b_slabs = b.split(slab_cols) if logits.col_order is None else None
     grad_b_slabs = grad_b.split(slab_cols) if need_b and logits.col_order is None else None
-    acc_valid = acc_a[:n_valid] if need_a else None
+    acc_valid = acc_a[:n_valid] if acc_a is not None else None
+    dx_views = {}  # the scratch's valid rows and the slab's columns, by width
+    split_launch = None
+    if split:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        sc = config.split_accumulate_config(dev, d)
+        use_tma = a_desc is not None and _tma_ready(scratch)
+        split_grid = (triton_cdiv(n, sc.block_m), triton_cdiv(d, sc.block_d))
+        split_launch = RepeatedLaunch(
+            _accumulate_split_kernel, dict(num_warps=sc.num_warps, num_stages=sc.num_stages),
+            dx_ptr=scratch, b_ptr=b,
+            dx_desc=TensorDescriptor.from_tensor(scratch, [sc.block_m, sc.block_k])
+            if use_tma else None,
+            b_desc=TensorDescriptor.from_tensor(b, [sc.block_k, sc.block_d]) if use_tma else None,
+            hi_ptr=split_hi, lo_ptr=split_lo, n_rows=n, D=d, K=0, c0=0, V=v,
+            stride_dx=scratch_width, stride_b=b.stride(0), stride_acc=d, first=1,
+            BLOCK_M=sc.block_m, BLOCK_D=sc.block_d, BLOCK_K=sc.block_k,
+            DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma)
     for k in range(n_slabs):
         t0, t1 = k * slab, min((k + 1) * slab, n_ct)
         nt = t1 - t0
         c0, c1 = t0 * bn, min(t1 * bn, v)
         dense = slab_live is None or slab_live[k] >= dense_fraction * max(1, n_valid_blocks * nt)
-        if k == 0 and first_scratch is not None:
-            scratch = first_scratch
-        else:
-            scratch = recompute_slab(k, n_valid_blocks, dense)
-        if (nt, c1 - c0) not in dx_views:
-            dx_views[nt, c1 - c0] = scratch[:n_valid, : c1 - c0]
-        dx = dx_views[nt, c1 - c0]
+        if k > 0 or host_needs is None:  # else queued before the read-back
+            recompute_slab(k, n_valid_blocks, dense)
+        if c1 - c0 not in dx_views:
+            dx_views[c1 - c0] = scratch[:n_valid, : c1 - c0]
+        dx = dx_views[c1 - c0]
         cols = logits.col_order[c0:c1] if logits.col_order is not None else None
         if dense:
             if a_compact is None and (need_b or need_a):
@@ -733,7 +759,11 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                 if rank1:
                     bias_part -= _slice_cols(w, cols, c0, c1) * rank1_bias
                 _write_cols(grad_bias, bias_part, cols, c0, c1)
-            if need_a:
+            if split:
+                # hi + lo += dX · B rows c0…c1 (the straddled K step reads this slab's zeros)
+                split_launch(split_grid, K=c1 - c0, c0=c0, first=int(first_a))
+                first_a = False
+            elif need_a:
                 b_slab = b.index_select(0, cols) if cols is not None else b_slabs[k]
                 _addmm_f32_(acc_valid, dx, b_slab)
                 first_a = False
@@ -747,7 +777,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     grad_bias if need_bias else dummy,
                     w if w is not None else dummy,
                     rank1_b if rank1 else dummy, rank1_bias if rank1 else dummy,
-                    v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, nt, t0,
+                    v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, scratch_width,
+                    t0,
                     HAS_SCALE=post_scale is not None,
                     GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
@@ -757,14 +788,16 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                 row_list, row_count = _live_lists(live[:, t0:t1])
                 _grad_a_kernel[(n_valid_blocks, triton_cdiv(d, bd))](
                     b, scratch, rows.n_valid, order, row_list, row_count, acc_a,
-                    v, d, b.stride(0), nt, t0, FIRST=first_a,
+                    v, d, b.stride(0), nt, scratch_width, t0, FIRST=first_a,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
                     num_warps=cfg.num_warps, num_stages=cfg.matmul_stages, **common,
                 )
                 first_a = False
 
     grad_a = None
-    if need_a:
+    if split:
+        grad_a = split_hi
+    elif need_a:
         # dA_i = s · Σ_j dX_ij B_j  − s · u_i · Σ_j w_j B_j   (the rank-1 term needs no tile)
         acc = acc_a[:n_valid]
         if post_scale is not None:

@@ -41,18 +41,14 @@ class RepeatedLaunch:
         self.direct = not config.interpreting() and hasattr(kernel, "params")
         if not self.direct:
             return
-        params = {p.name: p for p in kernel.params}
-        missing = set(params) - set(arguments)
+        (self.names, self.position, constexprs, self.constexpr_slot,
+         self.unspecialized) = _parameters(kernel)
+        missing = set(self.names) - set(arguments)
         if missing:
             raise TypeError(f"RepeatedLaunch of {kernel.fn.__name__}: missing {sorted(missing)}")
-        self.names = list(params)
-        self.position = {name: i for i, name in enumerate(self.names)}
         self.values = [arguments[name] for name in self.names]
         self.addresses = [_address(value) for value in self.values]
-        constexprs = sorted(name for name, p in params.items() if p.is_constexpr)
-        self.constexpr_slot = {name: i for i, name in enumerate(constexprs)}
         self.key = tuple(arguments[name] for name in constexprs)
-        self.unspecialized = {name for name, p in params.items() if p.do_not_specialize}
 
     def __call__(self, grid: tuple[int, ...], **changes) -> None:
         if not self.direct:
@@ -77,6 +73,25 @@ class RepeatedLaunch:
                 self.compiled[key] = _launcher(compiled)
             return
         launch((*grid, 1, 1)[:3], values, addresses)
+
+
+_PARAMETERS: dict[Any, tuple] = {}
+
+
+def _parameters(kernel) -> tuple:
+    """The kernel's parameter names in order, their positions, its compile-time parameters
+    (sorted) and their slots in the key, and the runtime ones it never specializes on: the
+    same for every launcher of the kernel, so read once per process."""
+    if kernel not in _PARAMETERS:
+        params = {p.name: p for p in kernel.params}
+        names = list(params)
+        constexprs = sorted(name for name, p in params.items() if p.is_constexpr)
+        _PARAMETERS[kernel] = (
+            names, {name: i for i, name in enumerate(names)}, constexprs,
+            {name: i for i, name in enumerate(constexprs)},
+            {name for name, p in params.items() if p.do_not_specialize},
+        )
+    return _PARAMETERS[kernel]
 
 
 def _address(value):

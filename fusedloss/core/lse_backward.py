@@ -35,9 +35,9 @@ from .logits import accumulate, div, dot_tile, dot_tile_tma, exp, logits_from_do
 from .lse_forward import _is_target, _may_hold
 
 
-# The slab's first tile and width change from launch to launch of one compiled kernel
-# (core/launch.py): never specialized on.
-@triton.jit(do_not_specialize=["slab_tile_start", "n_slab_tiles"])
+# The slab's first tile changes from launch to launch of one compiled kernel (core/launch.py):
+# never specialized on.
+@triton.jit(do_not_specialize=["slab_tile_start"])
 def _grad_logits_kernel(
     a_ptr, b_ptr,
     a_desc, b_desc,      # TMA descriptors of A in compact row order and of B, or None (USE_TMA)
@@ -49,9 +49,9 @@ def _grad_logits_kernel(
     col_max_ptr,         # (V,) fp32 column max
     coef_col_ptr,        # (V,) fp32 c_j / Σ_i exp(X_ij − max_j), by column id
     live_ptr,            # (row blocks, column tiles) int8: 1 = compute this tile
-    scratch_ptr,         # (row blocks · BLOCK_M, slab tiles · BLOCK_N) dX, input dtype, row-major
+    scratch_ptr,         # (row blocks · BLOCK_M, scratch_width) dX, input dtype, row-major
     dscale_ptr,          # (row blocks, column tiles) fp32 partial Σ dX_pre · raw
-    V, D, stride_a, stride_b, slab_tile_start, n_slab_tiles, n_col_tiles,
+    V, D, stride_a, stride_b, slab_tile_start, scratch_width, n_col_tiles,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     SCALE_DX: tl.constexpr,  # store s · dX (the gradient matmuls then need no scaling)
     SOFTCAP: tl.constexpr,
@@ -65,7 +65,7 @@ def _grad_logits_kernel(
     pid_m = tl.program_id(0)
     pid_t = tl.program_id(1)
     tile_id = pid_m.to(tl.int64) * n_col_tiles + slab_tile_start + pid_t
-    width = n_slab_tiles * BLOCK_N
+    width = scratch_width  # every slab's rows have the stride of the widest one
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if tl.load(live_ptr + tile_id) == 0:
         if ZERO_DEAD:  # the dense path multiplies every tile: a skipped one must read as 0
@@ -158,7 +158,7 @@ def _grad_b_kernel(
     rank1_col_ptr,       # (V,) fp32 w_j of the rank-1 term  −w_j · v  (label smoothing)
     rank1_vec_ptr,       # (D,) fp32 v = s · Σ_i u_i A_i
     rank1_bias_ptr,      # () fp32 Σ_i u_i, the rank-1 term's share of dbias
-    V, D, stride_a, stride_gb, n_row_blocks, n_slab_tiles, slab_tile_start,
+    V, D, stride_a, stride_gb, n_row_blocks, scratch_width, slab_tile_start,
     HAS_SCALE: tl.constexpr, HAS_ORDER: tl.constexpr, GRAD_B: tl.constexpr,
     GRAD_BIAS: tl.constexpr, HAS_RANK1: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -175,7 +175,7 @@ def _grad_b_kernel(
         cols = offs_n.to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = offs_d < D
-    width = n_slab_tiles * BLOCK_N
+    width = scratch_width
     offs_tile = (tl.arange(0, BLOCK_M)[:, None] * width
                  + pid_t * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
 
@@ -228,7 +228,7 @@ def _grad_a_kernel(
     row_list_ptr,        # (row blocks, slab tiles) int32: live tiles of each row block, first
     row_count_ptr,       # (row blocks,) int32
     acc_ptr,             # (row blocks · BLOCK_M, D) fp32 Σ_slabs dX · B, compact row order
-    V, D, stride_b, n_slab_tiles, slab_tile_start,
+    V, D, stride_b, n_slab_tiles, scratch_width, slab_tile_start,
     HAS_ORDER: tl.constexpr, FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, PRECISE: tl.constexpr,
@@ -242,7 +242,7 @@ def _grad_a_kernel(
     m_rows = offs_m < n_valid
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = offs_d < D
-    width = n_slab_tiles * BLOCK_N
+    width = scratch_width
     row_base = scratch_ptr + offs_m.to(tl.int64)[:, None] * width + tl.arange(0, BLOCK_N)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -268,3 +268,65 @@ def _grad_a_kernel(
     if not FIRST:
         acc += tl.load(acc_ptrs, mask=mask, other=0.0)
     tl.store(acc_ptrs, acc, mask=mask)
+
+
+# The slab's first column and width change from launch to launch (core/launch.py).
+@triton.jit(do_not_specialize=["K", "c0", "first"])
+def _accumulate_split_kernel(
+    dx_ptr, b_ptr, dx_desc, b_desc,   # the slab's dX (rows, K) and B's rows c0.. (K, D), or TMA
+    hi_ptr, lo_ptr,      # (rows, D) bf16: the running Σ dX · B as hi + lo, row-major
+    n_rows, D, K, c0, V, stride_dx, stride_b, stride_acc,
+    first,               # 1: hi and lo hold nothing yet (a runtime flag: one compiled kernel)
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """hi + lo += dX · B_slab, one (BLOCK_M × BLOCK_D) output tile per program.
+
+    A bf16 pair (hi = the sum rounded, lo = the rest rounded) carries ~16 significant bits, far
+    below the one bf16 rounding the result gets, in half the bytes of an fp32 accumulator; the
+    product itself is accumulated in fp32 over the slab's K.
+    """
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_rows = offs_m < n_rows
+    m_d = offs_d < D
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if USE_TMA:
+            x = dx_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([c0 + k * BLOCK_K, pid_d * BLOCK_D])
+        else:
+            ks = k * BLOCK_K + offs_k
+            x = tl.load(dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dx + ks[None, :],
+                        mask=m_rows[:, None] & (ks < K)[None, :], other=0.0)
+            rows_b = (c0 + ks).to(tl.int64)
+            b = tl.load(b_ptr + rows_b[:, None] * stride_b + offs_d[None, :],
+                        mask=((ks < K) & (rows_b < V))[:, None] & m_d[None, :], other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(x, b, acc, input_precision=PRECISION)
+    ptrs = offs_m.to(tl.int64)[:, None] * stride_acc + offs_d[None, :]
+    mask = m_rows[:, None] & m_d[None, :]
+    if first == 0:
+        # hi + lo is exact in fp32 (lo is below hi's last bit); one rounding adds the product.
+        acc += (tl.load(hi_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+                + tl.load(lo_ptr + ptrs, mask=mask, other=0.0).to(tl.float32))
+    hi = _bf16_rn(acc)
+    lo = _bf16_rn(acc - hi.to(tl.float32))
+    tl.store(hi_ptr + ptrs, hi, mask=mask)
+    tl.store(lo_ptr + ptrs, lo, mask=mask)
+
+
+@triton.jit
+def _bf16_rn(x):
+    """fp32 → bf16 rounded to nearest even, on the bits: the same on a GPU and under the
+    interpreter, whose conversion truncates. Inf and NaN stay what they are."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    # A NaN whose payload fills the mantissa would carry into the sign bit above.
+    return tl.where(x == x, rounded, x.to(tl.bfloat16))

@@ -93,12 +93,15 @@ class ContrastiveFunction(torch.autograd.Function):
         else:
             coef = GradCoefficients(lse=g, target=g)
         need_a, need_b, need_scale, need_bias = ctx.needs_input_grad[:4]
+        sparse = _sparse_slabs()
+        split = not sparse and bias is None and _split_accumulator(a)
         grads = engine.grads(
             a, b, _logits(spec, b, scale, bias), spec.rows, ctx.stats, coef,
             filter_eps=spec.filter_eps, need_a=need_a, need_b=need_b,
             need_bias=bias is not None and need_bias, need_scale=need_scale,
             sigmoid=spec.kind == "siglip", filter_scale=ctx.filter_scale,
-            scratch_bytes=_scratch_bytes(a), sparse=_sparse_slabs(), backend=spec.backend,
+            scratch_bytes=_scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
+            backend=spec.backend,
         )
         grad_bias = grads.bias.sum() if grads.bias is not None else None
         return grads.a, grads.b, grads.scale, grad_bias, None
@@ -115,16 +118,30 @@ def _sparse_slabs() -> bool:
     return os.environ.get("FUSEDLOSS_SPARSE_SLABS", "0") == "1"
 
 
-def _scratch_bytes(a: torch.Tensor) -> int | None:
-    """dX scratch per column slab: 2048 columns wide up to N = 16384 rows, 4096 beyond;
-    between 64 MiB and 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides.
+def _split_accumulator(a: torch.Tensor) -> bool:
+    """Whether dA accumulates over the backward's slabs as a bf16 pair (half the bytes of fp32;
+    ``engine.grads(split_accumulator=...)``) rather than in fp32 through cuBLAS: for bf16
+    features up to 16384 rows, where it lets a step fit in 64 MiB (see ``_scratch_bytes``).
+    Beyond, cuBLAS's addmm is faster than the split kernel (H100, 2026-11-22: 0.42 against
+    0.59 ms per slab at N = 65536, K = 4096, D = 512) and the memory is far below inf-cl's.
+    ``FUSEDLOSS_SPLIT_ACCUMULATOR=0`` or ``1`` overrides.
+    """
+    if (setting := os.environ.get("FUSEDLOSS_SPLIT_ACCUMULATOR")) is not None:
+        return setting == "1"
+    return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
+
+
+def _scratch_bytes(a: torch.Tensor, split: bool) -> int | None:
+    """dX scratch per column slab: 64 MiB up to N = 16384 rows (44 MiB with the split
+    accumulator), 4096 columns wide beyond, up to 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides.
 
     Measured on H100s (2026-11-22, CLIP fwd+bwd, bf16, c = 512). At b = 16384, 64 MiB (97.5
     MiB in all with the fp32 dA accumulator) took 3.0–3.2 ms. A 28 MiB scratch (896 columns,
     61.5 MiB in all) took 3.6–3.7 ms on one machine and 5.0–5.6 ms on another, where 64 MiB
     took 3.16: each slab costs a launch of the recompute kernel and two cuBLAS calls, and at
-    19 slabs the host issuing them sets the pace, at the host's speed. So the default keeps
-    64 MiB; ``FUSEDLOSS_SCRATCH_MB=28`` is the setting for ≤ 64 MiB at that size.
+    19 slabs the host issuing them sets the pace, at the host's speed. With the split
+    accumulator (16 MiB where fp32 took 32), 44 MiB of scratch (1408 columns, 12 slabs)
+    keeps a step at b = 16384, c = 512 within 64 MiB in all (61.5 MiB).
     Beyond 16384 rows: each slab's read-modify-write of the fp32 dA accumulator (8·N·D bytes)
     costs as much as a few hundred columns of matmul, and the slab's dB matmul (slab columns ×
     D outputs, N deep) needs width to fill the GPU. In alternating runs, 4096 columns against
@@ -134,8 +151,9 @@ def _scratch_bytes(a: torch.Tensor) -> int | None:
     if "FUSEDLOSS_SCRATCH_MB" in os.environ:
         return None
     n = a.shape[0]
-    columns = 2048 if n <= 16384 else 4096
-    return int(min(2**30, max(2**26, n * columns * a.element_size())))
+    if n <= 16384:
+        return 44 * 2**20 if split else 2**26
+    return int(min(2**30, n * 4096 * a.element_size()))
 
 
 def _logits(spec: _Spec, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
