@@ -658,8 +658,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         PRECISE=config.precise_math(a.dtype),
     )
     order = logits.col_order if logits.col_order is not None else rows.index
-    # One launch per slab, the same arguments but for the slab's tiles, its scratch view and
-    # the dense flag: bound once (core/launch.py).
+    # One launch per slab, the same arguments but for the slab's tiles and the dense flag:
+    # bound once (core/launch.py).
     recompute = RepeatedLaunch(
         _grad_logits_kernel, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         a_ptr=a, b_ptr=b, a_desc=a_desc, b_desc=b_desc,
@@ -686,6 +686,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, **common,
     )
+
     def recompute_slab(k: int, row_blocks: int, dense: bool) -> None:
         """Launches slab k's recompute into the scratch."""
         recompute((row_blocks, min(slab, n_ct - k * slab)), slab_tile_start=k * slab,
