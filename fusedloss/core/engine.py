@@ -714,7 +714,6 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     grad_b_slabs = grad_b.split(slab_cols) if need_b and logits.col_order is None else None
     acc_valid = acc_a[:n_valid] if acc_a is not None else None
     dx_views = {}  # the scratch's valid rows and the slab's columns, by width
-    split_launch = None
     if split:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -1,7 +1,8 @@
 """Repeated launches of one Triton kernel whose arguments barely change between launches.
 
-The backward launches its recompute kernel once per column slab with the same arguments but
-for the slab's first tile, its width and its scratch view. Going through Triton's JIT each time
+The backward launches its recompute kernel (and, with the split accumulator, its dA kernel)
+once per column slab with the same arguments but for the slab's first tile, its width and the
+dense flag. Going through Triton's JIT each time
 binds and specializes every argument again and looks the kernel up in its cache: measured on
 an H100 host (Triton 3.6, 2026-11-22) ≈ 90 µs of host time per launch of that kernel, where a
 CLIP step at b = 16384 has eight of them and the host, not the GPU, sets its pace.
@@ -120,7 +121,7 @@ def _launcher(compiled):
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                 compiled.packed_metadata, None, None, None)
         launch, stream = run.launch, torch.cuda.current_stream().cuda_stream
-        _no_hooks()
+        _no_hooks()  # a Triton without launch-hook knobs raises here: Triton's own path then
     except (AttributeError, ImportError):
         return through_triton
 
