@@ -79,27 +79,42 @@ def _import(module: str, provider: LMHeadProvider) -> Any:
 
 
 class FusedLossProvider(LMHeadProvider):
-    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")``, optionally exact."""
+    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")``, optionally exact, or
+    inside ``torch.compile(fullgraph=True)`` (compiled in the suite's untimed first call)."""
 
     distribution = "fusedloss"
 
-    def __init__(self, exact: bool = False):
-        self.exact = exact
-        self.key = "fusedloss-exact" if exact else "fusedloss"
-        self.label = "fusedloss (exact)" if exact else "fusedloss"
+    def __init__(self, exact: bool = False, compiled: bool = False):
+        self.exact, self.compiled = exact, compiled
+        self.key = "fusedloss-exact" if exact else "fusedloss-compile" if compiled else "fusedloss"
+        self.label = ("fusedloss (exact)" if exact else
+                      "fusedloss (compiled)" if compiled else "fusedloss")
 
     def build(self, device: torch.device) -> LossFn:
         fusedloss = _import("fusedloss", self)
         linear_cross_entropy = getattr(fusedloss, "linear_cross_entropy", None)
         if linear_cross_entropy is None:
             raise Unavailable("fusedloss has no linear_cross_entropy yet")
-        if self.exact:
-            return lambda e, c, y: linear_cross_entropy(e, c, y, backend="triton", filter_eps=None)
-        return lambda e, c, y: linear_cross_entropy(e, c, y, backend="triton")
+        extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
+
+        def loss(e: Tensor, c: Tensor, y: Tensor) -> Tensor:
+            return linear_cross_entropy(e, c, y, backend="triton", **extra)
+
+        return _compiled(loss) if self.compiled else loss
 
     def describe(self) -> str:
         extra = ", filter_eps=None" if self.exact else ""
-        return f'fusedloss.linear_cross_entropy(E, C, y, backend="triton"{extra})'
+        call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton"{extra})'
+        return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
+
+
+def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``function`` under ``torch.compile(fullgraph=True)``, from an empty compile cache (each
+    case has new static shapes: earlier cases' graphs must not leak in)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch.compile(function, fullgraph=True)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -296,6 +311,7 @@ def lm_head_providers() -> dict[str, LMHeadProvider]:
     providers: list[LMHeadProvider] = [
         FusedLossProvider(),
         FusedLossProvider(exact=True),
+        FusedLossProvider(compiled=True),
         TorchEagerProvider(),
         TorchCompileProvider(),
         TorchChunkedProvider(),
@@ -352,16 +368,17 @@ class FusedLossContrastiveProvider(ContrastiveProvider):
     """``fusedloss.clip_loss`` / ``nt_xent_loss`` / ``siglip_loss`` with an explicit backend.
 
     ``exact=True`` passes ``filter_eps=None`` (every tile of the backward computed; SigLIP has
-    no filtering, so the exact variant does not apply to it).
+    no filtering, so the exact variant does not apply to it). ``compiled=True`` measures the
+    call inside ``torch.compile(fullgraph=True)``.
     """
 
     distribution = "fusedloss"
 
-    def __init__(self, backend: str = "triton", exact: bool = False):
-        self.backend = backend
-        self.exact = exact
-        self.key = "fusedloss-exact" if exact else "fusedloss"
-        self.label = "fusedloss (exact)" if exact else "fusedloss"
+    def __init__(self, backend: str = "triton", exact: bool = False, compiled: bool = False):
+        self.backend, self.exact, self.compiled = backend, exact, compiled
+        self.key = "fusedloss-exact" if exact else "fusedloss-compile" if compiled else "fusedloss"
+        self.label = ("fusedloss (exact)" if exact else
+                      "fusedloss (compiled)" if compiled else "fusedloss")
         self.losses = (CLIP, NT_XENT) if exact else CONTRASTIVE_LOSSES
 
     def build(self, device: torch.device, loss: str) -> ContrastiveFn:
@@ -373,19 +390,23 @@ class FusedLossContrastiveProvider(ContrastiveProvider):
         backend = self.backend
         extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
         if loss == CLIP:
-            return lambda i, t, s: function(i, t, s, backend=backend, **extra)
-        if loss == NT_XENT:
-            return lambda z, tau: function(z, temperature=tau, backend=backend, **extra)
-        return lambda i, t, s, bias: function(i, t, s, bias, backend=backend)
+            call = lambda i, t, s: function(i, t, s, backend=backend, **extra)
+        elif loss == NT_XENT:
+            call = lambda z, tau: function(z, temperature=tau, backend=backend, **extra)
+        else:
+            call = lambda i, t, s, bias: function(i, t, s, bias, backend=backend)
+        return _compiled(call) if self.compiled else call
 
     def describe(self, loss: str) -> str:
         extra = ", filter_eps=None" if self.exact else ""
         backend = f'backend="{self.backend}"'
         if loss == CLIP:
-            return f"fusedloss.clip_loss(image, text, logit_scale, {backend}{extra})"
-        if loss == NT_XENT:
-            return f"fusedloss.nt_xent_loss(z, temperature=τ, {backend}{extra})"
-        return f"fusedloss.siglip_loss(image, text, logit_scale, logit_bias, {backend})"
+            call = f"fusedloss.clip_loss(image, text, logit_scale, {backend}{extra})"
+        elif loss == NT_XENT:
+            call = f"fusedloss.nt_xent_loss(z, temperature=τ, {backend}{extra})"
+        else:
+            call = f"fusedloss.siglip_loss(image, text, logit_scale, logit_bias, {backend})"
+        return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
 
 
 def materialized_clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor) -> Tensor:
@@ -616,6 +637,7 @@ def contrastive_providers(backend: str = "triton") -> dict[str, ContrastiveProvi
     providers: list[ContrastiveProvider] = [
         FusedLossContrastiveProvider(backend),
         FusedLossContrastiveProvider(backend, exact=True),
+        FusedLossContrastiveProvider(backend, compiled=True),
         TorchMaterializedProvider(),
         InfCLProvider(),
     ]

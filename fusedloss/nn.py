@@ -8,7 +8,7 @@ from torch import nn
 from .core.filtering import resolve_filter_eps
 from .core.vocab_order import order_by_mean_logit
 from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
-from .losses.cross_entropy import linear_cross_entropy
+from .losses.cross_entropy import check_options, linear_cross_entropy
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -19,6 +19,8 @@ class LinearCrossEntropyLoss(nn.Module):
     ``vocab_order_every``: None (default) keeps the natural vocabulary order; k ≥ 1 sorts the
     vocabulary by average logit every k-th call and reuses that order in between (the
     classifier moves slowly, so a slightly stale order is nearly as good and costs nothing).
+    k > 1 keeps that order in Python between calls and runs in eager mode only (under
+    ``torch.compile`` it raises).
     """
 
     def __init__(
@@ -37,12 +39,8 @@ class LinearCrossEntropyLoss(nn.Module):
         vocab_order_every: int | None = None,
     ) -> None:
         super().__init__()
-        if reduction not in ("none", "mean", "sum"):
-            raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be None or > 0, got {softcap}")
+        check_options(reduction, label_smoothing, softcap, z_loss)
+        resolve_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
         if vocab_order_every is not None and (
             not isinstance(vocab_order_every, int) or vocab_order_every < 1
         ):
@@ -72,6 +70,14 @@ class LinearCrossEntropyLoss(nn.Module):
             return None
         if self.vocab_order_every == 1:
             return "auto"
+        if torch.compiler.is_compiling():
+            # The stale order and the call count are Python state between calls: a compiled
+            # graph would bake them in (and recompile at every count).
+            raise RuntimeError(
+                "LinearCrossEntropyLoss(vocab_order_every > 1) keeps the order between calls "
+                "in Python and does not run under torch.compile; use vocab_order_every=1, or "
+                "pass a vocab_order tensor to fusedloss.linear_cross_entropy"
+            )
         stale = self._order is None or self._order.shape[0] != linear_weight.shape[0]
         if stale or self._calls % self.vocab_order_every == 0:
             with torch.no_grad():

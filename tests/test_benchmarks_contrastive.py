@@ -168,7 +168,7 @@ def _shape_of(loss):
 
 def test_exact_variant_and_inf_cl_support():
     table = providers.contrastive_providers("torch")
-    assert list(table) == ["fusedloss", "fusedloss-exact", "torch", "inf-cl"]
+    assert list(table) == ["fusedloss", "fusedloss-exact", "fusedloss-compile", "torch", "inf-cl"]
     assert not table["fusedloss-exact"].supports("siglip")
     assert table["inf-cl"].supports("clip") and not table["inf-cl"].supports("nt-xent")
     assert "filter_eps=None" in table["fusedloss-exact"].describe("clip")

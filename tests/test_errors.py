@@ -277,11 +277,18 @@ def test_module_rejects_bad_options(kwargs, message):
         LinearCrossEntropyLoss(**kwargs)
 
 
-def test_module_call_errors_name_the_argument():
-    loss = LinearCrossEntropyLoss(z_loss=-1.0)
+@pytest.mark.parametrize("options, name", [
+    (dict(z_loss=-1.0), "z_loss"), (dict(softcap=float("inf")), "softcap"),
+    (dict(label_smoothing=1.5), "label_smoothing"), (dict(reduction="avg"), "reduction"),
+    (dict(filter_eps=-1.0), "filter_eps"),
+], ids=["z_loss", "softcap-inf", "label_smoothing", "reduction", "filter_eps"])
+def test_module_validates_like_the_function(options, name):
+    """The module rejects at construction what the function rejects at its call."""
+    with pytest.raises(ValueError, match=name):
+        LinearCrossEntropyLoss(**options)
     args = good()
-    with pytest.raises(ValueError, match="z_loss"):
-        loss(args["input"], args["linear_weight"], args["target"])
+    with pytest.raises(ValueError, match=name):
+        linear_cross_entropy(args["input"], args["linear_weight"], args["target"], **options)
 
 
 def test_public_api():

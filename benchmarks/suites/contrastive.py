@@ -63,10 +63,11 @@ RESULTS_PREFIX = "contrastive"
 
 FUSEDLOSS = "fusedloss"
 FUSEDLOSS_EXACT = "fusedloss-exact"
+FUSEDLOSS_COMPILE = "fusedloss-compile"
 TORCH = "torch"
 INF_CL = "inf-cl"
-PROVIDER_KEYS = (FUSEDLOSS, FUSEDLOSS_EXACT, TORCH, INF_CL)
-DEFAULT_PROVIDERS = (FUSEDLOSS, TORCH, INF_CL)  # fusedloss-exact on request
+PROVIDER_KEYS = (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_COMPILE, TORCH, INF_CL)
+DEFAULT_PROVIDERS = (FUSEDLOSS, TORCH, INF_CL)  # fusedloss-exact, -compile on request
 
 # Loss parameters. CLIP's logit_scale comes with the regime (1/0.07 random, 100 trained).
 SIGLIP_LOGIT_SCALE = 10.0  # SigLIP's initialization: t' = log 10, b = −10
@@ -130,15 +131,16 @@ class ContrastiveShape:
     providers: tuple[str, ...]  # providers that run on it (when selected)
 
 
-_ALL = (FUSEDLOSS, FUSEDLOSS_EXACT, TORCH, INF_CL)
-_OURS = (FUSEDLOSS, FUSEDLOSS_EXACT)
+_ALL = (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_COMPILE, TORCH, INF_CL)
+_OURS = (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_COMPILE)
 _BOTH = ("random", "trained")
 
 SHAPES: dict[str, ContrastiveShape] = {
     shape.name: shape
     for shape in (
         ContrastiveShape("clip-16k", CLIP, 16_384, 512, _BOTH, _ALL),
-        ContrastiveShape("siglip-16k", SIGLIP, 16_384, 512, ("random",), (FUSEDLOSS, TORCH)),
+        ContrastiveShape("siglip-16k", SIGLIP, 16_384, 512, ("random",),
+                         (FUSEDLOSS, FUSEDLOSS_COMPILE, TORCH)),
         ContrastiveShape("nt-xent-64k", NT_XENT, 65_536, 256, _BOTH, (*_OURS, TORCH)),
         ContrastiveShape("clip-64k", CLIP, 65_536, 512, _BOTH, _ALL),
         ContrastiveShape("clip-128k", CLIP, 131_072, 768, _BOTH, _ALL),

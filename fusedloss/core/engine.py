@@ -101,6 +101,28 @@ class RowStats:
         self.col_log_sum = torch.log(col_sum)
         self.col_lse = col_max + self.col_log_sum
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows (4, N), columns (4, V) or None): (max, sum, log sum, lse) stacked, new tensors
+        (what an op returns for its backward; ``from_packed`` reads them back)."""
+        cols = None
+        if self.col_max is not None:
+            cols = torch.stack((self.col_max, self.col_sum, self.col_log_sum, self.col_lse))
+        return torch.stack((self.max, self.sum, self.log_sum, self.lse)), cols
+
+    @classmethod
+    def from_packed(cls, rows: torch.Tensor, cols: torch.Tensor | None,
+                    target_logit: torch.Tensor | None, tile_log_mass: torch.Tensor | None,
+                    col_tile_log_mass: torch.Tensor | None, block: tuple[int, int]) -> RowStats:
+        """The statistics that ``packed`` and the per-tile tensors describe; ``block`` is the
+        forward's (block_m, block_n) (``forward_block``)."""
+        row_max, row_sum, row_log_sum, row_lse = rows.unbind(0)
+        stats = cls(lse=row_lse, max=row_max, log_sum=row_log_sum, sum=row_sum,
+                    target_logit=target_logit, weighted_sum=None, tile_log_mass=tile_log_mass,
+                    col_tile_log_mass=col_tile_log_mass, block_m=block[0], block_n=block[1])
+        if cols is not None:
+            stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = cols.unbind(0)
+        return stats
+
     def lse_minus(self, x: torch.Tensor) -> torch.Tensor:
         """lse_i − x_i, without rounding lse first."""
         return (self.max - x) + self.log_sum
@@ -172,6 +194,14 @@ def row_stats(
         return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid)
     return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
                              record_tiles)
+
+
+def forward_block(device: torch.device, dtype: torch.dtype, d: int, *, col_stats: bool = False,
+                  sigmoid: bool = False) -> tuple[int, int]:
+    """(block_m, block_n) of the Triton forward's tiles: the per-tile statistics of ``row_stats``
+    are (⌈N / block_m⌉, ⌈V / block_n⌉)."""
+    cfg = config.forward_config(device, dtype, d, sigmoid=sigmoid, col_stats=col_stats)
+    return cfg.block_m, cfg.block_n
 
 
 def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:

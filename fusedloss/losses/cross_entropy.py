@@ -1,136 +1,24 @@
-"""Linear cross-entropy (the "cut cross-entropy" LM head) on the linear-log-sum-exp core.
+"""Linear cross-entropy (the "cut cross-entropy" LM head): the functional API.
 
-With A = input rows, B = linear_weight, X = softcap(A Bᵀ + bias), lse_i = log Σ_j exp(X_ij),
-y = target, w = class weights (1 without ``weight``), W = Σ_j w_j, α = label_smoothing,
-λ = z_loss, the per-token loss of a non-ignored token is
-
-    loss_i = (1−α)·w_{y_i}·(lse_i − X_{i,y_i}) + (α/V)·(W·lse_i − Σ_j w_j X_ij) + λ·lse_i²
-
-(exactly ``F.cross_entropy(logits, y, weight, label_smoothing=α, reduction="none")`` plus the
-z-loss). Its gradient with respect to the logits is r_i·P_ij − t_i·[j=y_i] − u_i·w_j with
-
-    r_i = g_i·((1−α)·w_{y_i} + α·W/V + 2λ·lse_i) + g^lse_i
-    t_i = g_i·(1−α)·w_{y_i}
-    u_i = g_i·α/V
-
-which is what the core's backward takes. Ignored tokens are dropped from the compact row order,
-so they cost no work, and give a loss of exactly 0.
+The loss and its gradient are written out in ``fusedloss/ops/cross_entropy.py``, whose custom
+ops compute them on the engine. This layer checks the arguments, flattens the tokens (and
+shifts the targets for a causal LM), calls the op and applies the reduction: traceable PyTorch
+with no host sync, so that the loss compiles into a model's graph (``torch.compile``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
 
 from ..core import engine
-from ..core.engine import GradCoefficients, Logits, Rows
 from ..core.filtering import resolve_filter_eps
 from ..core.vocab_order import order_by_mean_logit
+from ..ops import cross_entropy as ops
 
 Reduction = Literal["none", "mean", "sum"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class _Params:
-    """Everything about one call that is not a differentiable tensor."""
-
-    rows: Rows
-    softcap: float | None
-    col_order: torch.Tensor | None
-    class_weight: torch.Tensor | None  # (V,) fp32
-    target_weight: torch.Tensor  # (N,) fp32 w_{y_i} in compact order, 0 past n_valid
-    label_smoothing: float
-    z_loss: float
-    filter_eps: float | None
-    backend: str
-
-
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Per-token losses and LSEs (both (N,) fp32, original row order) of a linear CE head."""
-
-    @staticmethod
-    def forward(ctx, a, b, bias, params: _Params):
-        n, v = a.shape[0], b.shape[0]
-        logits = Logits(bias=bias, softcap=params.softcap, col_order=params.col_order)
-        alpha = params.label_smoothing
-        needs_grad = any(ctx.needs_input_grad[:3])
-        stats = engine.row_stats(
-            a, b, logits, params.rows,
-            col_weight=params.class_weight, weighted_sum=alpha > 0,
-            record_tiles=needs_grad and params.filter_eps is not None,
-            backend=params.backend,
-        )
-        lse, w_y = stats.lse, params.target_weight
-        loss = (1 - alpha) * w_y * stats.lse_minus(stats.target_logit)
-        if alpha > 0:
-            total_w = params.class_weight.sum() if params.class_weight is not None else v
-            loss = loss + (alpha / v) * (total_w * lse - stats.weighted_sum)
-        if params.z_loss:
-            loss = loss + params.z_loss * lse * lse
-        valid = _valid_positions(params.rows, n)
-        loss = torch.where(valid, loss, 0.0)
-
-        ctx.save_for_backward(a, b, bias, lse)
-        ctx.params, ctx.stats = params, stats
-        return _to_original_order(loss, params.rows), _to_original_order(lse, params.rows)
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        a, b, bias, lse = ctx.saved_tensors
-        params: _Params = ctx.params
-        rows, n, v = params.rows, a.shape[0], b.shape[0]
-        valid = _valid_positions(rows, n)
-        zeros = torch.zeros(n, dtype=torch.float32, device=a.device)
-        g = grad_loss[rows.index].float() if grad_loss is not None else zeros
-        g = torch.where(valid, g, 0.0)
-        g_lse = 0.0
-        if grad_lse is not None:
-            g_lse = torch.where(valid, grad_lse[rows.index].float(), 0.0)
-
-        alpha, w_y = params.label_smoothing, params.target_weight
-        total_w = params.class_weight.sum() if params.class_weight is not None else v
-        coef_lse = g * ((1 - alpha) * w_y + alpha * total_w / v + 2 * params.z_loss * lse) + g_lse
-        coef = GradCoefficients(
-            lse=coef_lse,
-            target=g * (1 - alpha) * w_y,
-            uniform=g * (alpha / v) if alpha > 0 else None,
-        )
-        grads = engine.grads(
-            a, b, Logits(bias=bias, softcap=params.softcap, col_order=params.col_order),
-            rows, ctx.stats, coef,
-            col_weight=params.class_weight, filter_eps=params.filter_eps,
-            filter_scale=(_gradient_mass(ctx.stats, coef), None),
-            need_a=ctx.needs_input_grad[0], need_b=ctx.needs_input_grad[1],
-            need_bias=bias is not None and ctx.needs_input_grad[2],
-            backend=params.backend,
-        )
-        grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else None
-        return grads.a, grads.b, grad_bias, None
-
-
-def _gradient_mass(stats, coef: GradCoefficients) -> torch.Tensor:
-    """Each row's gradient mass relative to its softmax mass (the filter's per-row scale).
-
-    The tile part of a row's gradient, r·P − t·e_y, has L1 mass r·((1 − P_y) + |P_y − t/r|).
-    """
-    p_target = torch.exp(-stats.lse_minus(stats.target_logit))
-    ratio = torch.where(coef.lse != 0, coef.target / torch.where(coef.lse != 0, coef.lse, 1.0),
-                        1.0)
-    return torch.clamp((1 - p_target) + (p_target - ratio).abs(), max=1.0)
-
-
-def _valid_positions(rows: Rows, n: int) -> torch.Tensor:
-    return torch.arange(n, device=rows.index.device) < rows.n_valid
-
-
-def _to_original_order(values: torch.Tensor, rows: Rows) -> torch.Tensor:
-    # rows.index is a permutation of all rows, so a plain indexed write is a scatter.
-    out = torch.empty_like(values)
-    out[rows.index] = values
-    return out
 
 
 @overload
@@ -216,12 +104,10 @@ def linear_cross_entropy(
     _check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                   label_smoothing, softcap, z_loss, shift)
     backend = engine.resolve_backend(backend, input.device)
-    resolve_filter_eps(filter_eps, input.dtype)  # validates on every backend
-    v, d = linear_weight.shape
+    eps = resolve_filter_eps(filter_eps, input.dtype)  # validates on every backend
+    eps = eps if backend == "triton" else None
+    d = linear_weight.shape[1]
     a = input.reshape(-1, d)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    b = linear_weight if linear_weight.stride(-1) == 1 else linear_weight.contiguous()
     if shift:
         if target.shape[-1] == 0:
             raise ValueError("shift=True needs at least one position along target's last dim")
@@ -230,47 +116,25 @@ def linear_cross_entropy(
     else:
         flat_target = target.reshape(-1)
     flat_target = flat_target.long()
-
     valid = flat_target != ignore_index
-    out_of_range = valid & ((flat_target < 0) | (flat_target >= v))
 
     if a.shape[0] == 0:
         # Nothing to compute, but keep the graph: gradients are zeros of the right shapes.
-        loss_tok = a.float().sum(dim=-1) + b[:0].float().sum()
+        loss_tok = a.float().sum(dim=-1) + linear_weight[:0].float().sum()
         if linear_bias is not None:
             loss_tok = loss_tok + linear_bias[:0].float().sum()
         lse = loss_tok.detach()
     else:
-        flags = torch.stack([out_of_range.any(), valid.all()])
-        rows = engine.compact_rows(valid)
-        compact_target = torch.where(_valid_positions(rows, a.shape[0]),
-                                     flat_target[rows.index], -1)
-        class_weight = weight.float() if weight is not None else None
-        if class_weight is not None:
-            # Clamped: an out-of-range target must not index out of bounds before the check.
-            picked = class_weight[compact_target.clamp(0, v - 1)]
-            w_y = torch.where(compact_target >= 0, picked, 0.0)
-        else:
-            w_y = (compact_target >= 0).float()
-        eps = resolve_filter_eps(filter_eps, input.dtype) if backend == "triton" else None
-        order = _resolve_vocab_order(vocab_order, a, b, linear_bias, valid, eps, backend)
-        # One host sync, once the work above is queued (the GPU keeps busy while the host
-        # waits): the error check, and whether the compact order is the identity (every row
-        # counts), which lets the kernels read A by whole blocks.
-        any_out_of_range, all_valid = flags.tolist()
-        if any_out_of_range:
-            bad = int(flat_target[out_of_range][0])
-            raise ValueError(
-                f"target holds {bad}, outside [0, {v}) and not ignore_index={ignore_index}"
-            )
-        rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
-                    identity=bool(all_valid))
-        params = _Params(
-            rows=rows, softcap=softcap, col_order=order, class_weight=class_weight,
-            target_weight=w_y, label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-            filter_eps=eps, backend=backend,
+        wants_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+        order = _resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
+                                     backend, wants_grad)
+        loss_tok, lse, *_ = ops.linear_cross_entropy(
+            a, linear_weight, flat_target, linear_bias,
+            weight.float() if weight is not None else None, order, int(ignore_index),
+            float(label_smoothing), None if softcap is None else float(softcap), float(z_loss),
+            eps, backend, wants_grad,
         )
-        loss_tok, lse = LinearCrossEntropyFunction.apply(a, b, linear_bias, params)
 
     token_shape = target.shape
     loss_tok, lse = loss_tok.view(token_shape), lse.view(token_shape)
@@ -289,14 +153,14 @@ def linear_cross_entropy(
     return (loss, lse) if return_lse else loss
 
 
-def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend):
-    """Validates ``vocab_order`` on every backend; returns the column order the kernels use."""
+def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend, wants_grad):
+    """Validates ``vocab_order`` on every backend (that it is a permutation is checked by the
+    op, which reads its values); returns the column order the kernels use."""
     v = b.shape[0]
     if isinstance(vocab_order, str):
         if vocab_order != "auto":
             raise ValueError(f"vocab_order must be 'auto', None or a permutation tensor, "
                              f"got {vocab_order!r}")
-        wants_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
         if backend != "triton" or eps is None or not wants_grad:
             return None
         with torch.no_grad():
@@ -311,9 +175,7 @@ def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend):
                          f"{tuple(vocab_order.shape)} {vocab_order.dtype}")
     if vocab_order.device != b.device:
         raise ValueError(f"vocab_order is on {vocab_order.device}, linear_weight on {b.device}")
-    if not torch.equal(torch.sort(vocab_order).values, torch.arange(v, device=b.device)):
-        raise ValueError("vocab_order must be a permutation of 0..V-1")
-    return vocab_order if backend == "triton" else None
+    return vocab_order
 
 
 def _check_inputs(input, linear_weight, target, bias, weight, reduction, label_smoothing,
@@ -356,6 +218,11 @@ def _check_inputs(input, linear_weight, target, bias, weight, reduction, label_s
     if len({dev for _, dev in devices}) > 1:
         listed = ", ".join(f"{n} on {dev}" for n, dev in sorted(devices, key=str))
         raise ValueError(f"all tensors must be on one device: {listed}")
+    check_options(reduction, label_smoothing, softcap, z_loss)
+
+
+def check_options(reduction, label_smoothing, softcap, z_loss) -> None:
+    """The options that need no tensor (shared with ``LinearCrossEntropyLoss``)."""
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:

@@ -1,0 +1,281 @@
+"""The contrastive losses as two custom ops over the engine: CLIP, InfoNCE, NT-Xent, SigLIP.
+
+Every loss here is a cheap function of row statistics (and for CLIP column statistics) of
+X = s · A Bᵀ (+ bias), which the core computes tile by tile: no N×M similarity matrix exists
+in the forward or the backward. With P = row softmax, Q = column softmax of X:
+
+    kind       A, B             per-row loss                   dX (per unit upstream g)
+    clip       I, T             ½(l_i − X_ii) + ½(k_i − X_ii)  ½g_i P_ij + ½g_j Q_ij − g_i[i=j]
+    info_nce   Q, K             l_i − X_{i,y_i}                g_i (P_ij − [j=y_i])
+    nt_xent    Z, Z (X_ii out)  l_i − X_{i,i±B}                g_i (P_ij − [j=i±B])
+    siglip     I, T (+ bias)    Σ_j softplus(−z_ij X_ij)       −g_i z_ij σ(−z_ij X_ij)
+
+(l_i row LSE, k_j column LSE, z = +1 at the target and −1 elsewhere; for NT-Xent the same
+tensor is passed as A and B, and autograd adds dA and dB). The core turns dX into
+dA = s·dX·B, dB = s·dXᵀ·A and ds = Σ dX ⊙ A Bᵀ without storing dX beyond a bounded scratch.
+Both CLIP directions come from one pass: each tile feeds the row and the column statistics.
+"""
+
+import os
+
+import torch
+from torch import Tensor
+
+from ..core import engine
+from ..core.engine import GradCoefficients, Logits, Rows, RowStats
+from ..core.filtering import gradient_mass
+from ._common import CUDAGRAPH_UNSAFE, grad_or_none, nothing, row_major
+
+KINDS = ("clip", "info_nce", "nt_xent", "siglip")
+
+
+def contrastive(*args) -> tuple[Tensor, ...]:
+    """The forward op (``fusedloss::contrastive``, arguments of ``forward``) with its autograd:
+    through the dispatcher while ``torch.compile`` traces, straight to the host functions in
+    eager mode, where the dispatcher's Python layers cost ~0.3 ms per call."""
+    if torch.compiler.is_compiling():
+        return forward_op(*args)
+    return _EagerFunction.apply(*args)
+
+
+def forward(
+    a: Tensor,  # (N, D)
+    b: Tensor,  # (M, D); for "nt_xent" the same tensor as a
+    scale: Tensor,  # () fp32
+    bias: Tensor | None,  # () fp32
+    target: Tensor,  # (N,) int64: each row's positive column
+    kind: str,  # one of KINDS
+    filter_eps: float | None,
+    backend: str,  # "triton" or "torch"
+    record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
+    check_target: bool,  # raise if a target is outside [0, M) (waits for the GPU)
+    check_temperature: bool,  # raise unless scale = 1/τ with τ > 0 (waits for the GPU)
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-row losses (N,) fp32 (the table above), then for the backward: the row LSE parts
+    (4, N) fp32 (``RowStats.packed``; zeros for "siglip"), the column LSE parts (4, M) for
+    "clip" ((0,) otherwise), the target logits (N,) fp32 and the per-tile masses by rows and
+    by columns ((0, 0) unless recorded)."""
+    n, m = a.shape[0], b.shape[0]
+    _check_values(target, m, scale, check_target, check_temperature)
+    a = row_major(a)
+    b = a if kind == "nt_xent" else row_major(b)
+    stats = engine.row_stats(
+        a, b, _logits(kind, b, scale, bias), _rows(target),
+        col_stats=kind == "clip", sigmoid=kind == "siglip",
+        record_tiles=record_tiles and filter_eps is not None, backend=backend,
+    )
+    if kind == "siglip":
+        loss = stats.sigmoid_sum
+        packed_rows, packed_cols = torch.zeros((4, n), dtype=torch.float32, device=a.device), None
+    else:
+        margin = stats.lse_minus(stats.target_logit)
+        if kind == "clip":
+            margin = 0.5 * (margin + stats.col_lse_minus(stats.target_logit))
+        loss = margin
+        packed_rows, packed_cols = stats.packed()
+    tiles, col_tiles = (t if t is not None else nothing(a, (0, 0))
+                        for t in (stats.tile_log_mass, stats.col_tile_log_mass))
+    return (loss, packed_rows, packed_cols if packed_cols is not None else nothing(a, (0,)),
+            stats.target_logit, tiles, col_tiles)
+
+
+forward_op = torch.library.custom_op("fusedloss::contrastive", forward, mutates_args=(),
+                                     tags=CUDAGRAPH_UNSAFE)
+
+
+@forward_op.register_fake
+def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_target,
+      check_temperature):
+    (n, d), m = a.shape, b.shape[0]
+    tiles = col_tiles = (0, 0)
+    if backend == "triton" and record_tiles and filter_eps is not None and kind != "siglip":
+        block_m, block_n = engine.forward_block(a.device, a.dtype, d, col_stats=kind == "clip")
+        tiles = ((n + block_m - 1) // block_m, (m + block_n - 1) // block_n)
+        col_tiles = tiles if kind == "clip" else col_tiles
+    per_row = a.new_empty(n, dtype=torch.float32)
+    return (per_row, a.new_empty((4, n), dtype=torch.float32),
+            a.new_empty((4, m) if kind == "clip" else (0,), dtype=torch.float32),
+            torch.empty_like(per_row), a.new_empty(tiles, dtype=torch.float32),
+            a.new_empty(col_tiles, dtype=torch.float32))
+
+
+def backward(
+    grad_loss: Tensor,  # (N,)
+    a: Tensor,
+    b: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    row_stats: Tensor,
+    col_stats: Tensor,
+    target_logit: Tensor,
+    tile_log_mass: Tensor,
+    col_tile_log_mass: Tensor,
+    kind: str,
+    filter_eps: float | None,
+    backend: str,
+    need_a: bool,
+    need_b: bool,
+    need_scale: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dA, dB, d scale, d bias) from the forward's statistics; each is an empty tensor when
+    not asked for."""
+    a = row_major(a)
+    b = a if kind == "nt_xent" else row_major(b)
+    d = a.shape[1]
+    clip, siglip = kind == "clip", kind == "siglip"
+    stats = RowStats.from_packed(
+        row_stats, col_stats if clip else None, target_logit,
+        tile_log_mass if tile_log_mass.numel() else None,
+        col_tile_log_mass if col_tile_log_mass.numel() else None,
+        engine.forward_block(a.device, a.dtype, d, col_stats=clip, sigmoid=siglip))
+    g = grad_loss.float().contiguous()  # a reduction hands us a stride-0 expand
+    filter_scale = None
+    if clip:
+        half = 0.5 * g
+        coef = GradCoefficients(lse=half, col=half, target=g)
+        # Each direction's own gradient mass bounds its skipped mass.
+        filter_scale = (gradient_mass(stats.lse_minus(target_logit)),
+                        gradient_mass(stats.col_lse_minus(target_logit)))
+    elif siglip:
+        coef = GradCoefficients(lse=g)
+    else:
+        coef = GradCoefficients(lse=g, target=g)
+        filter_scale = (gradient_mass(stats.lse_minus(target_logit)), None)
+    sparse = _sparse_slabs()
+    split = not sparse and bias is None and _split_accumulator(a)
+    grads = engine.grads(
+        a, b, _logits(kind, b, scale, bias), _rows(target), stats, coef,
+        filter_eps=filter_eps, need_a=need_a, need_b=need_b,
+        need_bias=bias is not None and need_bias, need_scale=need_scale,
+        sigmoid=siglip, filter_scale=filter_scale,
+        scratch_bytes=_scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
+        backend=backend,
+    )
+    return (grads.a if need_a else nothing(a, (0,)), grads.b if need_b else nothing(a, (0,)),
+            grads.scale if need_scale else nothing(a, (0,)),
+            grads.bias.sum() if grads.bias is not None else nothing(a, (0,)))
+
+
+backward_op = torch.library.custom_op("fusedloss::contrastive_backward", backward,
+                                      mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+
+
+@backward_op.register_fake
+def _(grad_loss, a, b, scale, bias, target, row_stats, col_stats, target_logit, tile_log_mass,
+      col_tile_log_mass, kind, filter_eps, backend, need_a, need_b, need_scale, need_bias):
+    return (torch.empty_like(a) if need_a else nothing(a, (0,)),
+            torch.empty_like(b) if need_b else nothing(a, (0,)),
+            torch.empty_like(scale) if need_scale else nothing(a, (0,)),
+            torch.empty_like(bias) if bias is not None and need_bias else nothing(a, (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, scale, bias, target, kind, filter_eps, backend, *_ = inputs
+    _, *statistics = output
+    ctx.mark_non_differentiable(*statistics)
+    ctx.save_for_backward(a, b, scale, bias, target, *statistics)
+    ctx.options = (kind, filter_eps, backend)
+
+
+def _autograd_backward(ctx, grad_loss, *_, backward_fn=backward_op):
+    needs = ctx.needs_input_grad[:4]  # a, b, scale, bias
+    grads = backward_fn(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
+    return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)),
+            *[None] * 7)
+
+
+forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The same forward, setup and backward as the op's autograd, without the dispatcher."""
+
+    forward = staticmethod(forward)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _autograd_backward(ctx, *grads, backward_fn=backward)
+
+
+def _rows(target: Tensor) -> Rows:
+    """Every row counts, in order; a fill, not a host value, so nothing waits for the GPU."""
+    n = target.shape[0]
+    return Rows(index=torch.arange(n, device=target.device),
+                n_valid=torch.full((), n, dtype=torch.int64, device=target.device),
+                target=target, identity=True, all_valid=True)
+
+
+def _logits(kind: str, b: Tensor, scale: Tensor, bias: Tensor | None) -> Logits:
+    # A scalar bias becomes a per-column one: (M,) floats, and its gradient is their sum.
+    column_bias = bias.expand(b.shape[0]).contiguous() if bias is not None else None
+    return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent")
+
+
+def _check_values(target: Tensor, m: int, scale: Tensor, check_target: bool,
+                  check_temperature: bool) -> None:
+    """The checks that need tensor values, in one read-back, only when asked for."""
+    checks = []
+    if check_target:
+        checks.append(((target < 0) | (target >= m)).any())
+    if check_temperature:  # τ ≤ 0 gives s = 1/τ < 0 or +inf; NaN passes and gives NaN
+        checks.append((scale < 0) | (scale == float("inf")))
+    if not checks:
+        return
+    found = torch.stack(checks).tolist()
+    if check_target and found[0]:
+        bad = int(target[(target < 0) | (target >= m)][0])
+        raise ValueError(f"labels holds {bad}, outside [0, M) = [0, {m})")
+    if check_temperature and found[-1]:
+        raise ValueError(f"temperature must be > 0, got {1.0 / float(scale)}")
+
+
+def _sparse_slabs() -> bool:
+    """Whether the backward may send a slab with few live tiles through the sparse matmul
+    kernels (``FUSEDLOSS_SPARSE_SLABS=1``). That choice needs the live counts on the host, one
+    wait for the GPU per call. By default every slab takes the dense path and the backward never
+    waits: on the measured inputs the filter keeps every tile (docs/results.md), and at
+    b ≤ 16384 the wait, which leaves the GPU idle while the host issues the slabs, costs more
+    than the sparse path could save.
+    """
+    return os.environ.get("FUSEDLOSS_SPARSE_SLABS", "0") == "1"
+
+
+def _split_accumulator(a: Tensor) -> bool:
+    """Whether dA accumulates over the backward's slabs as a bf16 pair (half the bytes of fp32;
+    ``engine.grads(split_accumulator=...)``) rather than in fp32 through cuBLAS: for bf16
+    features up to 16384 rows, where it lets a step fit in 64 MiB (see ``_scratch_bytes``).
+    Beyond, cuBLAS's addmm is faster than the split kernel (H100, 2026-11-22: 0.42 against
+    0.59 ms per slab at N = 65536, K = 4096, D = 512) and the memory is far below inf-cl's.
+    ``FUSEDLOSS_SPLIT_ACCUMULATOR=0`` or ``1`` overrides.
+    """
+    if (setting := os.environ.get("FUSEDLOSS_SPLIT_ACCUMULATOR")) is not None:
+        return setting == "1"
+    return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
+
+
+def _scratch_bytes(a: Tensor, split: bool) -> int | None:
+    """dX scratch per column slab: 64 MiB up to N = 16384 rows (44 MiB with the split
+    accumulator), 4096 columns wide beyond, up to 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides.
+
+    Measured on H100s (2026-11-22, CLIP fwd+bwd, bf16, c = 512). At b = 16384, 64 MiB (97.5
+    MiB in all with the fp32 dA accumulator) took 3.0–3.2 ms. A 28 MiB scratch (896 columns,
+    61.5 MiB in all) took 3.6–3.7 ms on one machine and 5.0–5.6 ms on another, where 64 MiB
+    took 3.16: each slab costs a launch of the recompute kernel and two cuBLAS calls, and at
+    19 slabs the host issuing them sets the pace, at the host's speed. With the split
+    accumulator (16 MiB where fp32 took 32), 44 MiB of scratch (1408 columns, 12 slabs)
+    keeps a step at b = 16384, c = 512 within 64 MiB in all (61.5 MiB).
+    Beyond 16384 rows: each slab's read-modify-write of the fp32 dA accumulator (8·N·D bytes)
+    costs as much as a few hundred columns of matmul, and the slab's dB matmul (slab columns ×
+    D outputs, N deep) needs width to fill the GPU. In alternating runs, 4096 columns against
+    2048 took b = 65536 from 49.7–49.9 to 47.9 ms and b = 131072, c = 768 from 267–268 to
+    258–259 ms (8192 columns: no further gain).
+    """
+    if "FUSEDLOSS_SCRATCH_MB" in os.environ:
+        return None
+    n = a.shape[0]
+    if n <= 16384:
+        return 44 * 2**20 if split else 2**26
+    return int(min(2**30, n * 4096 * a.element_size()))

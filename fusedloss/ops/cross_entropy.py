@@ -1,0 +1,267 @@
+"""Linear cross-entropy (the "cut cross-entropy" LM head) as two custom ops over the engine.
+
+With A = input rows, B = linear_weight, X = softcap(A Bᵀ + bias), lse_i = log Σ_j exp(X_ij),
+y = target, w = class weights (1 without ``weight``), W = Σ_j w_j, α = label_smoothing,
+λ = z_loss, the per-token loss of a non-ignored token is
+
+    loss_i = (1−α)·w_{y_i}·(lse_i − X_{i,y_i}) + (α/V)·(W·lse_i − Σ_j w_j X_ij) + λ·lse_i²
+
+(exactly ``F.cross_entropy(logits, y, weight, label_smoothing=α, reduction="none")`` plus the
+z-loss). Its gradient with respect to the logits is r_i·P_ij − t_i·[j=y_i] − u_i·w_j with
+
+    r_i = g_i·((1−α)·w_{y_i} + α·W/V + 2λ·lse_i) + g^lse_i
+    t_i = g_i·(1−α)·w_{y_i}
+    u_i = g_i·α/V
+
+which is what the core's backward takes. Ignored tokens are dropped from the compact row order,
+so they cost no work, and give a loss of exactly 0.
+
+``fusedloss::linear_cross_entropy`` returns the per-token losses and LSEs with the statistics
+the backward reads (the compact row order, the row LSE parts, the target logits, the per-tile
+masses); ``fusedloss::linear_cross_entropy_backward`` takes them with the upstream gradients.
+"""
+
+import torch
+from torch import Tensor
+
+from ..core import engine
+from ..core.engine import GradCoefficients, Logits, Rows, RowStats
+from ._common import CUDAGRAPH_UNSAFE, grad_or_none, nothing, row_major
+
+_F32 = torch.float32
+
+
+def linear_cross_entropy(*args) -> tuple[Tensor, ...]:
+    """The forward op (``fusedloss::linear_cross_entropy``, arguments of ``forward``) with its
+    autograd: through the dispatcher while ``torch.compile`` traces, straight to the host
+    functions in eager mode, where the dispatcher's Python layers cost ~0.3 ms per call."""
+    if torch.compiler.is_compiling():
+        return forward_op(*args)
+    return _EagerFunction.apply(*args)
+
+
+def forward(
+    input: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    target: Tensor,  # (N,) int64: class ids in [0, V), or ignore_index
+    bias: Tensor | None,  # (V,)
+    class_weight: Tensor | None,  # (V,) fp32
+    vocab_order: Tensor | None,  # (V,) int64 permutation: column order of the tiles
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
+    filter_eps: float | None,
+    backend: str,  # "triton" or "torch"
+    record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-token losses and LSEs ((N,) fp32 each, 0 at ignored tokens), then for the backward:
+    the compact row order (N,) int64, the row LSE parts (4, N) fp32 (``RowStats.packed``), the
+    target logits (N,) fp32 and the per-tile masses ((0, 0) unless recorded), all in compact
+    order, and whether every token counts (a () bool on the CPU).
+
+    Raises ValueError for a target outside [0, V) (other than ``ignore_index``) and a
+    ``vocab_order`` that is not a permutation: the one wait for the GPU of the forward.
+    """
+    a, b = row_major(input), row_major(weight)
+    n, v = a.shape[0], b.shape[0]
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= v))
+    rows = engine.compact_rows(valid)
+    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
+    checks = [out_of_range.any(), valid.all()]
+    if vocab_order is not None:
+        in_order = torch.sort(vocab_order).values
+        checks.append((in_order != torch.arange(v, device=in_order.device)).any())
+    any_out_of_range, all_valid, *bad_order = torch.stack(checks).tolist()
+    if any_out_of_range:
+        bad = int(target[out_of_range][0])
+        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")
+    if bad_order and bad_order[0]:
+        raise ValueError("vocab_order must be a permutation of 0..V-1")
+    # The compact order is the identity when every token counts, so A is read by whole blocks.
+    rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
+                identity=bool(all_valid))
+
+    alpha = label_smoothing
+    stats = engine.row_stats(
+        a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows,
+        col_weight=class_weight, weighted_sum=alpha > 0,
+        record_tiles=record_tiles and filter_eps is not None, backend=backend,
+    )
+    lse = stats.lse
+    loss = (1 - alpha) * target_weight * stats.lse_minus(stats.target_logit)
+    if alpha > 0:
+        total_w = class_weight.sum() if class_weight is not None else v
+        loss = loss + (alpha / v) * (total_w * lse - stats.weighted_sum)
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(_valid_positions(rows, n), loss, 0.0)
+
+    packed_rows, _ = stats.packed()
+    tiles = stats.tile_log_mass if stats.tile_log_mass is not None else nothing(a, (0, 0))
+    return (_to_original_order(loss, rows), _to_original_order(lse, rows), rows.index,
+            packed_rows, stats.target_logit, tiles, torch.tensor(bool(all_valid)))
+
+
+forward_op = torch.library.custom_op("fusedloss::linear_cross_entropy", forward, mutates_args=(),
+                                     tags=CUDAGRAPH_UNSAFE)
+
+
+@forward_op.register_fake
+def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, label_smoothing,
+      softcap, z_loss, filter_eps, backend, record_tiles):
+    n, d = input.shape
+    v = weight.shape[0]
+    tiles = (0, 0)
+    if backend == "triton" and record_tiles and filter_eps is not None:
+        block_m, block_n = engine.forward_block(input.device, input.dtype, d)
+        tiles = ((n + block_m - 1) // block_m, (v + block_n - 1) // block_n)
+    per_row = input.new_empty(n, dtype=_F32)
+    return (per_row, torch.empty_like(per_row), input.new_empty(n, dtype=torch.int64),
+            input.new_empty((4, n), dtype=_F32), torch.empty_like(per_row),
+            input.new_empty(tiles, dtype=_F32), torch.empty((), dtype=torch.bool))
+
+
+def backward(
+    grad_loss: Tensor | None,  # (N,)
+    grad_lse: Tensor | None,  # (N,)
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    class_weight: Tensor | None,
+    vocab_order: Tensor | None,
+    row_index: Tensor,
+    row_stats: Tensor,
+    target_logit: Tensor,
+    tile_log_mass: Tensor,
+    all_valid: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
+    filter_eps: float | None,
+    backend: str,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d input, d weight, d bias) from the forward's statistics; each is an empty tensor when
+    not asked for."""
+    a, b = row_major(input), row_major(weight)
+    (n, d), v = a.shape, b.shape[0]
+    valid_tokens = target != ignore_index
+    rows = Rows(index=row_index, n_valid=valid_tokens.sum(), identity=bool(all_valid))
+    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
+    rows = Rows(index=row_index, n_valid=rows.n_valid, target=compact_target,
+                identity=rows.identity)
+    stats = RowStats.from_packed(
+        row_stats, None, target_logit, tile_log_mass if tile_log_mass.numel() else None, None,
+        engine.forward_block(a.device, a.dtype, d))
+
+    valid = _valid_positions(rows, n)
+    g = torch.zeros(n, dtype=_F32, device=a.device)
+    if grad_loss is not None:
+        g = torch.where(valid, grad_loss[rows.index].float(), 0.0)
+    g_lse = 0.0
+    if grad_lse is not None:
+        g_lse = torch.where(valid, grad_lse[rows.index].float(), 0.0)
+    alpha, lse = label_smoothing, stats.lse
+    total_w = class_weight.sum() if class_weight is not None else v
+    coef_lse = g * ((1 - alpha) * target_weight + alpha * total_w / v + 2 * z_loss * lse) + g_lse
+    coef = GradCoefficients(
+        lse=coef_lse,
+        target=g * (1 - alpha) * target_weight,
+        uniform=g * (alpha / v) if alpha > 0 else None,
+    )
+    grads = engine.grads(
+        a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows, stats, coef,
+        col_weight=class_weight, filter_eps=filter_eps,
+        filter_scale=(_gradient_mass(stats, coef), None),
+        need_a=need_input, need_b=need_weight, need_bias=bias is not None and need_bias,
+        backend=backend,
+    )
+    grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else nothing(a, (0,))
+    return (grads.a if need_input else nothing(a, (0,)),
+            grads.b if need_weight else nothing(a, (0,)), grad_bias)
+
+
+backward_op = torch.library.custom_op("fusedloss::linear_cross_entropy_backward", backward,
+                                      mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+
+
+@backward_op.register_fake
+def _(grad_loss, grad_lse, input, weight, target, bias, class_weight, vocab_order, row_index,
+      row_stats, target_logit, tile_log_mass, all_valid, ignore_index, label_smoothing, softcap,
+      z_loss, filter_eps, backend, need_input, need_weight, need_bias):
+    return (torch.empty_like(input) if need_input else nothing(input, (0,)),
+            torch.empty_like(weight) if need_weight else nothing(input, (0,)),
+            torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    (input, weight, target, bias, class_weight, vocab_order, ignore_index, label_smoothing,
+     softcap, z_loss, filter_eps, backend, _) = inputs
+    _, _, row_index, row_stats, target_logit, tiles, all_valid = output
+    ctx.mark_non_differentiable(row_index, row_stats, target_logit, tiles, all_valid)
+    ctx.save_for_backward(input, weight, target, bias, class_weight, vocab_order, row_index,
+                          row_stats, target_logit, tiles, all_valid)
+    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, filter_eps, backend)
+
+
+def _autograd_backward(ctx, grad_loss, grad_lse, *_, backward_fn=backward_op):
+    need_input, need_weight, _, need_bias = ctx.needs_input_grad[:4]
+    grad_input, grad_weight, grad_bias = backward_fn(
+        grad_loss, grad_lse, *ctx.saved_tensors, *ctx.options,
+        need_input, need_weight, need_bias)
+    return (grad_or_none(grad_input, need_input), grad_or_none(grad_weight, need_weight), None,
+            grad_or_none(grad_bias, need_bias), *[None] * 9)
+
+
+forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The same forward, setup and backward as the op's autograd, without the dispatcher."""
+
+    forward = staticmethod(forward)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _autograd_backward(ctx, *grads, backward_fn=backward)
+
+
+def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v: int):
+    """(each position's target (N,) int64, −1 past n_valid; its class weight w_y (N,) fp32,
+    0 past n_valid)."""
+    compact_target = torch.where(_valid_positions(rows, target.shape[0]), target[rows.index], -1)
+    if class_weight is None:
+        return compact_target, (compact_target >= 0).float()
+    # Clamped: an out-of-range target must not index out of bounds before it is reported.
+    picked = class_weight[compact_target.clamp(0, v - 1)]
+    return compact_target, torch.where(compact_target >= 0, picked, 0.0)
+
+
+def _gradient_mass(stats: RowStats, coef: GradCoefficients) -> Tensor:
+    """Each row's gradient mass relative to its softmax mass (the filter's per-row scale).
+
+    The tile part of a row's gradient, r·P − t·e_y, has L1 mass r·((1 − P_y) + |P_y − t/r|).
+    """
+    p_target = torch.exp(-stats.lse_minus(stats.target_logit))
+    ratio = torch.where(coef.lse != 0, coef.target / torch.where(coef.lse != 0, coef.lse, 1.0),
+                        1.0)
+    return torch.clamp((1 - p_target) + (p_target - ratio).abs(), max=1.0)
+
+
+def _valid_positions(rows: Rows, n: int) -> Tensor:
+    return torch.arange(n, device=rows.index.device) < rows.n_valid
+
+
+def _to_original_order(values: Tensor, rows: Rows) -> Tensor:
+    # rows.index is a permutation of all rows, so a plain indexed write is a scatter.
+    out = torch.empty_like(values)
+    out[rows.index] = values
+    return out
