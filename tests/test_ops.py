@@ -59,13 +59,15 @@ def test_linear_cross_entropy_opcheck(backend, case):
             case.get("softcap"), case.get("z_loss", 0.0), eps, backend, True)
     torch.library.opcheck(ce_ops.forward_op, args)
 
-    # The backward op on what the forward saved, with the upstream gradients of both outputs.
+    # The backward op on what the forward saved, with the upstream gradients of both outputs,
+    # then of the loss alone (autograd passes None for an output without a gradient).
     _, _, *saved = ce_ops.forward_op(*args)
-    grads = (torch.rand(n, device=device), torch.rand(n, device=device))
     bias = bias.detach() if bias is not None else None
-    backward_args = (*grads, a.detach(), b.detach(), target, bias, class_weight, order, *saved,
-                     *args[6:12], True, True, bias is not None)
-    torch.library.opcheck(ce_ops.backward_op, backward_args)
+    for grads in ((torch.rand(n, device=device), torch.rand(n, device=device)),
+                  (torch.rand(n, device=device), None)):
+        backward_args = (*grads, a.detach(), b.detach(), bias, class_weight, order, *saved,
+                         *args[7:12], True, True, bias is not None)
+        torch.library.opcheck(ce_ops.backward_op, backward_args)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

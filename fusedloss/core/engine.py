@@ -94,6 +94,10 @@ class RowStats:
     col_sum: torch.Tensor | None = None  # (V,)
     col_tile_log_mass: torch.Tensor | None = None  # (row blocks, column tiles), triton only
     sigmoid_sum: torch.Tensor | None = None  # (N,) fp32 Σ_j softplus(−z_ij X_ij), sigmoid mode
+    # (max, sum, log sum, lse) as one (4, N) / (4, V) tensor, where the fields above are its
+    # rows (the Triton forward writes them so): ``packed`` returns it without a copy.
+    rows_packed: torch.Tensor | None = None
+    cols_packed: torch.Tensor | None = None
 
     def set_columns(self, col_max: torch.Tensor, col_sum: torch.Tensor) -> None:
         """Fills the column statistics from (max, Σ exp(X − max)) per column id."""
@@ -102,12 +106,14 @@ class RowStats:
         self.col_lse = col_max + self.col_log_sum
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows (4, N), columns (4, V) or None): (max, sum, log sum, lse) stacked, new tensors
-        (what an op returns for its backward; ``from_packed`` reads them back)."""
-        cols = None
-        if self.col_max is not None:
+        """(rows (4, N), columns (4, V) or None): (max, sum, log sum, lse) stacked (what an op
+        returns for its backward; ``from_packed`` reads them back)."""
+        rows, cols = self.rows_packed, self.cols_packed
+        if rows is None:
+            rows = torch.stack((self.max, self.sum, self.log_sum, self.lse))
+        if cols is None and self.col_max is not None:
             cols = torch.stack((self.col_max, self.col_sum, self.col_log_sum, self.col_lse))
-        return torch.stack((self.max, self.sum, self.log_sum, self.lse)), cols
+        return rows, cols
 
     @classmethod
     def from_packed(cls, rows: torch.Tensor, cols: torch.Tensor | None,
@@ -118,7 +124,8 @@ class RowStats:
         row_max, row_sum, row_log_sum, row_lse = rows.unbind(0)
         stats = cls(lse=row_lse, max=row_max, log_sum=row_log_sum, sum=row_sum,
                     target_logit=target_logit, weighted_sum=None, tile_log_mass=tile_log_mass,
-                    col_tile_log_mass=col_tile_log_mass, block_m=block[0], block_n=block[1])
+                    col_tile_log_mass=col_tile_log_mass, block_m=block[0], block_n=block[1],
+                    rows_packed=rows, cols_packed=cols)
         if cols is not None:
             stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = cols.unbind(0)
         return stats
@@ -417,9 +424,11 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         block_m=cfg.block_m,
         block_n=cfg.block_n,
         col_tile_log_mass=col_tiles if col_stats and record_tiles else None,
+        rows_packed=row_out,
     )
     if col_stats:
         stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = col_out.unbind(0)
+        stats.cols_packed = col_out
     return stats
 
 

@@ -22,3 +22,24 @@ def nothing(like: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def grad_or_none(grad: Tensor, needed: bool) -> Tensor | None:
     return grad if needed else None
+
+
+def eager_function(name: str, forward, setup_context, autograd_backward,
+                   backward) -> type[torch.autograd.Function]:
+    """An autograd Function with the op's forward, setup and backward, called without the
+    dispatcher (eager mode). Its forward takes ``ctx`` itself: a Function that defines
+    ``setup_context`` instead binds its arguments through ``inspect.signature`` on every call."""
+
+    def function_forward(ctx, *args):
+        outputs = forward(*args)
+        setup_context(ctx, args, outputs)
+        return outputs
+
+    def function_backward(ctx, *grads):
+        return autograd_backward(ctx, *grads, backward_fn=backward)
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": eager_function.__doc__,
+        "forward": staticmethod(function_forward),
+        "backward": staticmethod(function_backward),
+    })

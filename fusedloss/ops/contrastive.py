@@ -24,7 +24,7 @@ from torch import Tensor
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ..core.filtering import gradient_mass
-from ._common import CUDAGRAPH_UNSAFE, grad_or_none, nothing, row_major
+from ._common import CUDAGRAPH_UNSAFE, eager_function, grad_or_none, nothing, row_major
 
 KINDS = ("clip", "info_nce", "nt_xent", "siglip")
 
@@ -50,33 +50,39 @@ def forward(
     record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
     check_target: bool,  # raise if a target is outside [0, M) (waits for the GPU)
     check_temperature: bool,  # raise unless scale = 1/τ with τ > 0 (waits for the GPU)
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[(Tensor,) * 7]:  # type: ignore[misc]  # (a schema needs the count)
     """Per-row losses (N,) fp32 (the table above), then for the backward: the row LSE parts
     (4, N) fp32 (``RowStats.packed``; zeros for "siglip"), the column LSE parts (4, M) for
-    "clip" ((0,) otherwise), the target logits (N,) fp32 and the per-tile masses by rows and
-    by columns ((0, 0) unless recorded)."""
+    "clip" ((0,) otherwise); when the backward will filter, the gradient mass of each row
+    (N,) and for "clip" of each column (M,) fp32 (``filtering.gradient_mass``; (0,) otherwise)
+    and the per-tile masses by rows and by columns ((0, 0) otherwise)."""
     n, m = a.shape[0], b.shape[0]
     _check_values(target, m, scale, check_target, check_temperature)
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
+    filtering = _filtering(kind, filter_eps, record_tiles)
     stats = engine.row_stats(
         a, b, _logits(kind, b, scale, bias), _rows(target),
-        col_stats=kind == "clip", sigmoid=kind == "siglip",
-        record_tiles=record_tiles and filter_eps is not None, backend=backend,
+        col_stats=kind == "clip", sigmoid=kind == "siglip", record_tiles=filtering,
+        backend=backend,
     )
+    row_mass, col_mass = nothing(a, (0,)), nothing(a, (0,))
     if kind == "siglip":
         loss = stats.sigmoid_sum
         packed_rows, packed_cols = torch.zeros((4, n), dtype=torch.float32, device=a.device), None
     else:
-        margin = stats.lse_minus(stats.target_logit)
+        row_margin = loss = stats.lse_minus(stats.target_logit)
         if kind == "clip":
-            margin = 0.5 * (margin + stats.col_lse_minus(stats.target_logit))
-        loss = margin
+            col_margin = stats.col_lse_minus(stats.target_logit)
+            loss = 0.5 * (row_margin + col_margin)
+            # Each direction's own gradient mass bounds its skipped mass.
+            col_mass = gradient_mass(col_margin) if filtering else col_mass
+        row_mass = gradient_mass(row_margin) if filtering else row_mass
         packed_rows, packed_cols = stats.packed()
     tiles, col_tiles = (t if t is not None else nothing(a, (0, 0))
                         for t in (stats.tile_log_mass, stats.col_tile_log_mass))
     return (loss, packed_rows, packed_cols if packed_cols is not None else nothing(a, (0,)),
-            stats.target_logit, tiles, col_tiles)
+            row_mass, col_mass, tiles, col_tiles)
 
 
 forward_op = torch.library.custom_op("fusedloss::contrastive", forward, mutates_args=(),
@@ -87,16 +93,18 @@ forward_op = torch.library.custom_op("fusedloss::contrastive", forward, mutates_
 def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_target,
       check_temperature):
     (n, d), m = a.shape, b.shape[0]
+    clip, filtering = kind == "clip", _filtering(kind, filter_eps, record_tiles)
     tiles = col_tiles = (0, 0)
-    if backend == "triton" and record_tiles and filter_eps is not None and kind != "siglip":
-        block_m, block_n = engine.forward_block(a.device, a.dtype, d, col_stats=kind == "clip")
+    if filtering and backend == "triton":
+        block_m, block_n = engine.forward_block(a.device, a.dtype, d, col_stats=clip)
         tiles = ((n + block_m - 1) // block_m, (m + block_n - 1) // block_n)
-        col_tiles = tiles if kind == "clip" else col_tiles
-    per_row = a.new_empty(n, dtype=torch.float32)
-    return (per_row, a.new_empty((4, n), dtype=torch.float32),
-            a.new_empty((4, m) if kind == "clip" else (0,), dtype=torch.float32),
-            torch.empty_like(per_row), a.new_empty(tiles, dtype=torch.float32),
-            a.new_empty(col_tiles, dtype=torch.float32))
+        col_tiles = tiles if clip else col_tiles
+    f32 = torch.float32
+    return (a.new_empty(n, dtype=f32), a.new_empty((4, n), dtype=f32),
+            a.new_empty((4, m) if clip else (0,), dtype=f32),
+            a.new_empty(n if filtering else 0, dtype=f32),
+            a.new_empty(m if filtering and clip else 0, dtype=f32),
+            a.new_empty(tiles, dtype=f32), a.new_empty(col_tiles, dtype=f32))
 
 
 def backward(
@@ -108,7 +116,8 @@ def backward(
     target: Tensor,
     row_stats: Tensor,
     col_stats: Tensor,
-    target_logit: Tensor,
+    row_mass: Tensor,
+    col_mass: Tensor,
     tile_log_mass: Tensor,
     col_tile_log_mass: Tensor,
     kind: str,
@@ -125,31 +134,26 @@ def backward(
     b = a if kind == "nt_xent" else row_major(b)
     d = a.shape[1]
     clip, siglip = kind == "clip", kind == "siglip"
+    given = [t if t.numel() else None for t in (tile_log_mass, col_tile_log_mass, row_mass,
+                                                 col_mass)]
     stats = RowStats.from_packed(
-        row_stats, col_stats if clip else None, target_logit,
-        tile_log_mass if tile_log_mass.numel() else None,
-        col_tile_log_mass if col_tile_log_mass.numel() else None,
+        row_stats, col_stats if clip else None, None, *given[:2],
         engine.forward_block(a.device, a.dtype, d, col_stats=clip, sigmoid=siglip))
     g = grad_loss.float().contiguous()  # a reduction hands us a stride-0 expand
-    filter_scale = None
     if clip:
         half = 0.5 * g
         coef = GradCoefficients(lse=half, col=half, target=g)
-        # Each direction's own gradient mass bounds its skipped mass.
-        filter_scale = (gradient_mass(stats.lse_minus(target_logit)),
-                        gradient_mass(stats.col_lse_minus(target_logit)))
     elif siglip:
         coef = GradCoefficients(lse=g)
     else:
         coef = GradCoefficients(lse=g, target=g)
-        filter_scale = (gradient_mass(stats.lse_minus(target_logit)), None)
     sparse = _sparse_slabs()
     split = not sparse and bias is None and _split_accumulator(a)
     grads = engine.grads(
         a, b, _logits(kind, b, scale, bias), _rows(target), stats, coef,
         filter_eps=filter_eps, need_a=need_a, need_b=need_b,
         need_bias=bias is not None and need_bias, need_scale=need_scale,
-        sigmoid=siglip, filter_scale=filter_scale,
+        sigmoid=siglip, filter_scale=(given[2], given[3]),
         scratch_bytes=_scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
         backend=backend,
     )
@@ -163,8 +167,9 @@ backward_op = torch.library.custom_op("fusedloss::contrastive_backward", backwar
 
 
 @backward_op.register_fake
-def _(grad_loss, a, b, scale, bias, target, row_stats, col_stats, target_logit, tile_log_mass,
-      col_tile_log_mass, kind, filter_eps, backend, need_a, need_b, need_scale, need_bias):
+def _(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_mass,
+      tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, need_a, need_b, need_scale,
+      need_bias):
     return (torch.empty_like(a) if need_a else nothing(a, (0,)),
             torch.empty_like(b) if need_b else nothing(a, (0,)),
             torch.empty_like(scale) if need_scale else nothing(a, (0,)),
@@ -175,6 +180,7 @@ def _setup_context(ctx, inputs, output):
     a, b, scale, bias, target, kind, filter_eps, backend, *_ = inputs
     _, *statistics = output
     ctx.mark_non_differentiable(*statistics)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics
     ctx.save_for_backward(a, b, scale, bias, target, *statistics)
     ctx.options = (kind, filter_eps, backend)
 
@@ -189,15 +195,13 @@ def _autograd_backward(ctx, grad_loss, *_, backward_fn=backward_op):
 forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """The same forward, setup and backward as the op's autograd, without the dispatcher."""
+_EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
+                                backward)
 
-    forward = staticmethod(forward)
-    setup_context = staticmethod(_setup_context)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        return _autograd_backward(ctx, *grads, backward_fn=backward)
+def _filtering(kind: str, filter_eps: float | None, record_tiles: bool) -> bool:
+    """Whether the backward filters tiles (then the forward records what it reads)."""
+    return record_tiles and filter_eps is not None and kind != "siglip"
 
 
 def _rows(target: Tensor) -> Rows:

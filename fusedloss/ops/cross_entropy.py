@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
-from ._common import CUDAGRAPH_UNSAFE, grad_or_none, nothing, row_major
+from ._common import CUDAGRAPH_UNSAFE, eager_function, grad_or_none, nothing, row_major
 
 _F32 = torch.float32
 
@@ -54,11 +54,13 @@ def forward(
     filter_eps: float | None,
     backend: str,  # "triton" or "torch"
     record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per-token losses and LSEs ((N,) fp32 each, 0 at ignored tokens), then for the backward:
-    the compact row order (N,) int64, the row LSE parts (4, N) fp32 (``RowStats.packed``), the
-    target logits (N,) fp32 and the per-tile masses ((0, 0) unless recorded), all in compact
-    order, and whether every token counts (a () bool on the CPU).
+) -> tuple[(Tensor,) * 10]:  # type: ignore[misc]  # (a schema needs the count)
+    """Per-token losses and LSEs ((N,) fp32 each, 0 at ignored tokens), then for the backward
+    (``Saved``): the compact row order (N,) int64 and the count of valid tokens () int64;
+    in compact order, each position's target (N,) int64 (−1 past the valid ones) and class
+    weight (N,) fp32, the row LSE parts (4, N) fp32 (``RowStats.packed``), the target logits
+    (N,) fp32 and the per-tile masses ((0, 0) unless recorded); whether every token counts
+    (a () bool on the CPU).
 
     Raises ValueError for a target outside [0, V) (other than ``ignore_index``) and a
     ``vocab_order`` that is not a permutation: the one wait for the GPU of the forward.
@@ -102,7 +104,8 @@ def forward(
     packed_rows, _ = stats.packed()
     tiles = stats.tile_log_mass if stats.tile_log_mass is not None else nothing(a, (0, 0))
     return (_to_original_order(loss, rows), _to_original_order(lse, rows), rows.index,
-            packed_rows, stats.target_logit, tiles, torch.tensor(bool(all_valid)))
+            rows.n_valid, compact_target, target_weight, packed_rows, stats.target_logit, tiles,
+            torch.tensor(bool(all_valid)))
 
 
 forward_op = torch.library.custom_op("fusedloss::linear_cross_entropy", forward, mutates_args=(),
@@ -120,8 +123,10 @@ def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, labe
         tiles = ((n + block_m - 1) // block_m, (v + block_n - 1) // block_n)
     per_row = input.new_empty(n, dtype=_F32)
     return (per_row, torch.empty_like(per_row), input.new_empty(n, dtype=torch.int64),
-            input.new_empty((4, n), dtype=_F32), torch.empty_like(per_row),
-            input.new_empty(tiles, dtype=_F32), torch.empty((), dtype=torch.bool))
+            input.new_empty((), dtype=torch.int64), input.new_empty(n, dtype=torch.int64),
+            torch.empty_like(per_row), input.new_empty((4, n), dtype=_F32),
+            torch.empty_like(per_row), input.new_empty(tiles, dtype=_F32),
+            torch.empty((), dtype=torch.bool))
 
 
 def backward(
@@ -129,16 +134,17 @@ def backward(
     grad_lse: Tensor | None,  # (N,)
     input: Tensor,
     weight: Tensor,
-    target: Tensor,
     bias: Tensor | None,
     class_weight: Tensor | None,
     vocab_order: Tensor | None,
     row_index: Tensor,
+    n_valid: Tensor,
+    row_target: Tensor,
+    row_weight: Tensor,
     row_stats: Tensor,
     target_logit: Tensor,
     tile_log_mass: Tensor,
     all_valid: Tensor,
-    ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
     z_loss: float,
@@ -152,28 +158,25 @@ def backward(
     not asked for."""
     a, b = row_major(input), row_major(weight)
     (n, d), v = a.shape, b.shape[0]
-    valid_tokens = target != ignore_index
-    rows = Rows(index=row_index, n_valid=valid_tokens.sum(), identity=bool(all_valid))
-    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
-    rows = Rows(index=row_index, n_valid=rows.n_valid, target=compact_target,
-                identity=rows.identity)
+    rows = Rows(index=row_index, n_valid=n_valid, target=row_target, identity=bool(all_valid))
     stats = RowStats.from_packed(
         row_stats, None, target_logit, tile_log_mass if tile_log_mass.numel() else None, None,
         engine.forward_block(a.device, a.dtype, d))
 
-    valid = _valid_positions(rows, n)
-    g = torch.zeros(n, dtype=_F32, device=a.device)
-    if grad_loss is not None:
-        g = torch.where(valid, grad_loss[rows.index].float(), 0.0)
+    # Upstream gradients in compact order, 0 past the valid positions (autograd passes None
+    # for an output that got no gradient).
+    valid = row_target >= 0
+    g = torch.zeros(n, dtype=_F32, device=a.device) if grad_loss is None else torch.where(
+        valid, grad_loss[row_index].float(), 0.0)
     g_lse = 0.0
     if grad_lse is not None:
-        g_lse = torch.where(valid, grad_lse[rows.index].float(), 0.0)
+        g_lse = torch.where(valid, grad_lse[row_index].float(), 0.0)
     alpha, lse = label_smoothing, stats.lse
     total_w = class_weight.sum() if class_weight is not None else v
-    coef_lse = g * ((1 - alpha) * target_weight + alpha * total_w / v + 2 * z_loss * lse) + g_lse
+    coef_lse = g * ((1 - alpha) * row_weight + alpha * total_w / v + 2 * z_loss * lse) + g_lse
     coef = GradCoefficients(
         lse=coef_lse,
-        target=g * (1 - alpha) * target_weight,
+        target=g * (1 - alpha) * row_weight,
         uniform=g * (alpha / v) if alpha > 0 else None,
     )
     grads = engine.grads(
@@ -193,22 +196,23 @@ backward_op = torch.library.custom_op("fusedloss::linear_cross_entropy_backward"
 
 
 @backward_op.register_fake
-def _(grad_loss, grad_lse, input, weight, target, bias, class_weight, vocab_order, row_index,
-      row_stats, target_logit, tile_log_mass, all_valid, ignore_index, label_smoothing, softcap,
-      z_loss, filter_eps, backend, need_input, need_weight, need_bias):
+def _(grad_loss, grad_lse, input, weight, bias, class_weight, vocab_order, row_index,
+      n_valid, row_target, row_weight, row_stats, target_logit, tile_log_mass, all_valid,
+      label_smoothing, softcap, z_loss, filter_eps, backend, need_input, need_weight,
+      need_bias):
     return (torch.empty_like(input) if need_input else nothing(input, (0,)),
             torch.empty_like(weight) if need_weight else nothing(input, (0,)),
             torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
 
 
 def _setup_context(ctx, inputs, output):
-    (input, weight, target, bias, class_weight, vocab_order, ignore_index, label_smoothing,
-     softcap, z_loss, filter_eps, backend, _) = inputs
-    _, _, row_index, row_stats, target_logit, tiles, all_valid = output
-    ctx.mark_non_differentiable(row_index, row_stats, target_logit, tiles, all_valid)
-    ctx.save_for_backward(input, weight, target, bias, class_weight, vocab_order, row_index,
-                          row_stats, target_logit, tiles, all_valid)
-    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, filter_eps, backend)
+    (input, weight, _, bias, class_weight, vocab_order, _, label_smoothing, softcap, z_loss,
+     filter_eps, backend, _) = inputs
+    _, _, *saved = output
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
+    ctx.save_for_backward(input, weight, bias, class_weight, vocab_order, *saved)
+    ctx.options = (label_smoothing, softcap, z_loss, filter_eps, backend)
 
 
 def _autograd_backward(ctx, grad_loss, grad_lse, *_, backward_fn=backward_op):
@@ -223,15 +227,8 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_, backward_fn=backward_op):
 forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """The same forward, setup and backward as the op's autograd, without the dispatcher."""
-
-    forward = staticmethod(forward)
-    setup_context = staticmethod(_setup_context)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _autograd_backward(ctx, *grads, backward_fn=backward)
+_EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
+                                backward)
 
 
 def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v: int):
