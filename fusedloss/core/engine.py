@@ -547,6 +547,7 @@ def grads(
     scratch_bytes: int | None = None,
     sparse: bool = True,
     split_accumulator: bool = False,
+    grad_dtype: torch.dtype | None = None,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
@@ -572,6 +573,10 @@ def grads(
     the sum rounded once, as with fp32 (``_accumulate_split_kernel``). Taken where it applies:
     bf16 inputs, every slab dense (``sparse=False``), every row valid and in order, no bias
     (the scale then goes into dX) and no rank-1 term; elsewhere dA accumulates in fp32.
+
+    ``grad_dtype``: the dtype of dA and dB, default those of A and B. ``torch.float32`` returns
+    the fp32 accumulations unrounded, for a caller that adds the gradients of several blocks
+    of columns (the ring of ``fusedloss.distributed``) and rounds once at the end.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -584,13 +589,14 @@ def grads(
         # b = 65536: two more loads ahead of each tile's exponentials.)
         coef = dataclasses.replace(coef, lse=_over(coef.lse, stats.sum),
                                    col=None if coef.col is None else _over(coef.col, stats.col_sum))
+    dtypes = (grad_dtype or a.dtype, grad_dtype or b.dtype)
     if backend == "torch":
         return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
-                            need_a, need_b, need_bias, need_scale, sigmoid)
+                            need_a, need_b, need_bias, need_scale, sigmoid, dtypes)
     return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
                          None if sigmoid else filter_eps, filter_scale or (None, None),
                          scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid, sparse,
-                         split_accumulator)
+                         split_accumulator, dtypes)
 
 
 def _over(weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -612,7 +618,7 @@ def _dense_slab_fraction() -> float:
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
                   scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid,
-                  sparse=True, split_accumulator=False) -> Grads:
+                  sparse=True, split_accumulator=False, dtypes=(None, None)) -> Grads:
     from .lse_backward import (
         _accumulate_split_kernel,
         _grad_a_kernel,
@@ -673,11 +679,12 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             rank1_b *= s
         rank1_bias = coef.uniform.sum()
 
-    grad_b = torch.empty_like(b) if need_b else None
+    a_dtype, b_dtype = (dt or t.dtype for dt, t in zip(dtypes, (a, b), strict=True))
+    grad_b = torch.empty_like(b, dtype=b_dtype) if need_b else None
     grad_bias = torch.empty(v, **f32) if need_bias else None
     dscale = torch.zeros(n_rb, n_ct, **f32) if need_scale else None
     # dA's accumulator: fp32, or the split bf16 pair (hi is the returned gradient itself).
-    split = (split_accumulator and need_a and a.dtype == torch.bfloat16 and not sparse
+    split = (split_accumulator and need_a and a.dtype == torch.bfloat16 == a_dtype and not sparse
              and rows.all_valid and rows.identity and post_scale is None and not rank1)
     acc_a = torch.zeros(n_rb * bm, d, **f32) if need_a and not split else None
     split_hi = torch.empty_like(a) if split else None
@@ -786,7 +793,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     a_rows = compact_operand(a, rows)
                 a_compact = a_rows[:n_valid]
             if need_b:
-                if cols is None and post_scale is None and not rank1:
+                if cols is None and post_scale is None and not rank1 and b_dtype == b.dtype:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
                 else:
@@ -845,10 +852,10 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             row_term = _weighted_row_sum(b, w)
             acc -= coef.uniform[:n_valid, None] * (row_term if s is None else s * row_term)
         if rows.identity and n_valid == a.shape[0]:  # every row, in order
-            grad_a = acc.to(a.dtype)
+            grad_a = acc.to(a_dtype)
         else:
-            grad_a = torch.zeros_like(a)
-            grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a.dtype))
+            grad_a = torch.zeros_like(a, dtype=a_dtype)
+            grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a_dtype))
     return Grads(
         a=grad_a,
         b=grad_b,
@@ -981,11 +988,11 @@ def _scatter_rows(values: torch.Tensor, rows: Rows, n_rows: int) -> torch.Tensor
 
 
 def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
-                 need_a, need_b, need_bias, need_scale, sigmoid) -> Grads:
+                 need_a, need_b, need_bias, need_scale, sigmoid, dtypes) -> Grads:
     v = b.shape[0]
     n_valid = int(rows.n_valid)
     b32 = b.float()
-    grad_a = torch.zeros_like(a) if need_a else None
+    grad_a = torch.zeros_like(a, dtype=dtypes[0]) if need_a else None
     grad_b32 = torch.zeros_like(b32) if need_b else None
     grad_bias = torch.zeros(v, dtype=torch.float32, device=a.device) if need_bias else None
     dscale = torch.zeros((), dtype=torch.float32, device=a.device)
@@ -1019,12 +1026,12 @@ def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
             grad_bias += dx.sum(dim=0)
         dx = dx * s
         if need_a:
-            grad_a[idx] = (dx @ b32).to(a.dtype)
+            grad_a[idx] = (dx @ b32).to(grad_a.dtype)
         if need_b:
             grad_b32 += dx.T @ a_rows.float()
     return Grads(
         a=grad_a,
-        b=grad_b32.to(b.dtype) if need_b else None,
+        b=grad_b32.to(dtypes[1]) if need_b else None,
         bias=grad_bias,
         scale=dscale if need_scale else None,
     )

@@ -1,0 +1,13 @@
+"""fusedloss over torch.distributed: the same losses for a batch spread over many processes.
+
+    fusedloss.distributed.clip_loss(image_features, text_features, logit_scale)  # per rank
+    fusedloss.distributed.siglip_loss / info_nce_loss / nt_xent_loss
+
+The contrastive losses run on a ring (``ring.py``): each rank keeps its rows, the column
+blocks travel from rank to rank, and the loss is that of the global batch without any rank
+gathering it. ``contrastive.py`` says what each rank returns and which gradients it gets.
+"""
+
+from .contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
+
+__all__ = ["clip_loss", "info_nce_loss", "nt_xent_loss", "siglip_loss"]

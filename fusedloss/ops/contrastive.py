@@ -154,7 +154,7 @@ def backward(
         filter_eps=filter_eps, need_a=need_a, need_b=need_b,
         need_bias=bias is not None and need_bias, need_scale=need_scale,
         sigmoid=siglip, filter_scale=(given[2], given[3]),
-        scratch_bytes=_scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
+        scratch_bytes=scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
         backend=backend,
     )
     return (grads.a if need_a else nothing(a, (0,)), grads.b if need_b else nothing(a, (0,)),
@@ -250,7 +250,7 @@ def _sparse_slabs() -> bool:
 def _split_accumulator(a: Tensor) -> bool:
     """Whether dA accumulates over the backward's slabs as a bf16 pair (half the bytes of fp32;
     ``engine.grads(split_accumulator=...)``) rather than in fp32 through cuBLAS: for bf16
-    features up to 16384 rows, where it lets a step fit in 64 MiB (see ``_scratch_bytes``).
+    features up to 16384 rows, where it lets a step fit in 64 MiB (see ``scratch_bytes``).
     Beyond, cuBLAS's addmm is faster than the split kernel (H100, 2026-11-22: 0.42 against
     0.59 ms per slab at N = 65536, K = 4096, D = 512) and the memory is far below inf-cl's.
     ``FUSEDLOSS_SPLIT_ACCUMULATOR=0`` or ``1`` overrides.
@@ -260,7 +260,7 @@ def _split_accumulator(a: Tensor) -> bool:
     return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
 
 
-def _scratch_bytes(a: Tensor, split: bool) -> int | None:
+def scratch_bytes(a: Tensor, split: bool) -> int | None:
     """dX scratch per column slab: 64 MiB up to N = 16384 rows (44 MiB with the split
     accumulator), 4096 columns wide beyond, up to 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides.
 

@@ -1,0 +1,137 @@
+"""What the distributed losses need from torch.distributed: the group's layout, one exchange of
+per-rank facts that also checks the ranks agree, and the ring's neighbour-to-neighbour shifts.
+
+Every check here raises the same error on every rank (each rank sees every rank's facts), so a
+disagreement never leaves some ranks waiting for the others. A rank that dies mid-call leaves
+the others blocked in a transfer until the group's timeout (``init_process_group(timeout=…)``)
+expires; torch.distributed raises there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Codes for the facts that must agree across ranks (their order is part of the exchange).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The group seen from this rank: its position, its neighbours on the ring, and each rank's
+    row and column counts (rows are this rank's queries / images, columns the blocks that travel:
+    texts, keys, or the same rows for NT-Xent)."""
+
+    group: dist.ProcessGroup | None
+    rank: int  # in the group
+    world: int
+    rows: tuple[int, ...]  # per rank
+    cols: tuple[int, ...]  # per rank
+    next_peer: int  # global rank of (rank + 1) mod world: where blocks go
+    prev_peer: int  # global rank of (rank − 1) mod world: where blocks come from
+
+    def col_offset(self, r: int) -> int:
+        return sum(self.cols[:r])
+
+    def row_offset(self, r: int) -> int:
+        return sum(self.rows[:r])
+
+    def block_at(self, step: int) -> int:
+        """The rank whose column block this rank holds at ``step`` of a tour (0 = its own)."""
+        return (self.rank - step) % self.world
+
+
+def group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fusedloss.distributed needs an initialized process group "
+            "(torch.distributed.init_process_group); on one process use fusedloss.* instead"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
+             facts: dict[str, tuple[int, str]], device: torch.device, *,
+             error: Exception | None = None, extra: tuple[int, ...] = ()) -> tuple[Layout, list]:
+    """All-gathers (rows, cols, facts…, extra…) from every rank and checks that the facts agree.
+
+    ``facts`` maps an argument's name to (a code of its value, the value as the user would read
+    it); a rank whose code differs from rank 0's makes every rank raise a ValueError naming the
+    argument and each rank's code. ``error``: this rank's own argument error, found before the
+    exchange; it is raised here, after the exchange, and the other ranks raise too, naming this
+    rank, so that no rank waits for one that has left. ``extra``: per-rank integers the caller
+    needs from every rank (returned, one tuple per rank). One small all-gather and one host read.
+    """
+    rank, world = group_rank_world(group)
+    names = list(facts)
+    codes = [facts[k][0] for k in names] if error is None else [0] * len(names)
+    local = torch.tensor([int(error is not None), rows, cols, *codes, *extra],
+                         dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
+        local = local.to(device if device.type == "cuda" else torch.cuda.current_device())
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    table = torch.stack(gathered).tolist()
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(table) if row[0]]
+    if failed:
+        raise RuntimeError(
+            f"rank(s) {failed} of the group raised an error on their arguments (see their "
+            f"messages); no rank computes the loss"
+        )
+    for j, name in enumerate(names, start=3):
+        column = [row[j] for row in table]
+        if any(code != column[0] for code in column):
+            raise ValueError(
+                f"the ranks disagree on {name}: every rank of the group must pass the same; "
+                f"this rank ({rank}) has {facts[name][1]}, the ranks' codes are {column}"
+            )
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    layout = Layout(
+        group=group, rank=rank, world=world,
+        rows=tuple(row[1] for row in table), cols=tuple(row[2] for row in table),
+        next_peer=peer((rank + 1) % world), prev_peer=peer((rank - 1) % world),
+    )
+    first_extra = 3 + len(names)
+    return layout, [tuple(row[first_extra:]) for row in table]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
+
+
+def device_code(device: torch.device) -> int:
+    return DEVICE_TYPES.index(device.type) if device.type in DEVICE_TYPES else len(DEVICE_TYPES)
+
+
+class Shift:
+    """Sends tensors to the next rank and receives the previous rank's, without waiting.
+
+    ``Shift(layout, send, recv)`` posts the transfers (``batch_isend_irecv``) and returns;
+    ``wait()`` blocks until they are done. Empty tensors are not sent (both ends know the
+    shapes, so both skip them). The i-th tensor goes with tag ``tag + i``: shifts in flight
+    at the same time take different tags.
+    """
+
+    def __init__(self, layout: Layout, send: list[torch.Tensor], recv: list[torch.Tensor],
+                 tag: int = 0):
+        ops = []
+        for i, t in enumerate(send):
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), layout.next_peer,
+                                      group=layout.group, tag=tag + i))
+        for i, t in enumerate(recv):
+            if t.numel():
+                ops.append(dist.P2POp(dist.irecv, t, layout.prev_peer, group=layout.group,
+                                      tag=tag + i))
+        self._ops = ops  # keeps the tensors alive while they are in flight
+        self._requests = dist.batch_isend_irecv(ops) if ops and layout.world > 1 else []
+
+    def wait(self) -> None:
+        for request in self._requests:
+            request.wait()
+        self._requests, self._ops = [], []

@@ -1,0 +1,316 @@
+"""Contrastive losses over a process group, on the ring (``ring.py``): the functional API.
+
+Each rank passes its local features; the loss is that of the global batch, the concatenation
+of the ranks' features in rank order, computed without gathering them.
+
+Gradient convention (as open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)``):
+the gradients are those of the *sum over the ranks* of each rank's returned loss (times its
+upstream gradient), as if the ranks' losses were added into one graph. With "mean" and "sum"
+each rank returns W × its rows' share of the global loss L (W = group size):
+
+    mean:  ℓ_r = W / B · Σ_{i ∈ rank r} loss_i    (= the mean over its rows when batches are even)
+    sum:   ℓ_r = W · Σ_{i ∈ rank r} loss_i
+
+so Σ_r ℓ_r = W·L, the mean of the ranks' values is L, every rank's features receive
+W·∂L/∂f_r, and each rank's share of ∂/∂logit_scale (and logit_bias) sums over the ranks to
+W·∂L/∂θ. DDP averages parameter gradients over the ranks: every parameter then holds exactly
+the gradient of the global loss. "none" returns the rank's per-row losses, the rank's slice of
+the global per-row vector, with gradients of Σ_i g_i · loss_i over the global rows.
+
+Every rank of the group must make the same call (same loss, reduction, options, widths, dtype,
+device type, and which inputs need gradients) and run the backward: the ranks exchange these
+facts once per call and all raise the same error when they disagree, or when one rank's
+arguments are wrong, instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ..core import engine
+from ..core.filtering import resolve_filter_eps
+from ..losses.contrastive import _as_scalar
+from . import ring
+from ._group import device_code, dtype_code, exchange
+
+Reduction = Literal["none", "mean", "sum"]
+Backend = Literal["auto", "triton", "torch"]
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("none", "mean", "sum")
+_BACKENDS = ("auto", "triton", "torch")
+_KINDS = ("clip", "info_nce", "nt_xent", "siglip")
+
+
+def clip_loss(
+    image_features: torch.Tensor,  # (b_r, D) this rank's images
+    text_features: torch.Tensor,  # (b_r, D) this rank's texts
+    logit_scale: torch.Tensor | float,
+    logit_bias: torch.Tensor | float | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    reduction: Reduction = "mean",
+    filter_eps: float | Literal["auto"] | None = "auto",
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """CLIP's symmetric loss over the global batch of the group's ranks, on the ring.
+
+    Pair i of rank r is global pair ``offset_r + i`` (offsets: the ranks' batch sizes in rank
+    order; they may differ, and may be 0). Equals :func:`fusedloss.clip_loss` of the
+    concatenated features, scaled as the module doc says (``ℓ_r = W/B · Σ`` of the rank's pairs
+    for "mean"); "none" returns this rank's (b_r,) per-pair losses. ``logit_bias`` is accepted
+    and ignored, as in :func:`fusedloss.clip_loss` (zero gradient).
+
+    Args:
+        image_features, text_features: (b_r, D) fp32/bf16/fp16, same dtype and device.
+        logit_scale: a float or one-element tensor, the same on every rank.
+        group: the process group (default: the world).
+        reduction, filter_eps, backend: as in :func:`fusedloss.clip_loss`.
+    """
+    error = _check_pair(image_features, text_features, "image_features", "text_features")
+    return _ring_loss("clip", image_features, text_features, logit_scale, logit_bias,
+                      None, group, reduction, filter_eps, backend, error, scale_name="logit_scale")
+
+
+def siglip_loss(
+    image_features: torch.Tensor,  # (b_r, D)
+    text_features: torch.Tensor,  # (b_r, D)
+    logit_scale: torch.Tensor | float,
+    logit_bias: torch.Tensor | float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """SigLIP's sigmoid loss over the global batch of the group's ranks, on the ring.
+
+    ``−Σ_ij log σ(z_ij · logits_ij) / B`` over the global batch; each rank returns
+    ``W / B · Σ`` over its images of their terms against every text (open_clip's per-rank value
+    ``Σ / b_r`` when batches are even). Every tile is computed (no filtering).
+    """
+    error = _check_pair(image_features, text_features, "image_features", "text_features")
+    return _ring_loss("siglip", image_features, text_features, logit_scale, logit_bias,
+                      None, group, "mean", None, backend, error, scale_name="logit_scale")
+
+
+def info_nce_loss(
+    query: torch.Tensor,  # (n_r, D) this rank's queries
+    keys: torch.Tensor,  # (m_r, D) this rank's keys
+    labels: torch.Tensor | None = None,  # (n_r,) global key ids
+    *,
+    temperature: torch.Tensor | float = 0.07,
+    group: dist.ProcessGroup | None = None,
+    reduction: Reduction = "mean",
+    filter_eps: float | Literal["auto"] | None = "auto",
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """InfoNCE with the queries at home and the keys travelling: each query against every key of
+    the group. ``labels`` are global key ids in [0, M) (M = Σ m_r, keys in rank order); the
+    default pairs global query i with global key i (needs M ≥ the global query count)."""
+    error = _check_pair(query, keys, "query", "keys", same_rows=False)
+    if error is None and labels is not None:
+        error = _check_labels(labels, query)
+    return _ring_loss("info_nce", query, keys, temperature, None, labels, group, reduction,
+                      filter_eps, backend, error, scale_name="temperature")
+
+
+def nt_xent_loss(
+    features: torch.Tensor,  # (2B_r, D): this rank's view 1 stacked over its view 2
+    temperature: torch.Tensor | float = 0.5,
+    *,
+    group: dist.ProcessGroup | None = None,
+    reduction: Reduction = "mean",
+    filter_eps: float | Literal["auto"] | None = "auto",
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """SimCLR's NT-Xent over the global batch: every row against every other row of every rank.
+
+    Each rank passes ``cat([z1_r, z2_r])``; the global batch is ``cat([z1, z2])`` with
+    ``z1 = cat(z1_r over ranks)`` (likewise z2), so row i of a rank's first view pairs with its
+    row i of the second view. "none" returns this rank's (2B_r,) rows in its own order.
+    """
+    error = _check_features(features, "features")
+    if error is None and features.shape[0] % 2:
+        error = ValueError(f"features must stack two views of B_r samples, (2B_r, D); got an "
+                           f"odd number of rows, {features.shape[0]}")
+    return _ring_loss("nt_xent", features, features, temperature, None, None, group,
+                      reduction, filter_eps, backend, error, scale_name="temperature")
+
+
+# ---------------------------------------------------------------------------------------------
+# the call: one exchange of facts, the ring, the reduction
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, scale, bias, labels, layout, kind, eps, backend, needs):
+        b = a if b is None else b  # NT-Xent: the rows are the columns
+        loss, saved = ring.forward(layout, kind, a, b, scale, bias, labels, eps, backend,
+                                   record=any(needs))
+        ctx.save_for_backward(a, b, scale, bias, labels)
+        ctx.ring = (layout, kind, saved, eps, backend, needs)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        layout, kind, saved, eps, backend, needs = ctx.ring
+        a, b, scale, bias, labels = ctx.saved_tensors
+        b = a if b is None else b
+        grads = ring.backward(layout, kind, a, b, scale, bias, labels, saved, grad_loss, eps,
+                              backend, needs)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter_eps, backend,
+               error, *, scale_name):
+    device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
+    facts, scale, bias, eps = {}, None, None, None
+    if error is None:
+        try:
+            scale, bias, eps, facts = _options(kind, a, b, scale_arg, bias_arg, reduction,
+                                               filter_eps, backend, scale_name)
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e
+    n = a.shape[0] if error is None else 0
+    m = 0 if error is not None or kind == "nt_xent" else b.shape[0]
+    extra = _label_range(labels) if error is None and labels is not None else (0, 0)
+    layout, per_rank = exchange(group, n, n if kind == "nt_xent" else m, facts, device,
+                                error=error, extra=extra)
+    total_rows, total_cols = sum(layout.rows), sum(layout.cols)
+    if total_rows == 0:
+        raise ValueError(f"the global batch is empty: every rank passed 0 rows to {kind}_loss")
+    if total_cols == 0:
+        raise ValueError(f"there are no keys: every rank passed 0 keys to {kind}_loss")
+    if kind == "info_nce":
+        labels = _global_labels(labels, layout, per_rank, a.device)
+    backend = engine.resolve_backend(backend, device)
+    eps = eps if backend == "triton" else None
+    grad_on = torch.is_grad_enabled()
+    need_a, need_b, need_scale, need_bias = (
+        grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias))
+    # NT-Xent's rows are its columns: their gradient has both parts.
+    needs = (need_a, need_a if kind == "nt_xent" else need_b, need_scale,
+             need_bias and kind == "siglip")
+    per_row = _Ring.apply(a, None if kind == "nt_xent" else b, scale,
+                          bias if kind == "siglip" else None, labels, layout, kind, eps,
+                          backend, needs)
+    if kind == "clip" and bias is not None:
+        per_row = per_row + 0.0 * bias  # the loss ignores it: a zero gradient, NaN stays NaN
+    if reduction == "none":
+        return per_row
+    total = per_row.sum() * layout.world
+    return total if reduction == "sum" else total / total_rows
+
+
+def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, scale_name):
+    """The validated scale, bias and filter bound, and the facts every rank must share."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    engine.resolve_backend(backend, a.device)  # raises if the kernels cannot run here
+    eps = resolve_filter_eps(filter_eps, a.dtype)
+    if scale_name == "temperature":
+        temperature = _as_scalar(scale_arg, scale_name, a.device, positive=True)
+        if isinstance(scale_arg, torch.Tensor) and bool(temperature <= 0):  # one host read
+            raise ValueError(f"temperature must be > 0, got {float(temperature)}")
+        scale = 1.0 / temperature
+    else:
+        scale = _as_scalar(scale_arg, scale_name, a.device)
+    bias = None if bias_arg is None else _as_scalar(bias_arg, "logit_bias", a.device)
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias)]
+    facts = {
+        "the loss": (_KINDS.index(kind), kind),
+        "reduction": (_REDUCTIONS.index(reduction), repr(reduction)),
+        "backend": (_BACKENDS.index(backend), repr(backend)),
+        "filter_eps": (_float_code(eps), repr(eps)),
+        "the feature width D": (a.shape[1], str(a.shape[1])),
+        "the feature dtype": (dtype_code(a.dtype), str(a.dtype)),
+        "the device type": (device_code(a.device), a.device.type),
+        f"whether {scale_name} is given": (int(scale_arg is not None), str(scale_arg is not None)),
+        "whether logit_bias is given": (int(bias is not None), str(bias is not None)),
+        "which inputs require grad (features, scale, bias)": (
+            sum(int(x) << i for i, x in enumerate(needs)), str(needs)),
+    }
+    return scale, bias, eps, facts
+
+
+def _float_code(x: float | None) -> int:
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _label_range(labels: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of this rank's labels: one host read, checked against the global key count
+    after the exchange."""
+    if labels.numel() == 0:
+        return (0, 0)
+    lo, hi = torch.stack((labels.min(), labels.max())).tolist()
+    return (int(lo), int(hi))
+
+
+def _global_labels(labels, layout, per_rank, device) -> torch.Tensor:
+    """The labels as global key ids, range-checked on every rank (the same error everywhere)."""
+    total_keys = sum(layout.cols)
+    if labels is None:
+        if total_keys < sum(layout.rows):
+            raise ValueError(f"labels=None pairs global query i with global key i, which needs "
+                             f"M >= N over the group; got N = {sum(layout.rows)} queries and "
+                             f"M = {total_keys} keys. Pass labels.")
+        offset = layout.row_offset(layout.rank)
+        return torch.arange(offset, offset + layout.rows[layout.rank], device=device)
+    for r, (lo, hi) in enumerate(per_rank):
+        if layout.rows[r] and (lo < 0 or hi >= total_keys):
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"labels on rank {r} holds {bad}, outside [0, M) = [0, "
+                             f"{total_keys}) (M: the keys of every rank)")
+    return labels.long()
+
+
+# ---------------------------------------------------------------------------------------------
+# local checks: they return the error instead of raising, so that it is raised on every rank
+
+
+def _check_features(t, name: str) -> Exception | None:
+    if not isinstance(t, torch.Tensor):
+        return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        return ValueError(f"{name} must be 2-D (local batch, D), got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        return TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.shape[1] == 0:
+        return ValueError(f"{name} has width D = 0")
+    return None
+
+
+def _check_pair(x, y, x_name: str, y_name: str, same_rows: bool = True) -> Exception | None:
+    error = _check_features(x, x_name) or _check_features(y, y_name)
+    if error is not None:
+        return error
+    if y.dtype != x.dtype:
+        return TypeError(f"{y_name} has dtype {y.dtype} but {x_name} has {x.dtype}; they must "
+                         f"match")
+    if y.device != x.device:
+        return ValueError(f"{y_name} is on {y.device} but {x_name} on {x.device}")
+    if y.shape[1] != x.shape[1] or (same_rows and y.shape[0] != x.shape[0]):
+        want = "the same shape (b_r, D): one row per pair" if same_rows else "the same width D"
+        return ValueError(f"{x_name} and {y_name} must have {want}; got {tuple(x.shape)} and "
+                          f"{tuple(y.shape)}")
+    return None
+
+
+def _check_labels(labels, query) -> Exception | None:
+    if not isinstance(labels, torch.Tensor):
+        return TypeError(f"labels must be a torch.Tensor or None, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        return TypeError(f"labels must hold integer key ids, got {labels.dtype}")
+    if labels.shape != (query.shape[0],):
+        return ValueError(f"labels must have shape (n_r,) = ({query.shape[0]},), got "
+                          f"{tuple(labels.shape)}")
+    if labels.device != query.device:
+        return ValueError(f"labels is on {labels.device} but query on {query.device}")
+    return None
+
+
