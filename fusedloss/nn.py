@@ -7,6 +7,8 @@ from torch import nn
 
 from .core.filtering import resolve_filter_eps
 from .core.vocab_order import order_by_mean_logit
+from .distributed._group import group_rank_world, mean_over_ranks, sum_grad_over_ranks
+from .distributed.contrastive import pair_loss
 from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .losses.cross_entropy import check_options, linear_cross_entropy
 
@@ -103,15 +105,29 @@ def _check_options(reduction: str, filter_eps) -> None:
 
 
 class ClipLoss(nn.Module):
-    """Drop-in for open_clip's ``ClipLoss`` on one process, computed by :func:`clip_loss`.
+    """Drop-in for open_clip's ``ClipLoss``, on one process or over a process group.
 
     ``forward(image_features (b, D), text_features (b, D), logit_scale, logit_bias=None,
     output_dict=False)`` returns the scalar loss, or ``{"contrastive_loss": loss}``.
 
-    open_clip's constructor arguments are accepted so that existing code runs unchanged; only
-    the single-process setting (``world_size=1``) is computed here. ``cache_labels`` has
-    nothing to cache (no label tensor is built) and ``local_loss`` / ``gather_with_grad``
-    only matter across processes.
+    With ``world_size=1`` it is :func:`fusedloss.clip_loss`. With ``world_size > 1`` each rank
+    passes its local features and the loss runs on the ring
+    (:func:`fusedloss.distributed.clip_loss`: no rank gathers the others' features), giving what
+    open_clip's ``ClipLoss`` gives for the same arguments, value and gradients:
+
+    - ``local_loss=True, gather_with_grad=True``: each rank's loss over its own pairs; the
+      gradients of the sum of the ranks' losses (features get W·∂L/∂f; after DDP averages,
+      every parameter holds ∂L/∂θ of the global mean L).
+    - ``local_loss=False, gather_with_grad=True``: the global L on every rank; the same
+      feature gradients; ``logit_scale`` gets ∂L/∂s on every rank.
+    - ``local_loss=False, gather_with_grad=False`` (open_clip's default): L on every rank,
+      gradients only through the rank's own features: ∂L/∂f_r, and ∂L/∂s.
+
+    ``local_loss=True, gather_with_grad=False`` (the local rows' loss with gradients through
+    the local features only) is not computed: it raises. ``rank`` and ``world_size`` must match
+    the process group (``group``, default the world); ``use_horovod`` is not supported.
+    ``cache_labels`` has nothing to cache (no label tensor is built). ``reduction="mean"``
+    only across processes.
     """
 
     def __init__(
@@ -126,34 +142,72 @@ class ClipLoss(nn.Module):
         reduction: str = "mean",
         filter_eps: float | str | None = "auto",
         backend: str = "auto",
+        group=None,
     ) -> None:
         super().__init__()
-        if world_size != 1 or use_horovod:
+        if use_horovod:
+            raise ValueError("ClipLoss(use_horovod=True) is not supported: fusedloss runs on "
+                             "torch.distributed")
+        if world_size > 1 and local_loss and not gather_with_grad:
             raise ValueError(
-                f"ClipLoss computes the single-process loss (world_size=1); got "
-                f"world_size={world_size}, use_horovod={use_horovod}"
+                "ClipLoss(local_loss=True, gather_with_grad=False) backpropagates the local "
+                "rows' loss through the local features only; fusedloss computes the gradient "
+                "of the global loss. Use gather_with_grad=True (the same training signal "
+                "open_clip recommends) or local_loss=False"
             )
+        if world_size > 1 and reduction != "mean":
+            raise ValueError(f"ClipLoss over {world_size} processes computes the mean; got "
+                             f"reduction={reduction!r}")
         _check_options(reduction, filter_eps)
         self.local_loss, self.gather_with_grad = local_loss, gather_with_grad
         self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
         self.reduction, self.filter_eps, self.backend = reduction, filter_eps, backend
+        self.group = group
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None,
                 output_dict: bool = False):
-        loss = clip_loss(image_features, text_features, logit_scale, logit_bias,
-                         reduction=self.reduction, filter_eps=self.filter_eps,
-                         backend=self.backend)
+        if self.world_size == 1:
+            loss = clip_loss(image_features, text_features, logit_scale, logit_bias,
+                             reduction=self.reduction, filter_eps=self.filter_eps,
+                             backend=self.backend)
+        else:
+            loss = self._ring_loss(image_features, text_features, logit_scale, logit_bias)
         return {"contrastive_loss": loss} if output_dict else loss
+
+    def _ring_loss(self, image_features, text_features, logit_scale, logit_bias):
+        error = _rank_error(self.rank, self.world_size, self.group, "ClipLoss")
+        scale = logit_scale
+        w = self.world_size
+        if isinstance(scale, torch.Tensor) and not self.local_loss:
+            # open_clip computes the whole loss on every rank, so each rank's d logit_scale is
+            # the global one: the sum of the ring's per-rank shares (÷ W for their scaling).
+            scale = sum_grad_over_ranks(scale, self.group,
+                                        divide=w if self.gather_with_grad else 1.0)
+        loss = pair_loss("clip", image_features, text_features, scale, logit_bias,
+                         group=self.group, reduction="mean", filter_eps=self.filter_eps,
+                         backend=self.backend, caller_error=error)
+        if self.local_loss:
+            return loss
+        if not self.gather_with_grad:
+            loss = loss / w  # gradients through the local features only: ∂L/∂f_r
+        return loss + (mean_over_ranks(loss, self.group) * (w if not self.gather_with_grad
+                                                               else 1) - loss).detach()
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}, filter_eps={self.filter_eps!r}"
 
 
 class SigLipLoss(nn.Module):
-    """Drop-in for open_clip's ``SigLipLoss`` on one process, computed by :func:`siglip_loss`.
+    """Drop-in for open_clip's ``SigLipLoss``, on one process or over a process group.
 
     ``forward(image_features (b, D), text_features (b, D), logit_scale, logit_bias,
     output_dict=False)`` returns the scalar loss, or ``{"contrastive_loss": loss}``.
+
+    With ``world_size > 1`` each rank passes its local features and the texts travel around the
+    ring (:func:`fusedloss.distributed.siglip_loss`) as in open_clip's neighbour exchange
+    (``dist_impl`` "bidir", "shift", "reduce" or "gather" all give the same loss): each rank's
+    loss is its images against every text ÷ its batch size, with the gradients of the sum of the
+    ranks' losses, as open_clip's. ``rank`` and ``world_size`` must match the process group.
     """
 
     def __init__(
@@ -164,19 +218,36 @@ class SigLipLoss(nn.Module):
         dist_impl: str | None = None,
         *,
         backend: str = "auto",
+        group=None,
     ) -> None:
         super().__init__()
-        if world_size != 1:
-            raise ValueError(f"SigLipLoss computes the single-process loss (world_size=1); got "
-                             f"world_size={world_size}")
+        if dist_impl not in (None, "bidir", "shift", "reduce", "gather"):
+            raise ValueError(f"dist_impl must be None, 'bidir', 'shift', 'reduce' or 'gather', "
+                             f"got {dist_impl!r}")
         self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
-        self.dist_impl, self.backend = dist_impl, backend
+        self.dist_impl, self.backend, self.group = dist_impl, backend, group
 
     def forward(self, image_features, text_features, logit_scale, logit_bias,
                 output_dict: bool = False):
-        loss = siglip_loss(image_features, text_features, logit_scale, logit_bias,
-                           backend=self.backend)
+        if self.world_size == 1:
+            loss = siglip_loss(image_features, text_features, logit_scale, logit_bias,
+                               backend=self.backend)
+        else:
+            error = _rank_error(self.rank, self.world_size, self.group, "SigLipLoss")
+            loss = pair_loss("siglip", image_features, text_features, logit_scale, logit_bias,
+                             group=self.group, reduction="mean", filter_eps=None,
+                             backend=self.backend, caller_error=error)
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def _rank_error(rank: int, world_size: int, group, name: str) -> Exception | None:
+    """open_clip passes rank and world_size explicitly: they must be the group's (the error is
+    raised on every rank, at the loss's exchange)."""
+    actual = group_rank_world(group)
+    if (rank, world_size) != actual:
+        return ValueError(f"{name}(rank={rank}, world_size={world_size}) does not match the "
+                          f"process group: rank {actual[0]} of {actual[1]}")
+    return None
 
 
 class _TemperatureLoss(nn.Module):

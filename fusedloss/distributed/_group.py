@@ -17,6 +17,7 @@ import torch.distributed as dist
 # Codes for the facts that must agree across ranks (their order is part of the exchange).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cpu", "cuda")
+MAX_FACTS = 16  # every rank sends this many fact codes (padded), whatever it could check
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,16 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     argument and each rank's code. ``error``: this rank's own argument error, found before the
     exchange; it is raised here, after the exchange, and the other ranks raise too, naming this
     rank, so that no rank waits for one that has left. ``extra``: per-rank integers the caller
-    needs from every rank (returned, one tuple per rank). One small all-gather and one host read.
+    needs from every rank (returned, one tuple per rank): the same count on every rank. One
+    small all-gather and one host read.
     """
     rank, world = group_rank_world(group)
     names = list(facts)
-    codes = [facts[k][0] for k in names] if error is None else [0] * len(names)
+    if len(names) > MAX_FACTS:
+        raise ValueError(f"at most {MAX_FACTS} facts per exchange")
+    codes = [facts[k][0] for k in names] if error is None else []
+    # The same length on every rank, also where an error left no facts to send.
+    codes += [0] * (MAX_FACTS - len(codes))
     local = torch.tensor([int(error is not None), rows, cols, *codes, *extra],
                          dtype=torch.int64)
     if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
@@ -96,7 +102,7 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
         rows=tuple(row[1] for row in table), cols=tuple(row[2] for row in table),
         next_peer=peer((rank + 1) % world), prev_peer=peer((rank - 1) % world),
     )
-    first_extra = 3 + len(names)
+    first_extra = 3 + MAX_FACTS
     return layout, [tuple(row[first_extra:]) for row in table]
 
 
@@ -135,3 +141,32 @@ class Shift:
         for request in self._requests:
             request.wait()
         self._requests, self._ops = [], []
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient (sum) and divides it."""
+
+    @staticmethod
+    def forward(ctx, t, group, divide):
+        ctx.group, ctx.divide = group, divide
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad / ctx.divide, None, None
+
+
+def sum_grad_over_ranks(t: torch.Tensor, group: dist.ProcessGroup | None,
+                        divide: float = 1.0) -> torch.Tensor:
+    """``t``, whose gradient becomes the sum over the group's ranks of theirs, ÷ ``divide``
+    (a collective in the backward: every rank must run it)."""
+    return _SumGradOverRanks.apply(t, group, divide)
+
+
+def mean_over_ranks(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The mean over the group's ranks of a scalar, as a value without gradient."""
+    total = value.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total / dist.get_world_size(group)

@@ -70,9 +70,8 @@ def clip_loss(
         group: the process group (default: the world).
         reduction, filter_eps, backend: as in :func:`fusedloss.clip_loss`.
     """
-    error = _check_pair(image_features, text_features, "image_features", "text_features")
-    return _ring_loss("clip", image_features, text_features, logit_scale, logit_bias,
-                      None, group, reduction, filter_eps, backend, error, scale_name="logit_scale")
+    return pair_loss("clip", image_features, text_features, logit_scale, logit_bias,
+                     group=group, reduction=reduction, filter_eps=filter_eps, backend=backend)
 
 
 def siglip_loss(
@@ -90,9 +89,8 @@ def siglip_loss(
     ``W / B · Σ`` over its images of their terms against every text (open_clip's per-rank value
     ``Σ / b_r`` when batches are even). Every tile is computed (no filtering).
     """
-    error = _check_pair(image_features, text_features, "image_features", "text_features")
-    return _ring_loss("siglip", image_features, text_features, logit_scale, logit_bias,
-                      None, group, "mean", None, backend, error, scale_name="logit_scale")
+    return pair_loss("siglip", image_features, text_features, logit_scale, logit_bias,
+                     group=group, reduction="mean", filter_eps=None, backend=backend)
 
 
 def info_nce_loss(
@@ -141,6 +139,16 @@ def nt_xent_loss(
 
 # ---------------------------------------------------------------------------------------------
 # the call: one exchange of facts, the ring, the reduction
+
+
+def pair_loss(kind, image_features, text_features, logit_scale, logit_bias, *, group,
+              reduction, filter_eps, backend, caller_error: Exception | None = None):
+    """CLIP or SigLIP on the ring; ``caller_error``: an error the caller (a module) found on
+    this rank, raised on every rank at the exchange."""
+    error = caller_error or _check_pair(image_features, text_features, "image_features",
+                                        "text_features")
+    return _ring_loss(kind, image_features, text_features, logit_scale, logit_bias, None,
+                      group, reduction, filter_eps, backend, error, scale_name="logit_scale")
 
 
 class _Ring(torch.autograd.Function):
@@ -222,14 +230,16 @@ def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, sc
     bias = None if bias_arg is None else _as_scalar(bias_arg, "logit_bias", a.device)
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias)]
+    # The facts every rank must share; the ones that explain others first (a dtype decides
+    # what filter_eps="auto" means).
     facts = {
         "the loss": (_KINDS.index(kind), kind),
+        "the feature dtype": (dtype_code(a.dtype), str(a.dtype)),
+        "the feature width D": (a.shape[1], str(a.shape[1])),
+        "the device type": (device_code(a.device), a.device.type),
         "reduction": (_REDUCTIONS.index(reduction), repr(reduction)),
         "backend": (_BACKENDS.index(backend), repr(backend)),
         "filter_eps": (_float_code(eps), repr(eps)),
-        "the feature width D": (a.shape[1], str(a.shape[1])),
-        "the feature dtype": (dtype_code(a.dtype), str(a.dtype)),
-        "the device type": (device_code(a.device), a.device.type),
         f"whether {scale_name} is given": (int(scale_arg is not None), str(scale_arg is not None)),
         "whether logit_bias is given": (int(bias is not None), str(bias is not None)),
         "which inputs require grad (features, scale, bias)": (

@@ -1,0 +1,494 @@
+"""fusedloss.distributed on gloo process groups of 1–4 CPU processes.
+
+The pattern of flash-attention's distributed tests: every rank's loss and gradients must equal
+the single-process loss of the concatenated batch, sliced to that rank (and scaled as the
+gradient convention of ``fusedloss/distributed/contrastive.py`` says). The single-process
+losses are themselves tested against ``fusedloss/reference.py``. Hypothesis draws the world
+size, each rank's batch (0 rows included), the width, the dtype and the reduction; the ranks
+run in worker processes that live for the whole module (``multiprocess.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from multiprocess import Raised, Workers
+
+import fusedloss
+import fusedloss.distributed as fd
+
+KINDS = ("clip", "siglip", "info_nce", "nt_xent")
+# The workers' tensors live on the CPU: the Triton kernels run there through the interpreter.
+RING_BACKENDS = ("torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("torch",)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The ring adds W blocks' fp32 gradients and rounds once; one process rounds once too, but
+# its fp32 sums run in another order: a few fp32 ulps, or one rounding of the input dtype.
+TOL = {"fp32": dict(rtol=2e-5, atol=2e-6), "bf16": dict(rtol=2e-2, atol=2e-3)}  # losses
+
+
+@pytest.fixture(scope="module")
+def workers():
+    made: dict[int, Workers] = {}
+
+    def get(world: int) -> Workers:
+        if world not in made or not made[world].alive:
+            made[world] = Workers(world)
+        return made[world]
+
+    yield get
+    for w in made.values():
+        w.close()
+
+
+def _ok(results: list) -> list:
+    for rank, r in enumerate(results):
+        if isinstance(r, Raised):
+            raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# one case: the global batch (the same on every process, from a seed), each rank's slice
+
+
+def _global_batch(kind, rows, cols, d, dtype, seed):
+    """Global inputs (fp32 leaves, rounded to ``dtype``) for a loss, from per-rank counts."""
+    g = torch.Generator().manual_seed(seed)
+
+    def unit(n):
+        # Peaked-ish logits at the scales below: clustered unit vectors.
+        x = torch.randn(n, d, generator=g)
+        return F.normalize(x, dim=1).to(dtype)
+
+    n, m = sum(rows), sum(cols)
+    if kind == "nt_xent":
+        base = unit(n)
+        return dict(z1=base, z2=F.normalize(base.float() + 0.3 * unit(n).float(), dim=1).to(dtype))
+    if kind == "info_nce":
+        return dict(q=unit(n), k=unit(m), labels=torch.randint(0, max(m, 1), (n,), generator=g))
+    return dict(i=unit(n), t=unit(n))
+
+
+def _slice(x, sizes, r):
+    off = sum(sizes[:r])
+    return x[off:off + sizes[r]]
+
+
+def _nt_xent_rows(rows, r):
+    """Rank r's rows [z1_r; z2_r] in the global order [z1; z2]."""
+    b, off, n = sum(rows), sum(rows[:r]), rows[r]
+    return torch.cat([torch.arange(off, off + n), torch.arange(b + off, b + off + n)])
+
+
+def _weights(n, seed):
+    """Upstream gradients of a "none" reduction: not all equal, so each row's counts."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) + 0.5
+
+
+def _ring_case(rank, world, kind, rows, cols, d, dtype, reduction, backend, seed, filter_eps):
+    """On every rank: the ring loss of this rank's slice, backward; returns (loss, grads)."""
+    batch = _global_batch(kind, rows, cols, d, DTYPES[dtype], seed)
+    scale = torch.tensor(4.0 if kind != "siglip" else 3.0, requires_grad=True)
+    bias = torch.tensor(-2.0, requires_grad=True)
+    common = dict(backend=backend)
+    if kind != "siglip":
+        common.update(reduction=reduction, filter_eps=filter_eps)
+    if kind == "nt_xent":
+        z = torch.cat([_slice(batch["z1"], rows, rank), _slice(batch["z2"], rows, rank)])
+        leaves = [z.clone().requires_grad_(), scale]
+        loss = fd.nt_xent_loss(leaves[0], 1 / scale, **common)
+    elif kind == "info_nce":
+        q, k = _slice(batch["q"], rows, rank), _slice(batch["k"], cols, rank)
+        labels = _slice(batch["labels"], rows, rank)
+        leaves = [q.clone().requires_grad_(), k.clone().requires_grad_(), scale]
+        loss = fd.info_nce_loss(leaves[0], leaves[1], labels, temperature=1 / scale, **common)
+    else:
+        i, t = _slice(batch["i"], rows, rank), _slice(batch["t"], rows, rank)
+        leaves = [i.clone().requires_grad_(), t.clone().requires_grad_(), scale]
+        if kind == "siglip":
+            leaves.append(bias)
+            loss = fd.siglip_loss(leaves[0], leaves[1], scale, bias, **common)
+        else:
+            loss = fd.clip_loss(leaves[0], leaves[1], scale, **common)
+    if reduction == "none" and kind != "siglip":
+        if kind == "nt_xent":  # this rank's rows of the global [z1; z2] order
+            upstream = _weights(2 * sum(rows), seed)[_nt_xent_rows(rows, rank)]
+        else:
+            upstream = _slice(_weights(sum(rows), seed), rows, rank)
+        (loss * upstream).sum().backward()
+    else:
+        loss.backward()
+    return loss.detach(), [leaf.grad for leaf in leaves]
+
+
+def _reference(kind, rows, cols, d, dtype, reduction, seed, backend="torch"):
+    """One process, the concatenated batch: (per-rank expected loss, per-rank grads, shared
+    grads summed over ranks), all in the ring's scaling."""
+    batch = _global_batch(kind, rows, cols, d, DTYPES[dtype], seed)
+    world = len(rows)
+    scale = torch.tensor(4.0 if kind != "siglip" else 3.0, requires_grad=True)
+    bias = torch.tensor(-2.0, requires_grad=True)
+    red = "mean" if kind == "siglip" else ("none" if reduction == "none" else reduction)
+    common = dict(backend=backend)
+    if kind != "siglip":
+        common.update(reduction=red, filter_eps=None)
+    if kind == "nt_xent":
+        z = torch.cat([batch["z1"], batch["z2"]]).requires_grad_()
+        feats = [z]
+        loss = fusedloss.nt_xent_loss(z, 1 / scale, **common)
+    elif kind == "info_nce":
+        feats = [batch["q"].clone().requires_grad_(), batch["k"].clone().requires_grad_()]
+        loss = fusedloss.info_nce_loss(*feats, batch["labels"], temperature=1 / scale, **common)
+    else:
+        feats = [batch["i"].clone().requires_grad_(), batch["t"].clone().requires_grad_()]
+        if kind == "siglip":
+            loss = fusedloss.siglip_loss(*feats, scale, bias, **common)
+        else:
+            loss = fusedloss.clip_loss(*feats, scale, **common)
+    factor = 1 if reduction == "none" and kind != "siglip" else world
+    if reduction == "none" and kind != "siglip":
+        n = loss.shape[0]
+        (loss * _weights(n, seed)).sum().backward()
+    else:
+        loss.backward()
+    shared = [scale.grad * factor] + ([bias.grad * factor] if kind == "siglip" else [])
+    per_rank = []
+    for r in range(world):
+        if kind == "nt_xent":
+            pick = _nt_xent_rows(rows, r)
+            grads = [feats[0].grad[pick] * factor]
+            value = loss.detach()[pick] if reduction == "none" else None
+        else:
+            col_sizes = cols if kind == "info_nce" else rows
+            grads = [_slice(feats[0].grad, rows, r) * factor,
+                     _slice(feats[1].grad, col_sizes, r) * factor]
+            value = _slice(loss.detach(), rows, r) if reduction == "none" and \
+                kind != "siglip" else None
+        per_rank.append((value, grads))
+    return loss.detach(), per_rank, shared
+
+
+def _check(kind, rows, cols, d, dtype, reduction, results, seed, backend="torch"):
+    """Each rank's results against one process on the whole batch, same dtype and backend."""
+    world = len(rows)
+    total, per_rank, shared = _reference(kind, rows, cols, d, dtype, reduction, seed, backend)
+    tol = TOL[dtype]
+    if reduction == "none" and kind != "siglip":
+        for r, ((value, _), (loss, _)) in enumerate(zip(per_rank, results, strict=True)):
+            torch.testing.assert_close(loss, value, **TOL["fp32"],
+                                       msg=lambda m, r=r: f"rank {r} per-row loss: {m}")
+    else:
+        # Σ_r ℓ_r = W·L: the mean of the ranks' values is the global loss.
+        mean = torch.stack([loss for loss, _ in results]).mean()
+        torch.testing.assert_close(mean, total, **TOL["fp32"])
+    n_feats = 1 if kind == "nt_xent" else 2
+    for r, ((_, want), (_, got)) in enumerate(zip(per_rank, results, strict=True)):
+        for j in range(n_feats):
+            # Sums of terms of either sign, in another order: a few ulps of the terms (× W,
+            # the ring's scaling), not of their sum. bf16: dX is rounded to bf16 before the
+            # matmuls (both ways), and the ring's merged statistics may differ in the last fp32
+            # bit, flipping a rounding: a bf16 ulp of the largest terms.
+            tol = dict(rtol=2e-5, atol=2e-5 * world) if dtype == "fp32" else dict(
+                rtol=2e-2, atol=2e-2 * max([1.0, *want[j].abs().flatten().tolist()]))
+            torch.testing.assert_close(got[j].float(), want[j].float(), **tol,
+                                       msg=lambda m, r=r, j=j: f"rank {r} grad {j}: {m}")
+    for j, want in enumerate(shared):
+        got = sum(res[1][n_feats + j] for res in results)
+        # (the Triton backend forms d bias from dX rounded to the input dtype)
+        loose = dict(rtol=1e-4, atol=1e-5 * world) if dtype == "fp32" else TOL[dtype]
+        torch.testing.assert_close(got, want, **loose,
+                                   msg=lambda m, j=j: f"shared grad {j} summed over ranks: {m}")
+
+
+@st.composite
+def ring_cases(draw, backends=("torch",), max_world=4, max_rows=5):
+    kind = draw(st.sampled_from(KINDS))
+    world = draw(st.integers(1, max_world))
+    limit = 3 if kind == "nt_xent" else max_rows
+    rows = draw(st.lists(st.integers(0, limit), min_size=world, max_size=world)
+                .filter(lambda xs: sum(xs) > 0))
+    cols = rows
+    if kind == "info_nce":
+        cols = draw(st.lists(st.integers(0, max_rows), min_size=world, max_size=world)
+                    .filter(lambda xs: sum(xs) > 0))
+    return dict(kind=kind, rows=rows, cols=cols, d=draw(st.integers(1, 9)),
+                dtype=draw(st.sampled_from(sorted(DTYPES))),
+                reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+                backend=draw(st.sampled_from(backends)), seed=draw(st.integers(0, 2**16)))
+
+
+@given(case=ring_cases(backends=RING_BACKENDS))
+def test_ring_equals_one_process_sliced(workers, case):
+    c = case
+    results = _ok(workers(len(c["rows"])).run(
+        _ring_case, c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"],
+        c["backend"], c["seed"], None))
+    _check(c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"], results,
+           c["seed"], c["backend"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ring_triton_kernels(workers, kind):
+    """The Triton kernels under the ring's block calls (on the CPU: Triton's interpreter),
+    uneven batches with an empty rank."""
+    if "triton" not in RING_BACKENDS:
+        pytest.skip("CPU workers run the Triton kernels only under TRITON_INTERPRET=1")
+    rows = [2, 0, 3] if kind == "nt_xent" else [5, 0, 7]
+    cols = [3, 4, 0] if kind == "info_nce" else rows
+    for reduction in ("mean", "none"):
+        results = _ok(workers(3).run(_ring_case, kind, rows, cols, 16, "fp32", reduction,
+                                     "triton", 7, None))
+        _check(kind, rows, cols, 16, "fp32", reduction, results, 7, "triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# filtering over the ring
+
+
+def _filtered_clip(rank, world, filter_eps, dtype_name):
+    """CLIP over 2 ranks on peaked inputs where the other rank's block carries almost no mass."""
+    g = torch.Generator().manual_seed(3)
+    d, b, dtype = 16, 8, DTYPES[dtype_name]
+    centres = F.normalize(torch.randn(world, d, generator=g), dim=1)
+    # Each rank's pairs cluster around its own centre: the other block is far below the diagonal.
+    i = F.normalize(centres[rank] + 0.05 * torch.randn(b, d, generator=g), dim=1).to(dtype)
+    t = F.normalize(i.float() + 0.01 * torch.randn(b, d, generator=g), dim=1).to(dtype)
+    i, t = i.requires_grad_(), t.requires_grad_()
+    loss = fd.clip_loss(i, t, 30.0, backend="triton", filter_eps=filter_eps)
+    loss.backward()
+    return i.grad.float(), t.grad.float()
+
+
+def test_ring_filter_eps_skips_blocks(workers):
+    if "triton" not in RING_BACKENDS:
+        pytest.skip("CPU workers run the Triton kernels only under TRITON_INTERPRET=1")
+    exact = _ok(workers(2).run(_filtered_clip, None, "fp32"))
+    filtered = _ok(workers(2).run(_filtered_clip, 0.25, "fp32"))
+    for (ei, et), (fi, ft) in zip(exact, filtered, strict=True):
+        diff = max((fi - ei).abs().max(), (ft - et).abs().max())
+        assert diff > 0, "filter_eps was ignored: the far block was computed"
+        # Each row and column loses at most eps of its gradient mass: a small change.
+        scale = max(ei.abs().max(), et.abs().max())
+        assert diff <= 0.25 * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# process groups other than the world
+
+
+def _subgroup_case(rank, world, seed):
+    group = dist.new_group([0, 2])  # every rank creates it; rank 1 is not in it
+    if rank == 1:
+        return None
+    rows = [3, 4]
+    batch = _global_batch("clip", rows, rows, 6, torch.float32, seed)
+    r = 0 if rank == 0 else 1
+    i = _slice(batch["i"], rows, r).clone().requires_grad_()
+    t = _slice(batch["t"], rows, r).clone().requires_grad_()
+    scale = torch.tensor(4.0, requires_grad=True)
+    loss = fd.clip_loss(i, t, scale, group=group, backend="torch")
+    loss.backward()
+    dist.destroy_process_group(group)
+    return loss.detach(), [i.grad, t.grad, scale.grad]
+
+
+def test_ring_on_a_subgroup(workers):
+    results = _ok(workers(3).run(_subgroup_case, 5))
+    assert results[1] is None
+    _check("clip", [3, 4], [3, 4], 6, "fp32", "mean", [results[0], results[2]], 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: the same error on every rank, never a hang
+
+
+def _disagreeing(rank, world, what):
+    d = 4 + (rank if what == "width" else 0)
+    dtype = torch.bfloat16 if what == "dtype" and rank == 1 else torch.float32
+    x = torch.randn(3, d, dtype=dtype)
+    if what == "reduction":
+        return fd.clip_loss(x, x, 2.0, reduction="sum" if rank else "mean", backend="torch")
+    if what == "odd-rows" and rank == 1:
+        return fd.nt_xent_loss(torch.randn(3, 4), backend="torch")
+    if what == "odd-rows":
+        return fd.nt_xent_loss(torch.randn(4, 4), backend="torch")
+    if what == "labels":
+        labels = torch.tensor([0, 1, 5 if rank == 1 else 2])
+        return fd.info_nce_loss(x, x, labels, backend="torch")  # 6 keys in all: 5 is fine
+    if what == "labels-out-of-range":
+        labels = torch.tensor([0, 1, 6 if rank == 1 else 2])
+        return fd.info_nce_loss(x, x, labels, backend="torch")
+    if what == "empty":
+        return fd.clip_loss(x[:0], x[:0], 2.0, backend="torch")
+    if what == "module-rank":
+        return fusedloss.ClipLoss(local_loss=True, gather_with_grad=True, rank=0,
+                                  world_size=world, backend="torch")(x, x, 2.0)
+    return fd.clip_loss(x, x, 2.0, backend="torch")
+
+
+@pytest.mark.parametrize("what,kind,message", [
+    ("width", "ValueError", "the feature width D"),
+    ("dtype", "ValueError", "the feature dtype"),
+    ("reduction", "ValueError", "reduction"),
+    ("labels-out-of-range", "ValueError", "labels on rank 1 holds 6"),
+    ("empty", "ValueError", "the global batch is empty"),
+])
+def test_disagreement_raises_on_every_rank(workers, what, kind, message):
+    results = workers(2).run(_disagreeing, what)
+    for rank, r in enumerate(results):
+        assert isinstance(r, Raised), f"rank {rank} did not raise"
+        assert r.type == kind and message in r.message, (rank, r.type, r.message)
+
+
+@pytest.mark.parametrize("what,message", [
+    ("odd-rows", "odd number of rows"),
+    ("module-rank", "does not match the process group"),
+])
+def test_one_rank_error_stops_every_rank(workers, what, message):
+    """One rank's bad argument: it raises its own error, the others say which rank failed."""
+    results = workers(2).run(_disagreeing, what)
+    assert isinstance(results[1], Raised) and message in results[1].message, results[1]
+    assert isinstance(results[0], Raised) and "rank(s) [1]" in results[0].message, results[0]
+
+
+def test_valid_labels_across_ranks(workers):
+    results = _ok(workers(2).run(_disagreeing, "labels"))
+    assert all(torch.isfinite(r) for r in results)
+
+
+def _silent_peer(rank, world):
+    """Rank 1 never calls the loss: rank 0 must get an error once the group's timeout passes."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if rank == 1:
+        return "skipped"
+    x = torch.randn(3, 4)
+    return fd.clip_loss(x, x, 2.0, group=group, backend="torch")
+
+
+def test_missing_peer_times_out_instead_of_hanging(workers):
+    results = workers(2).run(_silent_peer)
+    assert results[1] == "skipped"
+    assert isinstance(results[0], Raised), results[0]
+
+
+def test_needs_a_process_group():
+    x = torch.randn(3, 4)
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fd.clip_loss(x, x, 2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# open_clip's ClipLoss modes and DDP
+
+
+def _open_clip_mode(rank, world, local_loss, gather_with_grad, seed):
+    rows = [3, 3] if world == 2 else [2] * world
+    batch = _global_batch("clip", rows, rows, 6, torch.float32, seed)
+    i = _slice(batch["i"], rows, rank).clone().requires_grad_()
+    t = _slice(batch["t"], rows, rank).clone().requires_grad_()
+    scale = torch.tensor(5.0, requires_grad=True)
+    loss_fn = fusedloss.ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad,
+                                 rank=rank, world_size=world, backend="torch")
+    loss = loss_fn(i, t, scale)
+    loss.backward()
+    return loss.detach(), [i.grad, t.grad, scale.grad]
+
+
+@pytest.mark.parametrize("local_loss,gather_with_grad", [(True, True), (False, True),
+                                                         (False, False)])
+def test_clip_loss_module_open_clip_modes(workers, local_loss, gather_with_grad):
+    """What open_clip's ClipLoss gives each rank (b = 3 per rank, W = 2): the loss value, the
+    feature gradients (W·∂L/∂f with gather_with_grad, else ∂L/∂f) and d logit_scale."""
+    world, rows, seed = 2, [3, 3], 11
+    results = _ok(workers(world).run(_open_clip_mode, local_loss, gather_with_grad, seed))
+    batch = _global_batch("clip", rows, rows, 6, torch.float32, seed)
+    i, t = batch["i"].clone().requires_grad_(), batch["t"].clone().requires_grad_()
+    scale = torch.tensor(5.0, requires_grad=True)
+    total = fusedloss.clip_loss(i, t, scale, backend="torch", reduction="none")
+    total.mean().backward()
+    feature_factor = world if gather_with_grad else 1
+    scale_grads = []
+    for r, (loss, (gi, gt, gs)) in enumerate(results):
+        want = total.detach()[3 * r:3 * r + 3].mean() if local_loss else total.detach().mean()
+        torch.testing.assert_close(loss, want)
+        torch.testing.assert_close(gi, feature_factor * i.grad[3 * r:3 * r + 3])
+        torch.testing.assert_close(gt, feature_factor * t.grad[3 * r:3 * r + 3])
+        scale_grads.append(gs)
+    if local_loss:  # shares of W·∂L/∂s; DDP's average is ∂L/∂s
+        torch.testing.assert_close(sum(scale_grads) / world, scale.grad)
+    else:  # open_clip computes the whole loss on every rank: ∂L/∂s everywhere
+        for gs in scale_grads:
+            torch.testing.assert_close(gs, scale.grad)
+
+
+class _TwoTower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = torch.nn.Linear(5, 4)
+        self.text = torch.nn.Linear(3, 4)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(5.0)))
+
+    def forward(self, x, y):
+        return (F.normalize(self.image(x), dim=1), F.normalize(self.text(y), dim=1),
+                self.logit_scale.exp())
+
+
+def _two_tower_data(step, rows):
+    g = torch.Generator().manual_seed(100 + step)
+    n = sum(rows)
+    return torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _ddp_train(rank, world, rows, steps, kind):
+    model = torch.nn.parallel.DistributedDataParallel(_TwoTower())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if kind == "clip":
+        loss_fn = fusedloss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank,
+                                     world_size=world, backend="torch")
+    else:
+        loss_fn = fusedloss.SigLipLoss(rank=rank, world_size=world, backend="torch")
+    bias = torch.tensor(-1.0)
+    for step in range(steps):
+        x, y = _two_tower_data(step, rows)
+        img, txt, scale = model(_slice(x, rows, rank), _slice(y, rows, rank))
+        args = (img, txt, scale) if kind == "clip" else (img, txt, scale, bias)
+        loss = loss_fn(*args)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_ddp_training_equals_one_process(workers, kind):
+    """Two ranks under DDP, each with its half of every batch, train the same model as one
+    process on the whole batch."""
+    rows, steps = [4, 4], 3
+    states = _ok(workers(2).run(_ddp_train, rows, steps, kind))
+    model = _TwoTower()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_fn = fusedloss.ClipLoss(backend="torch") if kind == "clip" else \
+        fusedloss.SigLipLoss(backend="torch")
+    for step in range(steps):
+        x, y = _two_tower_data(step, rows)
+        img, txt, scale = model(x, y)
+        args = (img, txt, scale) if kind == "clip" else (img, txt, scale, torch.tensor(-1.0))
+        loss = loss_fn(*args)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for key, want in model.state_dict().items():
+        for rank, state in enumerate(states):
+            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
