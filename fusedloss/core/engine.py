@@ -548,6 +548,7 @@ def grads(
     sparse: bool = True,
     split_accumulator: bool = False,
     grad_dtype: torch.dtype | None = None,
+    grad_a_dtype: torch.dtype | None = None,
     backend: str = "triton",
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
@@ -574,9 +575,10 @@ def grads(
     bf16 inputs, every slab dense (``sparse=False``), every row valid and in order, no bias
     (the scale then goes into dX) and no rank-1 term; elsewhere dA accumulates in fp32.
 
-    ``grad_dtype``: the dtype of dA and dB, default those of A and B. ``torch.float32`` returns
-    the fp32 accumulations unrounded, for a caller that adds the gradients of several blocks
-    of columns (the ring of ``fusedloss.distributed``) and rounds once at the end.
+    ``grad_dtype``: the dtype of dA and dB, default those of A and B (``grad_a_dtype``: of dA
+    alone). ``torch.float32`` returns the fp32 accumulations unrounded, for a caller that adds
+    gradients of several blocks of columns (``fusedloss.distributed``: the ring, the
+    vocabulary-parallel head) and rounds once at the end.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -589,7 +591,7 @@ def grads(
         # b = 65536: two more loads ahead of each tile's exponentials.)
         coef = dataclasses.replace(coef, lse=_over(coef.lse, stats.sum),
                                    col=None if coef.col is None else _over(coef.col, stats.col_sum))
-    dtypes = (grad_dtype or a.dtype, grad_dtype or b.dtype)
+    dtypes = (grad_a_dtype or grad_dtype or a.dtype, grad_dtype or b.dtype)
     if backend == "torch":
         return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
                             need_a, need_b, need_bias, need_scale, sigmoid, dtypes)

@@ -9,6 +9,7 @@ expires; torch.distributed raises there.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,11 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     )
     first_extra = 3 + MAX_FACTS
     return layout, [tuple(row[first_extra:]) for row in table]
+
+
+def float_code(x: float | None) -> int:
+    """An option's value as an int64 code (its float64 bits; None is −1)."""
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def dtype_code(dtype: torch.dtype) -> int:

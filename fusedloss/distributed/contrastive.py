@@ -25,7 +25,6 @@ arguments are wrong, instead of leaving the others waiting.
 
 from __future__ import annotations
 
-import struct
 from typing import Literal
 
 import torch
@@ -35,7 +34,7 @@ from ..core import engine
 from ..core.filtering import resolve_filter_eps
 from ..losses.contrastive import _as_scalar
 from . import ring
-from ._group import device_code, dtype_code, exchange
+from ._group import device_code, dtype_code, exchange, float_code
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "triton", "torch"]
@@ -239,17 +238,13 @@ def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, sc
         "the device type": (device_code(a.device), a.device.type),
         "reduction": (_REDUCTIONS.index(reduction), repr(reduction)),
         "backend": (_BACKENDS.index(backend), repr(backend)),
-        "filter_eps": (_float_code(eps), repr(eps)),
+        "filter_eps": (float_code(eps), repr(eps)),
         f"whether {scale_name} is given": (int(scale_arg is not None), str(scale_arg is not None)),
         "whether logit_bias is given": (int(bias is not None), str(bias is not None)),
         "which inputs require grad (features, scale, bias)": (
             sum(int(x) << i for i, x in enumerate(needs)), str(needs)),
     }
     return scale, bias, eps, facts
-
-
-def _float_code(x: float | None) -> int:
-    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _label_range(labels: torch.Tensor) -> tuple[int, int]:

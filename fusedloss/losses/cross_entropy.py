@@ -50,6 +50,8 @@ def linear_cross_entropy(
     return_lse: bool = False,
     backend: Literal["auto", "triton", "torch"] = "auto",
     vocab_order: torch.Tensor | Literal["auto"] | None = None,
+    process_group=None,
+    vocab_start: int | None = None,
 ):
     """Cross-entropy of a linear head without materializing the (*, V) logits.
 
@@ -89,6 +91,14 @@ def linear_cross_entropy(
             a (V,) int64 permutation uses that order (e.g. the previous step's). Sorting helps
             only when filtering skips tiles (docs/lm_head.md has the measurements). Never
             changes the result beyond rounding.
+        process_group: a ``torch.distributed`` group over which ``linear_weight`` is sharded by
+            rows (the vocabulary-parallel head of Megatron): each rank passes the same
+            ``input`` and ``target`` (global class ids) and its own rows of the classifier
+            (``linear_bias``, ``weight`` and ``vocab_order``: its parts of them), and gets the
+            loss of the whole head; ``input``'s gradient is the full one on every rank.
+            See ``fusedloss.distributed.vocab_parallel_cross_entropy``.
+        vocab_start: with ``process_group``, the global id of this rank's first row (default:
+            the shards follow each other in rank order).
 
     Returns:
         The loss (fp32; a scalar, or per-token for "none"), and with ``return_lse`` a tuple
@@ -101,6 +111,18 @@ def linear_cross_entropy(
         >>> loss = linear_cross_entropy(h, w, y, shift=True)
         >>> loss.backward()
     """
+    if process_group is not None or vocab_start is not None:
+        # The distributed layer sits above this one (it reuses these checks).
+        from ..distributed.cross_entropy import vocab_parallel_cross_entropy
+
+        if process_group is None:
+            raise ValueError("vocab_start is only meaningful with a process_group")
+        return vocab_parallel_cross_entropy(
+            input, linear_weight, target, group=process_group, vocab_start=vocab_start,
+            linear_bias=linear_bias, weight=weight, reduction=reduction,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+            z_loss=z_loss, shift=shift, filter_eps=filter_eps, return_lse=return_lse,
+            backend=backend, vocab_order=vocab_order)
     _check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                   label_smoothing, softcap, z_loss, shift)
     backend = engine.resolve_backend(backend, input.device)
@@ -108,14 +130,7 @@ def linear_cross_entropy(
     eps = eps if backend == "triton" else None
     d = linear_weight.shape[1]
     a = input.reshape(-1, d)
-    if shift:
-        if target.shape[-1] == 0:
-            raise ValueError("shift=True needs at least one position along target's last dim")
-        pad = torch.full_like(target[..., :1], ignore_index)
-        flat_target = torch.cat([target[..., 1:], pad], dim=-1).reshape(-1)
-    else:
-        flat_target = target.reshape(-1)
-    flat_target = flat_target.long()
+    flat_target = shifted_targets(target, shift, ignore_index)
     valid = flat_target != ignore_index
 
     if a.shape[0] == 0:
@@ -151,6 +166,17 @@ def linear_cross_entropy(
             denom = valid.sum().float()
         loss = loss_tok.sum() / torch.where(denom == 0, 1.0, denom)
     return (loss, lse) if return_lse else loss
+
+
+def shifted_targets(target: torch.Tensor, shift: bool, ignore_index: int) -> torch.Tensor:
+    """The (N,) int64 targets, each position's own, or with ``shift`` the next position's
+    (the last position of each sequence ignored, so that ``input`` needs no copy)."""
+    if shift:
+        if target.shape[-1] == 0:
+            raise ValueError("shift=True needs at least one position along target's last dim")
+        pad = torch.full_like(target[..., :1], ignore_index)
+        return torch.cat([target[..., 1:], pad], dim=-1).reshape(-1).long()
+    return target.reshape(-1).long()
 
 
 def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend, wants_grad):
