@@ -23,6 +23,11 @@ class LinearCrossEntropyLoss(nn.Module):
     classifier moves slowly, so a slightly stale order is nearly as good and costs nothing).
     k > 1 keeps that order in Python between calls and runs in eager mode only (under
     ``torch.compile`` it raises).
+
+    ``process_group``: the vocabulary-parallel head: ``linear_weight`` (and ``linear_bias``,
+    and the ``weight`` given here) are this rank's rows of the classifier, sharded over the group
+    (``vocab_start``: this shard's first class id; default: shards in rank order). Every rank
+    gets the loss of the whole head.
     """
 
     def __init__(
@@ -39,6 +44,8 @@ class LinearCrossEntropyLoss(nn.Module):
         return_lse: bool = False,
         backend: str = "auto",
         vocab_order_every: int | None = None,
+        process_group=None,
+        vocab_start: int | None = None,
     ) -> None:
         super().__init__()
         check_options(reduction, label_smoothing, softcap, z_loss)
@@ -54,6 +61,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.label_smoothing, self.softcap, self.z_loss = label_smoothing, softcap, z_loss
         self.shift, self.filter_eps, self.return_lse = shift, filter_eps, return_lse
         self.backend, self.vocab_order_every = backend, vocab_order_every
+        self.process_group, self.vocab_start = process_group, vocab_start
         self._calls = 0
         self._order: torch.Tensor | None = None
 
@@ -65,6 +73,7 @@ class LinearCrossEntropyLoss(nn.Module):
             softcap=self.softcap, z_loss=self.z_loss, shift=self.shift,
             filter_eps=self.filter_eps, return_lse=self.return_lse, backend=self.backend,
             vocab_order=self._vocab_order(input, linear_weight, target, linear_bias),
+            process_group=self.process_group, vocab_start=self.vocab_start,
         )
 
     def _vocab_order(self, input, linear_weight, target, linear_bias):

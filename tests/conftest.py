@@ -65,3 +65,21 @@ def requires_triton() -> None:
     """Skip the requesting test when Triton kernels cannot run here."""
     if not can_run_triton():
         pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="session")
+def workers():
+    """``workers(world)``: processes in a gloo process group of that size, started once per
+    test session (``multiprocess.Workers``)."""
+    from multiprocess import Workers
+
+    made: dict = {}
+
+    def get(world: int):
+        if world not in made or not made[world].alive:
+            made[world] = Workers(world)
+        return made[world]
+
+    yield get
+    for w in made.values():
+        w.close()

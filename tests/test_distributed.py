@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from multiprocess import Raised, Workers
+from multiprocess import Raised
 
 import fusedloss
 import fusedloss.distributed as fd
@@ -32,20 +32,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The ring adds W blocks' fp32 gradients and rounds once; one process rounds once too, but
 # its fp32 sums run in another order: a few fp32 ulps, or one rounding of the input dtype.
 TOL = {"fp32": dict(rtol=2e-5, atol=2e-6), "bf16": dict(rtol=2e-2, atol=2e-3)}  # losses
-
-
-@pytest.fixture(scope="module")
-def workers():
-    made: dict[int, Workers] = {}
-
-    def get(world: int) -> Workers:
-        if world not in made or not made[world].alive:
-            made[world] = Workers(world)
-        return made[world]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 def _ok(results: list) -> list:

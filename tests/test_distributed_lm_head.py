@@ -1,0 +1,244 @@
+"""The vocabulary-parallel LM head on gloo process groups of 1–3 CPU processes.
+
+Every rank holds the same hidden states and targets and its rows of the classifier; its loss,
+LSE, d input (the full one) and the gradients of its shard must equal the single-process head
+on the whole weight (the same backend and dtype), sliced to the shard. Hypothesis draws the
+shards (uneven), the tokens and every option.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+from multiprocess import Raised
+
+import fusedloss
+
+BACKENDS = ("torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("torch",)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+IGNORE = -100
+
+
+def _ok(results):
+    for rank, r in enumerate(results):
+        if isinstance(r, Raised):
+            raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
+    return results
+
+
+def _problem(case):
+    """The whole head's inputs (the same on every process, from the seed)."""
+    g = torch.Generator().manual_seed(case["seed"])
+    v, d, (b, t) = sum(case["shards"]), case["d"], case["tokens"]
+    dtype = DTYPES[case["dtype"]]
+    hidden = torch.randn(b, t, d, generator=g).to(dtype)
+    weight = (torch.randn(v, d, generator=g) / d**0.5 * 3).to(dtype)
+    bias = torch.randn(v, generator=g).to(dtype)
+    class_weight = torch.rand(v, generator=g) + 0.5
+    target = torch.randint(0, v, (b, t), generator=g)
+    target[torch.rand(b, t, generator=g) < case["ignored"]] = IGNORE
+    return hidden, weight, bias, class_weight, target
+
+
+def _options(case, bias, class_weight):
+    opts = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"],
+                z_loss=case["z_loss"], softcap=case["softcap"], shift=case["shift"],
+                return_lse=True, backend=case["backend"], ignore_index=IGNORE,
+                filter_eps=None)
+    if case["bias"]:
+        opts["linear_bias"] = bias
+    if case["class_weight"]:
+        opts["weight"] = class_weight
+    return opts
+
+
+def _upstream(loss, lse):
+    """A backward through both outputs, with uneven weights on the per-token values."""
+    if loss.dim():
+        w = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)
+        return (loss * w).sum() + 0.1 * (lse * w).sum()
+    return loss + 0.1 * lse.sum()
+
+
+def _shard_case(rank, world, case):
+    hidden, weight, bias, class_weight, target = _problem(case)
+    starts = case.get("starts") or [sum(case["shards"][:r]) for r in range(world)]
+    lo, hi = starts[rank], starts[rank] + case["shards"][rank]
+    h = hidden.clone().requires_grad_()
+    w = weight[lo:hi].clone().requires_grad_()
+    b = bias[lo:hi].clone().requires_grad_()
+    opts = _options(case, b, class_weight[lo:hi])
+    loss, lse = fusedloss.linear_cross_entropy(
+        h, w, target, process_group=dist.group.WORLD,
+        vocab_start=lo if case.get("starts") else None, **opts)
+    _upstream(loss, lse).backward()
+    return loss.detach(), lse.detach(), h.grad, w.grad, b.grad if case["bias"] else None
+
+
+def _check(case, results):
+    hidden, weight, bias, class_weight, target = _problem(case)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    loss, lse = fusedloss.linear_cross_entropy(h, w, target, **_options(case, b, class_weight))
+    _upstream(loss, lse).backward()
+    world = len(case["shards"])
+    starts = case.get("starts") or [sum(case["shards"][:r]) for r in range(world)]
+    fp32 = case["dtype"] == "fp32"
+    value_tol = dict(rtol=1e-5, atol=1e-5) if fp32 else dict(rtol=1e-3, atol=1e-3)
+    for r, (r_loss, r_lse, r_dh, r_dw, r_db) in enumerate(results):
+        lo, hi = starts[r], starts[r] + case["shards"][r]
+        torch.testing.assert_close(r_loss, loss.detach(), **value_tol)
+        torch.testing.assert_close(r_lse, lse.detach(), **value_tol)
+        for name, got, want in (("d input", r_dh, h.grad), ("d weight", r_dw, w.grad[lo:hi]),
+                                ("d bias", r_db, b.grad[lo:hi] if case["bias"] else None)):
+            if want is None:
+                continue
+            # Sums of terms of either sign in another order (a few ulps of the terms); bf16:
+            # dX rounded to bf16 before the matmuls on both sides, the shards' combined
+            # statistics may flip a rounding.
+            scale = max([1.0, *want.float().abs().flatten().tolist()])
+            tol = dict(rtol=2e-5, atol=2e-5 * scale) if fp32 else dict(rtol=2e-2,
+                                                                       atol=2e-2 * scale)
+            torch.testing.assert_close(got.float(), want.float(), **tol,
+                                       msg=lambda m, r=r, n=name: f"rank {r} {n}: {m}")
+
+
+@st.composite
+def head_cases(draw):
+    world = draw(st.integers(1, 3))
+    return dict(
+        shards=draw(st.lists(st.integers(1, 9), min_size=world, max_size=world)),
+        tokens=(draw(st.integers(1, 3)), draw(st.integers(1, 5))),
+        d=draw(st.integers(1, 8)), dtype=draw(st.sampled_from(sorted(DTYPES))),
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1])),
+        z_loss=draw(st.sampled_from([0.0, 1e-2])),
+        softcap=draw(st.sampled_from([None, 3.0])),
+        shift=draw(st.booleans()), bias=draw(st.booleans()),
+        class_weight=draw(st.booleans()), ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        backend=draw(st.sampled_from(BACKENDS)), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(case=head_cases())
+def test_sharded_head_equals_whole_head(workers, case):
+    results = _ok(workers(len(case["shards"])).run(_shard_case, case))
+    _check(case, results)
+
+
+def test_explicit_vocab_start(workers):
+    """Shards given out of rank order: rank 0 holds the last rows."""
+    case = dict(shards=[4, 6], starts=[6, 0], tokens=(2, 4), d=5, dtype="fp32",
+                reduction="mean", label_smoothing=0.1, z_loss=0.0, softcap=None, shift=True,
+                bias=True, class_weight=True, ignored=0.2, backend="torch", seed=3)
+    results = _ok(workers(2).run(_shard_case, case))
+    _check(case, results)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors on every rank
+
+
+def _bad_call(rank, world, what):
+    d = 4
+    h = torch.randn(2, 3, d)
+    w = torch.randn(5, d)
+    y = torch.randint(0, 5 * world, (2, 3))
+    kw = {}
+    if what == "tokens" and rank == 1:
+        h, y = torch.randn(2, 4, d), torch.randint(0, 10, (2, 4))
+    if what == "label_smoothing":
+        kw["label_smoothing"] = 0.1 * rank
+    if what == "target":
+        y[0, 0] = 5 * world  # V = 5·world: one past the end, on every rank
+    if what == "vocab_start-some":
+        kw["vocab_start"] = 0 if rank == 0 else None
+    if what == "vocab_start-overlap":
+        kw["vocab_start"] = 0
+    if what == "width" and rank == 1:
+        w = torch.randn(5, d + 1)
+    kw.setdefault("vocab_start", None)
+    return fusedloss.linear_cross_entropy(h, w, y, process_group=dist.group.WORLD,
+                                          backend="torch", **kw)
+
+
+@pytest.mark.parametrize("what,message", [
+    ("tokens", "the number of tokens"),
+    ("label_smoothing", "label_smoothing"),
+    ("target", "outside [0, V) = [0, 10)"),
+    ("vocab_start-some", "vocab_start must be given on every rank or on none"),
+    ("vocab_start-overlap", "must tile [0, V)"),
+])
+def test_errors_on_every_rank(workers, what, message):
+    results = workers(2).run(_bad_call, what)
+    for rank, r in enumerate(results):
+        assert isinstance(r, Raised), f"rank {rank} did not raise"
+        assert message in r.message, (rank, r.message)
+
+
+def test_one_rank_shape_error_stops_every_rank(workers):
+    results = workers(2).run(_bad_call, "width")
+    assert isinstance(results[1], Raised) and "input must be (*, D)" in results[1].message
+    assert isinstance(results[0], Raised) and "rank(s) [1]" in results[0].message
+
+
+# ---------------------------------------------------------------------------------------------
+# training: a tiny LM whose head is sharded over two ranks
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, vocab, d, rows=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.mix = torch.nn.Linear(d, d)
+        head = torch.randn(vocab, d) / d**0.5
+        self.head = torch.nn.Parameter(head if rows is None else head[rows].clone())
+
+    def hidden(self, tokens):
+        return torch.tanh(self.mix(self.embed(tokens)))
+
+
+def _batch(step, vocab):
+    return torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(step))
+
+
+def _train_sharded(rank, world, vocab, steps):
+    shard = vocab // world
+    rows = slice(rank * shard, (rank + 1) * shard)
+    model = _TinyLM(vocab, 8, rows)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_fn = fusedloss.LinearCrossEntropyLoss(shift=True, backend="torch",
+                                               process_group=dist.group.WORLD)
+    for step in range(steps):
+        tokens = _batch(step, vocab)
+        loss = loss_fn(model.hidden(tokens), model.head, tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_sharded_head_trains_like_one_process(workers):
+    vocab, steps, world = 12, 3, 2
+    states = _ok(workers(world).run(_train_sharded, vocab, steps))
+    model = _TinyLM(vocab, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_fn = fusedloss.LinearCrossEntropyLoss(shift=True, backend="torch")
+    for step in range(steps):
+        tokens = _batch(step, vocab)
+        loss = loss_fn(model.hidden(tokens), model.head, tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want = model.state_dict()
+    shard = vocab // world
+    for r, state in enumerate(states):
+        for key in ("embed.weight", "mix.weight", "mix.bias"):
+            torch.testing.assert_close(state[key], want[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["head"], want["head"][r * shard:(r + 1) * shard],
+                                   rtol=1e-5, atol=1e-6)
