@@ -1,6 +1,7 @@
 """Worker processes in one torch.distributed group, kept alive across tests.
 
-``Workers(world)`` spawns ``world`` processes that join a gloo process group (on the CPU);
+``Workers(world)`` spawns ``world`` processes that join a gloo process group (on the CPU;
+``backend="nccl"``: one GPU per process);
 ``workers.run(fn, *args)`` calls ``fn(rank, world, *args)`` on every one of them at once and
 returns their results in rank order. Starting processes costs seconds, a call milliseconds, so
 hypothesis can draw many examples against one group. ``fn`` must be a module-level function
@@ -35,7 +36,7 @@ class Raised:
 
 
 class Workers:
-    def __init__(self, world: int, timeout: float = 120.0):
+    def __init__(self, world: int, timeout: float = 120.0, backend: str = "gloo"):
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
         fd, path = tempfile.mkstemp(prefix="fusedloss-pg-")
@@ -44,7 +45,8 @@ class Workers:
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_serve, args=(r, world, path, self._inboxes[r], self._outbox),
+            ctx.Process(target=_serve,
+                        args=(r, world, path, backend, self._inboxes[r], self._outbox),
                         daemon=True)
             for r in range(world)
         ]
@@ -83,12 +85,14 @@ class Workers:
                 p.kill()
 
 
-def _serve(rank: int, world: int, path: str, inbox, outbox) -> None:
+def _serve(rank: int, world: int, path: str, backend: str, inbox, outbox) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)
     while (job := inbox.get()) is not None:
         fn, args = job

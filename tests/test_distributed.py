@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from multiprocess import Raised
+from multiprocess import Raised, Workers
 
 import fusedloss
 import fusedloss.distributed as fd
@@ -478,3 +478,73 @@ def test_ddp_training_equals_one_process(workers, kind):
         for rank, state in enumerate(states):
             torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU: NCCL, the Triton kernels under the ring's block calls
+
+
+def _nccl_case(rank, world, b, c):
+    torch.manual_seed(0)
+    dev = torch.device("cuda", rank)
+    i = F.normalize(torch.randn(b, c, device=dev), dim=1).to(torch.bfloat16).requires_grad_()
+    t = F.normalize(i.float() + 0.5 * torch.randn(b, c, device=dev), dim=1)
+    t = t.to(torch.bfloat16).requires_grad_()
+    scale = torch.tensor(20.0, device=dev, requires_grad=True)
+    out = {}
+    for name, fn in (("ring", fd.clip_loss), ("one", fusedloss.clip_loss)):
+        for x in (i, t, scale):
+            x.grad = None
+        loss = fn(i, t, scale)
+        loss.backward()
+        out[name] = [loss.detach().cpu()] + [x.grad.float().cpu() for x in (i, t, scale)]
+    z = torch.cat([i, t]).detach().requires_grad_()
+    for name, fn in (("nt_ring", fd.nt_xent_loss), ("nt_one", fusedloss.nt_xent_loss)):
+        z.grad = None
+        loss = fn(z, 0.2)
+        loss.backward()
+        out[name] = [loss.detach().cpu(), z.grad.float().cpu()]
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_world_of_one_equals_one_process():
+    """World size 1 on NCCL (what one GPU allows): the ring's block calls with the Triton
+    kernels, bf16 and filtering on, against the single-process loss."""
+    workers = Workers(1, backend="nccl")
+    try:
+        out = _ok(workers.run(_nccl_case, 4096, 256))[0]
+    finally:
+        workers.close()
+    for ring, one in (("ring", "one"), ("nt_ring", "nt_one")):
+        for got, want in zip(out[ring], out[one], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5 * want.abs().max())
+
+
+def _compiled_case(rank, world, seed):
+    rows = [3, 4]
+    batch = _global_batch("clip", rows, rows, 6, torch.float32, seed)
+    i = _slice(batch["i"], rows, rank).clone().requires_grad_()
+    t = _slice(batch["t"], rows, rank).clone().requires_grad_()
+    scale = torch.tensor(4.0, requires_grad=True)
+
+    def step(i, t, scale):
+        return fd.clip_loss(torch.tanh(i), t * 2, scale, backend="torch") * 3
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    out = []
+    for fn in (step, compiled):
+        loss = fn(i, t, scale)
+        grads = torch.autograd.grad(loss, (i, t, scale))
+        out.append((loss.detach(), grads))
+    return out
+
+
+def test_ring_inside_torch_compile(workers):
+    """Under torch.compile the ring runs eagerly (a graph break around it), with the same
+    values and gradients as without compile."""
+    for (loss, grads), (c_loss, c_grads) in _ok(workers(2).run(_compiled_case, 4)):
+        torch.testing.assert_close(c_loss, loss)
+        for g, cg in zip(grads, c_grads, strict=True):
+            torch.testing.assert_close(cg, g)

@@ -44,6 +44,7 @@ _BACKENDS = ("auto", "triton", "torch")
 _KINDS = ("clip", "info_nce", "nt_xent", "siglip")
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def clip_loss(
     image_features: torch.Tensor,  # (b_r, D) this rank's images
     text_features: torch.Tensor,  # (b_r, D) this rank's texts
@@ -73,6 +74,7 @@ def clip_loss(
                      group=group, reduction=reduction, filter_eps=filter_eps, backend=backend)
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def siglip_loss(
     image_features: torch.Tensor,  # (b_r, D)
     text_features: torch.Tensor,  # (b_r, D)
@@ -92,6 +94,7 @@ def siglip_loss(
                      group=group, reduction="mean", filter_eps=None, backend=backend)
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def info_nce_loss(
     query: torch.Tensor,  # (n_r, D) this rank's queries
     keys: torch.Tensor,  # (m_r, D) this rank's keys
@@ -113,6 +116,7 @@ def info_nce_loss(
                       filter_eps, backend, error, scale_name="temperature")
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def nt_xent_loss(
     features: torch.Tensor,  # (2B_r, D): this rank's view 1 stacked over its view 2
     temperature: torch.Tensor | float = 0.5,
@@ -140,6 +144,7 @@ def nt_xent_loss(
 # the call: one exchange of facts, the ring, the reduction
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def pair_loss(kind, image_features, text_features, logit_scale, logit_bias, *, group,
               reduction, filter_eps, backend, caller_error: Exception | None = None):
     """CLIP or SigLIP on the ring; ``caller_error``: an error the caller (a module) found on

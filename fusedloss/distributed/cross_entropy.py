@@ -36,6 +36,7 @@ _REDUCTIONS = ("none", "mean", "sum")
 _BACKENDS = ("auto", "triton", "torch")
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def vocab_parallel_cross_entropy(
     input: Tensor,  # (*, D), the same on every rank
     linear_weight: Tensor,  # (V_r, D) this rank's rows of the classifier
