@@ -20,7 +20,8 @@ Memory per rank beyond inputs and gradients: the block in flight besides the one
 elements), the travelling dB accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and
 the dA accumulator (4·b_r·c bytes) in the backward, O(b_r + b_max) statistics, the per-step
 tile statistics the backward's filtering reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the
-engine's own working memory for one (b_r × b_s) block.
+engine's own working memory for one (b_r × b_s) block. (The tile statistics grow with the
+global batch: past ``TILE_STATS_BUDGET`` the ring does not filter.)
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from ..ops.contrastive import scratch_bytes
 from ._group import Layout, Shift
 
 _F32 = torch.float32
+# Filtering over the ring keeps each step's per-tile statistics until the backward: about
+# ⌈n/128⌉·⌈B/128⌉ floats (×2 for CLIP), which grows with the global batch B. Beyond this many
+# bytes the ring computes every tile instead (exact, and no such memory).
+TILE_STATS_BUDGET = 64 * 2**20
 
 
 @dataclass
@@ -62,7 +67,8 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     n, d = a.shape
     dev = a.device
     clip, siglip = kind == "clip", kind == "siglip"
-    filtering = record and filter_eps is not None and not siglip and backend == "triton"
+    filtering = (record and filter_eps is not None and not siglip and backend == "triton"
+                 and _tile_stats_bytes(layout, kind, a) <= TILE_STATS_BUDGET)
     run_max = torch.full((n,), float("-inf"), dtype=_F32, device=dev)
     run_sum = torch.zeros(n, dtype=_F32, device=dev)
     sig_sum = torch.zeros(n, dtype=_F32, device=dev) if siglip else None
@@ -258,6 +264,14 @@ def _in_block(labels: Tensor, offset: int, m: int) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # statistics
+
+
+def _tile_stats_bytes(layout: Layout, kind: str, a: Tensor) -> int:
+    """Bytes of the per-tile statistics that filtering would keep over the W steps."""
+    n, d = a.shape
+    bm, bn = engine.forward_block(a.device, a.dtype, d, col_stats=kind == "clip")
+    tiles = sum(-(-n // bm) * -(-m // bn) for m in layout.cols)
+    return 4 * tiles * (2 if kind == "clip" else 1)
 
 
 def _empty_cols(m: int, dev: torch.device) -> Tensor:
