@@ -24,6 +24,7 @@ from multiprocess import Raised, Workers
 
 import fusedloss
 import fusedloss.distributed as fd
+from fusedloss.distributed import ring
 
 KINDS = ("clip", "siglip", "info_nce", "nt_xent")
 # The workers' tensors live on the CPU: the Triton kernels run there through the interpreter.
@@ -239,7 +240,7 @@ def test_ring_triton_kernels(workers, kind):
 # filtering over the ring
 
 
-def _filtered_clip(rank, world, filter_eps, dtype_name):
+def _filtered_clip(rank, world, filter_eps, dtype_name, tile_budget=None):
     """CLIP over 2 ranks on peaked inputs where the other rank's block carries almost no mass."""
     g = torch.Generator().manual_seed(3)
     d, b, dtype = 16, 8, DTYPES[dtype_name]
@@ -248,7 +249,13 @@ def _filtered_clip(rank, world, filter_eps, dtype_name):
     i = F.normalize(centres[rank] + 0.05 * torch.randn(b, d, generator=g), dim=1).to(dtype)
     t = F.normalize(i.float() + 0.01 * torch.randn(b, d, generator=g), dim=1).to(dtype)
     i, t = i.requires_grad_(), t.requires_grad_()
-    loss = fd.clip_loss(i, t, 30.0, backend="triton", filter_eps=filter_eps)
+    budget = ring.TILE_STATS_BUDGET
+    if tile_budget is not None:
+        ring.TILE_STATS_BUDGET = tile_budget
+    try:
+        loss = fd.clip_loss(i, t, 30.0, backend="triton", filter_eps=filter_eps)
+    finally:
+        ring.TILE_STATS_BUDGET = budget
     loss.backward()
     return i.grad.float(), t.grad.float()
 
@@ -264,6 +271,11 @@ def test_ring_filter_eps_skips_blocks(workers):
         # Each row and column loses at most eps of its gradient mass: a small change.
         scale = max(ei.abs().max(), et.abs().max())
         assert diff <= 0.25 * scale
+    # Past the tile-statistics budget the ring keeps none and computes every tile.
+    unfiltered = _ok(workers(2).run(_filtered_clip, 0.25, "fp32", 0))
+    for (ei, et), (ui, ut) in zip(exact, unfiltered, strict=True):
+        torch.testing.assert_close(ui, ei)
+        torch.testing.assert_close(ut, et)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,8 +528,8 @@ def test_nccl_world_of_one_equals_one_process():
         out = _ok(workers.run(_nccl_case, 4096, 256))[0]
     finally:
         workers.close()
-    for ring, one in (("ring", "one"), ("nt_ring", "nt_one")):
-        for got, want in zip(out[ring], out[one], strict=True):
+    for on_ring, one in (("ring", "one"), ("nt_ring", "nt_one")):
+        for got, want in zip(out[on_ring], out[one], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5 * want.abs().max())
 
 
