@@ -15,6 +15,7 @@ the group, every rank getting the loss of the whole head.
 
 from .contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .cross_entropy import vocab_parallel_cross_entropy
+from .grad_cache import GradCache, grad_cache_step
 
-__all__ = ["clip_loss", "info_nce_loss", "nt_xent_loss", "siglip_loss",
-           "vocab_parallel_cross_entropy"]
+__all__ = ["GradCache", "clip_loss", "grad_cache_step", "info_nce_loss", "nt_xent_loss",
+           "siglip_loss", "vocab_parallel_cross_entropy"]
