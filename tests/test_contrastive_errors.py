@@ -363,9 +363,13 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
 
 
 @pytest.mark.parametrize("module, kwargs, message", [
-    pytest.param(ClipLoss, dict(world_size=2), "world_size=2", id="clip-world-size"),
+    pytest.param(ClipLoss, dict(world_size=2, local_loss=True), "gather_with_grad=False",
+                 id="clip-local-loss-without-gather-grad"),
+    pytest.param(ClipLoss, dict(world_size=2, reduction="sum"), "computes the mean",
+                 id="clip-world-size-reduction"),
     pytest.param(ClipLoss, dict(use_horovod=True), "use_horovod=True", id="clip-horovod"),
-    pytest.param(SigLipLoss, dict(world_size=2), "world_size=2", id="siglip-world-size"),
+    pytest.param(SigLipLoss, dict(world_size=2, dist_impl="ring"), "dist_impl",
+                 id="siglip-dist-impl"),
     pytest.param(ClipLoss, dict(reduction="avg"), "reduction", id="clip-reduction"),
     pytest.param(ClipLoss, dict(filter_eps=-1.0), "filter_eps", id="clip-filter-eps"),
     pytest.param(InfoNCELoss, dict(temperature=0.0), "temperature must be > 0",
@@ -386,12 +390,16 @@ def test_module_rejects_bad_options(module, kwargs, message):
         module(**kwargs)
 
 
-def test_single_process_modules_say_why():
-    """The distributed settings are refused with the reason: only world_size=1 is computed."""
-    with pytest.raises(ValueError, match="single-process loss"):
-        ClipLoss(world_size=2, rank=1)
-    with pytest.raises(ValueError, match="single-process loss"):
-        SigLipLoss(world_size=4)
+def test_distributed_modules_need_a_process_group():
+    """world_size > 1 runs on the ring (tests/test_distributed.py); without an initialized
+    process group the call says so."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    x = features()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ClipLoss(world_size=2, rank=1, local_loss=True, gather_with_grad=True)(x, x, 10.0)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        SigLipLoss(world_size=4)(x, x, 10.0, -10.0)
 
 
 @pytest.mark.parametrize("module, args, message", [
