@@ -506,7 +506,7 @@ def _nccl_case(rank, world, b, c):
     torch.manual_seed(0)
     dev = torch.device("cuda", rank)
     i = F.normalize(torch.randn(b, c, device=dev), dim=1).to(torch.bfloat16).requires_grad_()
-    t = F.normalize(i.float() + 0.5 * torch.randn(b, c, device=dev), dim=1)
+    t = F.normalize(i.detach().float() + 0.5 * torch.randn(b, c, device=dev), dim=1)
     t = t.to(torch.bfloat16).requires_grad_()
     scale = torch.tensor(20.0, device=dev, requires_grad=True)
     out = {}

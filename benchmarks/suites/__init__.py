@@ -20,9 +20,9 @@ class Suite:
 
 
 def _registry() -> dict[str, Suite]:
-    from benchmarks.suites import contrastive, lm_head
+    from benchmarks.suites import contrastive, lm_head, ring
 
-    return {suite.name: suite for suite in (lm_head.SUITE, contrastive.SUITE)}
+    return {suite.name: suite for suite in (lm_head.SUITE, contrastive.SUITE, ring.SUITE)}
 
 
 SUITES: dict[str, Suite] = _registry()
