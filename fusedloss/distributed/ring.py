@@ -75,8 +75,10 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     target_logit = torch.zeros(n, dtype=_F32, device=dev)
     saved = Saved(row_max=run_max, row_sum=run_sum)
     held = b
-    # CLIP: (max, Σ exp) of the held block's columns over the rows it has met so far.
-    cols = _empty_cols(b.shape[0], dev) if clip else None
+    # CLIP: the (max, Σ exp) of the held block's columns over the rows it has met so far
+    # arrive from the previous rank while this rank computes its part (``behind``, posted at
+    # the end of the previous step), and go on to the next rank; home after the last step.
+    behind, cols = None, None
     for step in range(layout.world):
         s = layout.block_at(step)
         last = step == layout.world - 1
@@ -85,7 +87,7 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             incoming = b.new_empty((layout.cols[layout.block_at(step + 1)], d))
             ahead = Shift(layout, [held], [incoming])
         m_s = held.shape[0]
-        tiles = None
+        tiles, part_cols = None, None
         if n and m_s:
             rows = _rows(kind, layout, step, s, n, m_s, labels, dev)
             stats = engine.row_stats(
@@ -96,7 +98,7 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             else:
                 run_max, run_sum = _merge(run_max, run_sum, stats.max, stats.sum)
                 if clip:
-                    cols = torch.stack(_merge(cols[0], cols[1], stats.col_max, stats.col_sum))
+                    part_cols = (stats.col_max, stats.col_sum)
                 if kind == "info_nce":
                     in_block = _in_block(labels, layout.col_offset(s), m_s)
                     target_logit = torch.where(in_block, stats.target_logit, target_logit)
@@ -106,16 +108,23 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             if filtering:
                 tiles = (stats.tile_log_mass, stats.col_tile_log_mass)
         saved.tiles.append(tiles)
-        if clip and layout.world > 1:
-            # The held block's statistics go on to the next rank (home, after the last step).
-            arriving = torch.empty((2, layout.cols[layout.block_at(step + 1)]), dtype=_F32,
-                                   device=dev)
-            behind = Shift(layout, [cols], [arriving], tag=2)
-            behind.wait()
-            cols = arriving
+        if clip:
+            if step == 0:
+                cols = _empty_cols(m_s, dev)
+            elif behind is not None:
+                behind.wait()  # the held block's statistics from the previous ranks
+            if part_cols is not None:
+                cols = torch.stack(_merge(cols[0], cols[1], *part_cols))
+            if layout.world > 1:  # on to the next rank (home, after the last step)
+                arriving = torch.empty((2, layout.cols[layout.block_at(step + 1)]),
+                                       dtype=_F32, device=dev)
+                behind = Shift(layout, [cols], [arriving], tag=2)
+                cols = arriving
         if ahead is not None:
             ahead.wait()
             held = incoming
+    if behind is not None:
+        behind.wait()
 
     if siglip:
         return sig_sum, saved
@@ -147,8 +156,10 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     g = grad_loss.float().contiguous()
     row_log_sum = torch.log(saved.row_sum)
     grad_a = torch.zeros((n, d), dtype=_F32, device=dev) if need_a else None
-    # The held block's dB accumulator, over the ranks it has visited; starts at home.
-    grad_b = torch.zeros(b.shape, dtype=_F32, device=dev) if need_b else None
+    # The held block's dB accumulator (fp32), over the ranks it has visited; it starts at home,
+    # arrives from the previous rank while this rank computes its part (``behind``, posted at
+    # the end of the previous step), and goes on to the next rank; home after the last step.
+    behind, grad_b = None, None
     grad_scale = torch.zeros((), dtype=_F32, device=dev)
     grad_bias = torch.zeros((), dtype=_F32, device=dev)
     # What travels ahead with a CLIP block: (col max, col sum, col coefficient, col mass).
@@ -168,6 +179,7 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             ahead = Shift(layout, [held, held_cols if clip else incoming_cols],
                           [incoming, incoming_cols])
         m_s = held.shape[0]
+        part_b = None
         if n and m_s:
             rows = _rows(kind, layout, step, s, n, m_s, labels, dev)
             tiles = saved.tiles[step] or (None, None)
@@ -191,22 +203,29 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 backend=backend)
             if need_a:
                 grad_a += grads.a
-            if need_b:
-                grad_b += grads.b
+            part_b = grads.b
             if need_scale:
                 grad_scale += grads.scale
             if grads.bias is not None:
                 grad_bias += grads.bias.sum()
-        if need_b and layout.world > 1:
-            # The accumulator follows its block; after the last step it arrives home.
-            arriving = torch.empty((layout.cols[layout.block_at(step + 1)], d), dtype=_F32,
-                                   device=dev)
-            behind = Shift(layout, [grad_b], [arriving], tag=2)
-            behind.wait()
-            grad_b = arriving
+        if need_b:
+            if step == 0:
+                grad_b = part_b if part_b is not None else torch.zeros((m_s, d), dtype=_F32,
+                                                                       device=dev)
+            else:
+                behind.wait()  # the held block's accumulator from the previous ranks
+                if part_b is not None:
+                    grad_b += part_b
+            if layout.world > 1:  # on to the next rank (home, after the last step)
+                arriving = torch.empty((layout.cols[layout.block_at(step + 1)], d),
+                                       dtype=_F32, device=dev)
+                behind = Shift(layout, [grad_b], [arriving], tag=2)
+                grad_b = arriving
         if ahead is not None:
             ahead.wait()
             held, held_cols = incoming, incoming_cols if clip else None
+    if behind is not None:
+        behind.wait()
 
     if kind == "nt_xent":  # A and B are the same rows: both sides of the product
         if need_a or need_b:
