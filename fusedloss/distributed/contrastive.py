@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
-from ..losses.contrastive import _as_scalar
+from ..losses.contrastive import _as_scalar, feature_error
 from . import ring
 from ._group import device_code, dtype_code, exchange, float_code
 
@@ -284,15 +284,7 @@ def _global_labels(labels, layout, per_rank, device) -> torch.Tensor:
 
 
 def _check_features(t, name: str) -> Exception | None:
-    if not isinstance(t, torch.Tensor):
-        return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        return ValueError(f"{name} must be 2-D (local batch, D), got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOAT_DTYPES:
-        return TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    if t.shape[1] == 0:
-        return ValueError(f"{name} has width D = 0")
-    return None
+    return feature_error(t, name, allow_empty=True)  # a rank may hold no rows
 
 
 def _check_pair(x, y, x_name: str, y_name: str, same_rows: bool = True) -> Exception | None:

@@ -88,18 +88,10 @@ def vocab_parallel_cross_entropy(
         weight.float() if weight is not None else None, order, layout.group,
         starts[layout.rank], v, int(ignore_index), float(label_smoothing),
         None if softcap is None else float(softcap), float(z_loss), eps, backend, wants_grad)
-    token_shape = target.shape
-    loss_tok, lse = loss_tok.view(token_shape), lse.view(token_shape)
-    if shift:
-        loss_tok, lse = loss_tok[..., :-1], lse[..., :-1]
-    if reduction == "none":
-        loss = loss_tok
-    elif reduction == "sum":
-        loss = loss_tok.sum()
-    else:
-        denom = target_weight.sum() if weight is not None else valid.sum().float()
-        loss = loss_tok.sum() / torch.where(denom == 0, 1.0, denom)
-    return (loss, lse) if return_lse else loss
+    # (with class weights, each token's w_y comes from the shard that owns its target)
+    return single.reduce_tokens(
+        loss_tok, lse, target.shape, shift, reduction,
+        lambda: target_weight.sum() if weight is not None else valid.sum().float(), return_lse)
 
 
 def _prepare(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,

@@ -242,16 +242,24 @@ def _check_reduction(reduction) -> None:
 
 
 def _check_features(t, name: str) -> None:
+    if (error := feature_error(t, name)) is not None:
+        raise error
+
+
+def feature_error(t, name: str, *, allow_empty: bool = False) -> Exception | None:
+    """What is wrong with a (batch, D) feature matrix, or None (``allow_empty``: 0 rows are
+    fine, as on one rank of a process group)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (batch, D), got shape {tuple(t.shape)}")
+        return ValueError(f"{name} must be 2-D (batch, D), got shape {tuple(t.shape)}")
     if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    if t.shape[0] == 0:
-        raise ValueError(f"{name} is empty: a contrastive loss needs at least one row")
+        return TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.shape[0] == 0 and not allow_empty:
+        return ValueError(f"{name} is empty: a contrastive loss needs at least one row")
     if t.shape[1] == 0:
-        raise ValueError(f"{name} has width D = 0")
+        return ValueError(f"{name} has width D = 0")
+    return None
 
 
 def _check_same(x, y, x_name: str, y_name: str) -> None:

@@ -151,7 +151,20 @@ def linear_cross_entropy(
             eps, backend, wants_grad,
         )
 
-    token_shape = target.shape
+    def summed_weights():
+        if weight is not None:
+            return torch.where(valid, weight.float()[flat_target.clamp(min=0)], 0.0).sum()
+        return valid.sum().float()
+
+    return reduce_tokens(loss_tok, lse, target.shape, shift, reduction, summed_weights,
+                         return_lse)
+
+
+def reduce_tokens(loss_tok: torch.Tensor, lse: torch.Tensor, token_shape: torch.Size,
+                  shift: bool, reduction: str, summed_weights, return_lse: bool):
+    """The per-token outputs (N,) in the targets' shape (without the shifted-out positions),
+    reduced; "mean" divides by ``summed_weights()`` (the valid tokens' count or class
+    weights; a batch with none gives 0)."""
     loss_tok, lse = loss_tok.view(token_shape), lse.view(token_shape)
     if shift:
         loss_tok, lse = loss_tok[..., :-1], lse[..., :-1]
@@ -160,10 +173,7 @@ def linear_cross_entropy(
     elif reduction == "sum":
         loss = loss_tok.sum()
     else:
-        if weight is not None:
-            denom = torch.where(valid, weight.float()[flat_target.clamp(min=0)], 0.0).sum()
-        else:
-            denom = valid.sum().float()
+        denom = summed_weights()
         loss = loss_tok.sum() / torch.where(denom == 0, 1.0, denom)
     return (loss, lse) if return_lse else loss
 
