@@ -73,6 +73,9 @@ def _shard_case(rank, world, case):
     w = weight[lo:hi].clone().requires_grad_()
     b = bias[lo:hi].clone().requires_grad_()
     opts = _options(case, b, class_weight[lo:hi])
+    if case.get("vocab_order") == "permuted":  # this shard's tiles in another order
+        g = torch.Generator().manual_seed(case["seed"] + rank)
+        opts["vocab_order"] = torch.randperm(hi - lo, generator=g)
     loss, lse = fusedloss.linear_cross_entropy(
         h, w, target, process_group=dist.group.WORLD,
         vocab_start=lo if case.get("starts") else None, **opts)
@@ -121,6 +124,7 @@ def head_cases(draw):
         shift=draw(st.booleans()), bias=draw(st.booleans()),
         class_weight=draw(st.booleans()), ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
         backend=draw(st.sampled_from(BACKENDS)), seed=draw(st.integers(0, 2**16)),
+        vocab_order=draw(st.sampled_from([None, "permuted"])),
     )
 
 
