@@ -1,0 +1,289 @@
+"""StableAdamW against a float64 transcription of the paper's Algorithm 2 (Wortsman et al. 2023).
+
+The reference below keeps the paper's debiased-β̂ moments (v_t, u_t); the optimizer keeps Adam's
+biased moments and corrects on the fly, so agreement checks the two formulations too.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fusedloss.optim import StableAdamW
+
+SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
+
+
+def algorithm2_step(theta, g, v, u, t, *, lr, betas, eps, weight_decay, clip_threshold=1.0,
+                    clip=True, clip_weight_decay=False):
+    """One step of Algorithm 2 in float64 for one tensor; returns (theta, v, u, rms)."""
+    beta1, beta2 = betas
+    beta1_hat = beta1 * (1 - beta1 ** (t - 1)) / (1 - beta1**t)
+    beta2_hat = beta2 * (1 - beta2 ** (t - 1)) / (1 - beta2**t)
+    v = beta1_hat * v + (1 - beta1_hat) * g
+    u = beta2_hat * u + (1 - beta2_hat) * g * g
+    rms = torch.sqrt(torch.mean(g * g / torch.clamp(u, min=eps**2)))
+    eta = lr / max(1.0, rms.item() / clip_threshold) if clip else lr
+    decay_rate = eta if clip_weight_decay else lr
+    theta = theta - decay_rate * weight_decay * theta - eta * v / (torch.sqrt(u) + eps)
+    return theta, v, u, rms.item()
+
+
+def make_params(seed: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+            for s in SHAPES]
+
+
+def gradients(seed: int, steps: int, spike_step: int | None, spike_tensor: int = 0):
+    """A float64 gradient per tensor per step; one tensor's gradient ×1000 at spike_step."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for t in range(steps):
+        gs = [torch.randn(s, generator=gen, dtype=torch.float64) * (0.1 + 0.05 * i)
+              for i, s in enumerate(SHAPES)]
+        if t == spike_step:
+            gs[spike_tensor] = gs[spike_tensor] * 1000.0
+        out.append(gs)
+    return out
+
+
+def two_groups(params, *, lr, betas, eps, weight_decay, clip_weight_decay=False):
+    """Two groups with different hyper-parameters: the first two tensors, then the rest."""
+    return [
+        dict(params=params[:2], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+             clip_weight_decay=clip_weight_decay),
+        dict(params=params[2:], lr=lr * 0.5, betas=(0.8, betas[1]), eps=eps,
+             weight_decay=weight_decay * 2, clip_weight_decay=clip_weight_decay),
+    ]
+
+
+def run_reference(seed, grads, *, unclipped_steps=(), **hyper):
+    """Algorithm 2 over all steps; at the (1-based) ``unclipped_steps`` η = α (plain AdamW)."""
+    thetas = [p.detach().double() for p in make_params(seed)]
+    groups = two_groups(list(range(len(SHAPES))), **hyper)
+    vs = [torch.zeros_like(x) for x in thetas]
+    us = [torch.zeros_like(x) for x in thetas]
+    rms_history = []
+    for t, gs in enumerate(grads, start=1):
+        rms_t = []
+        for group in groups:
+            for i in group["params"]:
+                thetas[i], vs[i], us[i], rms = algorithm2_step(
+                    thetas[i], gs[i], vs[i], us[i], t, lr=group["lr"], betas=group["betas"],
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    clip=t not in unclipped_steps,
+                    clip_weight_decay=group["clip_weight_decay"])
+                rms_t.append(rms)
+        rms_history.append(rms_t)
+    return thetas, rms_history
+
+
+def run_optimizer(seed, grads, **hyper):
+    params = make_params(seed)
+    opt = StableAdamW(two_groups(params, **hyper), track_rms=True)
+    rms_history = []
+    for gs in grads:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.to(p.dtype)
+        opt.step()
+        rms_history.append([opt.state[p]["rms"].clone() for p in params])
+    return params, opt, rms_history
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    beta2=st.sampled_from([0.95, 0.99, 0.999]),
+    weight_decay=st.sampled_from([0.0, 0.1]),
+    clip_weight_decay=st.booleans(),
+    spike_step=st.integers(3, 11),
+)
+def test_matches_algorithm2_with_a_gradient_spike(
+    seed, beta2, weight_decay, clip_weight_decay, spike_step
+):
+    hyper = dict(lr=1e-2, betas=(0.9, beta2), eps=1e-8, weight_decay=weight_decay,
+                 clip_weight_decay=clip_weight_decay)
+    grads = gradients(seed, 12, spike_step)
+    ref, ref_rms = run_reference(seed, grads, **hyper)
+    params, _, rms = run_optimizer(seed, grads, **hyper)
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
+    got_rms = torch.tensor([[x.item() for x in step] for step in rms], dtype=torch.float64)
+    torch.testing.assert_close(got_rms, torch.tensor(ref_rms, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    # The spike makes RMS_t > 1 in that tensor, so the clipping acts.
+    assert ref_rms[spike_step][0] > 1.2
+    # First step: u_1 = g_1², so RMS_1 = 1 exactly (up to the ε floor).
+    assert all(abs(x - 1.0) < 1e-6 for x in ref_rms[0])
+
+
+def test_clipping_is_not_ignored():
+    """At the spike, the clipped step differs from plain AdamW's by the RMS factor: a version
+    that ignored the clipping would match the unclipped reference instead."""
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    grads = gradients(3, 30, spike_step=29)
+    clipped, rms = run_reference(3, grads, **hyper)
+    unclipped, _ = run_reference(3, grads, unclipped_steps=(30,), **hyper)
+    before, _ = run_reference(3, grads[:29], **hyper)
+    params, _, _ = run_optimizer(3, grads, **hyper)
+    step_ours = params[0].detach().double() - before[0]
+    step_adamw = unclipped[0] - before[0]
+    assert rms[29][0] > 3.0
+    torch.testing.assert_close(step_ours, step_adamw / rms[29][0], rtol=1e-3, atol=2e-6)
+    assert (step_ours - step_adamw).abs().max() > 0.5 * step_adamw.abs().max()
+    # the other tensors had no spike: their last step is AdamW's
+    torch.testing.assert_close(params[1].detach().double(), clipped[1], rtol=1e-5, atol=1e-6)
+
+
+def test_clip_threshold():
+    """η = α / max(1, RMS/d): with d above the spike's RMS the step is plain AdamW's."""
+    params = [torch.zeros(64, requires_grad=True)]
+    opt = StableAdamW(params, lr=1.0, weight_decay=0.0, clip_threshold=1e6, track_rms=True)
+    ref_opt = torch.optim.AdamW([torch.zeros(64, requires_grad=True)], lr=1.0,
+                                betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(10):
+        g = torch.randn(64, generator=gen) * (100.0 if t == 9 else 1.0)
+        params[0].grad = g.clone()
+        ref_opt.param_groups[0]["params"][0].grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    assert opt.state[params[0]]["rms"].item() > 2.0
+    torch.testing.assert_close(params[0], ref_opt.param_groups[0]["params"][0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_is_decoupled():
+    """With zero gradients the update is the decay alone: θ_T = θ_0 (1 - α λ)^T."""
+    theta0 = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    p = theta0.clone().requires_grad_()
+    opt = StableAdamW([p], lr=0.1, weight_decay=0.5)
+    for _ in range(7):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+    torch.testing.assert_close(p.detach(), theta0 * (1 - 0.1 * 0.5) ** 7)
+
+
+def test_tensor_lr_and_maximize():
+    grads = gradients(5, 5, spike_step=2)
+    hyper = dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    a, b, c = make_params(5), make_params(5), make_params(5)
+    opt_a = StableAdamW(a, lr=1e-2, **hyper)
+    opt_b = StableAdamW(b, lr=torch.tensor(1e-2), **hyper)
+    opt_c = StableAdamW(c, lr=1e-2, maximize=True, **hyper)
+    for gs in grads:
+        for pa, pb, pc, g in zip(a, b, c, gs, strict=True):
+            pa.grad, pb.grad, pc.grad = g.float(), g.float(), -g.float()
+        opt_a.step()
+        opt_b.step()
+        opt_c.step()
+    for pa, pb, pc in zip(a, b, c, strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+        assert torch.equal(pa, pc)
+
+
+def test_state_dict_round_trip_continues_identically():
+    grads = gradients(7, 10, spike_step=6)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    params, opt, _ = run_optimizer(7, grads[:4], **hyper)
+    saved = copy.deepcopy(opt.state_dict())
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    opt2 = StableAdamW(two_groups(clones, lr=0.5, betas=(0.5, 0.5), eps=1.0, weight_decay=0.0),
+                       track_rms=True)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[1]["lr"] == hyper["lr"] * 0.5
+    for p in clones:
+        assert opt2.state[p]["step"].dtype == torch.float32
+        assert opt2.state[p]["step"].item() == 4
+    for gs in grads[4:]:
+        for p, q, g in zip(params, clones, gs, strict=True):
+            p.grad, q.grad = g.float(), g.float()
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, clones, strict=True):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step", "rms"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key])
+
+
+def test_zero_grad_and_missing_grads():
+    params = make_params(9)
+    opt = StableAdamW(params, lr=1e-2)
+    before = [p.detach().clone() for p in params]
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    assert not torch.equal(params[0], before[0])
+    for p, b in zip(params[1:], before[1:], strict=True):
+        assert torch.equal(p, b) and p not in opt.state
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+@pytest.fixture
+def forbid_host_sync(monkeypatch):
+    """Make every host read-back of a tensor raise while the test runs."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("host synchronization: a tensor was read on the host")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_step_never_reads_a_tensor_on_the_host(forbid_host_sync):
+    params = make_params(11)
+    opt = StableAdamW(two_groups(params, lr=torch.tensor(1e-2), betas=(0.9, 0.99), eps=1e-8,
+                                 weight_decay=0.1, clip_weight_decay=True), track_rms=True)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    skip = {p: torch.tensor(i == 0) for i, p in enumerate(params)}
+    opt.step(skip=skip)
+
+
+def test_bfloat16_params():
+    grads = gradients(13, 4, spike_step=2)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ref, _ = run_reference(13, grads, **hyper)
+    params = make_params(13, torch.bfloat16)
+    opt = StableAdamW(two_groups(params, **hyper), track_rms=True)
+    for gs in grads:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.to(torch.bfloat16)
+        opt.step()
+    for p, r in zip(params, ref, strict=True):
+        assert p.dtype == torch.bfloat16
+        assert opt.state[p]["rms"].dtype == torch.float32
+        torch.testing.assert_close(p.double(), r, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(betas=(1.0, 0.9)), dict(eps=-1.0),
+                                 dict(weight_decay=-0.1), dict(clip_threshold=0.0)],
+                         ids=lambda d: next(iter(d)))
+def test_rejects_bad_hyperparameters(bad):
+    with pytest.raises(ValueError):
+        StableAdamW([torch.zeros(2, requires_grad=True)], **bad)
+
+
+def test_rms_is_per_tensor_mean():
+    """RMS_t of a lone spike entry: mean over the tensor, not the max."""
+    p = torch.zeros(100, requires_grad=True)
+    opt = StableAdamW([p], lr=1e-3, betas=(0.9, 0.99), track_rms=True)
+    for _ in range(5):
+        p.grad = torch.ones(100)
+        opt.step()
+    g = torch.ones(100)
+    g[0] = 1e3
+    p.grad = g
+    opt.step()
+    beta2, t = 0.99, 6
+    u_hat_0 = ((1 - beta2) * sum(beta2**k for k in range(1, 6))
+               + (1 - beta2) * 1e6) / (1 - beta2**t)
+    expected = math.sqrt((1e6 / u_hat_0 + 99 * 1.0) / 100)
+    assert abs(opt.state[p]["rms"].item() - expected) < 1e-4 * expected
