@@ -67,19 +67,30 @@ def requires_triton() -> None:
         pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
 
 
-@pytest.fixture(scope="session")
-def workers():
-    """``workers(world)``: processes in a gloo process group of that size, started once per
-    test session (``multiprocess.Workers``)."""
+def _worker_groups(backend: str):
+    """A ``get(world)`` that starts (once) and returns ``multiprocess.Workers`` of that size."""
     from multiprocess import Workers
 
     made: dict = {}
 
     def get(world: int):
         if world not in made or not made[world].alive:
-            made[world] = Workers(world)
+            made[world] = Workers(world, backend=backend)
         return made[world]
 
     yield get
     for w in made.values():
         w.close()
+
+
+@pytest.fixture(scope="session")
+def workers():
+    """``workers(world)``: processes in a gloo process group of that size, started once per
+    test session (``multiprocess.Workers``)."""
+    yield from _worker_groups("gloo")
+
+
+@pytest.fixture(scope="session")
+def nccl_workers():
+    """``nccl_workers(world)``: processes in an NCCL process group, one GPU each."""
+    yield from _worker_groups("nccl")

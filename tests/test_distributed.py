@@ -80,11 +80,15 @@ def _weights(n, seed):
     return torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) + 0.5
 
 
-def _ring_case(rank, world, kind, rows, cols, d, dtype, reduction, backend, seed, filter_eps):
-    """On every rank: the ring loss of this rank's slice, backward; returns (loss, grads)."""
-    batch = _global_batch(kind, rows, cols, d, DTYPES[dtype], seed)
-    scale = torch.tensor(4.0 if kind != "siglip" else 3.0, requires_grad=True)
-    bias = torch.tensor(-2.0, requires_grad=True)
+def _ring_case(rank, world, kind, rows, cols, d, dtype, reduction, backend, seed, filter_eps,
+               device="cpu"):
+    """On every rank: the ring loss of this rank's slice, backward; returns (loss, grads) on the
+    CPU. ``device="cuda"``: each rank's tensors on its GPU (NCCL workers)."""
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    batch = {k: v.to(dev) for k, v in
+             _global_batch(kind, rows, cols, d, DTYPES[dtype], seed).items()}
+    scale = torch.tensor(4.0 if kind != "siglip" else 3.0, device=dev, requires_grad=True)
+    bias = torch.tensor(-2.0, device=dev, requires_grad=True)
     common = dict(backend=backend)
     if kind != "siglip":
         common.update(reduction=reduction, filter_eps=filter_eps)
@@ -110,10 +114,10 @@ def _ring_case(rank, world, kind, rows, cols, d, dtype, reduction, backend, seed
             upstream = _weights(2 * sum(rows), seed)[_nt_xent_rows(rows, rank)]
         else:
             upstream = _slice(_weights(sum(rows), seed), rows, rank)
-        (loss * upstream).sum().backward()
+        (loss * upstream.to(dev)).sum().backward()
     else:
         loss.backward()
-    return loss.detach(), [leaf.grad for leaf in leaves]
+    return loss.detach().cpu(), [leaf.grad.cpu() for leaf in leaves]
 
 
 def _reference(kind, rows, cols, d, dtype, reduction, seed, backend="torch"):
@@ -220,6 +224,22 @@ def test_ring_equals_one_process_sliced(workers, case):
         c["backend"], c["seed"], None))
     _check(c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"], results,
            c["seed"], c["backend"])
+
+
+NCCL_WORLD = min(torch.cuda.device_count(), 4)
+
+
+@pytest.mark.skipif(NCCL_WORLD < 2, reason="needs two or more CUDA GPUs")
+@given(case=ring_cases(backends=("triton", "torch"), max_world=max(NCCL_WORLD, 1)))
+def test_ring_on_nccl_equals_one_process_sliced(nccl_workers, case):
+    """The same property over NCCL, one process per GPU (the Triton kernels at tiny sizes);
+    the reference: one process on the CPU."""
+    c = case
+    results = _ok(nccl_workers(len(c["rows"])).run(
+        _ring_case, c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"],
+        c["backend"], c["seed"], None, "cuda"))
+    _check(c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"], results,
+           c["seed"], "torch")
 
 
 @pytest.mark.parametrize("kind", KINDS)
