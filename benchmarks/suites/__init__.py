@@ -20,9 +20,10 @@ class Suite:
 
 
 def _registry() -> dict[str, Suite]:
-    from benchmarks.suites import contrastive, lm_head, ring
+    from benchmarks.suites import contrastive, lm_head, ring, vocab_parallel
 
-    return {suite.name: suite for suite in (lm_head.SUITE, contrastive.SUITE, ring.SUITE)}
+    suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE)
+    return {suite.name: suite for suite in suites}
 
 
 SUITES: dict[str, Suite] = _registry()

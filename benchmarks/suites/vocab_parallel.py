@@ -1,0 +1,982 @@
+"""Suite ``vocab-parallel``: the vocabulary-parallel LM head over K processes.
+
+Launched with one process per GPU (NCCL; gloo on the CPU for ``--quick``)::
+
+    torchrun --nproc_per_node=K benchmarks/run.py vocab-parallel [options]
+
+Every rank builds the same full inputs from the seed (``benchmarks/inputs.py``: E (N, D),
+C (V, D), y (N,)), keeps E and y, and its shard of the classifier: the rows
+[⌊r·V/K⌋, ⌊(r+1)·V/K⌋) (uneven shards allowed). Each provider runs forward+backward,
+``torch.autograd.grad(loss, (E, C_r))``:
+
+- ``fusedloss``: ``fusedloss.linear_cross_entropy(E, C_r, y, process_group=WORLD)``, the
+  sharded head (the loss of the whole head on every rank, dE all-reduced);
+- ``megatron``: Megatron-LM's layout with materialized logits: E through a copy-to-tensor-
+  parallel region (identity forward, all-reduce of dE backward), logits_r = E @ C_rᵀ in the
+  input dtype then ``.float()``, and :class:`VocabParallelCrossEntropy`, a transcription of
+  Megatron's ``_VocabParallelCrossEntropy`` (all-reduce max, target logit and sum of exps;
+  backward softmax − one-hot on the shard), mean over the tokens;
+- ``single-gpu``: the single-GPU fusedloss head on the full weight, on rank 0 only while the
+  other ranks wait (the baseline the sharded head should beat by about K).
+
+The single-GPU head's first call on rank 0 is also the reference of the check: its loss is
+broadcast, its dE broadcast and its dC scattered by shard, so that every rank compares its
+own gradients (at ``--quick``, or with ``--f64-reference``, also against a float64 reference
+computed on every rank). Timing, the agreement of the ranks after each stage, the peak
+memory per rank and the gloo exit workaround come from the ``ring`` suite
+(:mod:`benchmarks.suites.ring`). Only rank 0 prints and writes
+``vocab_parallel_<date>_<gpu-slug>_<K>gpu[_tag].md/.json`` (``_<K>proc`` on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from benchmarks import common
+from benchmarks.common import FAIL, PASS
+from benchmarks.inputs import LM_HEAD_SHAPES, REGIMES, LMHeadShape, make_lm_head_inputs, quick_shape
+from benchmarks.suites import Suite
+from benchmarks.suites.lm_head import (
+    DEFAULT_N,
+    GRADIENT_ERROR_BOUND,
+    LOSS_TOLERANCE,
+    reference_float64,
+)
+from benchmarks.suites.ring import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    DEFAULT_MIN_REPS,
+    Ranks,
+    RankTiming,
+    init_process_group,
+    pick_device,
+    stage,
+    time_on_all_ranks,
+)
+
+NAME = "vocab-parallel"
+RESULTS_PREFIX = "vocab_parallel"
+
+FUSEDLOSS = "fusedloss"
+MEGATRON = "megatron"
+SINGLE_GPU = "single-gpu"
+PROVIDER_KEYS = (FUSEDLOSS, MEGATRON, SINGLE_GPU)
+LABELS = {
+    FUSEDLOSS: "fusedloss (sharded)",
+    MEGATRON: "megatron-style (logits)",
+    SINGLE_GPU: "fusedloss single GPU",
+}
+DEFAULT_SHAPES = ("gemma2-2b", "llama3-8b")
+QUICK_N = 128
+
+# Targets of the sharded fusedloss head.
+TIME_FACTOR = 1.2  # ms ≤ 1.2 × single-GPU ms / K
+
+TIMING_DEFINITION = (
+    "ms = max over the ranks of each rank's median time of one forward+backward step "
+    "`torch.autograd.grad(loss(E, C_r, y), (E, C_r))`; every rank makes the same number of "
+    "calls (the ring suite's time_on_all_ranks: n = clamp(rep_ms / estimate, min_reps, 1000) "
+    "after min(warmup_ms / estimate, 100) warm-up calls, the ranks starting together after a "
+    "barrier, each call between CUDA events, wall clock without CUDA). single-gpu: the same "
+    "procedure on rank 0 alone with the full C while the other ranks wait at a barrier"
+)
+MEMORY_DEFINITION = (
+    "peak MB per rank above inputs and gradient buffers: max_memory_allocated() during one "
+    "step − memory_allocated() just before it − the bytes of dE and dC_r in the input dtype "
+    "((N·D + V_r·D) × element size; single-gpu: (N·D + V·D)); MB = the max over the ranks. "
+    "NCCL's own buffers are not allocated by PyTorch and not counted"
+)
+CHECK_DEFINITION = (
+    "first, untimed call: the loss (every rank's, the max deviation over the ranks) within "
+    f"{LOSS_TOLERANCE}·max(1, |ref|) of the single-GPU fusedloss head's loss on the full "
+    "weight (rank 0, broadcast); relative L2 errors of dE (max over the ranks) and of dC "
+    "(over the whole weight: Σ_r ‖dC_r − ref_r‖² / Σ_r ‖ref_r‖²) against the single-GPU "
+    f"head's gradients, bound {GRADIENT_ERROR_BOUND}; with a float64 reference (--quick, "
+    "--f64-reference) the same against it. Failing rows are 'wrong' and still timed"
+)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: LMHeadShape
+    regime: str
+    n: int
+    world: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.shape.name} {self.regime}"
+
+    @property
+    def label(self) -> str:
+        return (f"{self.shape.name} ({self.shape.vocab_size}, {self.shape.hidden_size}) "
+                f"{self.regime}, N={self.n}, K={self.world}")
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        return shard_bounds(self.shape.vocab_size, self.world, rank)
+
+
+def shard_bounds(vocab: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows [⌊r·V/K⌋, ⌊(r+1)·V/K⌋) of a V-row classifier over K ranks."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside [0, {world})")
+    return rank * vocab // world, (rank + 1) * vocab // world
+
+
+def select_cases(shapes: Sequence[str], regimes: Sequence[str], n: int, world: int,
+                 quick: bool) -> list[Case]:
+    """Every shape × regime; --quick shrinks the shapes (V/128, D/32). Each rank needs ≥ 1 row."""
+    cases = []
+    for name in shapes:
+        shape = quick_shape(LM_HEAD_SHAPES[name]) if quick else LM_HEAD_SHAPES[name]
+        if shape.vocab_size < world:
+            raise ValueError(f"{name}: V = {shape.vocab_size} rows cannot be shared by "
+                             f"{world} ranks")
+        cases.extend(Case(shape, regime, n, world) for regime in regimes)
+    return cases
+
+
+def results_stem(date: str, device_slug: str, world: int, cuda: bool, tag: str | None) -> str:
+    """``vocab_parallel_<date>_<gpu-slug>_<K>gpu[_tag]`` (``_<K>proc`` on the CPU)."""
+    unit = "gpu" if cuda else "proc"
+    return common.results_stem(RESULTS_PREFIX, date, f"{device_slug}_{world}{unit}", tag)
+
+
+# ----------------------------------------------------------------------------- megatron baseline
+
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """Megatron's ``_CopyToModelParallelRegion``: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = grad_output.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron-LM's ``_VocabParallelCrossEntropy`` (no label smoothing): per-token losses of
+    the whole vocabulary from this rank's logits (N, V_r) in float32. Works in place on the
+    logits (as Megatron does) and saves the shard's softmax for the backward."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, vocab_start, group):
+        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)
+
+        partition_vocab_size = vocab_parallel_logits.size(-1)
+        vocab_end = vocab_start + partition_vocab_size
+        target_mask = (target < vocab_start) | (target >= vocab_end)
+        masked_target = target.clone() - vocab_start
+        masked_target[target_mask] = 0
+
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(logits_2d.size(0), device=logits_2d.device)
+        predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous()
+        predicted_logits = predicted_logits.view_as(target)
+        predicted_logits[target_mask] = 0.0
+        dist.all_reduce(predicted_logits, group=group)
+
+        exp_logits = vocab_parallel_logits
+        torch.exp(vocab_parallel_logits, out=exp_logits)
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        dist.all_reduce(sum_exp_logits, group=group)
+
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_input = softmax
+        partition_vocab_size = softmax.size(-1)
+        grad_2d = grad_input.view(-1, partition_vocab_size)
+        arange_1d = torch.arange(grad_2d.size(0), device=grad_2d.device)
+        grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+        grad_input.mul_(grad_output.unsqueeze(dim=-1))
+        return grad_input, None, None, None
+
+
+def megatron_loss(hidden: Tensor, classifier_shard: Tensor, target: Tensor, vocab_start: int,
+                  group: dist.ProcessGroup | None = None) -> Tensor:
+    """The Megatron-style vocabulary-parallel head: mean cross-entropy over the tokens."""
+    group = group or dist.group.WORLD
+    hidden = CopyToTensorParallelRegion.apply(hidden, group)
+    logits = torch.matmul(hidden, classifier_shard.t()).float()
+    return VocabParallelCrossEntropy.apply(logits, target, vocab_start, group).mean()
+
+
+# ----------------------------------------------------------------------------- inputs, reference
+
+
+@dataclass
+class RankInputs:
+    hidden: Tensor  # E (N, D), leaf
+    shard: Tensor  # C_r (V_r, D), leaf
+    target: Tensor  # y (N,)
+    start: int
+    full: Tensor | None  # C (V, D): rank 0 only (the single-GPU head), a leaf
+
+    @property
+    def leaves(self) -> tuple[Tensor, Tensor]:
+        return (self.hidden, self.shard)
+
+    def gradient_bytes(self, full: bool = False) -> int:
+        rows = self.full.shape[0] if full else self.shard.shape[0]
+        return (self.hidden.numel() + rows * self.hidden.shape[1]) * self.hidden.element_size()
+
+
+def make_rank_inputs(case: Case, rank: int, *, dtype: torch.dtype, device: torch.device,
+                     seed: int, keep_full: bool
+                     ) -> tuple[RankInputs, tuple[Tensor, Tensor, Tensor]]:
+    """The rank's inputs, and the full (E, C, y) for the float64 reference (caller drops it)."""
+    hidden, classifier, target = make_lm_head_inputs(
+        case.n, case.shape.vocab_size, case.shape.hidden_size, case.regime, dtype=dtype,
+        device=device, seed=seed)
+    start, stop = case.bounds(rank)
+    inputs = RankInputs(
+        hidden=hidden.clone().requires_grad_(True),
+        shard=classifier[start:stop].clone().requires_grad_(True),
+        target=target,
+        start=start,
+        full=classifier.clone().requires_grad_(True) if keep_full else None,
+    )
+    return inputs, (hidden, classifier, target)
+
+
+@dataclass
+class CaseReference:
+    """The single-GPU head's loss and this rank's parts of its gradients; the float64 ones."""
+
+    loss: float | None = None
+    grad_hidden: Tensor | None = None  # dE (N, D)
+    grad_shard: Tensor | None = None  # this rank's rows of dC
+    f64_loss: float | None = None
+    f64_grad_hidden: Tensor | None = None
+    f64_grad_shard: Tensor | None = None
+    note: str = ""
+
+
+def share_single_gpu_reference(ranks: Ranks, case: Case, device: torch.device, dtype: torch.dtype,
+                               loss: float | None, grads: tuple[Tensor, Tensor] | None,
+                               with_grads: bool) -> CaseReference:
+    """Rank 0's single-GPU loss (and dE, dC) to every rank: loss and dE broadcast, dC's rows
+    of rank r kept by rank r. A collective."""
+    reference = CaseReference(loss=ranks.objects(loss)[0])
+    if not with_grads:
+        return reference
+    n, d = case.n, case.shape.hidden_size
+    grad_hidden = grads[0] if ranks.rank == 0 else torch.empty(n, d, dtype=dtype, device=device)
+    if ranks.world > 1:
+        dist.broadcast(grad_hidden, src=0)
+    reference.grad_hidden = grad_hidden
+    for r in range(ranks.world):
+        start, stop = case.bounds(r)
+        if ranks.rank == 0:
+            part = grads[1][start:stop].contiguous()
+        else:
+            part = torch.empty(stop - start, d, dtype=dtype, device=device)
+        if r > 0:
+            dist.broadcast(part, src=0)
+        if r == ranks.rank:
+            reference.grad_shard = part
+        del part
+    return reference
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class ProviderResult(common.ProviderResultBase):
+    timing: str = ""
+    reps: int | None = None
+    ms_per_rank: list[float] = field(default_factory=list)
+    first_call_ms: float | None = None
+    peak_extra_mib: float | None = None
+    peak_per_rank: list[float] = field(default_factory=list)
+    loss: float | None = None
+    rank_losses: list[float] = field(default_factory=list)
+    loss_error: float | None = None  # max over the ranks, against the single-GPU loss
+    f64_loss_error: float | None = None
+    errors: dict[str, float] = field(default_factory=dict)  # dE, dC (vs single GPU; f64 …)
+    times_floor: float | None = None
+
+
+@dataclass
+class Target:
+    case_key: str
+    provider: str
+    kind: str  # "time" | "memory" | "megatron"
+    factor: float
+    description: str
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    reference: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, ProviderResult] = field(default_factory=dict)
+    targets: list[common.TargetOutcome[Target]] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    timing: common.TimingSettings
+    min_reps: int
+    backend: str
+    f64_reference: bool
+    grad_check: bool
+
+
+class LocalRanks:
+    """A stand-in for :class:`Ranks` over rank 0 alone (the single-GPU head's timing)."""
+
+    rank, world = 0, 1
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def gather(self, value: float) -> list[float]:
+        return [value]
+
+    def max(self, value: float) -> float:
+        return value
+
+    def barrier(self) -> None:
+        common.synchronize(self.device)
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+LossFn = Callable[[], Tensor]
+
+
+def build_loss(key: str, inputs: RankInputs, backend: str) -> tuple[LossFn, str]:
+    """This rank's loss of provider ``key`` and the call as the report states it."""
+    import fusedloss
+
+    if key == FUSEDLOSS:
+        group = dist.group.WORLD
+        return (lambda: fusedloss.linear_cross_entropy(
+            inputs.hidden, inputs.shard, inputs.target, process_group=group, backend=backend),
+            f'fusedloss.linear_cross_entropy(E, C_r, y, process_group=WORLD, backend="{backend}")')
+    if key == MEGATRON:
+        return (lambda: megatron_loss(inputs.hidden, inputs.shard, inputs.target, inputs.start),
+                "VocabParallelCrossEntropy(copy_to_tp(E) @ C_rᵀ).float(), y).mean() (Megatron's "
+                "_VocabParallelCrossEntropy; dE all-reduced by the copy-to-TP backward)")
+    if key == SINGLE_GPU:
+        assert inputs.full is not None
+        return (lambda: fusedloss.linear_cross_entropy(inputs.hidden, inputs.full, inputs.target,
+                                                       backend=backend),
+                f'fusedloss.linear_cross_entropy(E, C, y, backend="{backend}") on rank 0, the '
+                "full C")
+    raise ValueError(f"unknown provider {key!r}")
+
+
+def _relative_error_parts(actual: Tensor, reference: Tensor) -> tuple[float, float]:
+    a, r = actual.double(), reference.double()
+    return float(((a - r) ** 2).sum()), float((r**2).sum())
+
+
+def _ratio(diff: float, norm: float) -> float:
+    if norm > 0:
+        return math.sqrt(diff / norm)
+    return 0.0 if diff == 0 else math.inf
+
+
+def check_sharded(result: ProviderResult, ranks: Ranks, loss: Tensor,
+                  grads: Sequence[Tensor], reference: CaseReference) -> None:
+    """A sharded provider's first call against the single-GPU head (and float64). Collective."""
+    problems: list[str] = []
+    value = float(loss.detach().float())
+    result.rank_losses = ranks.gather(value)
+    result.loss = result.rank_losses[0]
+    finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    if ranks.min(1.0 if finite else 0.0) < 1.0:
+        problems.append("gradients not finite (on some rank)")
+    for name, ref_loss, attr in (("single GPU", reference.loss, "loss_error"),
+                                 ("float64", reference.f64_loss, "f64_loss_error")):
+        if ref_loss is None:
+            continue
+        errors = [common.check_loss(v, ref_loss, LOSS_TOLERANCE) for v in result.rank_losses]
+        setattr(result, attr, max(e for e, _ in errors))
+        problems += [f"{p} ({name})" for _, ps in errors for p in ps][:1]
+    for suffix, ref_hidden, ref_shard in (("", reference.grad_hidden, reference.grad_shard),
+                                          (" f64", reference.f64_grad_hidden,
+                                           reference.f64_grad_shard)):
+        if ref_hidden is None or ref_shard is None:
+            continue
+        de = ranks.max(_ratio(*_relative_error_parts(grads[0], ref_hidden)))
+        diff, norm = _relative_error_parts(grads[1], ref_shard)
+        dc = _ratio(ranks.sum(diff), ranks.sum(norm))
+        result.errors[f"dE{suffix}"], result.errors[f"dC{suffix}"] = de, dc
+        for name, err in ((f"dE{suffix}", de), (f"dC{suffix}", dc)):
+            if not err <= GRADIENT_ERROR_BOUND:
+                problems.append(f"{name} relative error {err:.2e} > {GRADIENT_ERROR_BOUND}")
+    common.mark_wrong(result, problems)
+
+
+def run_sharded(key: str, case: Case, inputs: RankInputs, reference: CaseReference,
+                ranks: Ranks, settings: Settings) -> ProviderResult:
+    """Check, peak memory and time of a sharded provider on every rank; never raises."""
+    device = settings.device
+    result = ProviderResult(key, LABELS[key])
+    ok, built = stage(ranks, result, device, lambda: build_loss(key, inputs, settings.backend))
+    if not ok:
+        return result
+    loss_fn, result.call = built
+
+    def forward_backward() -> tuple[Tensor, ...]:
+        return torch.autograd.grad(loss_fn(), inputs.leaves)
+
+    common.release_memory(device)
+    common.synchronize(device)
+    begin = time.perf_counter()
+    ok, loss = stage(ranks, result, device, loss_fn)
+    if not ok:
+        return result
+    ok, grads = stage(ranks, result, device, lambda: torch.autograd.grad(loss, inputs.leaves))
+    if not ok:
+        return result
+    common.synchronize(device)
+    result.first_call_ms = ranks.max((time.perf_counter() - begin) * 1e3)
+    check_sharded(result, ranks, loss, grads, reference)
+    loss = grads = None
+    common.release_memory(device)
+
+    if common.uses_cuda(device):
+        ok, peak = stage(ranks, result, device, lambda: common.peak_extra_mib(
+            forward_backward, device, inputs.gradient_bytes()))
+        if not ok:
+            return result
+        result.peak_per_rank = ranks.gather(peak)
+        result.peak_extra_mib = max(result.peak_per_rank)
+    ok, timed = stage(ranks, result, device, lambda: time_on_all_ranks(
+        forward_backward, device, ranks, settings.timing, settings.min_reps))
+    if not ok:
+        return result
+    _store_timing(result, timed, device, "max over ranks")
+    common.release_memory(device)
+    return result
+
+
+def _store_timing(result: ProviderResult, timed: RankTiming, device: torch.device,
+                  over: str) -> None:
+    result.ms_per_rank, result.ms, result.reps = timed.per_rank_ms, timed.ms, timed.reps
+    how = "CUDA events" if common.uses_cuda(device) else "wall clock"
+    result.timing = f"median of {timed.reps} calls ({how}), {over}"
+
+
+def run_single_gpu(case: Case, inputs: RankInputs, ranks: Ranks, settings: Settings,
+                   measure: bool, f64: Any = None) -> tuple[ProviderResult, CaseReference]:
+    """The single-GPU head on rank 0 (the others wait): its first call is the case's
+    reference (shared with every rank); where ``measure``, also its memory and time."""
+    device = settings.device
+    result = ProviderResult(SINGLE_GPU, LABELS[SINGLE_GPU])
+    is_root = ranks.rank == 0
+    ok, built = stage(ranks, result, device, lambda: build_loss(
+        SINGLE_GPU, inputs, settings.backend) if is_root else (None, ""))
+    if not ok:
+        return result, CaseReference(note=f"no single-GPU reference: {result.note}")
+    loss_fn = built[0]
+    result.call = ranks.objects(built[1])[0]
+    leaves = (inputs.hidden, inputs.full)
+
+    def first_call() -> tuple[float, tuple[Tensor, ...]] | None:
+        if not is_root:
+            return None
+        common.synchronize(device)
+        begin = time.perf_counter()
+        loss = loss_fn()
+        grads = torch.autograd.grad(loss, leaves)
+        common.synchronize(device)
+        result.first_call_ms = (time.perf_counter() - begin) * 1e3
+        return float(loss.detach().float()), tuple(g.detach() for g in grads)
+
+    ok, first = stage(ranks, result, device, first_call)
+    if not ok:
+        return result, CaseReference(note=f"no single-GPU reference: {result.note}")
+    loss, grads = first if is_root else (None, None)
+    ok, reference = stage(ranks, result, device, lambda: share_single_gpu_reference(
+        ranks, case, device, settings.dtype, loss, grads, settings.grad_check))
+    if not ok:
+        return result, CaseReference(note=f"single-GPU reference not shared: {result.note}")
+    result.loss = reference.loss
+    if f64 is not None and result.loss is not None:
+        result.f64_loss_error = abs(result.loss - f64.loss)
+        if f64.grad_hidden is not None:
+            errors = {}
+            if is_root:
+                errors = {"dE f64": common.relative_l2_error(grads[0], f64.grad_hidden),
+                          "dC f64": common.relative_l2_error(grads[1], f64.grad_classifier)}
+            result.errors = ranks.objects(errors)[0]
+    if is_root and grads is not None and not all(bool(torch.isfinite(g).all()) for g in grads):
+        result.note = "gradients not finite"
+    grads = first = None
+    common.release_memory(device)
+    if not measure:
+        return result, reference
+
+    def on_root(action: Callable[[], Any]) -> Callable[[], Any]:
+        return action if is_root else (lambda: None)
+
+    if common.uses_cuda(device):
+        ok, peak = stage(ranks, result, device, on_root(lambda: common.peak_extra_mib(
+            lambda: torch.autograd.grad(loss_fn(), leaves), device,
+            inputs.gradient_bytes(full=True))))
+        if not ok:
+            return result, reference
+        result.peak_extra_mib = ranks.objects(peak)[0]
+        result.peak_per_rank = [result.peak_extra_mib]
+    ok, timed = stage(ranks, result, device, on_root(lambda: time_on_all_ranks(
+        lambda: torch.autograd.grad(loss_fn(), leaves), device, LocalRanks(device),
+        settings.timing, settings.min_reps)))
+    if ok:
+        _store_timing(result, ranks.objects(timed)[0], device, "rank 0 alone")
+    common.release_memory(device)
+    return result, reference
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def targets_for_case(case: Case, providers: Sequence[str]) -> list[Target]:
+    if FUSEDLOSS not in providers:
+        return []
+    return [
+        Target(case.key, FUSEDLOSS, "time", TIME_FACTOR,
+               f"ms ≤ {TIME_FACTOR:g} × single-GPU ms / K (K = {case.world})"),
+        Target(case.key, FUSEDLOSS, "memory", 1.0, "MB per rank ≤ single-GPU MB"),
+        Target(case.key, FUSEDLOSS, "megatron", 1.0, "ms < megatron-style ms"),
+    ]
+
+
+def evaluate_target(target: Target, case_result: CaseResult) -> common.TargetOutcome[Target]:
+    """``time``: ours ÷ (single-GPU ms / K) ≤ factor; ``memory``: ours ÷ single-GPU MB ≤
+    factor; ``megatron``: ours ÷ megatron ms < factor."""
+    ours = case_result.results.get(target.provider)
+    baseline_key = MEGATRON if target.kind == "megatron" else SINGLE_GPU
+    baseline = case_result.results.get(baseline_key)
+    kind = "memory" if target.kind == "memory" else "time"
+    value_of = common.figure_of(kind)
+    if ours is None or not ours.measured:
+        return common.TargetOutcome(target, "n/a (fusedloss not measured)")
+    if baseline is None or not baseline.measured:
+        return common.TargetOutcome(target, f"n/a ({baseline_key} not measured)")
+    if value_of(ours) is None or value_of(baseline) is None:
+        return common.TargetOutcome(target, "n/a (no memory figures without CUDA)")
+    if target.kind == "time":
+        world = case_result.case.world
+        share = baseline.ms / world
+        ratio = ours.ms / share if share > 0 else math.inf
+        text = (f"{common.format_ms(ours.ms)} ms vs {common.format_ms(baseline.ms)} ms / {world} "
+                f"= {common.format_ms(share)} ms = {common.format_ratio(ratio)}×")
+    else:
+        ratio, text = common.baseline_ratio(kind, ours, baseline)
+    met = ratio < target.factor if target.kind == "megatron" else ratio <= target.factor
+    return common.TargetOutcome(target, PASS if met else FAIL, text, ratio)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_cases(cases: Sequence[Case], providers: Sequence[str], ranks: Ranks,
+              settings: Settings, log: Callable[[str], None]) -> list[CaseResult]:
+    device = settings.device
+    case_results = []
+    for case in cases:
+        case_result = CaseResult(case)
+        case_results.append(case_result)
+        made = ProviderResult("inputs", "inputs")
+
+        def make(case: Case = case) -> tuple[RankInputs, CaseReference | None]:
+            inputs, full = make_rank_inputs(case, ranks.rank, dtype=settings.dtype,
+                                            device=device, seed=settings.seed,
+                                            keep_full=ranks.rank == 0)
+            f64 = None
+            if settings.f64_reference:
+                f64 = reference_float64(*full, with_grads=settings.grad_check)
+            del full
+            return inputs, f64
+
+        ok, value = stage(ranks, made, device, make)
+        if not ok:
+            case_result.note = f"inputs could not be made: {made.status}: {made.note}"
+            log(f"[{case.key}] {case_result.note}")
+            continue
+        inputs, f64 = value
+        del value
+        single, reference = run_single_gpu(case, inputs, ranks, settings,
+                                           measure=SINGLE_GPU in providers, f64=f64)
+        if f64 is not None:
+            reference.f64_loss = f64.loss
+            if f64.grad_hidden is not None:
+                start, stop = case.bounds(ranks.rank)
+                reference.f64_grad_hidden = f64.grad_hidden
+                reference.f64_grad_shard = f64.grad_classifier[start:stop]
+            del f64
+        if inputs.full is not None:
+            inputs.full = None  # the single-GPU runs are done: rank 0 frees the full C
+        common.release_memory(device)
+        case_result.reference = {
+            "single_gpu_loss": reference.loss, "float64_loss": reference.f64_loss,
+            "gradients": reference.grad_hidden is not None, "note": reference.note,
+        }
+        case_result.note = reference.note
+        ref_text = "—" if reference.loss is None else f"{reference.loss:.5f}"
+        log(f"[{case.key}] {case.label}: single-GPU loss {ref_text}"
+            + ("" if reference.f64_loss is None else f", float64 {reference.f64_loss:.5f}"))
+        for key in providers:
+            if key == SINGLE_GPU:
+                outcome = single
+            else:
+                outcome = run_sharded(key, case, inputs, reference, ranks, settings)
+            case_result.results[key] = outcome
+            log(f"  {case.key:<20} {outcome.label:<26} "
+                f"{common.progress_line(outcome, _figures_text)}")
+        del inputs, reference
+        common.release_memory(device)
+        for target in targets_for_case(case, providers):
+            case_result.targets.append(evaluate_target(target, case_result))
+    return case_results
+
+
+def _figures_text(result: ProviderResult) -> str:
+    text = f"{common.format_ms(result.ms)} ms, {common.format_mib(result.peak_extra_mib)} MB"
+    if result.loss is not None:
+        text += f", loss {result.loss:.5g}"
+    if result.errors:
+        text += ", " + ", ".join(f"{k} {v:.1e}" for k, v in result.errors.items())
+    return text
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+@dataclass(kw_only=True)
+class RunInfo(common.RunInfoBase):
+    world: int
+    dist_backend: str
+    backend: str
+    n: int
+    shapes: list[str]
+    regimes: list[str]
+    min_reps: int
+    f64_reference: bool
+
+
+def _per_rank(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    return " / ".join(fmt(v) for v in values) if values else "—"
+
+
+def _errors_text(result: ProviderResult) -> str:
+    if not result.errors:
+        return "—"
+    return ", ".join(f"{name} {value:.1e}" for name, value in result.errors.items())
+
+
+def _loss_check_text(result: ProviderResult) -> str:
+    parts = []
+    if result.loss_error is not None:
+        parts.append(f"{result.loss_error:.1e} (single GPU)")
+    if result.f64_loss_error is not None:
+        parts.append(f"{result.f64_loss_error:.1e} (float64)")
+    return ", ".join(parts) or "—"
+
+
+def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
+    env = info.environment
+    cuda = common.uses_cuda(env["device"])
+    lines = [f"# Vocabulary-parallel LM head over {info.world} × {env['device_name']}, "
+             f"{env['date']}", ""]
+    if info.quick:
+        lines += ["> **--quick run**: tiny shapes and short timing. A smoke test of the runner; "
+                  "the figures are not representative.", ""]
+    rows = [
+        *common.environment_rows(env, {}, f", backend {info.backend}"),
+        ("ranks", f"K = {info.world}, torch.distributed backend {info.dist_backend}"),
+        ("dtype, N, seed", f"{info.dtype}, N = {info.n}, seed {info.seed}"),
+        common.matmul_row(info.matmul),
+        ("timing", TIMING_DEFINITION + f"; warmup {info.timing.warmup_ms:g} ms, rep "
+         f"{info.timing.rep_ms:g} ms, min_reps {info.min_reps}"
+         + ("" if cuda else "; " + common.WALL_CLOCK_TIMING)),
+        ("memory", MEMORY_DEFINITION),
+        ("check", CHECK_DEFINITION),
+        ("inputs", "benchmarks/inputs.py make_lm_head_inputs(N, V, D, regime, seed) on every "
+                   "rank; rank r keeps C's rows [⌊r·V/K⌋, ⌊(r+1)·V/K⌋)"),
+        ("floor", "one rank's share of DESIGN §4's floor: 8·N·V·D / (K·R) (single GPU: "
+                  "8·N·V·D / R)"),
+    ]
+    lines += [common.markdown_table(["setting", "value"], rows), ""]
+
+    columns = common.provider_columns(case_results)
+    lines += ["## Time and memory", "",
+              "ms per forward+backward step (max over ranks of each rank's median) / peak MB "
+              "per rank above inputs and gradient buffers (max over ranks); single GPU: rank 0 "
+              "alone on the full weight.", ""]
+    table = [[cr.case.label] + [common.time_and_memory_cell(cr.results.get(key), "—")
+                                for key, _ in columns] for cr in case_results]
+    lines += [common.markdown_table(["case"] + [label for _, label in columns], table), ""]
+
+    outcomes = [o for cr in case_results for o in cr.targets]
+    lines += common.targets_section(outcomes, "met", "No targets (fusedloss not run).")
+
+    lines += ["## All figures", ""]
+    table = []
+    for cr in case_results:
+        for result in cr.results.values():
+            table.append([
+                cr.case.key, result.label, result.status, common.format_ms(result.ms),
+                _per_rank(result.ms_per_rank, common.format_ms),
+                "—" if result.reps is None else str(result.reps),
+                common.format_mib(result.peak_extra_mib),
+                _per_rank(result.peak_per_rank, common.format_mib),
+                common.format_ratio(result.times_floor),
+                "—" if result.loss is None else f"{result.loss:.5f}",
+                _loss_check_text(result), _errors_text(result),
+                common.format_ms(result.first_call_ms), result.note,
+            ])
+    headers = ["case", "provider", "status", "ms", "ms per rank", "calls", "MB", "MB per rank",
+               "× floor", "loss", "|loss − ref|", "gradient errors", "first call ms", "note"]
+    lines += [common.markdown_table(headers, table), ""]
+    lines += common.closing_sections(info.calls, info.notes)
+    return "\n".join(lines)
+
+
+def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str, Any]:
+    return {
+        "suite": NAME,
+        "environment": info.environment,
+        "settings": {
+            "world_size": info.world, "dist_backend": info.dist_backend, "dtype": info.dtype,
+            "n": info.n, "shapes": info.shapes, "regimes": info.regimes, "seed": info.seed,
+            "quick": info.quick, "warmup_ms": info.timing.warmup_ms,
+            "rep_ms": info.timing.rep_ms, "min_reps": info.min_reps, "backend": info.backend,
+            "providers": info.providers, "f64_reference": info.f64_reference,
+        },
+        "matmul": info.matmul,
+        "definitions": {"timing": TIMING_DEFINITION, "memory": MEMORY_DEFINITION,
+                        "check": CHECK_DEFINITION, "floor": "8·N·V·D / (K·R) per rank"},
+        "cases": [
+            {
+                "case": cr.case.key, "shape": cr.case.shape.name,
+                "vocab_size": cr.case.shape.vocab_size,
+                "hidden_size": cr.case.shape.hidden_size, "regime": cr.case.regime,
+                "n": cr.case.n, "world_size": cr.case.world,
+                "shards": [cr.case.bounds(r) for r in range(cr.case.world)],
+                "reference": cr.reference, "note": cr.note,
+                "results": [asdict(r) for r in cr.results.values()],
+                "targets": [common.target_json(o) for o in cr.targets],
+            }
+            for cr in case_results
+        ],
+        "calls": info.calls,
+        "notes": info.notes,
+    }
+
+
+def short_tables(case_results: Sequence[CaseResult]) -> str:
+    rows = []
+    for cr in case_results:
+        for result in cr.results.values():
+            rows.append([*common.summary_cells(cr.case.key, result),
+                         _loss_check_text(result) if result.measured else "",
+                         _errors_text(result) if result.measured else ""])
+    text = common.text_table([*common.SUMMARY_HEADERS, "|loss − ref|", "gradient errors"], rows)
+    targets = [[o.target.case_key, o.target.description, o.measured, o.status]
+               for cr in case_results for o in cr.targets]
+    if targets:
+        text += "\n\n" + common.text_table(["case", "target", "measured", "met"], targets)
+    return text
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)), default=list(DEFAULT_SHAPES),
+        help=f"comma list of {', '.join(LM_HEAD_SHAPES)} (default {','.join(DEFAULT_SHAPES)})",
+    )
+    parser.add_argument(
+        "--regimes", type=common.comma_list(REGIMES), default=["peaked"],
+        help="comma list of peaked, flat (default peaked)",
+    )
+    parser.add_argument(
+        "--providers", type=common.comma_list(PROVIDER_KEYS), default=list(PROVIDER_KEYS),
+        help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: all)",
+    )
+    parser.add_argument("--n", type=int, default=None,
+                        help=f"tokens N (default {DEFAULT_N}; {QUICK_N} with --quick)")
+    common.add_dtype_seed_arguments(parser)
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "triton", "torch"],
+        help="fusedloss backend (default auto: triton on CUDA, torch on the CPU)",
+    )
+    common.add_quick_device_timing_arguments(
+        parser, "shapes V/128, D/32, N = 128, short timing: a smoke test that also runs on CPU "
+        "(gloo)")
+    parser.add_argument("--min-reps", type=int, default=DEFAULT_MIN_REPS,
+                        help=f"at least this many timed calls (default {DEFAULT_MIN_REPS})")
+    parser.add_argument("--f64-reference", action="store_true",
+                        help="also check against a float64 reference on every rank (always with "
+                        "--quick; full size: V·D float64 twice per rank)")
+    parser.add_argument("--no-grad-check", action="store_true",
+                        help="check the loss only (no dE / dC reference on the ranks)")
+    parser.add_argument("--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
+                        help="torch.distributed collective timeout "
+                        f"(default {DEFAULT_GROUP_TIMEOUT_S:g} s)")
+    common.add_matmul_output_arguments(parser)
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    """The ring suite's process-group handling (and its gloo exit workaround) around
+    :func:`_run`."""
+    device = pick_device(args.device)
+    if not common.uses_cuda(device) and not args.quick:
+        if int(os.environ.get("RANK", "0")) == 0:
+            log("the vocab-parallel suite needs CUDA devices at full size; use --quick on a CPU")
+        return 2
+    if args.min_reps < 1:
+        log("--min-reps must be at least 1")
+        return 2
+    created, dist_backend = init_process_group(device, args.group_timeout_s)
+    hard_exit = created and dist_backend == "gloo" and dist.get_world_size() > 1
+    try:
+        code = _run(args, device, dist_backend, log)
+    except Exception:
+        if not hard_exit:
+            raise
+        traceback.print_exc()
+        code = 1
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    if hard_exit:  # see benchmarks/suites/ring.py: torch's gloo may abort at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
+         log: Callable[[str], None]) -> int:
+    quick = bool(args.quick)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = Ranks(rank, world, device if dist_backend == "nccl" else torch.device("cpu"))
+    say = log if rank == 0 else (lambda _text: None)
+    n = args.n or (QUICK_N if quick else DEFAULT_N)
+    try:
+        cases = select_cases(args.shapes, args.regimes, n, world, quick)
+    except ValueError as error:
+        say(str(error))
+        return 2
+    dtype = common.parse_dtype(args.dtype)
+    backend = args.backend
+    if backend == "auto":
+        backend = "triton" if common.uses_cuda(device) else "torch"
+    timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
+    notes: list[str] = [common.QUICK_NOTE] if quick else []
+    if not common.uses_cuda(device):
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)  # K processes share the cores (see the ring suite)
+        notes.append(f"CPU: {torch.get_num_threads()} thread(s) per rank")
+        if backend == "triton":
+            notes.append(common.use_triton_interpreter())
+    settings = Settings(device, dtype, args.seed, timing, args.min_reps, backend,
+                        f64_reference=quick or args.f64_reference,
+                        grad_check=not args.no_grad_check)
+    environment: dict[str, Any] = {}
+    matmul: dict[str, Any] = {}
+    if rank == 0:
+        environment = common.collect_environment(device)
+        say(f"vocab-parallel on {world} × {environment['device_name']} ({dist_backend}): "
+            f"{common.dtype_name(dtype)}, N = {n}, fusedloss backend {backend}, cases: "
+            f"{', '.join(case.key for case in cases)}")
+        matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, say)
+    case_results = run_cases(cases, list(args.providers), ranks, settings, say)
+    try:
+        if rank == 0:
+            info = info_of(args, case_results, environment, matmul, notes, world, dist_backend,
+                           settings, n)
+            stem = results_stem(environment["date"], environment["device_slug"], world,
+                                common.uses_cuda(device), args.tag)
+            md_path, json_path = common.write_results(
+                args.out, stem, render_markdown(info, case_results),
+                results_json(info, case_results))
+            say("")
+            for note in info.notes:
+                say(f"note: {note}")
+            say(f"results: {md_path}")
+            say(f"         {json_path}")
+            say("")
+            say(short_tables(case_results))
+            sys.stdout.flush()
+    finally:
+        ranks.barrier()
+    return 0
+
+
+def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult],
+            environment: dict[str, Any], matmul: dict[str, Any], notes: list[str], world: int,
+            dist_backend: str, settings: Settings, n: int) -> RunInfo:
+    calls: dict[str, str] = {}
+    for cr in case_results:
+        if cr.note:
+            notes.append(f"{cr.case.key}: {cr.note}")
+        full_floor = 8.0 * n * cr.case.shape.vocab_size * cr.case.shape.hidden_size \
+            / (matmul["tflops"] * 1e12) * 1e3
+        for result in cr.results.values():
+            floor = full_floor if result.provider == SINGLE_GPU else full_floor / world
+            result.times_floor = result.ms / floor if result.measured else None
+            if result.call:
+                calls.setdefault(result.label, result.call)
+            common.note_problem(notes, cr.case.key, result)
+    return RunInfo(
+        environment=environment, matmul=matmul, dtype=common.dtype_name(settings.dtype),
+        seed=settings.seed, quick=bool(args.quick), timing=settings.timing,
+        providers=list(args.providers), peer_versions={}, calls=calls, notes=notes,
+        world=world, dist_backend=dist_backend, backend=settings.backend, n=n,
+        shapes=list(args.shapes), regimes=list(args.regimes), min_reps=settings.min_reps,
+        f64_reference=settings.f64_reference,
+    )
+
+
+SUITE = Suite(
+    name=NAME,
+    help="the vocabulary-parallel LM head over K processes (torchrun): fusedloss's sharded "
+    "head against a Megatron-style baseline and the single-GPU head",
+    add_arguments=add_arguments,
+    run=run,
+)
+
