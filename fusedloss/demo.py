@@ -4,15 +4,30 @@ Two experiments run, one after the other (``--experiment`` picks one): ``lm``, a
 language model (``fusedloss.linear_cross_entropy``), and ``clip``, a CLIP-style two-tower
 model (``fusedloss.clip_loss``).
 
-Experiment ``lm`` trains a small causal language model on a synthetic token source two times
-from one seed — same initial weights, same batches, same AdamW — changing only the loss head:
+Experiment ``lm`` trains a small Hugging Face causal language model — a ``LlamaForCausalLM``
+built from a ``LlamaConfig`` (random init from the seed, nothing downloaded; needs
+``transformers``, the ``demo`` extra) — on a synthetic token source two times from one seed —
+same initial weights, same batches, same AdamW, ``model(input_ids=tokens, labels=tokens).loss``
+— changing only the loss head:
 
-* **pytorch**: ``F.cross_entropy(F.linear(hidden[:, :-1], W).float().flatten(0, 1),
-  tokens[:, 1:].flatten())``, which materializes the (B·(T−1), V) logits;
-* **fusedloss**: ``fusedloss.linear_cross_entropy(hidden, W, tokens, shift=True)``, which
-  never does.
+* **pytorch**: the model as transformers builds it: its forward materializes the (B·T, V)
+  logits with ``lm_head``, upcasts them to fp32 and calls ``F.cross_entropy`` on the shifted
+  labels;
+* **fusedloss**: the same model patched with
+  :func:`fusedloss.integrations.transformers.apply_fusedloss`, whose training forward calls
+  ``fusedloss.linear_cross_entropy`` on the final hidden states and ``lm_head.weight`` and never
+  builds the logits.
 
-It prints both loss curves side by side, the loss layer's peak memory and time per step, writes
+transformers computes the loss inside the model's forward, so the head cannot be measured on
+its own: for ``lm`` the timing and the peak memory cover the whole forward and backward of a
+training step (the optimizer update left out), the same work in both runs apart from the head.
+The CPU preset is sized so that the saving shows there too: N·V is four times the block of
+logits rows that fusedloss's chunked pure-PyTorch path (its CPU path) holds at a time, so
+fusedloss's step peaks at well under half of PyTorch's; on CUDA its Triton path holds no such
+block. Without transformers the ``lm`` experiment is skipped with a message saying how to
+install it; ``clip`` still runs.
+
+It prints both loss curves side by side, the measured peak memory and time per step, writes
 a PNG of the curves, and ends with a one-line verdict on whether the curves agree.
 
 The synthetic source (:class:`ZipfMarkovSource`) is a sparse first-order Markov chain:
@@ -44,7 +59,8 @@ that the scale stays at most 100. The pairs (:class:`PairedLatentSource`) share 
 its own PNG; no closed-form floor is drawn.
 
 The module is laid out so that further experiments reuse the same pieces: an experiment's
-training step is an :func:`optimizer_step` (its loss layer timed and measured on its own),
+training step is an :func:`optimizer_step` (its loss layer timed and measured on its own, or
+the whole forward+backward when the loss cannot be cut from the model),
 :func:`run_training` loops it into a :class:`RunResult`, :func:`train_both` runs the two
 heads and :func:`compare_heads` pairs them into a :class:`Comparison`, :func:`report` prints
 and plots it, and :data:`EXPERIMENTS` registers it with the command line.
@@ -69,6 +85,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedloss
+from fusedloss.core.engine import _torch_chunk_rows
+from fusedloss.integrations.transformers import apply_fusedloss
 
 MiB = 2**20
 
@@ -175,23 +193,33 @@ class ZipfMarkovSource:
 
 
 # ---------------------------------------------------------------------------------------------
-# Causal LM: model
+# Causal LM: model, a Hugging Face LlamaForCausalLM (random init from the seed, no download)
 # ---------------------------------------------------------------------------------------------
+
+TRANSFORMERS_MISSING = (
+    "the lm experiment trains a Hugging Face model and needs transformers: "
+    "pip install 'fusedloss[demo]' (or transformers==5.17.0)"
+)
 
 
 @dataclass(frozen=True)
 class LMConfig:
-    """Model, data and optimizer settings of the language-model experiment."""
+    """Model, data and optimizer settings of the language-model experiment.
 
-    vocab_size: int = 8192
-    d_model: int = 128
+    The model is a ``LlamaForCausalLM`` (:func:`build_lm`). ``head_dtype`` is the dtype its
+    forward runs in, and so the dtype of the loss head's inputs: ``float32``, or
+    ``bfloat16`` under autocast (the weights stay fp32).
+    """
+
+    vocab_size: int = 32768
+    d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    seq_len: int = 64
-    batch_size: int = 8
-    steps: int = 250
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 30
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 5
     weight_decay: float = 0.01
     support_size: int = 64
     zipf_exponent: float = 1.1
@@ -200,17 +228,28 @@ class LMConfig:
 
     def describe(self) -> str:
         """One line for the report."""
+        compute = (
+            "in float32"
+            if self.head_dtype == torch.float32
+            else f"under {dtype_name(self.head_dtype)} autocast"
+        )
         return (
-            f"V={self.vocab_size}, D={self.d_model}, {self.n_layers} × transformer block "
-            f"({self.n_heads} heads), batch {self.batch_size}×{self.seq_len} tokens, "
-            f"{self.steps} steps, AdamW lr {self.lr:g}, loss-head inputs in "
-            f"{dtype_name(self.head_dtype)}"
+            f"Hugging Face LlamaForCausalLM (random init), V={self.vocab_size}, "
+            f"D={self.d_model}, {self.n_layers} decoder layers ({self.n_heads} heads), "
+            f"batch {self.batch_size}×{self.seq_len} tokens, {self.steps} steps, AdamW lr "
+            f"{self.lr:g}, forward {compute}"
         )
 
     @property
     def tokens_per_step(self) -> int:
-        """Rows of the loss head per step: ``batch_size · (seq_len − 1)`` (shifted targets)."""
+        """Rows of the loss per step: ``batch_size · (seq_len − 1)`` (shifted targets)."""
         return self.batch_size * (self.seq_len - 1)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of transformers' logits per step: ``batch_size · seq_len`` (every position;
+        the last one's target is padded with -100)."""
+        return self.batch_size * self.seq_len
 
 
 LM_SIZES: dict[str, LMConfig] = {
@@ -225,7 +264,9 @@ LM_SIZES: dict[str, LMConfig] = {
         steps=20,
         warmup_steps=5,
     ),
-    # Two runs of 250 steps take about two minutes on one core of a busy 2-core machine.
+    # The CPU default. Two runs of 30 steps take about 70 s on one core of a 2-core machine.
+    # N·V = 2032 × 32768: PyTorch's logits (254 MiB in fp32) are four of the blocks fusedloss's
+    # CPU path holds at a time (FUSEDLOSS_TORCH_CHUNK_ELEMENTS = 2^24 fp32 logits, 64 MiB).
     "small": LMConfig(),
     # A GPU-sized run where the (N, V) logits are ~1 GiB in fp32.
     "large": LMConfig(
@@ -235,98 +276,62 @@ LM_SIZES: dict[str, LMConfig] = {
         n_heads=8,
         seq_len=512,
         batch_size=16,
+        steps=250,
         lr=1e-3,
+        warmup_steps=20,
         head_dtype=torch.bfloat16,
     ),
 }
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: (B, T, D) → (B, T, D)."""
+def build_lm(config: LMConfig) -> nn.Module:
+    """A ``LlamaForCausalLM`` of the config's sizes, in training mode, its weights drawn from
+    torch's global generator (seed it first): untied head, SwiGLU MLP of width ``4·d_model``,
+    RoPE, no dropout, no KV cache. Built from a ``LlamaConfig``: nothing is downloaded.
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, d_model = x.shape
-        q, k, v = self.qkv(x).view(batch, seq_len, 3, self.n_heads, -1).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # (B, H, T, D/H)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq_len, d_model))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: attention then a 4× GELU MLP, each residual."""
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.attn_norm = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
-        self.mlp_norm = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class CausalLM(nn.Module):
-    """Decoder-only transformer; :meth:`forward` stops before the LM head.
-
-    The head is the untied parameter ``lm_head_weight`` (V, D), applied by the loss head, so
-    the two runs differ only in how logits and their gradient are computed.
+    Raises:
+        ImportError: transformers is not installed (the message says how to install it).
     """
-
-    def __init__(self, config: LMConfig) -> None:
-        super().__init__()
-        d_model = config.d_model
-        self.token_embedding = nn.Embedding(config.vocab_size, d_model)
-        self.position_embedding = nn.Embedding(config.seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, config.n_heads) for _ in range(config.n_layers))
-        self.final_norm = nn.LayerNorm(d_model)
-        self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, d_model))
-        for embedding in (self.token_embedding, self.position_embedding):
-            nn.init.normal_(embedding.weight, std=0.02)
-        nn.init.normal_(self.lm_head_weight, std=d_model**-0.5)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T) int64 tokens → (B, T, D) final-norm hidden states."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.final_norm(x)
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as error:
+        raise ImportError(TRANSFORMERS_MISSING) from error
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=4 * config.d_model,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_heads,
+        max_position_embeddings=config.seq_len,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(hf_config).train()
 
 
 # ---------------------------------------------------------------------------------------------
-# Causal LM: loss heads, (hidden (B, T, D), weight (V, D), tokens (B, T)) → scalar mean loss, fp32
+# Causal LM: loss heads, model → the model whose training forward computes the loss that way
 # ---------------------------------------------------------------------------------------------
 
-LossHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+def pytorch_lm_head(model: nn.Module) -> nn.Module:
+    """Reference: the model as transformers builds it. Its forward materializes the
+    (B·T, V) logits (``lm_head``), upcasts them to fp32 and calls ``F.cross_entropy``."""
+    return model
 
 
-def pytorch_lm_head(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
-) -> torch.Tensor:
-    """Reference head: materializes the (B·(T−1), V) logits, upcast to fp32."""
-    logits = F.linear(hidden[:, :-1], weight).float()
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+def fusedloss_lm_head(model: nn.Module) -> nn.Module:
+    """The model patched with :func:`fusedloss.integrations.transformers.apply_fusedloss`: in
+    training with labels its forward calls ``fusedloss.linear_cross_entropy`` on the final
+    hidden states and ``lm_head.weight``, and never builds the logits."""
+    return apply_fusedloss(model)
 
 
-def fusedloss_lm_head(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
-) -> torch.Tensor:
-    """The same loss via ``fusedloss.linear_cross_entropy``: no (N, V) logits in memory."""
-    return fusedloss.linear_cross_entropy(hidden, weight, tokens, shift=True)
-
-
-LM_HEADS: dict[str, LossHead] = {"pytorch": pytorch_lm_head, "fusedloss": fusedloss_lm_head}
+LM_HEADS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "pytorch": pytorch_lm_head,
+    "fusedloss": fusedloss_lm_head,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +341,8 @@ LM_HEADS: dict[str, LossHead] = {"pytorch": pytorch_lm_head, "fusedloss": fusedl
 
 @dataclass
 class RunResult:
-    """One training run: the loss per step and what the loss layer cost."""
+    """One training run: the loss per step and what the measured part of the step cost (the
+    loss layer, or for ``lm`` the whole forward+backward: :attr:`Comparison.measured`)."""
 
     name: str
     losses: list[float] = field(default_factory=list)
@@ -364,6 +370,7 @@ class Comparison:
     tolerance: float
     notes: list[str] = field(default_factory=list)
     floor: float | None = None  # the best loss any model can reach, drawn on the plot
+    measured: str = "loss layer"  # what the timings and peaks cover, for the report
 
     def differences(self) -> list[float]:
         """Per-step ``candidate − reference`` losses."""
@@ -501,13 +508,17 @@ def optimizer_step(
     ``forward()`` runs the model body; ``loss_fn`` gets detached copies of its outputs, so that
     :func:`run_loss_layer` sees only the loss layer, and their gradients are then pushed
     through the body. The result is the same gradient as one ``loss.backward()`` through
-    everything.
+    everything. A model that computes its loss inside its own forward (``lm``'s Hugging Face
+    model) cannot be cut there: its ``forward`` returns ``()`` and ``loss_fn()`` runs the whole
+    model, so the timing and the memory cover the whole forward and backward.
     """
     optimizer.zero_grad(set_to_none=True)
     outputs = tuple(forward())
     leaves = [output.detach().requires_grad_() for output in outputs]
-    cost = run_loss_layer(lambda: loss_fn(*leaves), outputs[0].device, measure_memory)
-    torch.autograd.backward(outputs, [leaf.grad for leaf in leaves])
+    device = optimizer.param_groups[0]["params"][0].device
+    cost = run_loss_layer(lambda: loss_fn(*leaves), device, measure_memory)
+    if outputs:
+        torch.autograd.backward(outputs, [leaf.grad for leaf in leaves])
     optimizer.step()
     return cost
 
@@ -595,27 +606,32 @@ def resolve_device(name: str) -> torch.device:
 
 
 def lm_train_step(
-    model: CausalLM,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     tokens: torch.Tensor,
-    head: LossHead,
     head_dtype: torch.dtype,
     measure_memory: bool = False,
 ) -> StepCost:
-    """One optimizer step on a (B, T) batch (see :func:`optimizer_step`).
+    """One optimizer step on a (B, T) batch: ``model(input_ids=tokens, labels=tokens).loss``.
 
-    The loss layer runs on a detached copy of the (B, T, D) hidden states; the head weight
-    is a parameter of the loss layer itself.
+    transformers computes the loss inside the model's forward (the patched forward too), so
+    the head cannot be cut out: the timed and measured part is the whole forward and backward
+    (:func:`optimizer_step` with nothing left outside the measurement).
 
     Returns:
-        (loss, loss-layer seconds, loss-layer peak bytes or None).
+        (loss, forward+backward seconds, forward+backward peak bytes or None).
     """
-    return optimizer_step(
-        optimizer,
-        lambda: (model(tokens),),
-        lambda hidden: head(hidden.to(head_dtype), model.lm_head_weight.to(head_dtype), tokens),
-        measure_memory,
-    )
+
+    def loss_fn() -> torch.Tensor:
+        autocast = (
+            nullcontext()
+            if head_dtype == torch.float32
+            else torch.autocast(tokens.device.type, dtype=head_dtype)
+        )
+        with autocast:
+            return model(input_ids=tokens, labels=tokens).loss
+
+    return optimizer_step(optimizer, lambda: (), loss_fn, measure_memory)
 
 
 def train_lm(
@@ -625,30 +641,29 @@ def train_lm(
     source: ZipfMarkovSource | None = None,
     memory_step: int = 1,
 ) -> RunResult:
-    """Train a fresh :class:`CausalLM` from ``config.seed`` with one loss head.
+    """Train a fresh :func:`build_lm` model from ``config.seed`` with one loss head.
 
     Args:
         config: sizes, steps and optimizer settings.
-        head_name: a key of :data:`LM_HEADS`.
+        head_name: a key of :data:`LM_HEADS` (``"fusedloss"`` patches the model).
         device: where the model and batches live.
         source: token source (built from ``config`` when None; pass one to share it).
-        memory_step: the step whose loss layer is measured for peak memory; it is left out
-            of the timings (on CPU it runs under the profiler).
+        memory_step: the step whose forward+backward is measured for peak memory; it is left
+            out of the timings (on CPU it runs under the profiler).
 
     Returns:
-        A :class:`RunResult` with ``config.steps`` losses and loss-layer timings.
+        A :class:`RunResult` with ``config.steps`` losses and forward+backward timings.
     """
     source = source or lm_source(config)
     torch.manual_seed(config.seed)
-    model = CausalLM(config).to(device)
+    model = LM_HEADS[head_name](build_lm(config).to(device))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
-    head = LM_HEADS[head_name]
 
     def train_step(step: int, measure_memory: bool) -> StepCost:
         tokens = source.batch(step, config.batch_size, config.seq_len).to(device)
-        return lm_train_step(model, optimizer, tokens, head, config.head_dtype, measure_memory)
+        return lm_train_step(model, optimizer, tokens, config.head_dtype, measure_memory)
 
     return run_training(head_name, config, optimizer, train_step, memory_step)
 
@@ -666,37 +681,49 @@ def lm_experiment(
     source: ZipfMarkovSource | None = None,
     verbose: bool = True,
 ) -> Comparison:
-    """Train the causal LM with the PyTorch head, then with the fusedloss head; compare."""
+    """Train the Llama model unpatched (PyTorch head), then patched with fusedloss; compare."""
     source = source or lm_source(config)
     runs = train_both(lambda head_name: train_lm(config, head_name, device, source), verbose)
-    return compare_heads(
-        f"causal LM, V={config.vocab_size}, D={config.d_model}, {config.n_layers} layers",
+    comparison = compare_heads(
+        f"causal LM (LlamaForCausalLM), V={config.vocab_size}, D={config.d_model}, "
+        f"{config.n_layers} layers",
         runs,
         config.head_dtype,
         notes=lm_memory_notes(config, device),
         floor=source.optimal_loss(config.seq_len),
     )
+    return replace(comparison, measured="training step")
 
 
 def lm_memory_notes(config: LMConfig, device: torch.device) -> list[str]:
-    """What each head must hold, analytically, to put the measured peaks in context."""
-    n, v = config.tokens_per_step, config.vocab_size
-    logits = f"N×V = {n}×{v} fp32 logits = {n * v * 4 / MiB:.1f} MiB"
+    """What is measured, and what each head must hold, analytically, to put the peaks in
+    context."""
+    rows, n, v = config.logit_rows, config.tokens_per_step, config.vocab_size
+    logits = f"B·T×V = {rows}×{v} fp32 logits = {rows * v * 4 / MiB:.1f} MiB"
     if config.head_dtype != torch.float32:
-        size = n * v * config.head_dtype.itemsize / MiB
-        logits += f" (and first the {dtype_name(config.head_dtype)} ones, "
-        logits += f"{size:.1f} MiB)"
-    return memory_notes(
-        device,
-        analytic=f"analytic: the PyTorch head materializes {logits}, and F.cross_entropy keeps "
-        "a log-softmax of the same size for the backward",
-        cuda="fusedloss (Triton) keeps per-row statistics and small per-tile records, never an "
-        "N×V array",
-        cpu="on the CPU fusedloss runs its chunked pure-PyTorch path, which holds a block of "
-        "rows × V fp32 logits at a time (all N rows when N is below its chunk size), so "
-        "at this N its CPU peak is no smaller than PyTorch's; the saving is the Triton "
-        "path's, on CUDA",
-    )
+        size = rows * v * config.head_dtype.itemsize / MiB
+        logits += f" (and first the {dtype_name(config.head_dtype)} ones, {size:.1f} MiB)"
+    chunk = min(_torch_chunk_rows(v), n)  # the rows of logits it holds at a time
+    blocks = math.ceil(n / chunk)
+    return [
+        "measured: the whole forward+backward of the model (embeddings, decoder layers, head, "
+        "loss, parameter gradients), the optimizer update left out; transformers computes the "
+        "loss inside the forward, so the head cannot be measured apart. The rest of the step "
+        "is the same in both runs: the difference is the head's",
+        *memory_notes(
+            device,
+            analytic=f"analytic: transformers' head materializes {logits}; F.cross_entropy "
+            "keeps a log-softmax of the same size for the backward, which builds gradients of "
+            "the same size",
+            cuda="fusedloss (Triton) keeps per-row statistics and small per-tile records, never "
+            "an N×V array",
+            cpu=f"on the CPU fusedloss runs its chunked pure-PyTorch path, which holds {chunk} "
+            f"rows × V fp32 logits at a time ({chunk * v * 4 / MiB:.1f} MiB; N = {n} rows here, "
+            f"{blocks} block{'s' * (blocks > 1)}), so the head's share of its peak does not grow "
+            "with N, and recomputes each block in the backward, so on the CPU its step is "
+            "slower; on CUDA its Triton path holds no such block",
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,21 +1078,23 @@ def plot_curves(comparison: Comparison, path: Path) -> Path | None:
 
 
 def format_costs(comparison: Comparison, device: torch.device, skip: int) -> list[str]:
-    """Loss-layer peak memory and mean time per step for both runs, one line each."""
+    """Peak memory and mean time per step of the measured part (``comparison.measured``: the
+    loss layer, or the training step) for both runs, one line each."""
+    what = comparison.measured
     if device.type == "cuda":
-        how = "torch.cuda.max_memory_allocated during loss forward+backward, above the start"
+        how = "torch.cuda.max_memory_allocated during its forward+backward, above the start"
     else:
         how = (
             "measured with torch.profiler allocation events of PyTorch's CPU allocator "
-            "during loss forward+backward of one step, above the start"
+            "during its forward+backward of one step, above the start"
         )
-    lines = [f"loss layer peak memory ({how}):"]
+    lines = [f"{what} peak memory ({how}):"]
     runs = (comparison.reference, comparison.candidate)
     for run in runs:
         peak = run.loss_layer_peak_bytes
         lines.append(f"  {run.name:>10}: " + ("n/a" if peak is None else f"{peak / MiB:9.1f} MiB"))
     sync = ", synchronized" if device.type == "cuda" else ""
-    lines.append(f"loss layer time (mean ms per step, forward+backward{sync}):")
+    lines.append(f"{what} time (mean ms per step, forward+backward{sync}):")
     for run in runs:
         lines.append(f"  {run.name:>10}: {run.mean_loss_layer_ms(skip):9.2f} ms")
     return lines
@@ -1135,7 +1164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="dtype of the loss head's inputs (auto: preset)",
+        help="dtype of the loss inputs: lm runs its forward under autocast to it, clip casts "
+        "its features (auto: preset)",
     )
     parser.add_argument(
         "--out",
@@ -1195,7 +1225,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Comparison]:
                 print("\n" + "=" * 100 + "\n")
             presets, run_demo = EXPERIMENTS[name]
             config = config_from_args(args, device, presets)
-            comparisons[name] = run_demo(config, device, args.out, args.log_every)
+            comparison = run_demo(config, device, args.out, args.log_every)
+            if comparison is not None:  # None: skipped (lm without transformers)
+                comparisons[name] = comparison
     finally:
         torch.set_num_threads(threads)
     return comparisons
@@ -1232,8 +1264,14 @@ def _run_demo(
 
 def _run_lm_demo(
     config: LMConfig, device: torch.device, out_dir: Path, every: int | None
-) -> Comparison:
-    """Print the setup, run :func:`lm_experiment`, and report it."""
+) -> Comparison | None:
+    """Print the setup, run :func:`lm_experiment`, and report it; without transformers,
+    say so and return None (the other experiments still run)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"fusedloss demo: lm experiment skipped: {TRANSFORMERS_MISSING}")
+        return None
     source = lm_source(config)
     data = (
         f"Zipf-Markov chain, {config.support_size} successors per token, exponent "
@@ -1246,7 +1284,8 @@ def _run_lm_demo(
         device,
         out_dir,
         every,
-        what="causal LM, PyTorch head vs fusedloss head",
+        what="causal LM (Hugging Face Llama), PyTorch head vs fusedloss head "
+        "(apply_fusedloss)",
         data=data,
         experiment=lambda: lm_experiment(config, device, source),
         plot_name="lm_loss_curves.png",
@@ -1275,8 +1314,9 @@ def _run_clip_demo(
     )
 
 
-# name → (presets selected by --size, function printing the set-up, running and reporting it)
-EXPERIMENTS: dict[str, tuple[dict, Callable[..., Comparison]]] = {
+# name → (presets selected by --size, function printing the set-up, running and reporting it;
+# it returns None when the experiment was skipped)
+EXPERIMENTS: dict[str, tuple[dict, Callable[..., Comparison | None]]] = {
     "lm": (LM_SIZES, _run_lm_demo),
     "clip": (CLIP_SIZES, _run_clip_demo),
 }

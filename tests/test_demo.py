@@ -1,4 +1,5 @@
-"""The demo (``python -m fusedloss demo``) on tiny configurations: both heads train alike."""
+"""The demo (``python -m fusedloss demo``) on tiny configurations: both heads train alike; and
+at the CPU preset's size, one step of each head: fusedloss's step peaks well below PyTorch's."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def test_both_heads_trace_the_same_curve(tiny_comparisons, experiment):
     assert max(abs(d) for d in tiny_comparison.differences()) < 1e-4
     assert tiny_comparison.agrees()
     assert reference.losses[-1] < reference.losses[0] - 0.5  # it does learn
+    # lm: the loss is inside the Hugging Face model's forward, so the whole step is measured.
+    assert tiny_comparison.measured == {"lm": "training step", "clip": "loss layer"}[experiment]
     for run in (reference, candidate):
         assert run.loss_layer_peak_bytes is not None and run.loss_layer_peak_bytes > 0
         assert run.mean_loss_layer_ms(skip=3) > 0
@@ -83,16 +86,50 @@ def test_both_heads_trace_the_same_curve(tiny_comparisons, experiment):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_heads_compute_the_same_loss(dtype):
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2, 7, 16, generator=generator).to(dtype)
-    weight = torch.randn(50, 16, generator=generator).to(dtype)
-    tokens = torch.randint(0, 50, (2, 7), generator=generator)
-    fused = demo.fusedloss_lm_head(hidden, weight, tokens)
-    reference = demo.pytorch_lm_head(hidden, weight, tokens)
-    assert fused.dtype == reference.dtype == torch.float32
+    """The lm heads are the Hugging Face model, unpatched and patched with apply_fusedloss: the
+    same loss (autocast to ``dtype``), and the patched one builds no logits."""
+    tokens = demo.lm_source(TINY).batch(step=0, batch_size=2, seq_len=TINY.seq_len)
+    outputs = {}
+    for name, head in demo.LM_HEADS.items():
+        torch.manual_seed(0)
+        model = head(demo.build_lm(TINY))
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+        with autocast:
+            outputs[name] = model(input_ids=tokens, labels=tokens)
+    fused, reference = outputs["fusedloss"], outputs["pytorch"]
+    assert type(fused.loss) is torch.Tensor and fused.loss.dtype == torch.float32
+    assert fused.logits is None and reference.logits is not None
     # bf16: PyTorch rounds the logits to bf16 before its fp32 softmax; fusedloss does not.
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(fused.loss, reference.loss, rtol=tolerance, atol=tolerance)
+
+
+def test_fusedloss_step_holds_less_memory_at_the_cpu_preset():
+    """One measured step of each head at the size ``make demo`` trains on the CPU: PyTorch's
+    step holds the B·T×V fp32 logits (and more of that size), fusedloss's well under half."""
+    config = replace(demo.LM_SIZES["small"], steps=1)  # memory_step is clamped to step 0
+    assert config == replace(demo.config_from_args(demo.build_parser().parse_args([]),
+                                                   torch.device("cpu")), steps=1)
+    source = demo.lm_source(config)
+    peaks = {
+        name: demo.train_lm(config, name, torch.device("cpu"), source).loss_layer_peak_bytes
+        for name in ("pytorch", "fusedloss")
+    }
+    logits_bytes = config.logit_rows * config.vocab_size * 4
+    assert peaks["pytorch"] > 2 * logits_bytes
+    assert peaks["fusedloss"] < 0.5 * peaks["pytorch"]
+    assert peaks["fusedloss"] < 1.5 * logits_bytes
+
+
+def test_lm_is_skipped_without_transformers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    comparisons = demo.main(["--size", "tiny", "--steps", "4", "--out", str(tmp_path)])
+    assert list(comparisons) == ["clip"]
+    out = capsys.readouterr().out
+    assert "lm experiment skipped" in out and "pip install 'fusedloss[demo]'" in out
+    assert out.count("verdict:") == 1
+    with pytest.raises(ImportError, match="needs transformers"):
+        demo.build_lm(TINY)
 
 
 def test_learned_logit_scales_agree(tiny_comparisons):
@@ -145,6 +182,7 @@ def test_report_writes_png(tiny_comparisons, experiment, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"plot written to {path}" in out
     assert "verdict: max |difference|" in out and "AGREE" in out
+    assert f"{tiny_comparison.measured} peak memory" in out
 
 
 def test_report_without_matplotlib_skips_plot(tiny_comparison, tmp_path, monkeypatch, capsys):
