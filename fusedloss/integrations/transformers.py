@@ -33,13 +33,22 @@ logits). Only families whose loss and every parameter gradient were checked equa
 unpatched model's (``tests/test_transformers.py``) are accepted: :data:`SUPPORTED_FAMILIES`.
 Anything else is refused with an error naming the class, as are the heads this cannot
 reproduce: ``pretraining_tp > 1``, a LoRA (or other PEFT tuner) layer on ``lm_head``, a head that
-is not a plain ``nn.Linear`` or has forward hooks, a forward whose head differs from the
-family's known one (a newer transformers). PEFT's ``ModulesToSaveWrapper`` on ``lm_head``
-(``modules_to_save=["lm_head"]``) is unwrapped at each call (the active adapter's copy, or the
-original when adapters are disabled); a ``PeftModel`` is patched through its base model.
+is not a plain ``nn.Linear`` or has forward hooks (other than FSDP2's), a forward whose head
+differs from the family's known one (a newer transformers). PEFT's ``ModulesToSaveWrapper`` on
+``lm_head`` (``modules_to_save=["lm_head"]``) is unwrapped at each call (the active adapter's
+copy, or the original when adapters are disabled); a ``PeftModel`` is patched through its base
+model.
 
 Under autocast the head's inputs are cast to the autocast dtype (as ``nn.Linear`` would be);
 outside autocast, hidden states whose dtype differs from the head's weight are cast to it.
+
+FSDP: with the head in an enclosing unit (FSDP2 ``fully_shard(model)``, FSDP1 around the
+model) that unit's hooks have gathered the full weight before the forward runs. When
+``lm_head`` is its own unit (FSDP2 ``fully_shard(model.lm_head)`` or a group with the tied
+embedding; FSDP1 wrapping it), the loss runs *as the head module's forward*
+(:func:`_loss_through_head`), so FSDP gathers the weight for it, re-gathers it before its
+backward and reduce-scatters its gradient, as for ``lm_head(hidden)``. A weight still sharded
+at the loss (another layout, a tensor-parallel head, DeepSpeed ZeRO-3) is refused by name.
 """
 
 from __future__ import annotations
@@ -213,6 +222,46 @@ def _active_head(model: nn.Module) -> nn.Module:
     return head
 
 
+def _is_fsdp2_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) made this module its own unit."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _fsdp1_wrapped(module: nn.Module) -> nn.Module | None:
+    """The module an FSDP1 ``FullyShardedDataParallel`` wrapper holds, else None."""
+    if type(module).__name__ == "FullyShardedDataParallel":
+        return getattr(module, "_fsdp_wrapped_module", None)
+    return None
+
+
+def _unsharded_type(module: nn.Module) -> type:
+    """The module's class, seen through FSDP2's dynamic ``FSDP<Class>(FSDPModule, Class)``."""
+    cls = type(module)
+    if _is_fsdp2_module(module):
+        from torch.distributed.fsdp import FSDPModule
+
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls
+
+
+def _foreign_hooks(module: nn.Module) -> list:
+    """The module's forward (pre-)hooks other than FSDP2's own (which the fused loss runs:
+    see :func:`_loss_through_head`)."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+
+    def owner(hook):  # FSDP2's hooks are FSDPState methods (wrapped for grouped units)
+        while hook is not None and getattr(hook, "__self__", None) is None:
+            hook = getattr(hook, "__wrapped__", None)
+        return getattr(hook, "__self__", None)
+
+    return [h for h in hooks
+            if not type(owner(h)).__module__.startswith("torch.distributed.fsdp.")]
+
+
 def _check_head(model: nn.Module) -> None:
     name = type(model).__name__
     head = getattr(model, "lm_head", None)
@@ -227,12 +276,13 @@ def _check_head(model: nn.Module) -> None:
     if _is_peft_tuner(head):
         raise FusedLossUnsupportedError(
             f"{name}: lm_head holds a PEFT tuner layer ({type(head).__name__}); not supported")
-    if type(head) is not nn.Linear:
+    head = _fsdp1_wrapped(head) or head  # lm_head as its own FSDP1 unit: the Linear inside
+    if _unsharded_type(head) is not nn.Linear:
         raise FusedLossUnsupportedError(
             f"{name}: unknown head transform: lm_head is {type(head).__module__}."
             f"{type(head).__name__}, not a plain torch.nn.Linear (quantized or custom heads are "
             f"not supported)")
-    if head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"):
+    if _foreign_hooks(head) or hasattr(head, "_hf_hook"):
         raise FusedLossUnsupportedError(
             f"{name}: unknown head transform: lm_head has forward hooks (e.g. accelerate's "
             f"device-map offloading), which the fused loss would skip")
@@ -320,34 +370,43 @@ def _loss_forward(self, state: _State, kw: dict):
     outputs = self.model(**kw)
 
     hidden = outputs.last_hidden_state
-    head = _active_head(self)
-    weight, bias = head.weight, head.bias
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        weight = weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-
-    softcap = None
-    if family.head == "softcap":
-        softcap = self.config.final_logit_softcapping
-    elif family.head == "logit_scale":  # logits * s == (h * s) @ W.T (+ b * s)
-        hidden = hidden * self.logit_scale
-        bias = bias * self.logit_scale if bias is not None else None
-    elif family.head == "logits_scaling":  # logits / s == (h / s) @ W.T (+ b / s)
-        hidden = hidden / self.config.logits_scaling
-        bias = bias / self.config.logits_scaling if bias is not None else None
-
     if shift_labels is not None:
         target, shift = shift_labels.to(hidden.device), False
     else:
         target, shift = labels.to(hidden.device), True
-    with torch.autocast(device_type, enabled=False):
-        loss = linear_cross_entropy(
-            hidden, weight, target, linear_bias=bias, ignore_index=ignore_index,
-            reduction="mean" if num_items is None else "sum", softcap=softcap, shift=shift,
-            **state.options)
+
+    def head_loss(hidden, weight, bias):
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            weight = weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+        softcap = None
+        if family.head == "softcap":
+            softcap = self.config.final_logit_softcapping
+        elif family.head == "logit_scale":  # logits * s == (h * s) @ W.T (+ b * s)
+            hidden = hidden * self.logit_scale
+            bias = bias * self.logit_scale if bias is not None else None
+        elif family.head == "logits_scaling":  # logits / s == (h / s) @ W.T (+ b / s)
+            hidden = hidden / self.config.logits_scaling
+            bias = bias / self.config.logits_scaling if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return linear_cross_entropy(
+                hidden, weight, target.to(hidden.device), linear_bias=bias,
+                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+                softcap=softcap, shift=shift, **state.options)
+
+    head = _active_head(self)
+    if _is_fsdp2_module(head) or _fsdp1_wrapped(head) is not None:
+        # The head is its own FSDP unit: its weight is a shard until the unit's hooks gather it.
+        loss = _loss_through_head(head, head_loss, hidden)
+    else:
+        # Plain, or managed by an enclosing FSDP unit (fully_shard(model) / FSDP1 around the
+        # model), whose pre-forward hook has already gathered the full weight (see
+        # _loss_through_head for why the backward then has it too).
+        _check_gathered(self, head.weight, hidden)
+        loss = head_loss(hidden, head.weight, head.bias)
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
             num_items = num_items.to(loss.device)
@@ -366,6 +425,64 @@ def _loss_forward(self, state: _State, kw: dict):
         loss=loss, logits=None, past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
     return out if return_dict else out.to_tuple()
+
+
+def _loss_through_head(head: nn.Module, head_loss, hidden: torch.Tensor) -> torch.Tensor:
+    """``head_loss(hidden, weight, bias)`` run *as the head module's forward*, so that the
+    hooks FSDP2 (``fully_shard(lm_head)``) put on the head fire around the fused loss.
+
+    The fused loss never calls ``lm_head``, so without this the head unit's hooks never run:
+    ``head.weight`` stays the local shard (a DTensor: a shape mismatch), and nothing would
+    re-gather it for the backward. Calling the head module with its forward swapped for the
+    loss gives FSDP2 exactly the calls a plain ``lm_head(hidden)`` gives it:
+
+    - pre-forward: all-gathers the weight and swaps the unsharded parameter in, so reading
+      ``head.weight`` inside the call gives the full (V, H) weight; it also hooks ``hidden``
+      (the call's input) so that the post-backward reduce-scatters the weight's gradient once
+      the gradient of ``hidden`` is computed.
+    - post-forward: with ``reshard_after_forward=True`` frees the unsharded weight's storage,
+      which the fused loss's autograd node has saved; and registers the pre-backward hook on
+      the call's *output*, here the loss itself. The backward starts at the loss, so that hook
+      re-gathers the weight (into the same storage the saved tensor refers to) before the fused
+      backward reads it — as it does before ``nn.Linear``'s backward for the logits.
+    - the gradient of the full weight accumulates on the unsharded parameter, and FSDP2's
+      post-backward reduce-scatters it to the sharded parameter's ``.grad``, as for a plain
+      head.
+
+    FSDP1 (``FullyShardedDataParallel`` wrapping ``lm_head``) does the same in its wrapper's
+    forward: the forward of the ``nn.Linear`` inside is swapped, and the wrapper is called.
+
+    The swap is undone in ``finally`` (a forward the instance already had is restored).
+    """
+    linear = _fsdp1_wrapped(head) or head
+
+    def forward(module, hidden):
+        return head_loss(hidden, module.weight, module.bias)
+
+    had = linear.__dict__.get("forward")
+    linear.forward = types.MethodType(forward, linear)
+    try:
+        return head(hidden)
+    finally:
+        if had is None:
+            del linear.forward
+        else:
+            linear.forward = had
+
+
+def _check_gathered(model: nn.Module, weight: torch.Tensor, hidden: torch.Tensor) -> None:
+    """A sharded head weight that reaches the fused loss is refused by name, not left to fail
+    with a shape mismatch deep inside the kernel."""
+    is_dtensor = type(weight).__name__ == "DTensor"
+    if is_dtensor or weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
+        what = (f"a DTensor with placements {tuple(weight.placements)}" if is_dtensor
+                else f"of shape {tuple(weight.shape)} (hidden size {hidden.shape[-1]})")
+        raise FusedLossUnsupportedError(
+            f"{type(model).__name__}: lm_head.weight reaches the fused loss sharded ({what}). "
+            f"Supported sharding: FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel) "
+            f"units around the whole model (the head in the root unit) or around lm_head. "
+            f"Not supported: an FSDP unit between the model and lm_head (e.g. around PEFT's "
+            f"ModulesToSaveWrapper), a tensor-parallel (vocab-sharded) head, DeepSpeed ZeRO-3")
 
 
 # --------------------------------------------------------------------------------------------
