@@ -11,6 +11,7 @@ from .distributed._group import group_rank_world, mean_over_ranks, sum_grad_over
 from .distributed.contrastive import pair_loss
 from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .losses.cross_entropy import check_options, linear_cross_entropy
+from .switchback import SwitchBackLinear  # noqa: F401  (re-exported as fusedloss.nn.SwitchBackLinear)
 
 
 class LinearCrossEntropyLoss(nn.Module):
