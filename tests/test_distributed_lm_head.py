@@ -65,8 +65,11 @@ def _upstream(loss, lse):
     return loss + 0.1 * lse.sum()
 
 
-def _shard_case(rank, world, case):
-    hidden, weight, bias, class_weight, target = _problem(case)
+def _shard_case(rank, world, case, device="cpu"):
+    """On every rank: the sharded head, backward; the results on the CPU. ``device="cuda"``:
+    each rank's tensors on its GPU (NCCL workers)."""
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    hidden, weight, bias, class_weight, target = (t.to(dev) for t in _problem(case))
     starts = case.get("starts") or [sum(case["shards"][:r]) for r in range(world)]
     lo, hi = starts[rank], starts[rank] + case["shards"][rank]
     h = hidden.clone().requires_grad_()
@@ -75,12 +78,13 @@ def _shard_case(rank, world, case):
     opts = _options(case, b, class_weight[lo:hi])
     if case.get("vocab_order") == "permuted":  # this shard's tiles in another order
         g = torch.Generator().manual_seed(case["seed"] + rank)
-        opts["vocab_order"] = torch.randperm(hi - lo, generator=g)
+        opts["vocab_order"] = torch.randperm(hi - lo, generator=g).to(dev)
     loss, lse = fusedloss.linear_cross_entropy(
         h, w, target, process_group=dist.group.WORLD,
         vocab_start=lo if case.get("starts") else None, **opts)
     _upstream(loss, lse).backward()
-    return loss.detach(), lse.detach(), h.grad, w.grad, b.grad if case["bias"] else None
+    return tuple(None if t is None else t.detach().cpu() for t in (
+        loss, lse, h.grad, w.grad, b.grad if case["bias"] else None))
 
 
 def _check(case, results):
@@ -111,8 +115,8 @@ def _check(case, results):
 
 
 @st.composite
-def head_cases(draw):
-    world = draw(st.integers(1, 3))
+def head_cases(draw, backends=BACKENDS, max_world=3):
+    world = draw(st.integers(1, max_world))
     return dict(
         shards=draw(st.lists(st.integers(1, 9), min_size=world, max_size=world)),
         tokens=(draw(st.integers(1, 3)), draw(st.integers(1, 5))),
@@ -123,7 +127,7 @@ def head_cases(draw):
         softcap=draw(st.sampled_from([None, 3.0])),
         shift=draw(st.booleans()), bias=draw(st.booleans()),
         class_weight=draw(st.booleans()), ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
-        backend=draw(st.sampled_from(BACKENDS)), seed=draw(st.integers(0, 2**16)),
+        backend=draw(st.sampled_from(backends)), seed=draw(st.integers(0, 2**16)),
         vocab_order=draw(st.sampled_from([None, "permuted"])),
     )
 
@@ -132,6 +136,18 @@ def head_cases(draw):
 def test_sharded_head_equals_whole_head(workers, case):
     results = _ok(workers(len(case["shards"])).run(_shard_case, case))
     _check(case, results)
+
+
+NCCL_WORLD = min(torch.cuda.device_count(), 3)
+
+
+@pytest.mark.skipif(NCCL_WORLD < 2, reason="needs two or more CUDA GPUs")
+@given(case=head_cases(backends=("triton", "torch"), max_world=max(NCCL_WORLD, 1)))
+def test_sharded_head_on_nccl_equals_whole_head(nccl_workers, case):
+    """The same property over NCCL, one process per GPU; the reference: one process on the
+    CPU with the torch backend."""
+    results = _ok(nccl_workers(len(case["shards"])).run(_shard_case, case, "cuda"))
+    _check(dict(case, backend="torch"), results)
 
 
 def test_explicit_vocab_start(workers):
