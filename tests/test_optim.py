@@ -287,3 +287,33 @@ def test_rms_is_per_tensor_mean():
                + (1 - beta2) * 1e6) / (1 - beta2**t)
     expected = math.sqrt((1e6 / u_hat_0 + 99 * 1.0) / 100)
     assert abs(opt.state[p]["rms"].item() - expected) < 1e-4 * expected
+
+
+def test_step_compiles_fullgraph_like_eager():
+    """``torch.compile(optimizer.step, fullgraph=True)``: the same parameters and state as
+    eager steps (no host sync breaks the graph), over a few steps with a gradient spike."""
+    torch.manual_seed(0)
+    shapes = [(4, 3), (3,), (2, 2, 2)]
+    grads = [[torch.randn(s) * (50.0 if k == 2 and i == 0 else 1.0) for i, s in
+              enumerate(shapes)] for k in range(4)]
+
+    def run(compiled):
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = StableAdamW(params, lr=0.1, weight_decay=0.01, track_rms=True)
+        step = torch.compile(opt.step, fullgraph=True, backend="aot_eager") if compiled \
+            else opt.step
+        for g in grads:
+            for p, gp in zip(params, g, strict=True):
+                p.grad = gp.clone()
+            step()
+        return params, opt
+
+    torch._dynamo.reset()
+    eager_params, eager_opt = run(False)
+    compiled_params, compiled_opt = run(True)
+    for p, cp in zip(eager_params, compiled_params, strict=True):
+        torch.testing.assert_close(cp, p, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq", "rms"):
+            torch.testing.assert_close(compiled_opt.state[cp][key], eager_opt.state[p][key],
+                                       rtol=1e-6, atol=1e-7)

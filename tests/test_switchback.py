@@ -469,3 +469,27 @@ def test_errors_name_the_argument():
         quantize_rowwise(torch.zeros(2, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="x must have 2 dimension"):
         quantize_rowwise(torch.zeros(2))
+
+
+@pytest.mark.parametrize("options", [{}, {"memory_efficient": True},
+                                     {"weight_quantization": "rowwise"}],
+                         ids=["switchback", "memory-efficient", "rowwise-weight"])
+def test_compiles_fullgraph_like_eager(options):
+    """Under torch.compile(fullgraph=True) the same output and gradients, bit for bit."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+
+    def f(x, w, b):
+        return switchback_linear(x, w, b, **options)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    y = f(x, w, b)
+    grads = torch.autograd.grad((y * y).sum(), (x, w, b))
+    cy = compiled(x, w, b)
+    cgrads = torch.autograd.grad((cy * cy).sum(), (x, w, b))
+    assert torch.equal(cy, y)
+    for g, cg in zip(grads, cgrads, strict=True):
+        assert torch.equal(cg, g)
