@@ -1377,11 +1377,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
-    quick = bool(args.quick)
+    return run_distributed(args, "ring", _run, log)
+
+
+def run_distributed(args: argparse.Namespace, name: str, body, log: Callable[[str], None]) -> int:
+    """A torchrun suite's frame: checks the device and --min-reps, joins (or creates) the
+    process group, runs ``body(args, device, dist_backend, log)`` and leaves the group; shared
+    by the suites launched with torchrun."""
     device = pick_device(args.device)
-    if not common.uses_cuda(device) and not quick:
+    if not common.uses_cuda(device) and not args.quick:
         if int(os.environ.get("RANK", "0")) == 0:
-            log("the ring suite needs CUDA devices at full size; use --quick on a CPU")
+            log(f"the {name} suite needs CUDA devices at full size; use --quick on a CPU")
         return 2
     if args.min_reps < 1:
         log("--min-reps must be at least 1")
@@ -1393,7 +1399,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     # process leaves without running the C++ destructors.
     hard_exit = created and dist_backend == "gloo" and dist.get_world_size() > 1
     try:
-        code = _run(args, device, dist_backend, log)
+        code = body(args, device, dist_backend, log)
     except Exception:
         if not hard_exit:
             raise

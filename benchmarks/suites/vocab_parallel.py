@@ -35,7 +35,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -59,8 +58,7 @@ from benchmarks.suites.ring import (
     DEFAULT_MIN_REPS,
     Ranks,
     RankTiming,
-    init_process_group,
-    pick_device,
+    run_distributed,
     stage,
     time_on_all_ranks,
 )
@@ -860,33 +858,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
-    """The ring suite's process-group handling (and its gloo exit workaround) around
-    :func:`_run`."""
-    device = pick_device(args.device)
-    if not common.uses_cuda(device) and not args.quick:
-        if int(os.environ.get("RANK", "0")) == 0:
-            log("the vocab-parallel suite needs CUDA devices at full size; use --quick on a CPU")
-        return 2
-    if args.min_reps < 1:
-        log("--min-reps must be at least 1")
-        return 2
-    created, dist_backend = init_process_group(device, args.group_timeout_s)
-    hard_exit = created and dist_backend == "gloo" and dist.get_world_size() > 1
-    try:
-        code = _run(args, device, dist_backend, log)
-    except Exception:
-        if not hard_exit:
-            raise
-        traceback.print_exc()
-        code = 1
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
-    if hard_exit:  # see benchmarks/suites/ring.py: torch's gloo may abort at exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return run_distributed(args, "vocab-parallel", _run, log)
 
 
 def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
