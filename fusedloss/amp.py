@@ -37,6 +37,10 @@ __all__ = ["PerTensorScaler"]
 class PerTensorScaler:
     """Fixed loss scale, Inf/NaN checked per tensor, only the affected tensors' updates skipped.
 
+    Like ``torch.amp.GradScaler``, it belongs to the training loop outside a compiled region:
+    ``scaler.step`` is not traced by ``torch.compile`` (compile the model, or the optimizer's
+    step alone, which :class:`fusedloss.optim.StableAdamW` allows with ``fullgraph=True``).
+
     Args:
         scale: the fixed loss scale (a power of two keeps scaling and unscaling exact).
         enabled: when False, ``scale`` returns its input and ``step`` calls ``optimizer.step()``.

@@ -95,6 +95,9 @@ def grad_cache_step(
     Returns:
         The loss, detached (the value ``loss_fn`` returned).
 
+    The step runs its own backward passes, so it is the training loop, not something to
+    compile: compile the towers (and the loss) it calls instead.
+
     Features that the loss does not depend on (no gradient reaches them) skip their re-encode
     pass, and re-encoded features that do not require grad (a frozen tower) skip its backward:
     those parameters keep ``.grad`` as a plain step would leave it. Dropout and other random ops
