@@ -178,11 +178,11 @@ class _Ring(torch.autograd.Function):
 def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter_eps, backend,
                error, *, scale_name):
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
-    facts, scale, bias, eps = {}, None, None, None
+    facts, scale, bias, eps, needs = {}, None, None, None, None
     if error is None:
         try:
-            scale, bias, eps, facts = _options(kind, a, b, scale_arg, bias_arg, reduction,
-                                               filter_eps, backend, scale_name)
+            scale, bias, eps, backend, needs, facts = _options(
+                kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, scale_name)
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
     n = a.shape[0] if error is None else 0
@@ -197,14 +197,6 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
         raise ValueError(f"there are no keys: every rank passed 0 keys to {kind}_loss")
     if kind == "info_nce":
         labels = _global_labels(labels, layout, per_rank, a.device)
-    backend = engine.resolve_backend(backend, device)
-    eps = eps if backend == "triton" else None
-    grad_on = torch.is_grad_enabled()
-    need_a, need_b, need_scale, need_bias = (
-        grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias))
-    # NT-Xent's rows are its columns: their gradient has both parts.
-    needs = (need_a, need_a if kind == "nt_xent" else need_b, need_scale,
-             need_bias and kind == "siglip")
     per_row = _Ring.apply(a, None if kind == "nt_xent" else b, scale,
                           bias if kind == "siglip" else None, labels, layout, kind, eps,
                           backend, needs)
@@ -217,12 +209,13 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
 
 
 def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, scale_name):
-    """The validated scale, bias and filter bound, and the facts every rank must share."""
+    """The validated scale, bias, filter bound and backend, which inputs need gradients (for
+    the ring: A, B, scale, bias), and the facts every rank must share."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    engine.resolve_backend(backend, a.device)  # raises if the kernels cannot run here
+    resolved = engine.resolve_backend(backend, a.device)  # raises if the kernels cannot run
     eps = resolve_filter_eps(filter_eps, a.dtype)
     if scale_name == "temperature":
         temperature = _as_scalar(scale_arg, scale_name, a.device, positive=True)
@@ -233,7 +226,11 @@ def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, sc
         scale = _as_scalar(scale_arg, scale_name, a.device)
     bias = None if bias_arg is None else _as_scalar(bias_arg, "logit_bias", a.device)
     grad_on = torch.is_grad_enabled()
-    needs = [grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias)]
+    need_a, need_b, need_scale, need_bias = (
+        grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias))
+    # NT-Xent's rows are its columns: their gradient has both parts. CLIP ignores the bias.
+    needs = (need_a, need_a if kind == "nt_xent" else need_b, need_scale,
+             need_bias and kind == "siglip")
     # The facts every rank must share; the ones that explain others first (a dtype decides
     # what filter_eps="auto" means).
     facts = {
@@ -249,7 +246,7 @@ def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, sc
         "which inputs require grad (features, scale, bias)": (
             sum(int(x) << i for i, x in enumerate(needs)), str(needs)),
     }
-    return scale, bias, eps, facts
+    return scale, bias, eps if resolved == "triton" else None, resolved, needs, facts
 
 
 def _label_range(labels: torch.Tensor) -> tuple[int, int]:
