@@ -12,6 +12,18 @@ compare with the peers' (V×D classifier C, N×D hidden states E, labels y):
 "peaked" looks like a trained model (mean loss ≈ 3 nats at V = 256000, a few dozen
 softmax entries per row above 2^-12); "flat" is the worst case for gradient filtering.
 
+The "trained" regime is no formula: it is the final normed hidden states E, the head C and
+the next-token targets y of a small GPT trained on real text (Python sources), on held-out
+text, made once by ``python -m benchmarks.trained_lm --out DIR`` (a CUDA machine, a few
+minutes; see that module) and read back from ``DIR/trained_lm.pt``::
+
+    E, C, y, metadata = load_trained_regime("DIR", device="cuda", dtype=torch.bfloat16)
+    # or: FUSEDLOSS_TRAINED_LM=DIR (or the .pt file itself), then load_trained_regime()
+
+Its shape (V, D, N) is the file's; ``n=`` takes the first n rows. ``metadata`` says how it
+was made and what its softmax looks like (``metadata["softmax"]``: entries above 2^-12 per
+row, mass outside the top 50 / 1000 / 10000 entries, mean loss, mean P_y).
+
 Contrastive losses (CLIP, SigLIP, SimCLR) take pairs of L2-normalized feature matrices
 (b × c image and text features, or two views): see :func:`make_pair_features` for the
 "random" and "trained" regimes.
@@ -20,7 +32,10 @@ Contrastive losses (CLIP, SigLIP, SimCLR) take pairs of L2-normalized feature ma
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -101,6 +116,76 @@ def make_lm_head_inputs(
         classifier[:, 0] = -torch.log(rank.to(torch.float32)) / 4.0
         hidden[:, 0] = 4.0
     return hidden.to(dtype), classifier.to(dtype), labels
+
+
+# ----------------------------------------------------------------------------- trained
+
+TRAINED_REGIME = "trained"
+TRAINED_LM_ENV = "FUSEDLOSS_TRAINED_LM"  # a directory holding TRAINED_LM_FILE, or the file
+TRAINED_LM_FILE = "trained_lm.pt"
+_MAKE_TRAINED_LM = (
+    "create it on a CUDA machine with `python -m benchmarks.trained_lm --out DIR` (from the "
+    "repository root, a few minutes; `--quick` makes a tiny CPU one for tests), then pass "
+    f"DIR or set {TRAINED_LM_ENV}=DIR"
+)
+
+
+def trained_lm_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The file of the "trained" regime: ``path`` (a directory or the file), else the
+    environment variable ``FUSEDLOSS_TRAINED_LM``. Raises ``FileNotFoundError`` saying how
+    to create it when there is none."""
+    if path is None:
+        path = os.environ.get(TRAINED_LM_ENV) or None
+    if path is None:
+        raise FileNotFoundError(
+            f'the "{TRAINED_REGIME}" regime needs the hidden states of a trained model: '
+            f"{TRAINED_LM_ENV} is not set and no path was given; {_MAKE_TRAINED_LM}"
+        )
+    file = Path(path)
+    if file.is_dir():
+        file = file / TRAINED_LM_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f'the "{TRAINED_REGIME}" regime\'s file {file} does not exist; {_MAKE_TRAINED_LM}'
+        )
+    return file
+
+
+def load_trained_regime(
+    path: str | os.PathLike[str] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    n: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+    """Hidden states, head, targets and metadata of the "trained" regime.
+
+    Returns ``(E, C, y, metadata)``: ``E`` (N, D) the model's final normed hidden states on
+    held-out text and ``C`` (V, D) its output head, both stored in bf16 and returned in
+    ``dtype`` on ``device``; ``y`` (N,) int64, the next token of each row's position;
+    ``metadata`` the dict ``benchmarks.trained_lm`` wrote (corpus, tokenizer, model,
+    training, softmax statistics). ``n`` keeps the first ``n`` rows (≤ N). ``path`` is a
+    directory holding ``trained_lm.pt`` or the file; None reads ``FUSEDLOSS_TRAINED_LM``.
+
+    Example::
+
+        E, C, y, meta = load_trained_regime("trained_lm", device="cuda")
+        loss = torch.nn.functional.cross_entropy((E @ C.T).float(), y)
+        # ≈ meta["softmax"]["mean_loss"]
+    """
+    file = trained_lm_path(path)
+    payload = torch.load(file, map_location="cpu", weights_only=True)
+    hidden, classifier, labels = payload["E"], payload["C"], payload["y"]
+    if n is not None:
+        if not 0 < n <= hidden.shape[0]:
+            raise ValueError(f"n must be in [1, {hidden.shape[0]}] for {file}, got {n}")
+        hidden, labels = hidden[:n], labels[:n]
+    return (
+        hidden.to(device=device, dtype=dtype).contiguous(),
+        classifier.to(device=device, dtype=dtype).contiguous(),
+        labels.to(device=device, dtype=torch.int64).contiguous(),
+        dict(payload["metadata"]),
+    )
 
 
 # ----------------------------------------------------------------------------- contrastive

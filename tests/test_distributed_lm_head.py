@@ -60,7 +60,7 @@ def _options(case, bias, class_weight):
 def _upstream(loss, lse):
     """A backward through both outputs, with uneven weights on the per-token values."""
     if loss.dim():
-        w = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)
+        w = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view(loss.shape)
         return (loss * w).sum() + 0.1 * (lse * w).sum()
     return loss + 0.1 * lse.sum()
 

@@ -20,9 +20,18 @@ class Suite:
 
 
 def _registry() -> dict[str, Suite]:
-    from benchmarks.suites import contrastive, lm_head, ring, train, vocab_parallel
+    from benchmarks.suites import (
+        companions,
+        contrastive,
+        grad_cache,
+        lm_head,
+        ring,
+        train,
+        vocab_parallel,
+    )
 
-    suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE, train.SUITE)
+    suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE, train.SUITE,
+              grad_cache.SUITE, companions.SUITE)
     return {suite.name: suite for suite in suites}
 
 

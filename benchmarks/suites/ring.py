@@ -1001,7 +1001,11 @@ def cross_check(case_result: CaseResult) -> None:
 
 
 def run_cases(cases: Sequence[Case], providers: Sequence[RingProvider], ctx: Context,
-              settings: Settings, log: Callable[[str], None]) -> list[CaseResult]:
+              settings: Settings, log: Callable[[str], None],
+              after_case: Callable[[list[CaseResult]], None] | None = None
+              ) -> list[CaseResult]:
+    """Every case with every provider; ``after_case(results so far)`` after each case (rank 0
+    writes the results files there, so that a run stopped midway keeps its finished cases)."""
     ranks, device = ctx.ranks, ctx.device
     case_results = []
     for case in cases:
@@ -1035,6 +1039,8 @@ def run_cases(cases: Sequence[Case], providers: Sequence[RingProvider], ctx: Con
         cross_check(case_result)
         del inputs
         common.release_memory(device)
+        if after_case is not None:
+            after_case(case_results)
     return case_results
 
 
@@ -1457,11 +1463,18 @@ def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
             f"{common.dtype_name(dtype)}, c = {width}, fusedloss backend {backend}, cases: "
             f"{', '.join(case.key for case in cases)}")
         matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, say)
-    case_results = run_cases(cases, providers, ctx, settings, say)
+    def summary(results: Sequence[CaseResult]) -> RunInfo:
+        return info_of(args, results, environment, matmul, list(notes), world, dist_backend,
+                       settings, batches, width)
+
+    def write_so_far(results: list[CaseResult]) -> None:
+        if rank == 0:
+            write_report_files(args, summary(results), results)
+
+    case_results = run_cases(cases, providers, ctx, settings, say, write_so_far)
     try:
         if rank == 0:
-            report(args, info_of(args, case_results, environment, matmul, notes, world,
-                                 dist_backend, settings, batches, width), case_results, say)
+            report(args, summary(case_results), case_results, say)
     finally:
         ranks.barrier()  # every rank leaves once the results are written
     return 0
@@ -1494,14 +1507,20 @@ def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult],
     )
 
 
-def report(args: argparse.Namespace, info: RunInfo, case_results: Sequence[CaseResult],
-           log: Callable[[str], None]) -> None:
-    """Writes the results files (rank 0), then logs the notes, the paths and a short table."""
+def write_report_files(args: argparse.Namespace, info: RunInfo,
+                       case_results: Sequence[CaseResult]) -> tuple[Path, Path]:
+    """The results files ``ring_<date>_<gpu>_<K>gpu[_tag].md/.json`` of the cases so far."""
     env = info.environment
     stem = results_stem(env["date"], env["device_slug"], info.world,
                         common.uses_cuda(env["device"]), args.tag)
-    md_path, json_path = common.write_results(
+    return common.write_results(
         args.out, stem, render_markdown(info, case_results), results_json(info, case_results))
+
+
+def report(args: argparse.Namespace, info: RunInfo, case_results: Sequence[CaseResult],
+           log: Callable[[str], None]) -> None:
+    """Writes the results files (rank 0), then logs the notes, the paths and a short table."""
+    md_path, json_path = write_report_files(args, info, case_results)
     log("")
     for note in info.notes:
         log(f"note: {note}")
