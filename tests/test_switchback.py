@@ -486,6 +486,11 @@ def test_backend_option_is_used(monkeypatch):
     with pytest.raises(RuntimeError, match="needs CUDA tensors, but x is on meta"):
         switchback_linear(x, w, backend="triton")
     assert resolve_backend("auto", torch.zeros(1)) == "torch"
+    layer = SwitchBackLinear(4, 5, device="meta", backend="triton")  # the module passes it on
+    with pytest.raises(RuntimeError, match="needs CUDA tensors, but x is on meta"):
+        layer(x)
+    layer.backend = "torch"
+    assert layer(x).shape == (3, 5)
     monkeypatch.setattr(config, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="needs CUDA tensors, but x is on cpu"):
         switchback_linear(torch.randn(3, 4), torch.randn(5, 4), backend="triton")

@@ -5,10 +5,17 @@ with random weights from its published config (no download): bf16 weights, gradi
 checkpointing on, fixed random token data from the seed. Methods (``--methods``):
 
 - ``hf``: the unpatched model; ``hf-compile``: the same under ``torch.compile(model)``;
-- ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_<family>(
-  fused_linear_cross_entropy=True, cross_entropy=False, model=model)`` (liger's other default
-  kernels, RoPE / RMSNorm / SwiGLU or GeGLU, stay on: what a user of the one-line patch gets);
-- ``cce``: ``cut_cross_entropy.transformers.cce_patch(model)``;
+- ``liger``, "liger-kernel (all kernels)":
+  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(fused_linear_cross_entropy=True,
+  cross_entropy=False, model=model)``; liger's other default kernels (RoPE, RMSNorm, SwiGLU or
+  GeGLU) stay on, as for a user of the one-line patch, so more of the step than the loss
+  differs: reported, but not what the targets compare with;
+- ``liger-flce``, "liger-kernel (loss only)": the same function with every other kernel flag off
+  (``rope``, ``rms_norm``, ``swiglu`` / ``geglu``, ``cross_entropy`` = False) and
+  ``fused_linear_cross_entropy=True``: only the loss differs from ``hf``, as for fusedloss;
+- ``cce``, "cut-cross-entropy (loss via a generic forward)": :func:`patch_cce`, the model's
+  forward replaced by one that calls ``cut_cross_entropy.linear_cross_entropy`` on the final
+  hidden states (see :data:`CCE_NOTE` for why not cut-cross-entropy's own ``cce_patch``);
 - ``fusedloss``: ``fusedloss.integrations.transformers.apply_fusedloss(model)``;
   ``fusedloss-compile``: the same under ``torch.compile(model)``.
 
@@ -31,6 +38,7 @@ import inspect
 import math
 import statistics
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,20 +54,26 @@ NAME = "train"
 RESULTS_PREFIX = "train"
 GIB = float(1 << 30)
 
-HF, HF_COMPILE, LIGER, CCE = "hf", "hf-compile", "liger", "cce"
+HF, HF_COMPILE, LIGER, LIGER_FLCE, CCE = "hf", "hf-compile", "liger", "liger-flce", "cce"
 FUSEDLOSS, FUSEDLOSS_COMPILE = "fusedloss", "fusedloss-compile"
-METHODS = (HF, HF_COMPILE, LIGER, CCE, FUSEDLOSS, FUSEDLOSS_COMPILE)
+METHODS = (HF, HF_COMPILE, LIGER, LIGER_FLCE, CCE, FUSEDLOSS, FUSEDLOSS_COMPILE)
 COMPILED = (HF_COMPILE, FUSEDLOSS_COMPILE)
 OURS = (FUSEDLOSS, FUSEDLOSS_COMPILE)
 LABELS = {
     HF: "HF eager",
     HF_COMPILE: "HF torch.compile",
-    LIGER: "liger-kernel",
-    CCE: "cut-cross-entropy",
+    LIGER: "liger-kernel (all kernels)",
+    LIGER_FLCE: "liger-kernel (loss only)",
+    CCE: "cut-cross-entropy (loss via a generic forward)",
     FUSEDLOSS: "fusedloss",
     FUSEDLOSS_COMPILE: "fusedloss torch.compile",
 }
-PEERS = {LIGER: "liger-kernel", CCE: "cut-cross-entropy"}  # method -> distribution
+PEERS = {LIGER: "liger-kernel", LIGER_FLCE: "liger-kernel", CCE: "cut-cross-entropy"}
+PEER_MODULES = {LIGER: "liger_kernel", LIGER_FLCE: "liger_kernel", CCE: "cut_cross_entropy"}
+# Methods whose step differs from ours by more than the loss: reported, left out of the targets.
+OTHER_WORK = (LIGER,)
+# The peers the throughput target names (same work as ours: only the loss replaced).
+THROUGHPUT_PEERS = (LIGER_FLCE, CCE)
 INSTALL_HINT = "pip install cut-cross-entropy==25.1.1 liger-kernel==0.8.5 --no-deps"
 
 DEFAULT_SEQ, DEFAULT_BATCH, DEFAULT_STEPS, DEFAULT_WARMUP = 4096, 2, 5, 2
@@ -269,11 +283,104 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-def _import_peer(module: str, method: str) -> Any:
+def _import_peer(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as error:
         raise Unavailable(f"{module} not importable: {error} ({INSTALL_HINT})") from error
+
+
+def patch_liger(method: str, model: Any, spec: ModelSpec) -> tuple[Any, str]:
+    """``apply_liger_kernel_to_<family>(..., model=model)`` with the method's flags; returns the
+    model and the call's text.
+
+    ``liger``: only the loss flags are set (fused linear cross-entropy on, plain cross-entropy
+    off); the function's other kernels keep their defaults (on). ``liger-flce``: every other
+    boolean flag of the function (in liger-kernel 0.8.5: ``rope``, ``cross_entropy``,
+    ``rms_norm`` and ``swiglu``, or ``geglu`` for Gemma) is set False, read from its signature
+    so that a kernel flag a family adds is switched off too."""
+    module = _import_peer("liger_kernel.transformers")
+    name = f"apply_liger_kernel_to_{spec.liger_family}"
+    apply = getattr(module, name, None)
+    if apply is None:
+        raise Unavailable(f"liger_kernel.transformers has no {name}")
+    accepted = inspect.signature(apply).parameters
+    for required in ("fused_linear_cross_entropy", "model"):
+        if required not in accepted:
+            raise Unavailable(f"{name} has no {required} argument")
+    if method == LIGER_FLCE:
+        flags = {key: False for key, parameter in accepted.items()
+                 if isinstance(parameter.default, bool)}
+    else:
+        flags = {"cross_entropy": False} if "cross_entropy" in accepted else {}
+    flags["fused_linear_cross_entropy"] = True
+    apply(**flags, model=model)
+    text = ", ".join(f"{key}={value}" for key, value in flags.items())
+    return model, f"liger_kernel.transformers.{name}({text}, model=model)"
+
+
+CCE_NOTE = (
+    "cut-cross-entropy runs through a generic forward (patch_cce), not its own cce_patch: the "
+    "latest PyPI release (25.1.1) has no cut_cross_entropy.transformers, and the one in its "
+    "GitHub repository (apple/ml-cross-entropy main, d42911f, version 25.6.4) targets "
+    "transformers 4.48 (its 'transformers' extra pins 4.48.2) and does not import under 5.x "
+    "(HybridCache, _CONFIG_FOR_DOC, LLAMA_INPUTS_DOCSTRING and KwargsForCausalLM are gone; its "
+    "forwards take 4.x's num_logits_to_keep). The generic forward runs the base model and calls "
+    "cut_cross_entropy.linear_cross_entropy(hidden, lm_head.weight, labels, shift=True) with "
+    "HF's loss semantics (ignore_index -100, the mean over the valid tokens or their sum / "
+    "num_items_in_batch, Gemma 2's final_logit_softcapping as softcap), as apply_fusedloss "
+    "does with fusedloss's loss"
+)
+
+
+def patch_cce(model: Any) -> tuple[Any, str]:
+    """Replaces this model instance's forward by one whose training loss is
+    ``cut_cross_entropy.linear_cross_entropy`` of the final hidden states and
+    ``lm_head.weight`` (the logits are never built); returns the model and the call's text.
+
+    With ``labels`` in training mode: the base model (``model.model``) runs with every other
+    argument, as in the family's forward, then the loss is HF's ``ForCausalLMLoss``: the labels
+    shifted by one (or the caller's ``shift_labels`` as they are), ``ignore_index`` (-100), the
+    mean over the valid tokens, or with ``num_items_in_batch`` their sum divided by it; the
+    config's ``final_logit_softcapping`` (Gemma 2) is cut-cross-entropy's ``softcap``. Returns
+    the family's ``CausalLMOutputWithPast`` with ``logits=None``. Otherwise (no labels,
+    evaluation, ``logits_to_keep``): the class's forward. Why not ``cce_patch``: CCE_NOTE."""
+    module = _import_peer("cut_cross_entropy")
+    linear_cross_entropy = getattr(module, "linear_cross_entropy", None)
+    if linear_cross_entropy is None:
+        raise Unavailable("cut_cross_entropy has no linear_cross_entropy")
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise Unavailable("lm_head has a bias, which this forward does not pass")
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    original = type(model).forward
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        if labels is None or not self.training or not isinstance(logits_to_keep, int) \
+                or logits_to_keep != 0:
+            return original(self, input_ids=input_ids, labels=labels,
+                            logits_to_keep=logits_to_keep, **kwargs)
+        # As the family's forward: every argument goes to the base model, and the loss reads
+        # num_items_in_batch, ignore_index and shift_labels from the same keyword arguments.
+        num_items = kwargs.get("num_items_in_batch")
+        shift_labels = kwargs.get("shift_labels")
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        targets = labels if shift_labels is None else shift_labels
+        loss = linear_cross_entropy(
+            hidden, self.lm_head.weight, targets.to(hidden.device),
+            ignore_index=kwargs.get("ignore_index", -100), softcap=softcap,
+            reduction="mean" if num_items is None else "sum", shift=shift_labels is None)
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=None, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+    model.forward = types.MethodType(forward, model)
+    return model, (f"patch_cce(model): cut_cross_entropy.linear_cross_entropy(hidden, "
+                   f"lm_head.weight, labels, shift=True, reduction='mean', softcap={softcap})")
 
 
 def prepare_method(
@@ -281,29 +388,11 @@ def prepare_method(
 ) -> tuple[Callable[..., Any], str]:
     """Patches/compiles ``model`` for ``method``; returns what to call and the call's text."""
     on_cuda = common.uses_cuda(device)
-    if method in PEERS and not on_cuda:
-        _import_peer("liger_kernel" if method == LIGER else "cut_cross_entropy", method)
-        raise Unavailable("needs CUDA (Triton kernels)")
-    if method == LIGER:
-        module = _import_peer("liger_kernel.transformers", method)
-        name = f"apply_liger_kernel_to_{spec.liger_family}"
-        apply = getattr(module, name, None)
-        if apply is None:
-            raise Unavailable(f"liger_kernel.transformers has no {name}")
-        wanted = dict(fused_linear_cross_entropy=True, cross_entropy=False, model=model)
-        accepted = inspect.signature(apply).parameters
-        apply(**{k: v for k, v in wanted.items() if k in accepted})
-        args = ", ".join(f"{k}={'model' if k == 'model' else v}" for k, v in wanted.items()
-                         if k in accepted)
-        return model, f"liger_kernel.transformers.{name}({args})"
-    if method == CCE:
-        module = _import_peer("cut_cross_entropy.transformers", method)
-        patch = getattr(module, "cce_patch", None)
-        if patch is None:
-            raise Unavailable("cut_cross_entropy.transformers has no cce_patch")
-        patched = patch(model)
-        return (patched if patched is not None else model), "cut_cross_entropy.transformers" \
-            ".cce_patch(model)"
+    if method in PEERS:
+        if not on_cuda:  # their Triton kernels do not run in Triton's interpreter either
+            _import_peer(PEER_MODULES[method])
+            raise Unavailable("needs CUDA (Triton kernels)")
+        return patch_cce(model) if method == CCE else patch_liger(method, model, spec)
     call = "model"
     if method in OURS:
         from fusedloss.integrations.transformers import apply_fusedloss
@@ -482,6 +571,16 @@ def find_max_batch(
     return low, False
 
 
+def versioned_label(method: str, version: str | None) -> str:
+    """The method's label with the peer's version after its name: "liger-kernel 0.8.5 (loss
+    only)"."""
+    label = LABELS[method]
+    if not version:
+        return label
+    name, parenthesis, rest = label.partition(" (")
+    return f"{name} {version}{parenthesis}{rest}"
+
+
 def run_method(
     spec: ModelSpec, method: str, settings: Settings, device: torch.device, log=print
 ) -> MethodResult:
@@ -489,8 +588,7 @@ def run_method(
                           batch=settings.batch, seq=settings.seq,
                           tokens_per_step=settings.batch * settings.seq)
     if method in PEERS:
-        version = common.package_version(PEERS[method])
-        result.label = f"{result.label} {version}" if version else result.label
+        result.label = versioned_label(method, common.package_version(PEERS[method]))
     if method in COMPILED and not common.uses_cuda(device) and settings.quick:
         result.status, result.note = UNAVAILABLE, "torch.compile skipped on the CPU (--quick)"
         return result
@@ -612,14 +710,16 @@ class Target:
 
 
 def evaluate_targets(model: str, results: Sequence[MethodResult]) -> list[common.TargetOutcome]:
-    """The issue's targets for each of our methods that ran, against the other methods."""
+    """The targets of each of our methods that ran (TARGETS_DEFINITION), against the other
+    methods that do the same work (all but OTHER_WORK)."""
     by_method = {r.method: r for r in results}
     outcomes = []
     for ours_key in OURS:
         ours = by_method.get(ours_key)
         if ours is None:
             continue
-        others = [r for r in results if r.method not in OURS and r.measured]
+        others = [r for r in results
+                  if r.method not in OURS and r.method not in OTHER_WORK and r.measured]
 
         def outcome(kind: str, description: str, ok: bool | None, measured: str,
                     why: str = "", key: str = ours_key) -> None:
@@ -635,27 +735,27 @@ def evaluate_targets(model: str, results: Sequence[MethodResult]) -> list[common
         # 1. lowest peak memory at the fixed batch
         peaks = [r for r in others if r.peak_gib is not None]
         if ours.peak_gib is None or not peaks:
-            outcome("peak memory", "lowest peak memory of all methods", None, "",
-                    "no memory figures" if ours.peak_gib is None else "no other method")
+            outcome("peak memory", "lowest peak memory of the same-work methods", None, "",
+                    "no memory figures" if ours.peak_gib is None else "no same-work method")
         else:
             lowest = min(peaks, key=lambda r: r.peak_gib)
-            outcome("peak memory", "lowest peak memory of all methods",
+            outcome("peak memory", "lowest peak memory of the same-work methods",
                     ours.peak_gib <= lowest.peak_gib,
                     f"{_gib(ours.peak_gib)} GiB vs {_gib(lowest.peak_gib)} GiB ({lowest.label})")
         # 2. largest tokens per step
         searched = [r for r in others if r.max_batch is not None]
         if ours.max_batch is None or not searched:
-            outcome("max tokens", "largest tokens per step of all methods", None, "",
-                    "no --find-max-batch" if ours.max_batch is None else "no other method")
+            outcome("max tokens", "largest tokens per step of the same-work methods", None, "",
+                    "no --find-max-batch" if ours.max_batch is None else "no same-work method")
         else:
             most = max(searched, key=lambda r: r.max_batch)
             limited = " (search limit)" if ours.max_batch_limited else ""
-            outcome("max tokens", "largest tokens per step of all methods",
+            outcome("max tokens", "largest tokens per step of the same-work methods",
                     ours.max_batch >= most.max_batch,
                     f"{ours.max_tokens_per_step}{limited} vs {most.max_tokens_per_step} "
                     f"({most.label})")
         # 3. tokens/s at the fixed batch ≥ each peer's
-        for peer in (LIGER, CCE):
+        for peer in THROUGHPUT_PEERS:
             base = by_method.get(peer)
             description = f"tokens/s at batch {ours.batch} ≥ {LABELS[peer]}'s"
             if base is None or not base.measured:
@@ -666,10 +766,10 @@ def evaluate_targets(model: str, results: Sequence[MethodResult]) -> list[common
                         f"{_tps(ours.tokens_per_s)} vs {_tps(base.tokens_per_s)}")
         # 4. tokens/s at the largest batch ≥ every other method's at its largest batch
         at_max = [r for r in searched if r.max_batch_tokens_per_s is not None]
-        description = "tokens/s at own largest batch ≥ every other's at theirs"
+        description = "tokens/s at own largest batch ≥ every same-work method's at theirs"
         if ours.max_batch_tokens_per_s is None or not at_max:
             outcome("max throughput", description, None, "", "no --find-max-batch"
-                    if ours.max_batch is None else "no other method")
+                    if ours.max_batch is None else "no same-work method")
         else:
             fastest = max(at_max, key=lambda r: r.max_batch_tokens_per_s)
             outcome("max throughput", description,
@@ -719,6 +819,17 @@ MEASURE_DEFINITION = (
 )
 
 
+TARGETS_DEFINITION = (
+    "for fusedloss and fusedloss torch.compile, against the same-work methods: every method but "
+    "liger-kernel (all kernels), whose RoPE, RMSNorm and SwiGLU/GeGLU kernels replace more of "
+    "the step than the loss (its row is reported, not compared). Targets: the lowest peak memory "
+    "at the fixed batch; the largest tokens per step (--find-max-batch); tokens/s at the fixed "
+    "batch ≥ liger-kernel (loss only)'s (liger's fused linear cross-entropy and nothing else) "
+    "and ≥ cut-cross-entropy's; tokens/s at its own largest batch ≥ every same-work method's at "
+    "theirs"
+)
+
+
 def render_markdown(info: RunInfo, results: dict[str, list[MethodResult]],
                     outcomes: Sequence[common.TargetOutcome]) -> str:
     env, s = info.environment, info.settings
@@ -736,6 +847,7 @@ def render_markdown(info: RunInfo, results: dict[str, list[MethodResult]],
         ("measured", MEASURE_DEFINITION.format(lr=s.lr)),
         ("loss check", f"first-step loss within {FIRST_LOSS_TOLERANCE}·max(1, |ref|) and last "
          f"within {LAST_LOSS_TOLERANCE}·max(1, |ref|) of HF eager's; otherwise 'wrong'"),
+        ("targets", TARGETS_DEFINITION),
     ]
     lines += [common.markdown_table(["setting", "value"], rows), ""]
     lines += ["## Models", ""]
@@ -783,7 +895,8 @@ def results_json(info: RunInfo, results: dict[str, list[MethodResult]],
         "methods": info.methods,
         "peer_versions": info.peer_versions,
         "transformers": common.package_version("transformers"),
-        "definitions": {"measured": MEASURE_DEFINITION.format(lr=info.settings.lr)},
+        "definitions": {"measured": MEASURE_DEFINITION.format(lr=info.settings.lr),
+                        "targets": TARGETS_DEFINITION, "other_work": list(OTHER_WORK)},
         "models": [
             {"model": name, **info.models[name],
              "results": [{**asdict(r), "loss": r.loss, "max_tokens_per_step":
@@ -913,6 +1026,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         return 2
     settings = settings_from(args)
     notes: list[str] = [common.QUICK_NOTE] if settings.quick else []
+    if CCE in args.methods:
+        notes.append(CCE_NOTE)
     environment = common.collect_environment(device)
     log(f"train on {environment['device_name']}: torch {environment['torch']}, transformers "
         f"{common.package_version('transformers')}, seq {settings.seq}, batch {settings.batch}")
@@ -935,8 +1050,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         for method in args.methods:
             result = run_method(spec, method, settings, device, log)
             model_results.append(result)
-            if result.call:
-                calls.setdefault(method, result.call)
+            if result.call and calls.setdefault(method, result.call) != result.call:
+                calls[f"{method}, {name}"] = result.call  # e.g. liger's function per family
             log(f"  {result.label}: " + (
                 f"{common.format_ms(result.ms)} ms/step, {_tps(result.tokens_per_s)} tokens/s, "
                 f"peak {_gib(result.peak_gib)} GiB, loss {_loss(result.loss)}"

@@ -22,6 +22,10 @@ Backends (``backend=``): ``"torch"`` is the exact emulation in ``reference.py`` 
 TRITON_INTERPRET=1): the same quantized values and scales bit for bit, the matmul's
 dequantization in a float32 epilogue (a few float32 roundings before the output rounding, where
 the emulation scales in float64); ``"auto"`` (default): triton for CUDA tensors, torch otherwise.
+
+This file holds the public API and the autograd Function; ``reference.py`` the specification
+and PyTorch path, ``kernels.py`` the Triton kernels, ``ops.py`` their ``torch.library`` ops.
+docs/companions.md has the error bounds and the numerics of each backend.
 """
 
 from __future__ import annotations
@@ -276,8 +280,10 @@ class SwitchBackLinear(nn.Linear):
         return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        device_type = x.device.type if isinstance(x, torch.Tensor) else None
+        if (device_type and torch.amp.is_autocast_available(device_type)
+                and torch.is_autocast_enabled(device_type)):
+            x = x.to(torch.get_autocast_dtype(device_type))
         return switchback_linear(
             x, self.weight, self.bias, memory_efficient=self.memory_efficient,
             weight_quantization=self.weight_quantization, quant_dtype=self.quant_dtype,
