@@ -188,6 +188,19 @@ def load_trained_regime(
     )
 
 
+def trained_shape(path: str | os.PathLike[str] | None = None) -> LMHeadShape:
+    """The LM head of the "trained" regime's file: ``LMHeadShape("trained", V, D)``."""
+    payload = torch.load(trained_lm_path(path), map_location="cpu", weights_only=True)
+    vocab_size, hidden_size = payload["C"].shape
+    return LMHeadShape(TRAINED_REGIME, int(vocab_size), int(hidden_size))
+
+
+def trained_rows(path: str | os.PathLike[str] | None = None) -> int:
+    """N, the rows the "trained" regime's file holds."""
+    payload = torch.load(trained_lm_path(path), map_location="cpu", weights_only=True)
+    return int(payload["E"].shape[0])
+
+
 # ----------------------------------------------------------------------------- contrastive
 
 PAIR_REGIMES = ("random", "trained")

@@ -151,8 +151,9 @@ def test_targets_apply_per_case():
             ("fusedloss", "time", 0.7),
             ("fusedloss", "time", 0.35),
             ("fusedloss", "time", 0.35),
+            ("fusedloss", "time", 1.0),  # filtered ≤ exact
             ("fusedloss", "memory", 0.01),
-            ("fusedloss", "error", 1.5),
+            ("fusedloss", "error", 1.0),
             ("fusedloss-exact", "memory", 0.01),
             ("fusedloss-exact", "error", 1.5),
         ]
@@ -162,6 +163,11 @@ def test_targets_apply_per_case():
     forward_only = kinds(_case(mode="fwd"))
     assert ("fusedloss", "time", 1.0) in forward_only
     assert not any(kind == "error" for _, kind, _ in forward_only)
+    filtered = [t for t in lm_head.targets_for_case(_case(regime="flat"), keys)
+                if t.baselines == ("fusedloss-exact",)]
+    assert [(t.kind, t.factor) for t in filtered] == [("time", 1.0)]
+    assert not any(t.baselines == ("fusedloss-exact",) for t in lm_head.targets_for_case(
+        _case(regime="flat"), ["fusedloss", "torch-compile"]))
     assert lm_head.targets_for_case(_case(), ["torch-eager"]) == []
 
 
@@ -184,8 +190,10 @@ def test_target_checks_pass_fail_and_missing_peers():
     assert liger.status == "n/a (peer not installed)"
     assert outcomes[("fusedloss", "memory ≤ 1% of torch.compile")].status == common.PASS
     assert outcomes[("fusedloss-exact", "memory ≤ 1% of torch.compile")].status == common.FAIL
-    error = outcomes[("fusedloss", "gradient error ≤ 1.5× torch bf16 (dE and dC)")]
+    error = outcomes[("fusedloss", "gradient error ≤ 1.0× torch bf16 (dE and dC)")]
     assert error.status == common.FAIL and error.ratio == pytest.approx(7.0e-3 / 4.4e-3)
+    filtered = outcomes[("fusedloss", "time ≤ 1.0× fusedloss exact (filter_eps=None)")]
+    assert filtered.status == common.PASS and filtered.ratio == pytest.approx(30 / 40)
     exact = outcomes[("fusedloss-exact", "gradient error ≤ 1.5× torch bf16 (dE and dC)")]
     assert exact.status == common.PASS
 
@@ -215,7 +223,7 @@ def test_target_checks_when_baseline_or_ours_did_not_run():
     outcomes = _by_description(lm_head.evaluate_targets([no_yardstick]))
     assert outcomes[("fusedloss", "time ≤ 1.3× torch.compile")].status == common.PASS
     assert outcomes[("fusedloss", "memory ≤ 1% of torch.compile")].status.startswith("n/a")
-    error = outcomes[("fusedloss", "gradient error ≤ 1.5× torch bf16 (dE and dC)")]
+    error = outcomes[("fusedloss", "gradient error ≤ 1.0× torch bf16 (dE and dC)")]
     assert error.status.startswith("n/a")
 
 

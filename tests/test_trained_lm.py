@@ -263,3 +263,33 @@ def test_learning_rate_schedule(tmp_path):
     assert trained_lm.learning_rate(settings, 0.1) == pytest.approx(1e-3)
     assert trained_lm.learning_rate(settings, 0.55) == pytest.approx(5.5e-4)
     assert trained_lm.learning_rate(settings, 1.0) == pytest.approx(1e-4)
+
+
+# ----------------------------------------------------------------------------- lm-head suite
+
+
+def test_lm_head_suite_runs_the_trained_regime(run_dir, saved, tmp_path):
+    """``run.py lm-head --regimes trained``: one case at the trained model's own head and rows,
+    whatever the shapes chosen, with the file's E, C and y as inputs."""
+    (run_module,) = import_benchmarks("run")
+    code = run_module.main(["lm-head", "--quick", "--device", "cpu", "--regimes", "trained",
+                            "--shapes", "gemma2-2b", "--trained-lm", str(run_dir),
+                            "--providers", "torch-eager", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads(next(tmp_path.glob("lm_head_*.json")).read_text(encoding="utf-8"))
+    (case,) = data["cases"]
+    vocab, width = saved["C"].shape
+    assert (case["regime"], case["vocab_size"], case["hidden_size"]) == ("trained", vocab, width)
+    assert case["n"] == min(saved["E"].shape[0], 128)
+    logits = saved["E"][: case["n"]].double() @ saved["C"].double().T
+    want = F.cross_entropy(logits, saved["y"][: case["n"]]).item()
+    assert case["reference_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_lm_head_suite_without_trained_file_says_how_to_make_it(tmp_path, monkeypatch, capsys):
+    (run_module,) = import_benchmarks("run")
+    monkeypatch.delenv(inputs.TRAINED_LM_ENV, raising=False)
+    code = run_module.main(["lm-head", "--quick", "--device", "cpu", "--regimes", "trained",
+                            "--providers", "torch-eager", "--out", str(tmp_path)])
+    assert code == 2
+    assert "python -m benchmarks.trained_lm --out DIR" in capsys.readouterr().out
