@@ -19,6 +19,10 @@ Every operation is a ``torch._foreach_*`` multi-tensor op over the tensors of on
 dtype; the step count, the bias corrections, RMS_t and the learning-rate factor stay 0-d tensors
 on the parameters' device. Nothing is read back to the host, so a step never synchronizes and can
 be captured in a CUDA graph (pass ``lr`` as a device tensor to change it between replays).
+
+The fused path (``fused=True``, the default for CUDA float32 parameters) does the same arithmetic in
+one Triton launch per param group and device, two passes over each tensor, no temporaries the size
+of the parameters (``fusedloss._optim_kernels`` explains the passes and their memory traffic).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from . import _optim_kernels as kernels
 
 __all__ = ["StableAdamW"]
 
@@ -50,9 +56,17 @@ class StableAdamW(torch.optim.Optimizer):
         track_rms: keep each tensor's last RMS_t in ``state[p]["rms"]`` (0-d float32 tensor on
             the parameter's device, never synchronized); the paper's loss-spike predictor
             (RMS_t well above 1, e.g. ≥ 2.3 in a ViT's patch embedding, precedes spikes).
+        fused: run each step as Triton kernels, one launch per param group and device, instead of
+            ``torch._foreach_*`` ops: the same results to float32 rounding, no parameter-sized
+            temporaries. None (default): fused when every parameter is a float32 CUDA tensor,
+            as ``torch.optim`` chooses. True requires float32 parameters on CUDA (or on the CPU
+            under ``TRITON_INTERPRET=1``). Tensors whose gradient or moments do not share the
+            parameter's dense layout, and steps traced by ``torch.compile``, take the foreach
+            path. Not part of ``state_dict()``: the state is the same on both paths.
 
     State per parameter: ``step`` (0-d float32, device), ``exp_avg`` and ``exp_avg_sq`` (Adam's
     biased moments, shaped and typed like the parameter), and ``rms`` with ``track_rms``.
+    A fused step updates the same state in place, so either path continues the other's.
 
     ``step(closure=None, *, skip=None)``: ``skip`` maps parameters to 0-d bool device tensors;
     where True, that tensor's parameter, moments and step count stay exactly as they were (its
@@ -79,6 +93,7 @@ class StableAdamW(torch.optim.Optimizer):
         clip_weight_decay: bool = False,
         maximize: bool = False,
         track_rms: bool = False,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("a tensor lr must have one element")
@@ -98,7 +113,42 @@ class StableAdamW(torch.optim.Optimizer):
             maximize=maximize, track_rms=track_rms,
         )
         super().__init__(params, defaults)
+        self.fused = fused
+        self._fused_tables: dict[tuple[int, torch.device], kernels.FusedTables] = {}
+        self._auto_fused: bool | None = None
+        if fused:
+            for group in self.param_groups:
+                _check_fused(group["params"])
         self.register_load_state_dict_post_hook(_state_to_device)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "fused", None):  # None while the constructor adds the first groups
+            _check_fused(self.param_groups[-1]["params"])
+        self._auto_fused = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "fused": self.fused}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickling passes what __getstate__ saved; load_state_dict passes state and groups.
+        state = dict(state)
+        fused = state.pop("fused", getattr(self, "fused", None))
+        super().__setstate__(state)
+        self.fused = fused
+        self.__dict__.setdefault("_fused_tables", {})
+        self._auto_fused = None
+
+    def _fused_enabled(self) -> bool:
+        if torch.compiler.is_compiling():
+            return False  # addresses are not traceable; Inductor fuses the foreach ops instead
+        if self.fused is not None:
+            return self.fused
+        if self._auto_fused is None:
+            self._auto_fused = all(
+                p.is_cuda and kernels.supports(p) for g in self.param_groups for p in g["params"]
+            )
+        return self._auto_fused
 
     def _init_state(self, p: Tensor, track_rms: bool) -> dict[str, Tensor]:
         state = self.state[p]
@@ -122,7 +172,8 @@ class StableAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        fused = self._fused_enabled()
+        for index, group in enumerate(self.param_groups):
             buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
@@ -131,7 +182,11 @@ class StableAdamW(torch.optim.Optimizer):
                     raise RuntimeError("StableAdamW does not support sparse gradients")
                 self._init_state(p, group["track_rms"])
                 buckets.setdefault((p.device, p.dtype), []).append(p)
-            for params in buckets.values():
+            for (device, _), params in buckets.items():
+                if fused:
+                    params = self._fused_update(index, group, device, params, skip)
+                    if not params:
+                        continue
                 keep = None
                 if skip is not None:
                     keep = [
@@ -141,6 +196,50 @@ class StableAdamW(torch.optim.Optimizer):
                     ]
                 self._update(group, params, keep)
         return loss
+
+    def _fused_update(
+        self,
+        index: int,
+        group: dict[str, Any],
+        device: torch.device,
+        params: list[Tensor],
+        skip: Mapping[Tensor, Tensor] | None,
+    ) -> list[Tensor]:
+        """The fused step of one bucket; returns the tensors it leaves to the foreach path (a
+        gradient or moment laid out unlike its parameter)."""
+        if not kernels.supports(params[0]):  # a parameter converted since the constructor
+            _check_fused(params[:1])
+        fused, rest = [], []
+        for p in params:
+            state = self.state[p]
+            flat = p.grad.dtype == p.dtype and kernels.flat_layout(
+                p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+            (fused if flat else rest).append(p)
+        if not fused:
+            return rest
+        states = [self.state[p] for p in fused]
+        flags = None
+        if skip is not None:
+            false = None
+            entries = []
+            for p in fused:
+                flag = skip.get(p)
+                if flag is None:
+                    if false is None:
+                        false = torch.zeros((), dtype=torch.bool, device=device)
+                    flag = false
+                entries.append(flag.reshape(()))
+            flags = torch.stack(entries)
+        tables = self._fused_tables.setdefault((index, device), kernels.FusedTables())
+        kernels.fused_step(
+            tables, fused, [p.grad for p in fused], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+            [s["rms"] for s in states] if group["track_rms"] else None, flags,
+            lr=group["lr"], betas=group["betas"], eps=group["eps"],
+            weight_decay=group["weight_decay"], clip_threshold=group["clip_threshold"],
+            clip_weight_decay=group["clip_weight_decay"], maximize=group["maximize"],
+        )
+        return rest
 
     def _update(self, group: dict[str, Any], params: list[Tensor], keep: list[Tensor] | None):
         beta1, beta2 = group["betas"]
@@ -227,6 +326,16 @@ class StableAdamW(torch.optim.Optimizer):
         torch._foreach_neg_(step_size)
         torch._foreach_div_(denom, step_size)
         torch._foreach_addcdiv_(params, exp_avgs, denom)
+
+
+def _check_fused(params: Iterable[Tensor]) -> None:
+    for p in params:
+        if not kernels.supports(p):
+            raise RuntimeError(
+                f"StableAdamW(fused=True) needs float32 parameters on a CUDA device (or on the CPU "
+                f"under Triton's interpreter, TRITON_INTERPRET=1); got a {p.dtype} parameter on "
+                f"{p.device}. Pass fused=False (or None, which picks the foreach path here)."
+            )
 
 
 def _state_to_device(optimizer: torch.optim.Optimizer) -> None:

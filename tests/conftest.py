@@ -68,8 +68,8 @@ def requires_triton() -> None:
 
 
 def _worker_groups(backend: str):
-    """A ``get(world)`` that starts (once) and returns ``multiprocess.Workers`` of that size."""
-    from multiprocess import Workers
+    """A ``get(world)`` that starts (once) and returns ``workers.Workers`` of that size."""
+    from workers import Workers
 
     made: dict = {}
 
@@ -86,7 +86,7 @@ def _worker_groups(backend: str):
 @pytest.fixture(scope="session")
 def workers():
     """``workers(world)``: processes in a gloo process group of that size, started once per
-    test session (``multiprocess.Workers``)."""
+    test session (``workers.Workers``)."""
     yield from _worker_groups("gloo")
 
 

@@ -5,7 +5,7 @@ the single-process loss of the concatenated batch, sliced to that rank (and scal
 gradient convention of ``fusedloss/distributed/contrastive.py`` says). The single-process
 losses are themselves tested against ``fusedloss/reference.py``. Hypothesis draws the world
 size, each rank's batch (0 rows included), the width, the dtype and the reduction; the ranks
-run in worker processes that live for the whole module (``multiprocess.py``).
+run in worker processes that live for the whole module (``workers.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from multiprocess import Raised, Workers
+from workers import Raised, Workers
 
 import fusedloss
 import fusedloss.distributed as fd

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
-from multiprocess import Raised
+from workers import Raised
 
 import fusedloss
 

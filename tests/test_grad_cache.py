@@ -5,7 +5,7 @@ Every test runs the same model twice, deep copies of one initialization: once th
 loss, ``backward``), and compares the loss and every parameter's gradient. With dropout the
 plain step runs its towers micro-batch by micro-batch, with grad, in the same order, so that
 both draw the same masks; the helper's replay of each micro-batch's RNG state makes its second
-pass draw them again. Over 2 processes (gloo, ``multiprocess.py``) the loss is the ring's, each
+pass draw them again. Over 2 processes (gloo, ``workers.py``) the loss is the ring's, each
 rank encodes its half of the batch, and the ranks' gradients averaged (what DDP gives) equal one
 process's on the whole batch; with DDP towers each module all-reduces once per step.
 """
@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from multiprocess import Raised, Workers
+from workers import Raised, Workers
 from torch import nn
 
 import fusedloss

@@ -7,12 +7,14 @@ biased moments and corrects on the fly, so agreement checks the two formulations
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from helpers import requires_cuda
 
 from fusedloss.optim import StableAdamW
 
@@ -317,3 +319,302 @@ def test_step_compiles_fullgraph_like_eager():
         for key in ("exp_avg", "exp_avg_sq", "rms"):
             torch.testing.assert_close(compiled_opt.state[cp][key], eager_opt.state[p][key],
                                        rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# The fused path (Triton kernels; on the CPU only under TRITON_INTERPRET=1)
+# --------------------------------------------------------------------------------------------
+
+# Sizes around the interpreter's 8-element chunks: several chunks, a multiple, one element, none.
+FUSED_SHAPES = [(7, 5), (13,), (3, 4, 2), (1,), (0, 3)]
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "rms")
+
+
+def assert_close_to_rounding(ours, ref, ulps=8.0):
+    """|ours - ref| within a few float32 ulps of the reference tensor's largest entry: what a
+    different summation order in RMS_t and fma contractions leave after a few steps."""
+    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    tol = ulps * torch.finfo(torch.float32).eps * max(scale, torch.finfo(torch.float32).tiny)
+    torch.testing.assert_close(ours, ref, rtol=0.0, atol=tol)
+
+
+def fused_gradients(device, steps, spike_step, missing=()):
+    """A gradient per tensor per step (None at the (step, tensor) pairs in ``missing``); tensor
+    0's is ×1000 at spike_step, so that its RMS_t rises above 1 and the clipping acts."""
+    gen = torch.Generator().manual_seed(21)
+    out = []
+    for t in range(steps):
+        gs = [torch.randn(s, generator=gen) * (1000.0 if (t, i) == (spike_step, 0) else 1.0)
+              for i, s in enumerate(FUSED_SHAPES)]
+        out.append([None if (t, i) in missing else g.to(device) for i, g in enumerate(gs)])
+    return out
+
+
+def run_path(device, grads, fused, *, groups=None, skips=None, **options):
+    """Parameters and optimizer after ``grads``; ``groups(params)`` makes the param groups,
+    ``skips[t]`` (a set of tensor indices) is the step's skip mask."""
+    gen = torch.Generator().manual_seed(20)
+    params = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in FUSED_SHAPES]
+    opt = StableAdamW(groups(params) if groups else params, fused=fused, **options)
+    for t, gs in enumerate(grads):
+        for p, g in zip(params, gs, strict=True):
+            p.grad = None if g is None else g.clone()
+        skip = None
+        if skips is not None and skips[t]:
+            skip = {p: torch.tensor(i in skips[t], device=device)
+                    for i, p in enumerate(params) if p.grad is not None}
+            for p, flag in skip.items():
+                p.grad.masked_fill_(flag, 0)  # as PerTensorScaler does
+        opt.step(skip=skip)
+    return params, opt
+
+
+def assert_paths_agree(fused_run, foreach_run, ulps=8.0):
+    (params, opt), (ref_params, ref_opt) = fused_run, foreach_run
+    for p, r in zip(params, ref_params, strict=True):
+        assert_close_to_rounding(p, r, ulps)
+        assert opt.state[p].keys() == ref_opt.state[r].keys()
+        for key in opt.state[p]:
+            assert opt.state[p][key].dtype == ref_opt.state[r][key].dtype
+            assert_close_to_rounding(opt.state[p][key], ref_opt.state[r][key], ulps)
+
+
+FUSED_CASES = {
+    "decay-rms-groups": dict(
+        groups=lambda ps: [dict(params=ps[:2]),
+                           dict(params=ps[2:], lr=5e-3, betas=(0.8, 0.95), weight_decay=0.3)],
+        lr=1e-2, weight_decay=0.1, track_rms=True),
+    "clip-decay-maximize-tensor-lr": dict(
+        lr=torch.tensor(2e-2), weight_decay=0.2, clip_weight_decay=True, maximize=True,
+        track_rms=True),
+    "no-decay-threshold-eps": dict(lr=1e-2, weight_decay=0.0, clip_threshold=1.5, eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_matches_foreach(case, device, requires_triton):
+    """Over 10 steps with an RMS spike and missing gradients, the fused step gives the foreach
+    step's parameters and state to float32 rounding."""
+    options = dict(FUSED_CASES[case])
+    if isinstance(options["lr"], torch.Tensor):
+        options["lr"] = options["lr"].to(device)
+    grads = fused_gradients(device, 10, spike_step=9, missing={(2, 1), (3, 1), (5, 3)})
+    fused = run_path(device, grads, True, **options)
+    foreach = run_path(device, grads, False, **options)
+    assert_paths_agree(fused, foreach)
+    if options.get("track_rms"):
+        assert fused[1].state[fused[0][0]]["rms"].item() > 1.2  # the last step was clipped
+        assert fused[1].state[fused[0][1]]["step"].item() == 8  # two steps without a gradient
+
+
+def test_fused_skip_masks(device, requires_triton):
+    """Skipped tensors (the loss scaler's flags), from the first step on: parameter and state
+    stay bit for bit; the others match the foreach path."""
+    grads = fused_gradients(device, 5, spike_step=3)
+    skips = [{0}, set(), {1, 3}, {0}, set()]
+    options = dict(lr=1e-2, weight_decay=0.1, track_rms=True, skips=skips)
+    fused = run_path(device, grads, True, **options)
+    assert_paths_agree(fused, run_path(device, grads, False, **options))
+    # tensor 0 was skipped at its first step: its state is exactly one step behind tensor 2's
+    params, opt = fused
+    assert opt.state[params[0]]["step"].item() == 3
+    assert opt.state[params[1]]["step"].item() == 4
+    before = {k: v.clone() for k, v in opt.state[params[1]].items()}
+    p1 = params[1].detach().clone()
+    params[1].grad = torch.zeros_like(params[1])
+    opt.step(skip={params[1]: torch.tensor(True, device=device)})
+    assert torch.equal(params[1], p1)
+    for key, value in before.items():
+        assert torch.equal(opt.state[params[1]][key], value)
+
+
+def test_fused_with_per_tensor_scaler(device, requires_triton):
+    """PerTensorScaler on a fused optimizer: the tensor with an Inf gradient keeps its parameter
+    and state; the others step as in an unscaled foreach run where it had no gradient."""
+    from fusedloss.amp import PerTensorScaler
+
+    grads = fused_gradients(device, 3, spike_step=None)
+    fused_params, fused_opt = run_path(device, grads[:2], True, lr=1e-2, track_rms=True)
+    ref_params, ref_opt = run_path(device, grads[:2], False, lr=1e-2, track_rms=True)
+    scaler = PerTensorScaler(scale=2.0**4)
+    kept = fused_params[2].detach().clone()
+    state = {k: v.clone() for k, v in fused_opt.state[fused_params[2]].items()}
+    for i, (p, r, g) in enumerate(zip(fused_params, ref_params, grads[2], strict=True)):
+        empty = p.numel() == 0  # the scaler's max-norm has no value for an empty gradient
+        p.grad = None if empty else g * 2.0**4
+        r.grad = None if i == 2 or empty else g.clone()
+    fused_params[2].grad[0, 0, 0] = float("inf")
+    scaler.step(fused_opt)
+    ref_opt.step()
+    assert torch.equal(fused_params[2], kept)
+    for key, value in state.items():
+        assert torch.equal(fused_opt.state[fused_params[2]][key], value)
+    for i, (p, r) in enumerate(zip(fused_params, ref_params, strict=True)):
+        assert_close_to_rounding(p, r)
+        if i != 2:
+            for key in STATE_KEYS:
+                assert_close_to_rounding(fused_opt.state[p][key], ref_opt.state[r][key])
+
+
+@pytest.mark.parametrize("direction", ["fused-to-foreach", "foreach-to-fused"])
+def test_state_dict_round_trip_between_paths(direction, device, requires_triton):
+    """A state saved by one path, loaded into the other, continues like the first path."""
+    first, second = (True, False) if direction == "fused-to-foreach" else (False, True)
+    grads = fused_gradients(device, 6, spike_step=4)
+    options = dict(lr=1e-2, weight_decay=0.1, track_rms=True)
+    params, opt = run_path(device, grads[:3], first, **options)
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    opt2 = StableAdamW(clones, fused=second, lr=0.5)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(params, clones, strict=True):
+        for key in STATE_KEYS:
+            assert torch.equal(opt.state[p][key], opt2.state[q][key])
+    assert opt2.fused is second and opt2.param_groups[0]["lr"] == 1e-2
+    for gs in grads[3:]:
+        for p, q, g in zip(params, clones, gs, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, clones, strict=True):
+        assert_close_to_rounding(q, p)
+        for key in STATE_KEYS:
+            assert_close_to_rounding(opt2.state[q][key], opt.state[p][key])
+
+
+def test_fused_schedule_lag_does_not_change_results(monkeypatch, device, requires_triton):
+    """The order of the work items (how far each tensor's second pass trails its first) leaves
+    every result bit for bit as it was: each tensor's partial sums are added in a fixed order."""
+    from fusedloss import _optim_kernels
+
+    grads = fused_gradients(device, 3, spike_step=1)
+    results = []
+    for lag in (0, 3, 1000):
+        cfg = dataclasses.replace(_optim_kernels.fused_config(torch.device(device)), lag=lag)
+        monkeypatch.setattr(_optim_kernels, "fused_config", lambda _, cfg=cfg: cfg)
+        results.append(run_path(device, grads, True, lr=1e-2, track_rms=True))
+    (params, opt), *others = results
+    for other_params, other_opt in others:
+        for p, q in zip(params, other_params, strict=True):
+            assert torch.equal(p, q)
+            for key in STATE_KEYS:
+                assert torch.equal(opt.state[p][key], other_opt.state[q][key])
+
+
+def test_fused_layouts(device, requires_triton):
+    """A dense permuted parameter with a like-strided gradient runs fused; a gradient laid out
+    unlike its parameter takes the foreach path; both as the foreach path computes."""
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(3, 4, 5, generator=gen).permute(2, 0, 1), torch.randn(6, 5, generator=gen)]
+    grads = [[torch.randn(b.shape, generator=gen) for b in base] for _ in range(3)]
+
+    def run(fused):
+        params = [b.clone().to(device).requires_grad_() for b in base]  # clone keeps strides
+        opt = StableAdamW(params, lr=1e-2, weight_decay=0.1, fused=fused)
+        for gs in grads:
+            params[0].grad = torch.empty_like(params[0]).copy_(gs[0].to(device))
+            params[1].grad = gs[1].to(device).t().contiguous().t()  # column-major gradient
+            opt.step()
+        return params, opt
+
+    assert run(True)[0][0].stride() == base[0].stride()
+    assert_paths_agree(run(True), run(False))
+
+
+@given(chunks=st.lists(st.integers(1, 6), min_size=1, max_size=8), lag=st.integers(0, 12))
+def test_work_schedule_orders_passes(chunks, lag):
+    """Every chunk once per pass, and a tensor's pass-2 items only after all its pass-1 items:
+    the order that lets a pass-2 program wait for its tensor's pass 1 without deadlock."""
+    from fusedloss._optim_kernels import work_schedule
+
+    items = work_schedule(chunks, lag)
+    total = sum(chunks)
+    assert sorted(items) == list(range(2 * total))
+    owner = [k for k, n in enumerate(chunks) for _ in range(n)]
+    done = [0] * len(chunks)
+    for item in items:
+        k = owner[item >> 1]
+        if item & 1 == 0:
+            done[k] += 1
+        else:
+            assert done[k] == chunks[k]
+
+
+def test_fused_true_needs_a_device_the_kernels_run_on(monkeypatch):
+    """fused=True on the CPU without the interpreter, or with other dtypes, is refused; the
+    default then takes the foreach path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="fused=True"):
+        StableAdamW([torch.zeros(3, requires_grad=True)], fused=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for dtype in (torch.float64, torch.bfloat16):
+        with pytest.raises(RuntimeError, match="fused=True"):
+            StableAdamW([torch.zeros(3, dtype=dtype, requires_grad=True)], fused=True)
+    opt = StableAdamW([torch.zeros(3, requires_grad=True)], fused=True)
+    with pytest.raises(RuntimeError, match="fused=True"):
+        opt.add_param_group(dict(params=[torch.zeros(2, dtype=torch.float64)]))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    p = torch.zeros(3, requires_grad=True)
+    opt = StableAdamW([p], lr=0.1)  # fused=None: foreach on the CPU
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.all(p < 0)
+
+
+def test_fused_step_never_reads_a_tensor_on_the_host(forbid_host_sync, device, requires_triton):
+    params = [torch.randn(s, device=device).requires_grad_() for s in FUSED_SHAPES]
+    opt = StableAdamW(params, lr=torch.tensor(1e-2, device=device), weight_decay=0.1,
+                      clip_weight_decay=True, track_rms=True, fused=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)  # new gradient tensors: the address table is rebuilt
+        opt.step()
+    opt.step(skip={p: torch.tensor(i == 0, device=device) for i, p in enumerate(params)})
+
+
+@requires_cuda
+def test_fused_queues_without_waiting_on_cuda():
+    """On CUDA, ``set_sync_debug_mode("error")`` raises on any wait for the device: none while
+    the step rebuilds its address table (new gradients), takes skip flags or a tensor lr."""
+    params = [torch.randn(s, device="cuda").requires_grad_() for s in [(300, 1001), (7,), (1,)]]
+    opt = StableAdamW(params, lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.1,
+                      track_rms=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # compiles the kernel, creates the state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        opt.step(skip={params[0]: torch.ones((), dtype=torch.bool, device="cuda")})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(torch.stack([opt.state[p]["rms"] for p in params])).all()
+
+
+@requires_cuda
+def test_fused_matches_foreach_on_cuda_at_gpu_sizes():
+    """GPU chunks: tensors of many chunks (more partials than one reduction block) and sizes
+    that are not multiples of a chunk; fused=None picks the fused path for CUDA float32."""
+    shapes = [(4099,), (1, 1), (300, 1001), (2**21 + 5,), (768,)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grads = [[torch.randn(s, device="cuda", generator=gen) * (300.0 if (t, i) == (4, 3) else 1.0)
+              for i, s in enumerate(shapes)] for t in range(5)]
+
+    def run(fused):
+        params = [torch.ones(s, device="cuda").requires_grad_() for s in shapes]
+        opt = StableAdamW(params, lr=1e-2, weight_decay=0.1, track_rms=True, fused=fused)
+        for gs in grads:
+            for p, g in zip(params, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    fused, default, foreach = run(True), run(None), run(False)
+    assert_paths_agree(fused, foreach, ulps=16.0)
+    for p, q in zip(fused[0], default[0], strict=True):
+        assert torch.equal(p, q)  # deterministic, and the default is the fused path
+    assert fused[1].state[fused[0][3]]["rms"].item() > 1.2

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import Raised
+from workers import Raised
 
 pytest.importorskip("transformers")
 if not dist.is_available():

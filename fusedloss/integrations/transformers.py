@@ -34,10 +34,11 @@ unpatched model's (``tests/test_transformers.py``) are accepted: :data:`SUPPORTE
 Anything else is refused with an error naming the class, as are the heads this cannot
 reproduce: ``pretraining_tp > 1``, a LoRA (or other PEFT tuner) layer on ``lm_head``, a head that
 is not a plain ``nn.Linear`` or has forward hooks (other than FSDP2's), a forward whose head
-differs from the family's known one (a newer transformers). PEFT's ``ModulesToSaveWrapper`` on
-``lm_head`` (``modules_to_save=["lm_head"]``) is unwrapped at each call (the active adapter's
-copy, or the original when adapters are disabled); a ``PeftModel`` is patched through its base
-model.
+differs from the family's known one (a newer transformers); and an instance whose forward another
+library has already replaced (TRL's SFTTrainer adds its fused LM head so: patch first). PEFT's
+``ModulesToSaveWrapper`` on ``lm_head`` (``modules_to_save=["lm_head"]``) is unwrapped at each
+call (the active adapter's copy, or the original when adapters are disabled); a ``PeftModel``
+is patched through its base model.
 
 Under autocast the head's inputs are cast to the autocast dtype (as ``nn.Linear`` would be);
 outside autocast, hidden states whose dtype differs from the head's weight are cast to it.
@@ -510,7 +511,9 @@ def apply_fusedloss(model: nn.Module, *, fuse_in_eval: bool = False, **options) 
     Raises:
         FusedLossUnsupportedError: (a ``ValueError``) naming the class, for an unsupported
             family, a subclass overriding ``forward``, ``pretraining_tp > 1``, a PEFT tuner
-            layer (LoRA) on ``lm_head``, or a head that is not a plain ``nn.Linear``.
+            layer (LoRA) on ``lm_head``, a head that is not a plain ``nn.Linear``, or an
+            instance whose forward another library already replaced (build TRL's trainers after
+            patching).
         TypeError: an option linear_cross_entropy does not take here.
     """
     unknown = sorted(set(options) - set(_LCE_OPTIONS))
@@ -529,6 +532,13 @@ def apply_fusedloss(model: nn.Module, *, fuse_in_eval: bool = False, **options) 
     _check_head(target)
     cls = type(target)
     _check_source(cls, family)
+    if "forward" in target.__dict__ and not is_fusedloss_applied(target):
+        # Another library's per-instance forward (TRL's trainers install their fused LM head
+        # this way, accelerate its autocast wrapper): replacing it would silently drop it.
+        raise FusedLossUnsupportedError(
+            f"{name}: this instance's forward was already replaced by another library (e.g. "
+            f"TRL's SFTTrainer, which adds its fused LM head when it is built); apply_fusedloss "
+            f"would drop that wrapper. Patch the model before building the trainer")
 
     module = importlib.import_module(family.module)
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast

@@ -2,16 +2,51 @@
 quantized matmul with its dequantization and bias fused in the epilogue.
 
 The host functions have the signatures of ``reference.py``. The quantizers give the same int8 /
-fp8 values and absmax scales bit for bit: they compute x · Q / absmax in float64 and round it
-exactly, as the reference does (they are memory-bound, where float64 arithmetic is affordable).
-The row-wise dequantization is bit for bit the reference's too. The matmul sums int8 products
-in an int32 accumulator (exact for K <= 133144, checked) or fp8 e4m3 products in float32, then
-scales in float32:
+fp8 values and absmax scales bit for bit, on every backend by construction: they build each
+int8 value or e4m3 bit pattern with integer and float64 operations whose results IEEE 754 fixes
+(no float32 arithmetic, no hardware float8 conversion, no unary minus; see ``_quantize``). The
+row-wise dequantization is bit for bit the reference's too. The matmul sums int8 products in an
+int32 accumulator (exact for K <= 133144, checked) or fp8 e4m3 products in the tensor cores'
+accumulator, then scales in float32:
 
     c = float32(acc) · ((absmax_a · 1/Q) · (absmax_b · 1/Q)) (+ float32(bias))
 
 a few float32 roundings (relative 2⁻²⁴ each) before the conversion to the output dtype, where
 the reference scales in float64; docs/companions.md states the bound the tests hold it to.
+
+Operand layouts. The matmul computes C = A Bᵀ with A (M, K) and B (N, K) both row-major, the
+inner dimension K contiguous in both, as Hopper's 8-bit wgmma requires of both operands (B's
+tiles are read (BLOCK_N, BLOCK_K) and transposed in the dot). The layer's three products:
+
+    forward      Y  = Xq · Wqᵀ     A = Xq (tokens, in),  B = Wq (out, in)      no copy
+    input grad   dX = dYq · Wq     A = dYq (tokens, out), B = Wqᵀ (in, out)    W's transpose is
+                                   written by its quantizer (W is row-major (out, in), so no
+                                   K-major read of it exists for K = out; d² bytes, small)
+    weight grad  dW = dYᵀ · X      16-bit, cuBLAS through PyTorch (transposed operands read in
+                                   place), nothing quantized
+
+Time budget of one layer (a yardstick for measured times): in = out = d = 1664, N = 65536
+tokens, bf16, bias, on an H100 SXM at its peak rates (3.35 TB/s, 989 TFLOP/s bf16 dense,
+1979 TOP/s int8 / fp8 dense); MB = 10⁶ bytes.
+
+    step                          moves (MB)                            compute      time (µs)
+    X row-wise quantization       read X 218.1, write Xq 109.1, scales     memory      97.7
+    W tensor-wise quantization    read W 5.5 twice, write Wq 2.8           memory       4.1
+    Y = Xq Wqᵀ (int8 / fp8)       read Xq 109.1, write Y 218.1 (98.5 µs)   362.9 GOP   183.4
+    dY row-wise quantization      read dY 218.1, write dYq 109.1           memory      97.7
+    Wᵀ quantization (transposed)  as W's                                   memory       4.1
+    dX = dYq Wq (int8 / fp8)      read dYq 109.1, write dX 218.1           362.9 GOP   183.4
+    dW = dYᵀ X (bf16, cuBLAS)     read dY, X 436.2                         362.9 GFLOP 366.8
+    db = Σ dY (float32 sums)      read dY 218.1                            memory      65.1
+    SwitchBack forward + backward                                                    1002
+    nn.Linear: three bf16 matmuls of 366.8 and the same db                           1165
+
+so at most 1.16× nn.Linear at this shape (1.17× without bias), with every kernel at its peak;
+the quantizers' memory traffic (≈ 200 µs) is what keeps it below the 2× of the matmuls alone.
+d → 4d (1664 → 6656) and 4d → d: 3716 and 3521 µs against 4662 and 4466, 1.25× and 1.27×.
+Read a measured time against these: a quantizer near its line is at the memory bandwidth, a
+matmul near its line at the tensor-core rate (cuBLAS's bf16 reaches about 60 % of the latter
+at these shapes, which nn.Linear's time includes three times).
 
 fp8 runs through the same kernel as int8 (``tl.dot`` on float8e4nv operands) rather than
 ``torch._scaled_mm``: one code path and epilogue for both formats (bias, any of the three output
@@ -25,6 +60,7 @@ bfloat16 conversion truncates, so there the kernels round bfloat16 outputs by ha
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +104,16 @@ def check_device(name: str, t: Tensor | torch.device, quant_dtype: str = "int8")
     )
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 @dataclass(frozen=True)
 class MatmulConfig:
     block_m: int
@@ -79,40 +125,99 @@ class MatmulConfig:
 
 
 _MATMUL_INTERPRETER = MatmulConfig(16, 16, 16, 2, num_warps=1, num_stages=1)
+#: persistent programs under the interpreter: a few, so that the tile loop runs several times
+_INTERPRETER_PROGRAMS = 3
 
 
-def matmul_config(device: torch.device, n: int) -> MatmulConfig:
+def matmul_config(device: torch.device, m: int, n: int) -> MatmulConfig:
     """Tile of the quantized matmul; frozen per architecture (no autotuning).
 
     Both formats move one byte per operand element, so one config serves int8 and fp8. On
-    Hopper, 128-byte K steps feed wgmma; a 128 × 256 tile on two warpgroups keeps three stages
-    of A and B (144 KiB) in shared memory; narrow outputs take 128 × 128 tiles and a fourth
-    stage. Programs walk the tiles in groups of 8 row-blocks so that B's column-blocks are
-    reused from L2."""
+    Hopper, 128-byte K steps feed wgmma; a 128 × 256 (or 256 × 128) tile on two warpgroups
+    keeps three stages of A and B (48 KiB each) and half the output tile in shared memory. The
+    tile's long side goes where it divides the problem: N = 1664 = 13 · 128 would waste a
+    quarter of its last 256-wide column of tiles, so it takes 256 × 128 tiles. Narrow outputs
+    take 128 × 128 tiles and a fourth stage. Tiles are visited in groups of 8 row-blocks, so
+    that the operand rows in flight stay in L2."""
     if device.type != "cuda":
         return _MATMUL_INTERPRETER
     major, _ = config.capability(device)
     if major >= 9:
         if n <= 128:
             return MatmulConfig(128, 128, 128, 8, num_warps=8, num_stages=4)
+        if n % 256 and n % 128 == 0 and m > 128:
+            return MatmulConfig(256, 128, 128, 8, num_warps=8, num_stages=3)
         return MatmulConfig(128, 256, 128, 8, num_warps=8, num_stages=3)
     return MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=3)
 
 
-def _elementwise_blocks(device: torch.device) -> tuple[int, int, int]:
+def _matmul_programs(device: torch.device, tiles: int) -> int:
+    """Persistent grid: one program per SM (the tiles' shared memory allows one), each walking
+    the tiles in steps of the grid."""
+    if device.type != "cuda":
+        return min(tiles, _INTERPRETER_PROGRAMS)
+    return min(tiles, _sm_count(device))
+
+
+def _tma_ready(t: Tensor) -> bool:
+    """Whether the bulk tensor copy engine (TMA) can read or write t's tiles: a Hopper or later
+    GPU (or the interpreter), row-major, 16-byte aligned base and row stride."""
+    if not (config.interpreting() or (t.is_cuda and config.capability(t.device)[0] >= 9)):
+        return False
+    size = t.element_size()
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * size) % 16 == 0)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How the row-wise quantizer covers a row: ``one_pass``: the (block_r, Σ widths) block is
+    read once and kept in registers, up to three power-of-two widths side by side; otherwise
+    two sweeps of (block_r, widths[0]) tiles, the second one reading from L1/L2."""
+
+    block_r: int
+    widths: tuple[int, int, int]
+    one_pass: bool
+    num_warps: int
+
+
+def _row_widths(c: int) -> tuple[int, int, int]:
+    """Up to three power-of-two widths (at least 16) whose sum covers c with little to spare:
+    1664 -> (1024, 512, 128), 1280 -> (1024, 256, 0), 37 -> (32, 16, 0)."""
+    widths: list[int] = []
+    rest = c
+    while rest >= 16 and len(widths) < 2:
+        widths.append(1 << (rest.bit_length() - 1))
+        rest -= widths[-1]
+    if rest > 0:
+        widths.append(max(16, triton.next_power_of_2(rest)))
+    return (*widths, *[0] * (3 - len(widths)))  # type: ignore[return-value]
+
+
+def _row_plan(device: torch.device, c: int, contiguous_rows: bool) -> RowPlan:
+    """Row blocks of about 4096 elements held in registers, one read of X from memory; rows
+    longer than 8192 (or, under the interpreter, 64) take two sweeps. The columns of a
+    row-major matrix (W column-wise) go in two sweeps of 32 adjacent columns (64 bytes of each
+    row)."""
+    interpreting = device.type != "cuda"
+    if not contiguous_rows:
+        return RowPlan(8, (16, 0, 0), False, 1) if interpreting else \
+            RowPlan(32, (64, 0, 0), False, 4)
+    widths = _row_widths(c)
+    if interpreting:
+        if sum(widths) <= 64:
+            return RowPlan(8, widths, True, 1)
+        return RowPlan(8, (16, 0, 0), False, 1)
+    if sum(widths) <= 8192:
+        block_r = min(64, 1 << ((4096 // sum(widths)).bit_length() - 1)) if sum(widths) <= 4096 \
+            else 1
+        return RowPlan(block_r, widths, True, 4 if block_r * sum(widths) <= 4096 else 8)
+    return RowPlan(1, (2048, 0, 0), False, 8)
+
+
+def _tile_blocks(device: torch.device) -> tuple[int, int, int]:
     """(block_r, block_c, num_warps) of the elementwise and tile-reduction kernels."""
     return (16, 16, 1) if device.type != "cuda" else (64, 64, 4)
-
-
-def _row_blocks(device: torch.device, contiguous_rows: bool, c: int) -> tuple[int, int, int]:
-    """(block_r, block_c, num_warps) of the row-reduction quantizer: a few rows with long
-    contiguous chunks, or, for the columns of a row-major matrix, 32 adjacent columns read
-    together (64 bytes per row of the tile)."""
-    if device.type != "cuda":
-        return 8, 16, 1
-    if contiguous_rows:
-        return 8, min(max(triton.next_power_of_2(c), 16), 512), 4
-    return 32, 64, 4
 
 
 def _bf16_by_hand(dtype: torch.dtype) -> bool:
@@ -120,24 +225,188 @@ def _bf16_by_hand(dtype: torch.dtype) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels
+# Kernels: quantization
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _round_half_even(v):
-    """Round float64 v (|v| < 2³¹) to the nearest integer, ties to even, exactly (as int32)."""
-    t = v.to(tl.int32)  # toward zero
-    frac = v - t.to(tl.float64)  # exact
-    away = tl.abs(frac)
-    up = (away > 0.5) | ((away == 0.5) & ((t & 1) != 0))
-    return t + tl.where(up, tl.where(frac > 0, 1, -1), 0)
+def _split_float32(bits):
+    """|x| = X · 2^e from the bits of a float32 with its sign bit clear: X an integer below 2²⁴
+    and e >= -149, both int32 (subnormals included, whatever the GPU's float32 arithmetic does
+    with them)."""
+    biased = (bits >> 23) & 0xFF
+    return (bits & 0x7FFFFF) | tl.where(biased > 0, 0x800000, 0), tl.maximum(biased, 1) - 150
 
 
 @triton.jit
 def _power_of_two(e):
-    """2^e as float64 for int32 e in the normal range, built from its bits."""
+    """2^e as float64, built from its bits, for int32 e in the normal range."""
     return ((e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _quantize(x, absmax, FP8: tl.constexpr):
+    """The int8 values, or the e4m3 bit patterns as int8, of a block of x with its float32
+    absmax (broadcast against x; 0 or NaN: all 0), exactly ``reference._quantize``.
+
+    With |x| = X·2^ex and absmax = A·2^ea (integers X, A < 2²⁴), v = |x| · Q / absmax is
+    w · 2^(ex − ea), w = X · fl(Q / A) in float64 (relative error below 2⁻⁵²); u is v in units
+    of the target grid's step (int8: 1; e4m3: 2^(e − 3) in v's binade 2^e, 2⁻⁹ below 2⁻⁶),
+    u < 2⁸, exact but for that error (below 2⁻⁴⁵). When v lies exactly on a rounding boundary
+    (a tie), u is within 2⁻⁴⁵ of a half-integer; when it does not, u is at least 2⁻³⁵ away
+    from every half-integer (x and absmax have 24-bit significands, Q < 2⁹, so the distance
+    of the exact v to a boundary is a multiple of 2^(ex or ea + step) over absmax). Rounding
+    u to a multiple of 2⁻⁴⁰ ((u + 1.5·2¹²) − 1.5·2¹²) therefore makes every tie exact and
+    moves no other value across a boundary; adding 1.5·2⁵² then rounds half to even (IEEE
+    addition) and leaves n in the low bits. The sign is x's sign bit (so -0 and negative
+    values that round to 0 give e4m3's -0, as the emulation does); an e4m3 code is
+    (binade + 6) · 8 + n, n reaching 16 carrying into the next binade.
+
+    Every step is integer or correctly rounded float64 arithmetic (never flushed to zero on
+    NVIDIA GPUs), so the result does not depend on the hardware's float32 → float8
+    conversion, on float32 denormal handling, or on how the compiler lowers ``-x`` (Triton
+    3.6 emits 0 − x, which turns -0 into +0)."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    x_int, x_exp = _split_float32(bits & 0x7FFFFFFF)
+    a_int, a_exp = _split_float32(absmax.to(tl.int32, bitcast=True))
+    usable = absmax > 0  # False for NaN
+    a_int = tl.where(usable, a_int, 1).to(tl.float64)
+    if FP8:
+        w = x_int.to(tl.float64) * (448.0 / a_int)
+        # v's binade from w's exponent field, clamped to e4m3's smallest normal binade 2⁻⁶
+        binade = ((w.to(tl.int64, bitcast=True) >> 52) & 0x7FF).to(tl.int32) - 1023
+        binade = tl.maximum(binade + x_exp - a_exp, -6)
+        u = w * _power_of_two(x_exp - a_exp + 3 - binade)
+    else:
+        u = x_int.to(tl.float64) * (127.0 / a_int) * _power_of_two(x_exp - a_exp)
+    u = (u + 6144.0) - 6144.0
+    n = ((u + 6755399441055744.0).to(tl.int64, bitcast=True) & 0xFF).to(tl.int32)
+    if FP8:
+        code = ((binade + 6) << 3) + n
+        q = tl.where(bits < 0, code - 128, code)
+    else:
+        n = tl.minimum(n, 127)
+        q = tl.where(bits < 0, 0 - n, n)
+    return tl.where(usable, q, 0).to(tl.int8)
+
+
+@triton.jit
+def _row_absmax(b):
+    """(max |b| over each row's finite entries, 1 where a row holds NaN or ±Inf) of a block."""
+    b_abs = tl.abs(b.to(tl.float32))
+    finite = b_abs < float("inf")  # False for NaN
+    return tl.max(tl.where(finite, b_abs, 0.0), axis=1), tl.max(tl.where(finite, 0, 1), axis=1)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    p_x, p_q, p_absmax,  # x (R, C) any strides; q (R, C) int8 (fp8: its bits), own strides; (R,)
+    R, C, stride_xr, stride_xc, stride_qr, stride_qc,
+    FP8: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr,
+    WIDTH_1: tl.constexpr, WIDTH_2: tl.constexpr, WIDTH_3: tl.constexpr,
+):
+    """Row-wise quantization: one absmax per row of x (a column of x's transpose when the
+    strides say so). ONE_PASS: the rows are read once, as up to three tiles of widths WIDTH_1,
+    WIDTH_2, WIDTH_3 side by side; otherwise two sweeps of (BLOCK_R, WIDTH_1) tiles."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    p_x_rows = p_x + o_r.to(tl.int64)[:, None] * stride_xr
+    p_q_rows = p_q + o_r.to(tl.int64)[:, None] * stride_qr
+    if ONE_PASS:
+        o_1 = tl.arange(0, WIDTH_1)
+        m_1 = m_r[:, None] & (o_1 < C)[None, :]
+        b_1 = tl.load(p_x_rows + o_1[None, :] * stride_xc, mask=m_1, other=0.0)
+        b_max, b_bad = _row_absmax(b_1)
+        if WIDTH_2 > 0:
+            o_2 = WIDTH_1 + tl.arange(0, WIDTH_2)
+            m_2 = m_r[:, None] & (o_2 < C)[None, :]
+            b_2 = tl.load(p_x_rows + o_2[None, :] * stride_xc, mask=m_2, other=0.0)
+            b_max_2, b_bad_2 = _row_absmax(b_2)
+            b_max, b_bad = tl.maximum(b_max, b_max_2), tl.maximum(b_bad, b_bad_2)
+        if WIDTH_3 > 0:
+            o_3 = WIDTH_1 + WIDTH_2 + tl.arange(0, WIDTH_3)
+            m_3 = m_r[:, None] & (o_3 < C)[None, :]
+            b_3 = tl.load(p_x_rows + o_3[None, :] * stride_xc, mask=m_3, other=0.0)
+            b_max_3, b_bad_3 = _row_absmax(b_3)
+            b_max, b_bad = tl.maximum(b_max, b_max_3), tl.maximum(b_bad, b_bad_3)
+        b_state = tl.where(b_bad > 0, float("nan"), b_max)
+        tl.store(p_absmax + o_r, b_state, mask=m_r)
+        tl.store(p_q_rows + o_1[None, :] * stride_qc, _quantize(b_1, b_state[:, None], FP8),
+                 mask=m_1)
+        if WIDTH_2 > 0:
+            tl.store(p_q_rows + o_2[None, :] * stride_qc, _quantize(b_2, b_state[:, None], FP8),
+                     mask=m_2)
+        if WIDTH_3 > 0:
+            tl.store(p_q_rows + o_3[None, :] * stride_qc, _quantize(b_3, b_state[:, None], FP8),
+                     mask=m_3)
+    else:
+        o_c = tl.arange(0, WIDTH_1)
+        b_max = tl.zeros((BLOCK_R,), tl.float32)
+        b_bad = tl.zeros((BLOCK_R,), tl.int32)
+        for c0 in range(0, C, WIDTH_1):
+            m = m_r[:, None] & (c0 + o_c < C)[None, :]
+            b = tl.load(p_x_rows + (c0 + o_c)[None, :] * stride_xc, mask=m, other=0.0)
+            b_max_c, b_bad_c = _row_absmax(b)
+            b_max, b_bad = tl.maximum(b_max, b_max_c), tl.maximum(b_bad, b_bad_c)
+        b_state = tl.where(b_bad > 0, float("nan"), b_max)
+        tl.store(p_absmax + o_r, b_state, mask=m_r)
+        for c0 in range(0, C, WIDTH_1):
+            m = m_r[:, None] & (c0 + o_c < C)[None, :]
+            b = tl.load(p_x_rows + (c0 + o_c)[None, :] * stride_xc, mask=m, other=0.0)
+            tl.store(p_q_rows + (c0 + o_c)[None, :] * stride_qc,
+                     _quantize(b, b_state[:, None], FP8), mask=m)
+
+
+@triton.jit
+def _absmax_tiles_kernel(
+    p_x, p_partial,  # x (R, C) row-major; partial (tiles,) fp32: NaN for a tile with NaN/Inf
+    R, C, stride_xr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per-tile absmax, the first pass of tensor-wise quantization."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (o_r < R)[:, None] & (o_c < C)[None, :]
+    b = tl.load(p_x + o_r.to(tl.int64)[:, None] * stride_xr + o_c[None, :], mask=m, other=0.0)
+    b_max, b_bad = _row_absmax(b)
+    tl.store(p_partial + pid_r * tl.num_programs(1) + pid_c,
+             tl.where(tl.max(b_bad, axis=0) > 0, float("nan"), tl.max(b_max, axis=0)))
+
+
+@triton.jit
+def _quantize_tensor_kernel(
+    p_x, p_partial, p_q, p_absmax,  # x (R, C) row-major; partial (P,) fp32 tile maxima;
+                                    # q (R, C), or (C, R) with TRANSPOSE, int8; absmax () fp32
+    R, C, stride_xr, P,
+    FP8: tl.constexpr, TRANSPOSE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Tensor-wise quantization, the second pass: every program reduces the tile maxima to the
+    tensor's absmax (a few KB from L2; no kernel in between), the first one stores it, and each
+    quantizes its tile, storing q as is or transposed (the transpose through registers, so that
+    both the load and the store are contiguous)."""
+    o_p = tl.arange(0, BLOCK_P)
+    b_max = tl.zeros((BLOCK_P,), tl.float32)
+    b_bad = tl.zeros((BLOCK_P,), tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        b = tl.load(p_partial + p0 + o_p, mask=p0 + o_p < P, other=0.0)
+        b_max = tl.maximum(b_max, tl.where(b == b, b, 0.0))
+        b_bad = tl.maximum(b_bad, tl.where(b == b, 0, 1))
+    absmax = tl.where(tl.max(b_bad, axis=0) > 0, float("nan"), tl.max(b_max, axis=0))
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    if pid_r == 0 and pid_c == 0:
+        tl.store(p_absmax, absmax)
+    o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (o_r < R)[:, None] & (o_c < C)[None, :]
+    o_r64, o_c64 = o_r.to(tl.int64), o_c.to(tl.int64)
+    b_x = tl.load(p_x + o_r64[:, None] * stride_xr + o_c[None, :], mask=m, other=0.0)
+    b_q = _quantize(b_x, absmax, FP8)
+    if TRANSPOSE:
+        tl.store(p_q + o_c64[:, None] * R + o_r64[None, :], tl.trans(b_q), mask=tl.trans(m))
+    else:
+        tl.store(p_q + o_r64[:, None] * C + o_c64[None, :], b_q, mask=m)
 
 
 @triton.jit
@@ -153,98 +422,12 @@ def _to_output(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, absmax, FP8: tl.constexpr):
-    """q of a block of x with its float32 absmax (broadcast; NaN or 0 -> q = 0), exactly as
-    ``reference._quantize``: v = x·Q/absmax in float64, rounded once to int8 or e4m3."""
-    a64 = absmax.to(tl.float64)
-    usable = a64 > 0  # False for NaN
-    denom = tl.where(usable, a64, 1.0)
-    if FP8:
-        v = tl.where(usable, x.to(tl.float32).to(tl.float64) * 448.0 / denom, 0.0)
-        # e4m3 keeps 3 fraction bits: the step of v's binade is 2^(e - 3), at least 2⁻⁹.
-        e = ((v.to(tl.int64, bitcast=True) >> 52) & 0x7FF).to(tl.int32) - 1023
-        step = tl.maximum(e, -6) - 3
-        r = tl.abs(_round_half_even(v * _power_of_two(-step)).to(tl.float64))
-        r = tl.where(v.to(tl.int64, bitcast=True) < 0, -r, r) * _power_of_two(step)  # -0 too
-        q = r.to(tl.float32).to(tl.float8e4nv)  # representable: exact
-    else:
-        v = tl.where(usable, x.to(tl.float32).to(tl.float64) * 127.0 / denom, 0.0)
-        q = tl.minimum(tl.maximum(_round_half_even(v), -127), 127).to(tl.int8)
-    return q
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    p_x, p_q, p_absmax,  # x (R, C) any strides; q (R, C) its own strides; absmax (R,) fp32
-    R, C, stride_xr, stride_xc, stride_qr, stride_qc,
-    FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Row-wise quantization: one absmax per row of x (a column of x's transpose when the
-    strides say so), in two passes over the row: absmax, then q."""
-    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_r = o_r < R
-    o_r64 = o_r.to(tl.int64)
-    o_c = tl.arange(0, BLOCK_C)
-    b_max = tl.zeros((BLOCK_R,), tl.float32)
-    b_bad = tl.zeros((BLOCK_R,), tl.int32)
-    for c0 in range(0, C, BLOCK_C):
-        m = m_r[:, None] & (c0 + o_c < C)[None, :]
-        p = p_x + o_r64[:, None] * stride_xr + (c0 + o_c)[None, :] * stride_xc
-        b_abs = tl.abs(tl.load(p, mask=m, other=0.0).to(tl.float32))
-        finite = b_abs < float("inf")  # False for NaN
-        b_max = tl.maximum(b_max, tl.max(tl.where(finite, b_abs, 0.0), axis=1))
-        b_bad = tl.maximum(b_bad, tl.max(tl.where(finite, 0, 1), axis=1))
-    b_state = tl.where(b_bad > 0, float("nan"), b_max)
-    tl.store(p_absmax + o_r, b_state, mask=m_r)
-    for c0 in range(0, C, BLOCK_C):
-        m = m_r[:, None] & (c0 + o_c < C)[None, :]
-        p = p_x + o_r64[:, None] * stride_xr + (c0 + o_c)[None, :] * stride_xc
-        b_q = _quantize(tl.load(p, mask=m, other=0.0), b_state[:, None], FP8)
-        tl.store(p_q + o_r64[:, None] * stride_qr + (c0 + o_c)[None, :] * stride_qc, b_q, mask=m)
-
-
-@triton.jit
-def _absmax_tiles_kernel(
-    p_x, p_partial,  # x (R, C) row-major; partial (tiles,) fp32: NaN for a tile with NaN/Inf
-    R, C, stride_xr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Per-tile absmax, the first pass of tensor-wise quantization."""
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    o_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = (o_r < R)[:, None] & (o_c < C)[None, :]
-    p = p_x + o_r.to(tl.int64)[:, None] * stride_xr + o_c[None, :]
-    b_abs = tl.abs(tl.load(p, mask=m, other=0.0).to(tl.float32))
-    finite = b_abs < float("inf")
-    b_max = tl.max(tl.max(tl.where(finite, b_abs, 0.0), axis=1), axis=0)
-    bad = tl.max(tl.max(tl.where(finite, 0, 1), axis=1), axis=0)
-    tl.store(p_partial + pid_r * tl.num_programs(1) + pid_c, tl.where(bad > 0, float("nan"), b_max))
-
-
-@triton.jit
-def _quantize_tensor_kernel(
-    p_x, p_q, p_absmax,  # x (R, C) row-major; q (R, C) at strides (q's transpose: (C, R)); 0-d
-    R, C, stride_xr, stride_qr, stride_qc,
-    FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Tensor-wise quantization with one absmax, the transpose fused into the store."""
-    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = (o_r < R)[:, None] & (o_c < C)[None, :]
-    o_r64 = o_r.to(tl.int64)
-    b_x = tl.load(p_x + o_r64[:, None] * stride_xr + o_c[None, :], mask=m, other=0.0)
-    b_q = _quantize(b_x, tl.load(p_absmax), FP8)
-    tl.store(p_q + o_r64[:, None] * stride_qr + o_c.to(tl.int64)[None, :] * stride_qc, b_q, mask=m)
-
-
-@triton.jit
 def _dequantize_rows_kernel(
     p_q, p_absmax, p_out,  # q (R, C) row-major int8 / e4m3; absmax (R,) fp32; out (R, C)
     R, C, Q: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """out = q · absmax / Q in float64, converted through float32 as PyTorch converts."""
+    """out = q · (absmax / Q) in float64, converted through float32 as PyTorch converts."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (o_r < R)[:, None] & (o_c < C)[None, :]
@@ -255,67 +438,130 @@ def _dequantize_rows_kernel(
     tl.store(p_out + o, _to_output(b_out, p_out.dtype.element_ty, BF16_BY_HAND), mask=m)
 
 
+# --------------------------------------------------------------------------------------------
+# Kernels: the quantized matmul
+# --------------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _matmul_dequantize_kernel(
-    p_a, p_b,  # a (M, K), b (N, K): int8 or float8e4nv, row-major
-    p_absmax_a, p_absmax_b, p_bias,  # (M,) fp32; (N,) or () fp32; (N,) any float, or None
-    p_c,  # (M, N) row-major, the output dtype
-    M, N, K,
-    B_ROWWISE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, INV_Q: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """C = (a bᵀ) · absmax_a / Q · absmax_b / Q (+ bias): the tensor-core dot in int32 (int8) or
-    float32 (fp8), the dequantization and bias in the epilogue."""
-    # Grouped order: GROUP_M row-blocks share each column-block of b while it is in L2.
-    pid = tl.program_id(0)
-    blocks_m, blocks_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+def _tile_position(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of a tile: GROUP_M row-blocks take each column block in turn,
+    so that the operand rows of the tiles in flight stay in L2."""
     per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_m = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
 
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
-    # Rows past the edge read row 0 (never stored): only the K tail needs a load mask.
-    p_a_k = p_a + (o_m % M).to(tl.int64)[:, None] * K + o_k[None, :]  # (BLOCK_M, BLOCK_K)
-    p_b_k = p_b + (o_n % N).to(tl.int64)[None, :] * K + o_k[:, None]  # (BLOCK_K, BLOCK_N)
-    if FP8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        m_k = o_k < K - k0
-        b_a = tl.load(p_a_k, mask=m_k[None, :], other=0.0)
-        b_b = tl.load(p_b_k, mask=m_k[:, None], other=0.0)
-        if FP8:
-            # Hopper's fp8 wgmma adds into a narrower accumulator than float32; this moves
-            # each BLOCK_K chunk's partial sum into the float32 one.
-            acc = tl.dot(b_a, b_b, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(b_a, b_b, acc)
-        p_a_k += BLOCK_K
-        p_b_k += BLOCK_K
 
-    m_m, m_n = o_m < M, o_n < N
-    scale_a = tl.load(p_absmax_a + o_m, mask=m_m, other=0.0) * INV_Q
+@triton.jit
+def _dequantize_tile(
+    acc, o_m, o_n,  # acc (BLOCK_M, WIDTH) int32 / fp32; its rows and columns
+    p_absmax_a, p_absmax_b, p_bias, M, N,
+    B_ROWWISE: tl.constexpr, HAS_BIAS: tl.constexpr, INV_Q: tl.constexpr,
+    dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """acc · absmax_a / Q · absmax_b / Q (+ bias) in float32, converted to the output dtype."""
+    m_n = o_n < N
+    scale_a = tl.load(p_absmax_a + o_m, mask=o_m < M, other=0.0) * INV_Q
     if B_ROWWISE:
         scale_b = tl.load(p_absmax_b + o_n, mask=m_n, other=0.0) * INV_Q
     else:
-        scale_b = tl.zeros((BLOCK_N,), tl.float32) + tl.load(p_absmax_b) * INV_Q
+        scale_b = tl.zeros(o_n.shape, tl.float32) + tl.load(p_absmax_b) * INV_Q
     # One product of the scales first: acc · scale_a alone can overflow where C does not.
     c = acc.to(tl.float32) * (scale_a[:, None] * scale_b[None, :])
     if HAS_BIAS:
         c += tl.load(p_bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    p = p_c + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    tl.store(p, _to_output(c, p_c.dtype.element_ty, BF16_BY_HAND), mask=m_m[:, None] & m_n[None, :])
+    return _to_output(c, dtype, BF16_BY_HAND)
+
+
+@triton.jit
+def _matmul_dequantize_kernel(
+    p_a, p_b,  # a (M, K), b (N, K): int8 or float8e4nv, row-major
+    a_desc, b_desc,  # their TMA descriptors, blocks (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K), or None
+    p_absmax_a, p_absmax_b, p_bias,  # (M,) fp32; (N,) or () fp32; (N,) any float, or None
+    p_c, c_desc,  # (M, N) row-major, the output dtype; descriptor (BLOCK_M, BLOCK_N // 2) or None
+    M, N, K,
+    B_ROWWISE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, INV_Q: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """C = (a bᵀ) · absmax_a / Q · absmax_b / Q (+ bias), persistent: program p computes tiles
+    p, p + NUM_PROGRAMS, ... The tensor-core dot in int32 (int8) or float32 (fp8: Hopper adds
+    each K chunk's products in its narrower fp8 accumulator, as Triton leaves it by default),
+    both operands K-major: b's (BLOCK_N, BLOCK_K) tiles transposed in the dot. USE_TMA: tiles
+    through the bulk copy engine (rows and K past the ends read as zeros, the store clipped);
+    otherwise pointer loads, rows past M or N reading rows inside (never stored), unmasked
+    unless K has a tail (EVEN_K)."""
+    pid = tl.program_id(0)
+    blocks_m, blocks_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    o_k = tl.arange(0, BLOCK_K)
+    dtype: tl.constexpr = p_c.dtype.element_ty
+    # The epilogue counts tiles on its own (as Triton's persistent matmul tutorial does), so
+    # that the flattened loop may overlap one tile's epilogue with the next tile's loads.
+    tile_c = pid - NUM_PROGRAMS
+    for tile in tl.range(pid, blocks_m * blocks_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_position(tile, blocks_m, blocks_n, GROUP_M)
+        if FP8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+        if not USE_TMA:
+            o_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+            o_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+            p_a_k = p_a + o_am.to(tl.int64)[:, None] * K + o_k[None, :]  # (BLOCK_M, BLOCK_K)
+            p_b_k = p_b + o_bn.to(tl.int64)[:, None] * K + o_k[None, :]  # (BLOCK_N, BLOCK_K)
+        for ks in range(k_steps):
+            if USE_TMA:
+                b_a = a_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
+                b_b = b_desc.load([pid_n * BLOCK_N, ks * BLOCK_K])
+            elif EVEN_K:
+                b_a = tl.load(p_a_k + ks * BLOCK_K)
+                b_b = tl.load(p_b_k + ks * BLOCK_K)
+            else:
+                m_k = (o_k < K - ks * BLOCK_K)[None, :]
+                b_a = tl.load(p_a_k + ks * BLOCK_K, mask=m_k, other=0.0)
+                b_b = tl.load(p_b_k + ks * BLOCK_K, mask=m_k, other=0.0)
+            # out_dtype must name the accumulator's type (Triton 3.6 asserts it; its default,
+            # float32, does not fit the int32 sums of int8 operands).
+            if FP8:
+                acc = tl.dot(b_a, tl.trans(b_b), acc, out_dtype=tl.float32)
+            else:
+                acc = tl.dot(b_a, tl.trans(b_b), acc, out_dtype=tl.int32)
+
+        tile_c += NUM_PROGRAMS
+        pid_m, pid_n = _tile_position(tile_c, blocks_m, blocks_n, GROUP_M)
+        o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if USE_TMA:
+            # Two half-width stores: half the shared memory for the outgoing tile, which
+            # leaves room for the three operand stages.
+            acc_0, acc_1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
+                                               (0, 2, 1)))
+            n0 = pid_n * BLOCK_N
+            o_n = n0 + tl.arange(0, BLOCK_N // 2)
+            c_desc.store([pid_m * BLOCK_M, n0], _dequantize_tile(
+                acc_0, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
+                B_ROWWISE, HAS_BIAS, INV_Q, dtype, BF16_BY_HAND))
+            c_desc.store([pid_m * BLOCK_M, n0 + BLOCK_N // 2], _dequantize_tile(
+                acc_1, o_m, o_n + BLOCK_N // 2, p_absmax_a, p_absmax_b, p_bias, M, N,
+                B_ROWWISE, HAS_BIAS, INV_Q, dtype, BF16_BY_HAND))
+        else:
+            o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            c = _dequantize_tile(acc, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
+                                 B_ROWWISE, HAS_BIAS, INV_Q, dtype, BF16_BY_HAND)
+            tl.store(p_c + o_m.to(tl.int64)[:, None] * N + o_n[None, :], c,
+                     mask=(o_m < M)[:, None] & (o_n < N)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
 # Host functions (the signatures of reference.py)
 # --------------------------------------------------------------------------------------------
+
+
+def _bits(q: Tensor) -> Tensor:
+    """q's storage as int8, what the quantizer kernels write (e4m3 codes for fp8)."""
+    return q.view(torch.int8)
 
 
 def quantize_rowwise(x: Tensor, quant_dtype: str = "int8") -> tuple[Tensor, Tensor]:
@@ -334,10 +580,12 @@ def _quantize_rows(x: Tensor, quant_dtype: str) -> tuple[Tensor, Tensor]:
     q = torch.empty((r, c), dtype=QUANT_FORMATS[quant_dtype][0], device=x.device)
     absmax = torch.empty(r, dtype=torch.float32, device=x.device)
     if r:
-        block_r, block_c, warps = _row_blocks(x.device, x.stride(1) == 1, c)
-        _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
-            x, q, absmax, r, c, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
-            FP8=quant_dtype == "fp8", BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        plan = _row_plan(x.device, c, x.stride(1) == 1)
+        _quantize_rows_kernel[(triton.cdiv(r, plan.block_r),)](
+            x, _bits(q), absmax, r, c, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
+            FP8=quant_dtype == "fp8", BLOCK_R=plan.block_r, ONE_PASS=plan.one_pass,
+            WIDTH_1=plan.widths[0], WIDTH_2=plan.widths[1], WIDTH_3=plan.widths[2],
+            num_warps=plan.num_warps,
         )
     return q, absmax
 
@@ -360,18 +608,18 @@ def _tensorwise(x: Tensor, quant_dtype: str, transpose: bool) -> tuple[Tensor, T
     check_device("x", x, quant_dtype)
     x2 = x.reshape(-1, x.shape[-1] if x.dim() else 1).contiguous()
     r, c = x2.shape
-    block_r, block_c, warps = _elementwise_blocks(x.device)
+    block_r, block_c, warps = _tile_blocks(x.device)
     grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
     partial = torch.empty(grid, dtype=torch.float32, device=x.device)
     _absmax_tiles_kernel[grid](x2, partial, r, c, x2.stride(0), BLOCK_R=block_r,
                                BLOCK_C=block_c, num_warps=warps)
-    absmax = partial.amax()  # NaN propagates: a tile with NaN/Inf makes the state NaN
-    storage = QUANT_FORMATS[quant_dtype][0]
-    q = torch.empty((c, r) if transpose else (r, c), dtype=storage, device=x.device)
-    stride_qr, stride_qc = (1, r) if transpose else (c, 1)
+    absmax = torch.empty((), dtype=torch.float32, device=x.device)
+    q = torch.empty((c, r) if transpose else (r, c), dtype=QUANT_FORMATS[quant_dtype][0],
+                    device=x.device)
     _quantize_tensor_kernel[grid](
-        x2, q, absmax, r, c, x2.stride(0), stride_qr, stride_qc,
-        FP8=quant_dtype == "fp8", BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        x2, partial, _bits(q), absmax, r, c, x2.stride(0), partial.numel(),
+        FP8=quant_dtype == "fp8", TRANSPOSE=transpose, BLOCK_R=block_r, BLOCK_C=block_c,
+        BLOCK_P=min(1024, triton.next_power_of_2(partial.numel())), num_warps=warps,
     )
     return (q if transpose else q.reshape(x.shape)), absmax
 
@@ -396,12 +644,16 @@ def dequantize_rowwise(q: Tensor, absmax: Tensor, dtype: torch.dtype) -> Tensor:
     r, c = q.shape
     out = torch.empty((r, c), dtype=dtype, device=q.device)
     if q.numel():
-        block_r, block_c, warps = _elementwise_blocks(q.device)
+        block_r, block_c, warps = _tile_blocks(q.device)
         grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
         _dequantize_rows_kernel[grid](q, absmax.contiguous(), out, r, c, Q=scale,
                                       BF16_BY_HAND=_bf16_by_hand(dtype), BLOCK_R=block_r,
                                       BLOCK_C=block_c, num_warps=warps)
     return out
+
+
+#: configurations whose TMA variant failed to compile here; they use pointer loads from then on
+_TMA_FAILED: set[tuple] = set()
 
 
 def matmul_dequantize(
@@ -411,8 +663,16 @@ def matmul_dequantize(
     absmax_b: Tensor,  # () or (N,) float32
     bias: Tensor | None,  # (N,)
     out_dtype: torch.dtype,
+    *,
+    tma: bool | None = None,
 ) -> Tensor:
-    """C = (a @ bᵀ) · absmax_a[:, None] · absmax_b / Q² (+ bias) in out_dtype, one kernel."""
+    """C = (a @ bᵀ) · absmax_a[:, None] · absmax_b / Q² (+ bias) in out_dtype, one kernel.
+
+    ``tma``: None (default) reads and writes tiles through TMA descriptors where the device
+    (Hopper or later, or the interpreter) and the alignment (K a multiple of 16 bytes, rows of C
+    too) allow it and ``FUSEDLOSS_TMA`` is not 0, falling back to pointer loads with a warning
+    if that variant fails to compile; True requires TMA (ValueError where it cannot apply),
+    False uses pointer loads. The result is the same either way, bit for bit."""
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a quantized dtype, got {a.dtype} and {b.dtype}")
     scale = q_max(a.dtype)
@@ -428,17 +688,50 @@ def matmul_dequantize(
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = matmul_config(a.device, n)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _matmul_dequantize_kernel[grid](
-        a.contiguous(), b.contiguous(), absmax_a.contiguous(), absmax_b.contiguous(),
-        bias.contiguous() if bias is not None else None, c, m, n, k,
-        B_ROWWISE=absmax_b.dim() == 1, HAS_BIAS=bias is not None, FP8=fp8, INV_Q=1.0 / scale,
-        BF16_BY_HAND=_bf16_by_hand(out_dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    a, b = a.contiguous(), b.contiguous()
+    cfg = matmul_config(a.device, m, n)
+    key = (a.device.type, a.dtype, out_dtype, cfg, absmax_b.dim(), bias is not None)
+    tma_fits = all(_tma_ready(t) for t in (a, b, c))
+    if tma and not tma_fits:
+        raise ValueError("tma=True needs a Hopper GPU (or the interpreter) and 16-byte aligned "
+                         f"rows: a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}")
+    use_tma = tma if tma is not None else (
+        tma_fits and config.tma_enabled() and key not in _TMA_FAILED)
+    args = (a, b, absmax_a.contiguous(), absmax_b.contiguous(),
+            bias.contiguous() if bias is not None else None, c, cfg, fp8, scale)
+    if use_tma and tma is None:
+        try:
+            _launch_matmul(*args, use_tma=True)
+            return c
+        except (triton.CompilationError, triton.OutOfResources, RuntimeError) as err:
+            _TMA_FAILED.add(key)
+            warnings.warn(f"SwitchBack's TMA matmul failed to build ({type(err).__name__}: "
+                          f"{str(err)[:300]}); using pointer loads for {key}", RuntimeWarning,
+                          stacklevel=2)
+            use_tma = False
+    _launch_matmul(*args, use_tma=use_tma)
     return c
+
+
+def _launch_matmul(a, b, absmax_a, absmax_b, bias, c, cfg: MatmulConfig, fp8: bool, scale: float,
+                   *, use_tma: bool) -> None:
+    (m, k), n = a.shape, b.shape[0]
+    a_desc = b_desc = c_desc = None
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k])
+        b_desc = TensorDescriptor(b, [n, k], [k, 1], [cfg.block_n, cfg.block_k])
+        c_desc = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n // 2])
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = _matmul_programs(a.device, tiles)
+    _matmul_dequantize_kernel[(programs,)](
+        a, b, a_desc, b_desc, absmax_a, absmax_b, bias, c, c_desc, m, n, k,
+        B_ROWWISE=absmax_b.dim() == 1, HAS_BIAS=bias is not None, FP8=fp8, INV_Q=1.0 / scale,
+        BF16_BY_HAND=_bf16_by_hand(c.dtype), USE_TMA=use_tma, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 __all__ = [name for name in reference.__all__ if name != "int8_matmul_dequantize"]
