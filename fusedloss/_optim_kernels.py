@@ -1,43 +1,47 @@
 """Fused step of StableAdamW: one Triton launch updates every tensor of a (param group, device).
 
-The clipped update needs each tensor's RMS_t = sqrt(mean(g² / max(û_t, ε²))) with the *updated*
-second moment before any element of that tensor may move, so every element is visited twice:
+The clipped update needs each tensor's RMS_t = sqrt(mean(g² / max(û_t, ε²))), with the *updated*
+second moment, before any element of that tensor may move; so every element is visited twice,
+by two kinds of programs, each over one chunk of BLOCK elements of one tensor:
 
-- pass 1 (one program per chunk of BLOCK elements): u = β2 u + (1-β2) g² in registers, the chunk's
-  Σ (g / max(sqrt(û), ε))² into a partials buffer. It reads g and u and writes nothing else;
-- pass 2 (one program per chunk): the tensor's RMS_t, then m, u and θ from p, g, m, u.
+- pass 1: u' = β2 u + (1-β2) g² in registers only, the chunk's Σ (g / max(sqrt(û'), ε))² into a
+  partials buffer. Reads g and u, writes nothing else;
+- pass 2: with the tensor's RMS_t, η_t and bias corrections, m ← lerp(m, g, 1-β1), u ← u',
+  θ ← θ·(decay) - η_t m̂ / (sqrt(û) + ε). Reads p, g, m, u; writes p, m, u.
 
-Bytes per element in fp32: pass 1 reads 8, pass 2 reads 16 and writes 12, 36 in all against fused
-AdamW's 28 (read p, g, m, v; write p, m, v). Writing m and u in pass 1 instead (reads g, m, u,
-writes m, u; then pass 2 reads p, m, u, writes p) also moves 36, but pass 1 would then move 20 bytes
-per element instead of 8. What pass 2 re-reads of g and u comes from L2 rather than DRAM when not
-much traffic passed in between, and that is the whole margin over two plain passes (36 → 28 at
-best): so pass 1 is kept small, its loads ask L2 to keep the lines (``evict_last``), pass 2's
-streams ask to go first, and pass 2 follows pass 1 tensor by tensor inside one launch rather than
-in a second launch after every tensor's pass 1 (with 86 M parameters the data of one pass is
-~690 MB, far beyond a 50 MB L2).
+Bytes per fp32 element, from DRAM at worst: 8 + 28 = 36, against fused AdamW's 28 (read p, g, m,
+v; write p, m, v), the floor of any AdamW step. Writing m and u in pass 1 instead (pass 1 reads
+g, m, u and writes m, u; pass 2 reads p, m, u and writes p) also moves 36, but its pass 1 moves 20
+bytes per element instead of 8, and what pass 2 reads again comes from L2 only when little
+traffic passed in between: that re-read is the whole margin between 36 and 28. Hence pass 1
+stays small and asks L2 to keep its lines (``evict_last``), pass 2 reads and writes with
+``evict_first``, and a tensor's pass 2 follows its pass 1 closely in one launch (a second launch
+after all of pass 1 would find nothing in L2: one pass over 86 M parameters reads ~690 MB).
+Chunks that lie wholly inside their tensor load and store without masks, four elements per
+instruction when every address is 16-byte aligned (the host checks; a table of addresses tells
+the compiler nothing).
 
-Order inside one launch. Each program takes a ticket from an atomic counter and runs the work item
-of that rank in a schedule built on the host (:func:`work_schedule`): pass-1 items of the tensors
-in order, each tensor's pass-2 items ``lag`` pass-1 items after its last pass-1 item, in reverse
-chunk order (the most recently read data first). A pass-2 program waits (spins) until its tensor's
-pass 1 is complete. Tickets make that wait safe: a program holding ticket w knows that every item
-ranked before w is held by a program that already runs, and pass-1 programs never wait, so the
-awaited programs finish whatever the hardware's block order. The lag lets those programs finish
-before their pass 2 is handed out (few or no programs spin); a larger lag costs L2 reuse.
+Order inside one launch. Each program takes a ticket from an atomic counter and runs the work
+item of that rank in a schedule built on the host (:func:`work_schedule`): the pass-1 items of the
+tensors in order, and each tensor's pass-2 items ``lag`` pass-1 items after its last one, in
+reverse chunk order (the most recently read data first). A pass-2 program spins until its
+tensor's pass 1 is complete. Tickets make the wait safe: whoever holds ticket w knows that every
+item ranked before w belongs to a program that already runs, and pass-1 programs wait for
+nothing, so the awaited programs finish whatever order the hardware starts blocks in. The lag
+lets them finish before their pass 2 is handed out (little spinning); a larger one costs L2 reuse.
 
-Reduction per tensor, deterministic without float atomics: the pass-1 program that arrives last
-at its tensor's integer counter sums the tensor's partials in a fixed order, computes RMS_t, the
-learning-rate factor and the bias corrections, writes the tensor's ``step`` and ``rms`` state and
-three per-tensor scalars, then bumps the counter once more; pass-2 programs wait for that value.
-Writes that other programs read in the same launch (partials, scalars) go through integer atomics
-of the program's one atomic thread, followed by the counter's release; readers spin on volatile
-loads, acquire with an atomic, and read with volatile loads (bypassing the non-coherent L1).
+The reduction per tensor is deterministic without float atomics: the pass-1 program that arrives
+last at its tensor's integer counter adds the tensor's partials in a fixed order, computes RMS_t,
+η_t and the bias corrections, writes the tensor's ``step`` and ``rms`` state and three scalars for
+pass 2, then bumps the counter once more; pass-2 programs wait for that value. Values that other
+programs read during the launch (partials, scalars) are written by integer atomic exchanges of
+the program's atomic thread, before its release on the counter; readers spin on volatile loads,
+acquire with an atomic, and read with volatile loads (past the non-coherent L1).
 
-Arithmetic mirrors ``StableAdamW``'s foreach path operation by operation (correctly rounded
-division and square root, the same fp32 constants), so the two agree to fp32 rounding (the norm's
-summation order and contractions into fma differ). Under Triton's interpreter, programs run one
-after another in ticket order, so every wait is already satisfied.
+The arithmetic follows ``StableAdamW``'s foreach path operation by operation (correctly rounded
+division and square root, the same float32 constants), so the two agree to float32 rounding: the
+norm's summation order and contractions into fma differ. Under Triton's interpreter, programs run
+one after another in ticket order, so every wait is already satisfied when it starts.
 
 Tensors: float32 parameters, gradients and moments, each walked as one flat array (the host checks
 the layouts), on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1``.
@@ -207,6 +211,76 @@ def _sqrt_u_hat(u, bias2):
 
 
 @triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr, EVICTION: tl.constexpr):
+    if MASKED:
+        values = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICTION)
+    else:
+        values = tl.load(ptrs, eviction_policy=EVICTION)
+    return values
+
+
+@triton.jit
+def _store(ptrs, values, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, values, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptrs, values, eviction_policy="evict_first")
+
+
+@triton.jit
+def _pass1_chunk(p_grad, p_exp_avg_sq, o_elem, numel, bias2, beta2, one_minus_beta2, floor,
+                 MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Σ (g / max(sqrt(û), ε))² over one chunk, with u updated in registers only. Its lines are
+    asked to stay in L2 for pass 2."""
+    m_elem = o_elem < numel
+    b_g = _load(p_grad + o_elem, m_elem, MASKED, "evict_last")
+    b_u = _load(p_exp_avg_sq + o_elem, m_elem, MASKED, "evict_last")
+    if MAXIMIZE:
+        b_g = -b_g
+    b_u = b_u * beta2 + one_minus_beta2 * b_g * b_g
+    b_ratio = b_g * tl.math.div_rn(1.0, tl.maximum(_sqrt_u_hat(b_u, bias2), floor))
+    b_square = b_ratio * b_ratio
+    if MASKED:
+        b_square = tl.where(m_elem, b_square, 0.0)
+    return tl.sum(b_square, axis=0)
+
+
+@triton.jit
+def _pass2_chunk(p_param, p_grad, p_exp_avg, p_exp_avg_sq, o_elem, numel, bias2, step_size,
+                 shrink, beta2, one_minus_beta1, one_minus_beta2, eps, DECAY: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The AdamW update of one chunk with the tensor's clipped step size, in the foreach path's
+    order of operations: m ← lerp(m, g, 1-β1), u ← β2 u + (1-β2) g², θ ← θ·shrink + m / d with
+    d = (sqrt(û) + ε) / step_size. Every line is read for the last time."""
+    m_elem = o_elem < numel
+    b_g = _load(p_grad + o_elem, m_elem, MASKED, "evict_first")
+    b_u = _load(p_exp_avg_sq + o_elem, m_elem, MASKED, "evict_first")
+    b_m = _load(p_exp_avg + o_elem, m_elem, MASKED, "evict_first")
+    b_p = _load(p_param + o_elem, m_elem, MASKED, "evict_first")
+    if MAXIMIZE:
+        b_g = -b_g
+    b_m = _lerp(b_m, b_g, one_minus_beta1)
+    b_u = b_u * beta2 + one_minus_beta2 * b_g * b_g
+    b_denom = _sqrt_u_hat(b_u, bias2) + eps
+    if DECAY:
+        b_p = b_p * shrink
+    b_p = b_p + tl.math.div_rn(b_m, tl.math.div_rn(b_denom, step_size))
+    _store(p_param + o_elem, b_p, m_elem, MASKED)
+    _store(p_exp_avg + o_elem, b_m, m_elem, MASKED)
+    _store(p_exp_avg_sq + o_elem, b_u, m_elem, MASKED)
+
+
+@triton.jit
+def _address(p_entry, ALIGNED: tl.constexpr):
+    """The float32 array at the address in a table entry; ALIGNED: 16-byte aligned, which lets
+    the compiler load four elements per instruction (nothing tells it from a table)."""
+    address = tl.load(p_entry).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        address = tl.multiple_of(address, 16)
+    return address
+
+
+@triton.jit
 def _stable_adamw_kernel(
     table_ptr,  # (T, _COLUMNS) int64: per tensor, see the column names above
     schedule_ptr,  # (W + C,) int32: W work items in ticket order, then each chunk's tensor
@@ -233,6 +307,7 @@ def _stable_adamw_kernel(
     HAS_SKIP: tl.constexpr,
     LR_IS_TENSOR: tl.constexpr,
     TRACK_RMS: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every p, g, m, u address is a multiple of 16 bytes
 ):
     """One work item of one StableAdamW step: pass 1 or pass 2 of one BLOCK-element chunk."""
     # float32 as in a compiled kernel (the interpreter hands Python floats over as they are)
@@ -247,8 +322,8 @@ def _stable_adamw_kernel(
     chunk = item >> 1
     k = tl.load(schedule_ptr + n_work + chunk).to(tl.int64)
     row = table_ptr + k * _COLUMNS
-    p_grad = tl.load(row + _GRAD).to(tl.pointer_type(tl.float32))
-    p_exp_avg_sq = tl.load(row + _EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
+    p_grad = _address(row + _GRAD, ALIGNED)
+    p_exp_avg_sq = _address(row + _EXP_AVG_SQ, ALIGNED)
     numel = tl.load(row + _NUMEL)
     first_chunk = tl.load(row + _FIRST_CHUNK)
     n_chunks = tl.load(row + _CHUNKS)
@@ -261,7 +336,6 @@ def _stable_adamw_kernel(
         skipped = tl.full((), 0, tl.int1)
         keep = 1.0
     o_elem = (chunk - first_chunk).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m_elem = o_elem < numel
 
     if (item & 1) == 0:
         # Pass 1: this chunk's share of RMS_t², from the updated second moment.
@@ -269,13 +343,12 @@ def _stable_adamw_kernel(
         step = tl.load(p_step) + keep
         exponent = tl.maximum(step, 1.0).to(tl.int32)  # a skipped tensor never stepped: t = 0
         bias2 = tl.sqrt_rn(1.0 - _power(beta2.to(tl.float64), exponent).to(tl.float32))
-        b_g = tl.load(p_grad + o_elem, mask=m_elem, other=0.0, eviction_policy="evict_last")
-        b_u = tl.load(p_exp_avg_sq + o_elem, mask=m_elem, other=0.0, eviction_policy="evict_last")
-        if MAXIMIZE:
-            b_g = -b_g
-        b_u = b_u * beta2 + one_minus_beta2 * b_g * b_g
-        b_ratio = b_g * tl.math.div_rn(1.0, tl.maximum(_sqrt_u_hat(b_u, bias2), floor))
-        partial = tl.sum(tl.where(m_elem, b_ratio * b_ratio, 0.0), axis=0)
+        if (chunk - first_chunk + 1) * BLOCK <= numel:  # no mask: four elements per load
+            partial = _pass1_chunk(p_grad, p_exp_avg_sq, o_elem, numel, bias2, beta2,
+                                   one_minus_beta2, floor, MAXIMIZE, False)
+        else:
+            partial = _pass1_chunk(p_grad, p_exp_avg_sq, o_elem, numel, bias2, beta2,
+                                   one_minus_beta2, floor, MAXIMIZE, True)
         tl.atomic_xchg(partials_ptr + chunk, partial.to(tl.int32, bitcast=True))
         tl.debug_barrier()
         arrived = tl.atomic_add(p_arrivals, 1, sem="acq_rel")
@@ -299,7 +372,7 @@ def _stable_adamw_kernel(
             clipped = alpha * tl.math.div_rn(
                 1.0, tl.maximum(tl.math.div_rn(rms, clip_threshold), 1.0))
             step_size = -tl.math.div_rn(clipped, bias1)
-            if DECAY_MODE == 1:
+            if DECAY_MODE == 1:  # DECAY_CONSTANT, DECAY_LR, DECAY_CLIPPED below
                 shrink = tl.cast(decay_constant, tl.float32)
             elif DECAY_MODE == 2:
                 shrink = 1.0 - alpha * weight_decay
@@ -328,23 +401,16 @@ def _stable_adamw_kernel(
         bias2 = tl.load(p_scalars + _BIAS2, volatile=True).to(tl.float32, bitcast=True)
         step_size = tl.load(p_scalars + _STEP_SIZE, volatile=True).to(tl.float32, bitcast=True)
         shrink = tl.load(p_scalars + _SHRINK, volatile=True).to(tl.float32, bitcast=True)
-        p_param = tl.load(row + _PARAM).to(tl.pointer_type(tl.float32))
-        p_exp_avg = tl.load(row + _EXP_AVG).to(tl.pointer_type(tl.float32))
-        b_g = tl.load(p_grad + o_elem, mask=m_elem, other=0.0, eviction_policy="evict_first")
-        b_u = tl.load(p_exp_avg_sq + o_elem, mask=m_elem, other=0.0, eviction_policy="evict_first")
-        b_m = tl.load(p_exp_avg + o_elem, mask=m_elem, other=0.0, eviction_policy="evict_first")
-        b_p = tl.load(p_param + o_elem, mask=m_elem, other=0.0, eviction_policy="evict_first")
-        if MAXIMIZE:
-            b_g = -b_g
-        b_m = _lerp(b_m, b_g, one_minus_beta1)
-        b_u = b_u * beta2 + one_minus_beta2 * b_g * b_g
-        b_denom = _sqrt_u_hat(b_u, bias2) + eps
-        if DECAY_MODE != 0:
-            b_p = b_p * shrink
-        b_p = b_p + tl.math.div_rn(b_m, tl.math.div_rn(b_denom, step_size))
-        tl.store(p_param + o_elem, b_p, mask=m_elem, eviction_policy="evict_first")
-        tl.store(p_exp_avg + o_elem, b_m, mask=m_elem, eviction_policy="evict_first")
-        tl.store(p_exp_avg_sq + o_elem, b_u, mask=m_elem, eviction_policy="evict_first")
+        p_param = _address(row + _PARAM, ALIGNED)
+        p_exp_avg = _address(row + _EXP_AVG, ALIGNED)
+        if (chunk - first_chunk + 1) * BLOCK <= numel:
+            _pass2_chunk(p_param, p_grad, p_exp_avg, p_exp_avg_sq, o_elem, numel, bias2,
+                         step_size, shrink, beta2, one_minus_beta1, one_minus_beta2, eps,
+                         DECAY_MODE != 0, MAXIMIZE, False)
+        else:
+            _pass2_chunk(p_param, p_grad, p_exp_avg, p_exp_avg_sq, o_elem, numel, bias2,
+                         step_size, shrink, beta2, one_minus_beta1, one_minus_beta2, eps,
+                         DECAY_MODE != 0, MAXIMIZE, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,22 +418,38 @@ def _stable_adamw_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+# One tensor's (param, grad, exp_avg, exp_avg_sq, step, rms or None): the table's address columns.
+TensorRow = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, "Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What depends only on the tensors' sizes: the work items and each chunk's tensor (device
+    int32), and per tensor (numel, first chunk, chunks, float32 bits of 1/sqrt(max(numel, 1)))."""
+
+    items_and_owners: Tensor
+    static_rows: list[tuple[int, int, int, int]]
+    n_chunks: int
+    n_work: int
+
+
 @dataclass
 class FusedTables:
     """The device tables of one (param group, device), rebuilt only when what they describe
-    changes: the schedule when the tensors' sizes do, the address table when an address does
-    (a gradient reallocated by ``zero_grad(set_to_none=True)``, state loaded anew)."""
+    changes: a schedule per set of sizes (a few kept: gradients that come and go), the address
+    table when an address does (a gradient reallocated by ``zero_grad(set_to_none=True)``, state
+    loaded anew)."""
 
-    sizes: tuple[int, ...] = ()
-    schedule: Tensor | None = None
-    static_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
-    n_chunks: int = 0
-    n_work: int = 0
+    schedules: dict[tuple, Schedule] = field(default_factory=dict)
     addresses: tuple[int, ...] = ()
     table: Tensor | None = None
+    aligned: bool = False  # every p, g, m, u address a multiple of 16 bytes
     # Host buffers copied into tables while a CUDA graph was captured: the graph copies them
     # again at every replay, so they live as long as the optimizer.
     captured: list[Tensor] = field(default_factory=list)
+
+
+_SCHEDULES_KEPT = 4
 
 
 def _to_device(values: list[int], dtype: torch.dtype, device: torch.device,
@@ -387,42 +469,47 @@ def _float32_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
-def _update_tables(tables: FusedTables, cfg: FusedConfig, device: torch.device,
-                   columns: list[list[Tensor]], rms: list[Tensor] | None) -> None:
-    params = columns[0]
-    sizes = tuple(p.numel() for p in params)
-    if sizes != tables.sizes:
+def _schedule(tables: FusedTables, cfg: FusedConfig, device: torch.device,
+              sizes: tuple[int, ...]) -> Schedule:
+    key = (sizes, cfg)
+    schedule = tables.schedules.pop(key, None)
+    if schedule is None:
         chunks = [max(1, -(-n // cfg.block)) for n in sizes]  # an empty tensor still gets one
         owners = [k for k, n in enumerate(chunks) for _ in range(n)]
         items = work_schedule(chunks, cfg.lag)
-        tables.schedule = _to_device(items + owners, torch.int32, device, tables)
-        tables.static_rows = [
-            (n, first, c, _float32_bits(1.0 / math.sqrt(max(n, 1))))
-            for n, first, c in zip(sizes, _firsts(chunks), chunks, strict=True)
-        ]
-        tables.sizes, tables.n_chunks, tables.n_work = sizes, len(owners), len(items)
-        tables.addresses = ()
-    rms_columns = [t.data_ptr() for t in rms] if rms is not None else [0] * len(params)
-    addresses = tuple(t.data_ptr() for column in columns for t in column) + tuple(rms_columns)
-    if addresses != tables.addresses:
-        n = len(params)
-        rows = []
-        for k, static in enumerate(tables.static_rows):
-            rows.extend(addresses[c * n + k] for c in range(len(columns)))
-            rows.append(rms_columns[k])
-            rows.extend(static)
-        tables.table = _to_device(rows, torch.int64, device, tables)
-        tables.addresses = addresses
+        schedule = Schedule(
+            _to_device(items + owners, torch.int32, device, tables),
+            [(n, first, c, _float32_bits(1.0 / math.sqrt(max(n, 1))))
+             for n, first, c in zip(sizes, _firsts(chunks), chunks, strict=True)],
+            n_chunks=len(owners), n_work=len(items),
+        )
+        if len(tables.schedules) >= _SCHEDULES_KEPT:
+            del tables.schedules[next(iter(tables.schedules))]
+    tables.schedules[key] = schedule  # most recently used last
+    return schedule
+
+
+def _address_table(tables: FusedTables, schedule: Schedule, device: torch.device,
+                   rows: list[TensorRow]) -> Tensor:
+    """The (T, _COLUMNS) int64 table: p, g, m, u, step, rms addresses, then the sizes."""
+    addresses = [t.data_ptr() if t is not None else 0 for row in rows for t in row]
+    key = (id(schedule), *addresses)
+    if key != tables.addresses:
+        columns = len(rows[0])
+        table: list[int] = []
+        for k, static in enumerate(schedule.static_rows):
+            table.extend(addresses[k * columns:(k + 1) * columns])
+            table.extend(static)
+        tables.table = _to_device(table, torch.int64, device, tables)
+        tables.addresses = key
+        tables.aligned = all(a % 16 == 0 for k in range(len(rows))
+                             for a in addresses[k * columns:k * columns + 4])
+    return tables.table
 
 
 def fused_step(
     tables: FusedTables,
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
-    rms: list[Tensor] | None,
+    rows: list[TensorRow],
     skip: Tensor | None,
     *,
     lr: float | Tensor,
@@ -433,18 +520,18 @@ def fused_step(
     clip_weight_decay: bool,
     maximize: bool,
 ) -> None:
-    """One StableAdamW step of ``params`` (float32, one device, flat layouts) in one launch.
-
-    ``steps`` and ``rms`` (with track_rms) are the 0-d float32 state tensors, updated in place
-    with the moments and parameters; ``skip``: a (len(params),) bool tensor on the device, True
-    where a tensor and its state stay exactly as they are.
+    """One StableAdamW step of the tensors in ``rows`` (float32, one device, flat layouts), in
+    one launch, everything updated in place. ``rms`` is None in every row or in none (without
+    track_rms). ``skip``: a (len(rows),) bool tensor on the device, True where a tensor and its
+    state stay exactly as they are.
     """
-    device = params[0].device
+    device = rows[0][0].device
     cfg = fused_config(device)
-    _update_tables(tables, cfg, device, [params, grads, exp_avgs, exp_avg_sqs, steps], rms)
-    n_tensors = len(params)
+    schedule = _schedule(tables, cfg, device, tuple(row[0].numel() for row in rows))
+    table = _address_table(tables, schedule, device, rows)
+    n_tensors, n_chunks = len(rows), schedule.n_chunks
     counters = torch.zeros(1 + n_tensors, dtype=torch.int32, device=device)
-    scratch = torch.empty(tables.n_chunks + n_tensors * 4, dtype=torch.int32, device=device)
+    scratch = torch.empty(n_chunks + n_tensors * _SCALARS.value, dtype=torch.int32, device=device)
     beta1, beta2 = betas
     lr_is_tensor = isinstance(lr, Tensor)
     if weight_decay == 0.0:
@@ -458,15 +545,15 @@ def fused_step(
     lr_tensor = lr.to(device=device, dtype=torch.float32) if lr_is_tensor else None
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        _stable_adamw_kernel[(tables.n_work,)](
-            tables.table, tables.schedule, counters, scratch[:tables.n_chunks],
-            scratch[tables.n_chunks:], skip, lr_tensor,
+        _stable_adamw_kernel[(schedule.n_work,)](
+            table, schedule.items_and_owners, counters, scratch[:n_chunks], scratch[n_chunks:],
+            skip, lr_tensor,
             0.0 if lr_is_tensor else float(lr), beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
             max(eps, torch.finfo(torch.float32).tiny), clip_threshold, weight_decay,
             1.0 - float(lr) * weight_decay if decay_mode == DECAY_CONSTANT else 1.0,
-            tables.n_work,
+            schedule.n_work,
             BLOCK=cfg.block, REDUCE_BLOCK=cfg.reduce_block, DECAY_MODE=decay_mode,
             MAXIMIZE=maximize, HAS_SKIP=skip is not None, LR_IS_TENSOR=lr_is_tensor,
-            TRACK_RMS=rms is not None, num_warps=cfg.num_warps,
+            TRACK_RMS=rows[0][5] is not None, ALIGNED=tables.aligned, num_warps=cfg.num_warps,
         )
 

@@ -15,14 +15,16 @@ Adam's biased moments in state (`exp_avg`, `exp_avg_sq`, as torch.optim.AdamW) a
 decoupled and scaled by the unclipped α_t, as the authors' reference code does
 (``theta.mul_(1 - lr * weight_decay)``); ``clip_weight_decay=True`` scales it by η_t instead.
 
-Every operation is a ``torch._foreach_*`` multi-tensor op over the tensors of one device and
-dtype; the step count, the bias corrections, RMS_t and the learning-rate factor stay 0-d tensors
-on the parameters' device. Nothing is read back to the host, so a step never synchronizes and can
-be captured in a CUDA graph (pass ``lr`` as a device tensor to change it between replays).
+On the foreach path, every operation is a ``torch._foreach_*`` multi-tensor op over the tensors of
+one device and dtype; the step count, the bias corrections, RMS_t and the learning-rate factor
+stay 0-d tensors on the parameters' device. Nothing is read back to the host, so a step never
+synchronizes and can be captured in a CUDA graph (pass ``lr`` as a device tensor to change it
+between replays).
 
-The fused path (``fused=True``, the default for CUDA float32 parameters) does the same arithmetic in
-one Triton launch per param group and device, two passes over each tensor, no temporaries the size
-of the parameters (``fusedloss._optim_kernels`` explains the passes and their memory traffic).
+The fused path (``fused=True``, opt-in, as ``torch.optim``'s) does the same arithmetic,
+equally without synchronizing, in one Triton launch per param group and device: two passes over
+each tensor, no temporaries the size of the parameters (``fusedloss._optim_kernels`` explains
+the passes and their memory traffic).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class StableAdamW(torch.optim.Optimizer):
             (RMS_t well above 1, e.g. ≥ 2.3 in a ViT's patch embedding, precedes spikes).
         fused: run each step as Triton kernels, one launch per param group and device, instead of
             ``torch._foreach_*`` ops: the same results to float32 rounding, no parameter-sized
-            temporaries. None (default): fused when every parameter is a float32 CUDA tensor,
-            as ``torch.optim`` chooses. True requires float32 parameters on CUDA (or on the CPU
+            temporaries. None (default) and False: the foreach path. True requires float32
+            parameters on CUDA (or on the CPU
             under ``TRITON_INTERPRET=1``). Tensors whose gradient or moments do not share the
             parameter's dense layout, and steps traced by ``torch.compile``, take the foreach
             path. Not part of ``state_dict()``: the state is the same on both paths.
@@ -115,7 +117,6 @@ class StableAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.fused = fused
         self._fused_tables: dict[tuple[int, torch.device], kernels.FusedTables] = {}
-        self._auto_fused: bool | None = None
         if fused:
             for group in self.param_groups:
                 _check_fused(group["params"])
@@ -124,8 +125,11 @@ class StableAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         if getattr(self, "fused", None):  # None while the constructor adds the first groups
-            _check_fused(self.param_groups[-1]["params"])
-        self._auto_fused = None
+            try:
+                _check_fused(self.param_groups[-1]["params"])
+            except RuntimeError:
+                self.param_groups.pop()
+                raise
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "fused": self.fused}
@@ -137,18 +141,12 @@ class StableAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self.fused = fused
         self.__dict__.setdefault("_fused_tables", {})
-        self._auto_fused = None
 
     def _fused_enabled(self) -> bool:
         if torch.compiler.is_compiling():
             return False  # addresses are not traceable; Inductor fuses the foreach ops instead
-        if self.fused is not None:
-            return self.fused
-        if self._auto_fused is None:
-            self._auto_fused = all(
-                p.is_cuda and kernels.supports(p) for g in self.param_groups for p in g["params"]
-            )
-        return self._auto_fused
+        # None: the foreach path, as torch.optim's default; the fused path is opt-in
+        return bool(self.fused)
 
     def _init_state(self, p: Tensor, track_rms: bool) -> dict[str, Tensor]:
         state = self.state[p]
@@ -208,15 +206,46 @@ class StableAdamW(torch.optim.Optimizer):
         """The fused step of one bucket; returns the tensors it leaves to the foreach path (a
         gradient or moment laid out unlike its parameter)."""
         if not kernels.supports(params[0]):  # a parameter converted since the constructor
-            _check_fused(params[:1])
-        fused, rest = [], []
+            if self.fused:
+                _check_fused(params[:1])
+            return params
+        rows, fused, rest = [], [], []
+        track_rms = group["track_rms"]
         for p in params:
-            state = self.state[p]
-            flat = p.grad.dtype == p.dtype and kernels.flat_layout(
-                p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-            (fused if flat else rest).append(p)
+            state, grad = self.state[p], p.grad
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            if grad.dtype == p.dtype and (
+                (p.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous()
+                 and exp_avg_sq.is_contiguous() and grad.shape == p.shape == exp_avg.shape
+                 == exp_avg_sq.shape)
+                or kernels.flat_layout(p, grad, exp_avg, exp_avg_sq)
+            ):
+                rows.append((p, grad, exp_avg, exp_avg_sq, state["step"],
+                             state["rms"] if track_rms else None))
+                fused.append(p)
+            else:
+                rest.append(p)
         if not fused:
             return rest
+        flags = None
+        if skip is not None:
+            false = None
+            entries = []
+            for p in fused:
+                flag = skip.get(p)
+                if flag is None:
+                    if false is None:
+                        false = torch.zeros((), dtype=torch.bool, device=device)
+                    flag = false
+                entries.append(flag.reshape(()))
+            flags = torch.stack(entries)
+        tables = self._fused_tables.setdefault((index, device), kernels.FusedTables())
+        kernels.fused_step(
+            tables, rows, flags, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+            weight_decay=group["weight_decay"], clip_threshold=group["clip_threshold"],
+            clip_weight_decay=group["clip_weight_decay"], maximize=group["maximize"],
+        )
+        return rest
         states = [self.state[p] for p in fused]
         flags = None
         if skip is not None:

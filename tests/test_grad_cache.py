@@ -19,8 +19,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from workers import Raised, Workers
 from torch import nn
+from workers import Raised, Workers
 
 import fusedloss
 import fusedloss.distributed as fd

@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
+from helpers import can_run_triton, requires_cuda
 from hypothesis import given
 from hypothesis import strategies as st
-from helpers import requires_cuda
 
 from fusedloss.optim import StableAdamW
 
@@ -291,9 +291,14 @@ def test_rms_is_per_tensor_mean():
     assert abs(opt.state[p]["rms"].item() - expected) < 1e-4 * expected
 
 
-def test_step_compiles_fullgraph_like_eager():
+@pytest.mark.parametrize("fused", [None, True], ids=["default", "fused"])
+def test_step_compiles_fullgraph_like_eager(fused, device):
     """``torch.compile(optimizer.step, fullgraph=True)``: the same parameters and state as
-    eager steps (no host sync breaks the graph), over a few steps with a gradient spike."""
+    eager steps (no host sync breaks the graph), over a few steps with a gradient spike. A
+    compiled fused optimizer traces the foreach path; its eager steps run the kernels."""
+    if fused and not can_run_triton():
+        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    device = device if fused else "cpu"
     torch.manual_seed(0)
     shapes = [(4, 3), (3,), (2, 2, 2)]
     grads = [[torch.randn(s) * (50.0 if k == 2 and i == 0 else 1.0) for i, s in
@@ -301,13 +306,13 @@ def test_step_compiles_fullgraph_like_eager():
 
     def run(compiled):
         torch.manual_seed(1)
-        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-        opt = StableAdamW(params, lr=0.1, weight_decay=0.01, track_rms=True)
+        params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in shapes]
+        opt = StableAdamW(params, lr=0.1, weight_decay=0.01, track_rms=True, fused=fused)
         step = torch.compile(opt.step, fullgraph=True, backend="aot_eager") if compiled \
             else opt.step
         for g in grads:
             for p, gp in zip(params, g, strict=True):
-                p.grad = gp.clone()
+                p.grad = gp.to(device)
             step()
         return params, opt
 
@@ -416,7 +421,7 @@ def test_fused_skip_masks(device, requires_triton):
     options = dict(lr=1e-2, weight_decay=0.1, track_rms=True, skips=skips)
     fused = run_path(device, grads, True, **options)
     assert_paths_agree(fused, run_path(device, grads, False, **options))
-    # tensor 0 was skipped at its first step: its state is exactly one step behind tensor 2's
+    # skipped steps are not counted (tensor 0: twice, the first time before any step)
     params, opt = fused
     assert opt.state[params[0]]["step"].item() == 3
     assert opt.state[params[1]]["step"].item() == 4
@@ -553,6 +558,7 @@ def test_fused_true_needs_a_device_the_kernels_run_on(monkeypatch):
     opt = StableAdamW([torch.zeros(3, requires_grad=True)], fused=True)
     with pytest.raises(RuntimeError, match="fused=True"):
         opt.add_param_group(dict(params=[torch.zeros(2, dtype=torch.float64)]))
+    assert len(opt.param_groups) == 1
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     p = torch.zeros(3, requires_grad=True)
     opt = StableAdamW([p], lr=0.1)  # fused=None: foreach on the CPU
@@ -598,7 +604,7 @@ def test_fused_queues_without_waiting_on_cuda():
 @requires_cuda
 def test_fused_matches_foreach_on_cuda_at_gpu_sizes():
     """GPU chunks: tensors of many chunks (more partials than one reduction block) and sizes
-    that are not multiples of a chunk; fused=None picks the fused path for CUDA float32."""
+    that are not multiples of a chunk; fused=None is the foreach path (fused is opt-in)."""
     shapes = [(4099,), (1, 1), (300, 1001), (2**21 + 5,), (768,)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     grads = [[torch.randn(s, device="cuda", generator=gen) * (300.0 if (t, i) == (4, 3) else 1.0)
@@ -615,6 +621,6 @@ def test_fused_matches_foreach_on_cuda_at_gpu_sizes():
 
     fused, default, foreach = run(True), run(None), run(False)
     assert_paths_agree(fused, foreach, ulps=16.0)
-    for p, q in zip(fused[0], default[0], strict=True):
-        assert torch.equal(p, q)  # deterministic, and the default is the fused path
+    for p, q in zip(foreach[0], default[0], strict=True):
+        assert torch.equal(p, q)  # the default is the foreach path
     assert fused[1].state[fused[0][3]]["rms"].item() > 1.2

@@ -151,12 +151,11 @@ def matmul_config(device: torch.device, m: int, n: int) -> MatmulConfig:
     return MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=3)
 
 
-def _matmul_programs(device: torch.device, tiles: int) -> int:
-    """Persistent grid: one program per SM (the tiles' shared memory allows one), each walking
-    the tiles in steps of the grid."""
-    if device.type != "cuda":
-        return min(tiles, _INTERPRETER_PROGRAMS)
-    return min(tiles, _sm_count(device))
+def _matmul_stride(device: torch.device) -> int:
+    """The persistent grid's size on a large problem: one program per SM (the tiles' shared
+    memory allows one), each walking the tiles in steps of this many. A fixed number per
+    device (the kernel takes it as a constant); smaller problems launch one program per tile."""
+    return _INTERPRETER_PROGRAMS if device.type != "cuda" else _sm_count(device)
 
 
 def _tma_ready(t: Tensor) -> bool:
@@ -208,10 +207,10 @@ def _row_plan(device: torch.device, c: int, contiguous_rows: bool) -> RowPlan:
         if sum(widths) <= 64:
             return RowPlan(8, widths, True, 1)
         return RowPlan(8, (16, 0, 0), False, 1)
-    if sum(widths) <= 8192:
-        block_r = min(64, 1 << ((4096 // sum(widths)).bit_length() - 1)) if sum(widths) <= 4096 \
-            else 1
-        return RowPlan(block_r, widths, True, 4 if block_r * sum(widths) <= 4096 else 8)
+    total = sum(widths)
+    if total <= 8192:
+        block_r = min(64, 1 << ((4096 // total).bit_length() - 1)) if total <= 4096 else 1
+        return RowPlan(block_r, widths, True, 4 if block_r * total <= 4096 else 8)
     return RowPlan(1, (2048, 0, 0), False, 8)
 
 
@@ -395,8 +394,7 @@ def _quantize_tensor_kernel(
         b_bad = tl.maximum(b_bad, tl.where(b == b, 0, 1))
     absmax = tl.where(tl.max(b_bad, axis=0) > 0, float("nan"), tl.max(b_max, axis=0))
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    if pid_r == 0 and pid_c == 0:
-        tl.store(p_absmax, absmax)
+    tl.store(p_absmax, absmax, mask=(pid_r == 0) & (pid_c == 0))
     o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (o_r < R)[:, None] & (o_c < C)[None, :]
@@ -487,9 +485,10 @@ def _matmul_dequantize_kernel(
     NUM_PROGRAMS: tl.constexpr,
 ):
     """C = (a bᵀ) · absmax_a / Q · absmax_b / Q (+ bias), persistent: program p computes tiles
-    p, p + NUM_PROGRAMS, ... The tensor-core dot in int32 (int8) or float32 (fp8: Hopper adds
-    each K chunk's products in its narrower fp8 accumulator, as Triton leaves it by default),
-    both operands K-major: b's (BLOCK_N, BLOCK_K) tiles transposed in the dot. USE_TMA: tiles
+    p, p + NUM_PROGRAMS, ... (the grid has at most NUM_PROGRAMS programs). The tensor-core dot
+    in int32 (int8) or float32 (fp8: Hopper adds each K chunk's products in its narrower fp8
+    accumulator, as Triton leaves it by default), both operands K-major: b's (BLOCK_N, BLOCK_K)
+    tiles transposed in the dot. USE_TMA: tiles
     through the bulk copy engine (rows and K past the ends read as zeros, the store clipped);
     otherwise pointer loads, rows past M or N reading rows inside (never stored), unmasked
     unless K has a tail (EVEN_K)."""
@@ -497,7 +496,6 @@ def _matmul_dequantize_kernel(
     blocks_m, blocks_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     o_k = tl.arange(0, BLOCK_K)
-    dtype: tl.constexpr = p_c.dtype.element_ty
     # The epilogue counts tiles on its own (as Triton's persistent matmul tutorial does), so
     # that the flattened loop may overlap one tile's epilogue with the next tile's loads.
     tile_c = pid - NUM_PROGRAMS
@@ -542,14 +540,14 @@ def _matmul_dequantize_kernel(
             o_n = n0 + tl.arange(0, BLOCK_N // 2)
             c_desc.store([pid_m * BLOCK_M, n0], _dequantize_tile(
                 acc_0, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
-                B_ROWWISE, HAS_BIAS, INV_Q, dtype, BF16_BY_HAND))
+                B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND))
             c_desc.store([pid_m * BLOCK_M, n0 + BLOCK_N // 2], _dequantize_tile(
                 acc_1, o_m, o_n + BLOCK_N // 2, p_absmax_a, p_absmax_b, p_bias, M, N,
-                B_ROWWISE, HAS_BIAS, INV_Q, dtype, BF16_BY_HAND))
+                B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND))
         else:
             o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             c = _dequantize_tile(acc, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
-                                 B_ROWWISE, HAS_BIAS, INV_Q, dtype, BF16_BY_HAND)
+                                 B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND)
             tl.store(p_c + o_m.to(tl.int64)[:, None] * N + o_n[None, :], c,
                      mask=(o_m < M)[:, None] & (o_n < N)[None, :])
 
@@ -723,14 +721,14 @@ def _launch_matmul(a, b, absmax_a, absmax_b, bias, c, cfg: MatmulConfig, fp8: bo
         a_desc = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor(b, [n, k], [k, 1], [cfg.block_n, cfg.block_k])
         c_desc = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n // 2])
+    stride = _matmul_stride(a.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = _matmul_programs(a.device, tiles)
-    _matmul_dequantize_kernel[(programs,)](
+    _matmul_dequantize_kernel[(min(tiles, stride),)](
         a, b, a_desc, b_desc, absmax_a, absmax_b, bias, c, c_desc, m, n, k,
         B_ROWWISE=absmax_b.dim() == 1, HAS_BIAS=bias is not None, FP8=fp8, INV_Q=1.0 / scale,
         BF16_BY_HAND=_bf16_by_hand(c.dtype), USE_TMA=use_tma, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_PROGRAMS=stride, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
