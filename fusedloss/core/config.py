@@ -56,6 +56,22 @@ def tma_enabled() -> bool:
     return os.environ.get("FUSEDLOSS_TMA", "1") != "0"
 
 
+FILTER_RULES = ("block", "pooled")
+
+
+def filter_rule() -> str:
+    """The backward's tile-skipping rule, ``FUSEDLOSS_FILTER_RULE`` (``filtering.py``):
+    "block" (default), a bound on each row's lost softmax mass from per-block statistics, or
+    "pooled", a bound on the relative L2 error of the call's logit gradient from per-row tile
+    masses (N·V/BN more floats from the forward). Read when the forward records its statistics
+    and when ``filter_eps="auto"`` is resolved; the backward applies the rule whose statistics
+    it was handed."""
+    rule = os.environ.get("FUSEDLOSS_FILTER_RULE", "") or "block"
+    if rule not in FILTER_RULES:
+        raise ValueError(f"FUSEDLOSS_FILTER_RULE must be one of {FILTER_RULES}, got {rule!r}")
+    return rule
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("FUSEDLOSS_AUTOTUNE", "0") == "1"
 

@@ -288,9 +288,12 @@ def _in_block(labels: Tensor, offset: int, m: int) -> Tensor:
 def _tile_stats_bytes(layout: Layout, kind: str, a: Tensor) -> int:
     """Bytes of the per-tile statistics that filtering would keep over the W steps."""
     n, d = a.shape
-    bm, bn = engine.forward_block(a.device, a.dtype, d, col_stats=kind == "clip")
-    tiles = sum(-(-n // bm) * -(-m // bn) for m in layout.cols)
-    return 4 * tiles * (2 if kind == "clip" else 1)
+    clip = kind == "clip"
+    elements = 0
+    for m in layout.cols:
+        rows, cols = engine.tile_stats_shapes(n, m, a.device, a.dtype, d, col_stats=clip)
+        elements += rows[0] * rows[1] + (cols[0] * cols[1] if clip else 0)
+    return 4 * elements
 
 
 def _empty_cols(m: int, dev: torch.device) -> Tensor:

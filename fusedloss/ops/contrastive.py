@@ -96,9 +96,9 @@ def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_
     clip, filtering = kind == "clip", _filtering(kind, filter_eps, record_tiles)
     tiles = col_tiles = (0, 0)
     if filtering and backend == "triton":
-        block_m, block_n = engine.forward_block(a.device, a.dtype, d, col_stats=clip)
-        tiles = ((n + block_m - 1) // block_m, (m + block_n - 1) // block_n)
-        col_tiles = tiles if clip else col_tiles
+        tiles, clip_col_tiles = engine.tile_stats_shapes(n, m, a.device, a.dtype, d,
+                                                         col_stats=clip)
+        col_tiles = clip_col_tiles if clip else col_tiles
     f32 = torch.float32
     return (a.new_empty(n, dtype=f32), a.new_empty((4, n), dtype=f32),
             a.new_empty((4, m) if clip else (0,), dtype=f32),

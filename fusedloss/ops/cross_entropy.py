@@ -119,8 +119,7 @@ def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, labe
     v = weight.shape[0]
     tiles = (0, 0)
     if backend == "triton" and record_tiles and filter_eps is not None:
-        block_m, block_n = engine.forward_block(input.device, input.dtype, d)
-        tiles = ((n + block_m - 1) // block_m, (v + block_n - 1) // block_n)
+        tiles, _ = engine.tile_stats_shapes(n, v, input.device, input.dtype, d)
     per_row = input.new_empty(n, dtype=_F32)
     return (per_row, torch.empty_like(per_row), input.new_empty(n, dtype=torch.int64),
             input.new_empty((), dtype=torch.int64), input.new_empty(n, dtype=torch.int64),
