@@ -11,8 +11,10 @@ output dtype; and the error against the unquantized layer within the quantizatio
 
 The Triton backend (a CUDA device, or Triton's interpreter under TRITON_INTERPRET=1, which runs
 int8 and fp8 ``tl.dot``): every quantizer and the row-wise dequantization bit for bit equal to
-the emulation; the matmul within the float32-epilogue bound (``epilogue_tol``); whole layers
-(forward, input gradient within that bound; weight and bias gradients bit for bit).
+the emulation, ties and signed zeros included, on the device itself; the matmul within the
+float32-epilogue bound (``epilogue_tol``), its TMA and pointer-load variants bit for bit
+alike; whole layers (forward, input gradient within that bound; weight and bias gradients bit
+for bit).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import can_run_triton, requires_cuda
+from helpers import can_run_triton, requires_cuda, triton_interpreter_enabled
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -536,8 +538,10 @@ def test_zero_inputs_and_empty_batch(backend):
 # Triton's interpreter runs int8 x int8 -> int32 and fp8 e4m3 x e4m3 -> float32 ``tl.dot``, so
 # both formats are checked here at tiny sizes (tiles of 16; shapes past one tile and one K step).
 
-# (rows, columns, with NaN and -Inf in two rows); every matrix past r > 2 has an all-zero row
-ODD_MATRICES = [(1, 1, False), (5, 3, True), (19, 37, False), (37, 19, True)]
+# (rows, columns, with NaN and -Inf in two rows); every matrix past r > 2 has an all-zero row.
+# Under the interpreter rows of up to 64 columns are read once (tiles side by side), longer ones
+# in two sweeps (150).
+ODD_MATRICES = [(1, 1, False), (5, 3, True), (19, 37, False), (37, 19, True), (6, 150, True)]
 
 
 def odd_matrix(r, c, dtype, seed, nonfinite: bool):
@@ -588,9 +592,11 @@ def test_triton_quantizers_equal_reference_hypothesis(quant_dtype, data):
 
 @requires_triton
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
-@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (7, 37, 19), (33, 70, 17)],
-                         ids=["M1-K1-N1", "M7-K37-N19", "M33-K70-N17"])
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (7, 37, 19), (33, 70, 17), (33, 64, 24)],
+                         ids=["M1-K1-N1", "M7-K37-N19", "M33-K70-N17", "M33-K64-N24"])
 def test_triton_matmul_within_epilogue_bound(m, k, n, quant_dtype):
+    """Pointer loads at the odd shapes; TMA tiles (Hopper, the interpreter) where K and N are
+    16-byte aligned (M33-K64-N24)."""
     skip_fp8_without_hardware("triton", quant_dtype)
     gen = torch.Generator().manual_seed(m * k * n)
     for dtype in DTYPES:
@@ -611,6 +617,114 @@ def test_triton_matmul_within_epilogue_bound(m, k, n, quant_dtype):
                 abs64 = ref_matmul(qa.abs(), qb.abs()) * scale
                 tol = epilogue_tol(ref, abs64, bias, dtype, k, quant_dtype)
                 assert_within(c, ref, tol, dtype, f"{dtype} rowwise_b={rowwise_b} {bias_dtype}")
+
+
+def hard_rows(dtype: torch.dtype, quant_dtype: str) -> torch.Tensor:
+    """Rows that each hold their absmax Q·2^e and, times 2^e, every tie between neighbouring
+    grid values (e4m3 midpoints, or half-integers), every grid value, +0, -0 and values below
+    the smallest step (which round to ±0), both signs; float32 adds subnormal inputs."""
+    rows = []
+    for e in (-6, 0, 5):
+        if quant_dtype == "fp8":
+            grid = E4M3
+            ties = (E4M3[:-1] + E4M3[1:]) / 2
+            tiny = [2.0**-12, 2.0**-11, 3 * 2.0**-11]
+        else:
+            grid = torch.arange(0, 128, dtype=torch.float64)
+            ties = grid[:-1] + 0.5
+            tiny = [2.0**-3, 0.25, 0.375]
+        body = torch.cat([ties, grid, torch.tensor(tiny, dtype=torch.float64), torch.zeros(1)])
+        vals = torch.cat([torch.tensor([Q[quant_dtype]], dtype=torch.float64), body, -body])
+        rows.append(vals * 2.0**e)
+    x = torch.stack(rows).to(dtype)
+    if dtype == torch.float32:
+        sub = torch.tensor([2.0**-140, -(2.0**-149), 3 * 2.0**-149, 2.0**-126, -(2.0**-130)])
+        x = torch.cat([x, torch.cat([sub, torch.zeros(x.shape[1] - 5)])[None].float()])
+    return x
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=requires_cuda, id="gpu"),
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        not triton_interpreter_enabled(), reason="needs TRITON_INTERPRET=1")),
+])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+def test_triton_signed_zeros_and_ties(device, quant_dtype):
+    """Every tie rounds to even and -0 stays -0, on the device itself: bit for bit the
+    emulation's values and exact rational rounding, for each quantizer and input dtype
+    (Triton 3.6 compiles -x as 0 - x, and float32 -> float8 conversions could round a tie or a
+    signed zero differently; the kernels rely on neither)."""
+    skip_fp8_without_hardware("triton", quant_dtype)
+    for dtype in DTYPES:
+        x = hard_rows(dtype, quant_dtype).to(device)
+        for name in QUANTIZERS:
+            assert_same_quantization(getattr(kernels, name)(x, quant_dtype),
+                                     getattr(reference, name)(x, quant_dtype), f"{name} {dtype}")
+        q, a = kernels.quantize_rowwise(x, quant_dtype)  # and against the table-lookup rounding
+        x64, a64 = x.double().cpu(), x.double().abs().amax(1, keepdim=True).cpu()
+        assert torch.equal(a.cpu(), a64[:, 0].float())
+        assert torch.equal(q.double().cpu(), ref_quant64(x64, a64, quant_dtype))
+        if quant_dtype == "fp8":  # -0 and the negative values below the smallest step: -0
+            neg_zero = (x < 0) & (x.double().abs() * 448 < a.double()[:, None] * 2.0**-10)
+            neg_zero |= (x == 0) & torch.signbit(x)
+            assert neg_zero.sum(1).ge(1).all()
+            assert q.view(torch.int8)[neg_zero].eq(-128).all()
+            assert q.view(torch.int8)[(x == 0) & ~torch.signbit(x)].eq(0).all()
+
+
+@requires_triton
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+def test_triton_matmul_tma_and_pointer_paths_agree(quant_dtype):
+    """The TMA tiles and the pointer loads give the same C, bit for bit (one epilogue): a few
+    tiles under the interpreter, past the Hopper tiles on a GPU (both 128 × 256 and 256 × 128
+    tiles); K padded to 16 bytes where it is not (37, 1000), C stored by TMA where its rows are
+    16-byte aligned and by pointers where not (N = 19)."""
+    skip_fp8_without_hardware("triton", quant_dtype)
+    on_gpu = DEVICE == "cuda"
+    if on_gpu and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    shapes = [(300, 1000, 520), (600, 640, 1664), (70, 37, 19)] if on_gpu else \
+        [(33, 64, 48), (20, 37, 19)]
+    gen = torch.Generator().manual_seed(5)
+    for m, k, n in shapes:
+        x = torch.randn(m, k, generator=gen).to(DEVICE)
+        w = torch.randn(n, k, generator=gen).to(DEVICE)
+        a, sa = reference.quantize_rowwise(x, quant_dtype)
+        for b, sb in (reference.quantize_tensorwise(w, quant_dtype),
+                      reference.quantize_rowwise(w, quant_dtype)):
+            for dtype in DTYPES:
+                bias = torch.randn(n, generator=gen).to(dtype=dtype, device=DEVICE)
+                tma = kernels.matmul_dequantize(a, b, sa, sb, bias, dtype, tma=True)
+                pointers = kernels.matmul_dequantize(a, b, sa, sb, bias, dtype, tma=False)
+                assert torch.equal(tma, pointers), (m, k, n, dtype)
+
+
+@requires_triton
+def test_triton_matmul_falls_back_to_pointer_loads(monkeypatch):
+    """Where the TMA variant fails to build, a warning, the pointer loads' result, and no
+    second attempt for that configuration."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    launches = []
+    launch = kernels._launch_matmul
+
+    def failing_tma(*args, tma):
+        launches.append(tma)
+        if tma:
+            raise RuntimeError("PassManager::run failed")
+        launch(*args, tma=tma)
+
+    monkeypatch.setattr(kernels, "_launch_matmul", failing_tma)
+    monkeypatch.setattr(kernels, "_TMA_FAILED", set())
+    a, sa = reference.quantize_rowwise(torch.randn(20, 32, device=DEVICE))
+    b, sb = reference.quantize_tensorwise(torch.randn(16, 32, device=DEVICE))
+    with pytest.warns(RuntimeWarning, match="TMA matmul failed to build"):
+        c = kernels.matmul_dequantize(a, b, sa, sb, None, torch.float32)
+    assert launches == [True, False]
+    assert torch.equal(c, kernels.matmul_dequantize(a, b, sa, sb, None, torch.float32, tma=False))
+    assert launches == [True, False, False]  # remembered: no second attempt
+    kernels.matmul_dequantize(a, b, sa, sb, None, torch.float32)
+    assert launches == [True, False, False, False]
 
 
 @requires_triton
@@ -635,15 +749,18 @@ def test_triton_layer_matches_emulation(case, variant, quant_dtype):
 
 @requires_cuda
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
-def test_gpu_layer_at_hopper_tile_sizes(quant_dtype):
-    """Shapes past the GPU tiles (128 × 256 × 128): grouped order, K tails, several stages."""
+@pytest.mark.parametrize("m, k, n", [(300, 1000, 520), (1000, 1664, 1280)],
+                         ids=["M300-K1000-N520", "M1000-K1664-N1280"])
+def test_gpu_layer_at_hopper_tile_sizes(m, k, n, quant_dtype):
+    """Shapes past the GPU tiles (128 × 256 × 128, 256 × 128 × 128): several tiles per program
+    of the persistent grid, K tails (pointer loads: K = 1000) and TMA tiles (the rest)."""
     skip_fp8_without_hardware("triton", quant_dtype)
-    x, w, b, g = make_case(1, 300, 1000, 520, torch.bfloat16, 1.0, True, True, device="cuda")
+    x, w, b, g = make_case(1, m, k, n, torch.bfloat16, 1.0, True, True, device="cuda")
     for wq in ("tensorwise", "rowwise"):
         opts = dict(weight_quantization=wq, quant_dtype=quant_dtype)
         y, dx, dw, _ = run(x, w, b, g, backend="triton", **opts)
         y_t, dx_t, dw_t, _ = run(x, w, b, g, backend="torch", **opts)
-        assert resolve_backend("auto", x, quant_dtype) == "triton"
+        assert resolve_backend("auto", x, quant_dtype) == "torch"  # Triton is opt-in for now
         for name, got, want in (("y", y, y_t), ("dx", dx, dx_t)):
             err = (got.double() - want.double()).norm() / want.double().norm()
             assert err < 2.0**-8, (name, err.item())  # within bf16 rounding of the emulation
@@ -840,6 +957,10 @@ def test_kernel_errors(monkeypatch):
     with pytest.raises(ValueError, match="must share K"):
         kernels.matmul_dequantize(q, q[:, :3], torch.ones(3), torch.ones(()), None,
                                   torch.float32)
+    monkeypatch.setattr(kernels, "_tma_ready", lambda t: False)  # a GPU without TMA
+    with pytest.raises(ValueError, match="tma=True needs TMA"):
+        kernels.matmul_dequantize(q, q, torch.ones(3), torch.ones(()), None, torch.float32,
+                                  tma=True)
 
 
 # ------------------------------------------------------------------------------ compile

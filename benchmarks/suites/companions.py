@@ -981,7 +981,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{','.join(map(str, QUICK_TOKENS))} with --quick)")
     parser.add_argument("--backend", default=None,
                         help="SwitchBack backend passed to every SwitchBack layer (default: "
-                        "auto on CUDA, torch elsewhere)")
+                        "triton on CUDA, torch elsewhere)")
     parser.add_argument("--variants", type=common.comma_list(list(VARIANTS)),
                         default=list(VARIANTS),
                         help=f"e2e: comma list of {', '.join(VARIANTS)} (default: all)")
@@ -1035,7 +1035,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> Settings:
         widths=list(pick(args.widths, WIDTHS, QUICK_WIDTHS)),
         shapes=list(args.shapes),
         tokens=list(pick(args.tokens, TOKENS, QUICK_TOKENS)),
-        backend=args.backend or ("auto" if common.uses_cuda(device) else "torch"),
+        backend=args.backend or ("triton" if common.uses_cuda(device) else "torch"),
         variants=list(args.variants), train=train, dtype=args.dtype, seed=args.seed,
         quick=quick, timing=timing,
     )

@@ -21,7 +21,9 @@ Backends (``backend=``): ``"torch"`` is the exact emulation in ``reference.py`` 
 ``"triton"`` runs the kernels of ``kernels.py`` on CUDA tensors (or the CPU under
 TRITON_INTERPRET=1): the same quantized values and scales bit for bit, the matmul's
 dequantization in a float32 epilogue (a few float32 roundings before the output rounding, where
-the emulation scales in float64); ``"auto"`` (default): triton for CUDA tensors, torch otherwise.
+the emulation scales in float64); ``"auto"`` (default): for now the emulation everywhere — the
+Triton kernels are chosen explicitly until their first GPU runs have passed the tests (see
+docs/companions.md).
 
 This file holds the public API and the autograd Function; ``reference.py`` the specification
 and PyTorch path, ``kernels.py`` the Triton kernels, ``ops.py`` their ``torch.library`` ops.
@@ -92,10 +94,11 @@ def _check_options(memory_efficient, weight_quantization, quant_dtype, backend) 
 
 
 def resolve_backend(backend: str, x: torch.Tensor, quant_dtype: str = "int8") -> str:
-    """'auto' -> 'triton' for CUDA tensors, 'torch' otherwise; 'triton' checks that x's device
-    can run the kernels (CUDA, fp8: capability 8.9+; the CPU only under TRITON_INTERPRET=1)."""
+    """'auto' -> 'torch' (the Triton kernels are opt-in until verified on a GPU); 'triton'
+    checks that x's device can run the kernels (CUDA, fp8: capability 8.9+; the CPU only under
+    TRITON_INTERPRET=1)."""
     if backend == "auto":
-        backend = "triton" if x.device.type == "cuda" else "torch"
+        backend = "torch"
     if backend == "triton" and not torch.compiler.is_compiling():
         # While torch.compile traces, the kernels' host functions check at run time instead.
         kernels.check_device("x", x, quant_dtype)
@@ -159,7 +162,8 @@ class SwitchBackFunction(torch.autograd.Function):
                 x2 = ops.dequantize_rowwise(xq, xs, ctx.dtype)
             dw = (g.t() @ x2).to(weight.dtype)  # 16 bits: the input dtype
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = g.float().sum(0).to(ctx.bias_dtype)
+            # float32 sums read dY once (g.float() would first write a float32 copy of it)
+            db = g.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None
 
 
@@ -183,7 +187,7 @@ def switchback_linear(
     ``memory_efficient``: SwitchBackM (save the quantized X for the weight gradient);
     ``weight_quantization="rowwise"``: SwitchBackQ (one weight scale per output feature);
     ``quant_dtype``: "int8" or "fp8" (e4m3; the Triton backend needs compute capability 8.9+);
-    ``backend``: "auto" (Triton on CUDA tensors, PyTorch otherwise), "triton" or "torch".
+    ``backend``: "auto" (for now the PyTorch emulation), "triton" or "torch".
 
         y = switchback_linear(x, layer.weight, layer.bias, quant_dtype="fp8")
     """

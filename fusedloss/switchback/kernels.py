@@ -4,10 +4,10 @@ quantized matmul with its dequantization and bias fused in the epilogue.
 The host functions have the signatures of ``reference.py``. The quantizers give the same int8 /
 fp8 values and absmax scales bit for bit, on every backend by construction: they build each
 int8 value or e4m3 bit pattern with integer and float64 operations whose results IEEE 754 fixes
-(no float32 arithmetic, no hardware float8 conversion, no unary minus; see ``_quantize``). The
-row-wise dequantization is bit for bit the reference's too. The matmul sums int8 products in an
-int32 accumulator (exact for K <= 133144, checked) or fp8 e4m3 products in the tensor cores'
-accumulator, then scales in float32:
+(no rounded float32 arithmetic, no hardware float8 conversion, no unary minus; see
+``_quantize``). The row-wise dequantization is bit for bit the reference's too. The matmul
+sums int8 products in an int32 accumulator (exact for K <= 133144, checked) or fp8 e4m3
+products in the tensor cores' accumulator, then scales in float32:
 
     c = float32(acc) · ((absmax_a · 1/Q) · (absmax_b · 1/Q)) (+ float32(bias))
 
@@ -41,12 +41,14 @@ tokens, bf16, bias, on an H100 SXM at its peak rates (3.35 TB/s, 989 TFLOP/s bf1
     SwitchBack forward + backward                                                    1002
     nn.Linear: three bf16 matmuls of 366.8 and the same db                           1165
 
-so at most 1.16× nn.Linear at this shape (1.17× without bias), with every kernel at its peak;
-the quantizers' memory traffic (≈ 200 µs) is what keeps it below the 2× of the matmuls alone.
-d → 4d (1664 → 6656) and 4d → d: 3716 and 3521 µs against 4662 and 4466, 1.25× and 1.27×.
-Read a measured time against these: a quantizer near its line is at the memory bandwidth, a
-matmul near its line at the tensor-core rate (cuBLAS's bf16 reaches about 60 % of the latter
-at these shapes, which nn.Linear's time includes three times).
+so at most 1.16× nn.Linear at this shape (1.17× without bias), with every kernel at its peak:
+the quantizers' memory traffic (about 200 µs) is what keeps it below the 1.5× of the matmuls
+alone. d → 4d (1664 → 6656) and 4d → d: 3716 and 3521 µs against 4662 and 4466, 1.25× and
+1.27×. Read a measured time against these: a quantizer near its line runs at the memory
+bandwidth, a matmul near its line at the tensor cores' rate; nn.Linear's measured time holds
+three cuBLAS bf16 matmuls, which run below their peak as well. The quantizers' instructions
+(sm_90 code from Triton 3.6: about 14 per element for int8, 28 for fp8, one row block read
+once) issue in about half (int8) or all (fp8) of the time their memory traffic takes.
 
 fp8 runs through the same kernel as int8 (``tl.dot`` on float8e4nv operands) rather than
 ``torch._scaled_mm``: one code path and epilogue for both formats (bias, any of the three output
@@ -124,7 +126,8 @@ class MatmulConfig:
     num_stages: int
 
 
-_MATMUL_INTERPRETER = MatmulConfig(16, 16, 16, 2, num_warps=1, num_stages=1)
+# K steps of 32 under the interpreter: K padded to 16 still leaves a tail to mask
+_MATMUL_INTERPRETER = MatmulConfig(16, 16, 32, 2, num_warps=1, num_stages=1)
 #: persistent programs under the interpreter: a few, so that the tile loop runs several times
 _INTERPRETER_PROGRAMS = 3
 
@@ -170,48 +173,37 @@ def _tma_ready(t: Tensor) -> bool:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """How the row-wise quantizer covers a row: ``one_pass``: the (block_r, Σ widths) block is
-    read once and kept in registers, up to three power-of-two widths side by side; otherwise
-    two sweeps of (block_r, widths[0]) tiles, the second one reading from L1/L2."""
+    """How the row-wise quantizer covers a block of rows: ``pieces`` > 0: (block_r, block_c)
+    tiles side by side, read once and held in registers; 0: two sweeps of such tiles."""
 
     block_r: int
-    widths: tuple[int, int, int]
-    one_pass: bool
+    block_c: int
+    pieces: int
     num_warps: int
 
 
-def _row_widths(c: int) -> tuple[int, int, int]:
-    """Up to three power-of-two widths (at least 16) whose sum covers c with little to spare:
-    1664 -> (1024, 512, 128), 1280 -> (1024, 256, 0), 37 -> (32, 16, 0)."""
-    widths: list[int] = []
-    rest = c
-    while rest >= 16 and len(widths) < 2:
-        widths.append(1 << (rest.bit_length() - 1))
-        rest -= widths[-1]
-    if rest > 0:
-        widths.append(max(16, triton.next_power_of_2(rest)))
-    return (*widths, *[0] * (3 - len(widths)))  # type: ignore[return-value]
-
-
 def _row_plan(device: torch.device, c: int, contiguous_rows: bool) -> RowPlan:
-    """Row blocks of about 4096 elements held in registers, one read of X from memory; rows
-    longer than 8192 (or, under the interpreter, 64) take two sweeps. The columns of a
-    row-major matrix (W column-wise) go in two sweeps of 32 adjacent columns (64 bytes of each
-    row)."""
-    interpreting = device.type != "cuda"
+    """Tiles of 8 elements per thread (16-byte loads of 16-bit x), as many side by side as a
+    row needs, at most 8, all of one width so that they share one register layout: the power
+    of two from 256 to 2048 that covers the row with the fewest lanes (1664: seven of 256,
+    128 lanes to spare; 1280: five of 256; 6656: seven of 1024). Longer rows (or, under the
+    interpreter, more than four tiles of 16) take two sweeps, as do the columns of a row-major
+    matrix (W column-wise), 32 adjacent columns (64 bytes of each row) at a time."""
+    if device.type != "cuda":
+        if not contiguous_rows:
+            return RowPlan(32, 16, 0, 1)
+        return RowPlan(8, 16, triton.cdiv(c, 16), 1) if c <= 64 else RowPlan(8, 64, 0, 1)
     if not contiguous_rows:
-        return RowPlan(8, (16, 0, 0), False, 1) if interpreting else \
-            RowPlan(32, (64, 0, 0), False, 4)
-    widths = _row_widths(c)
-    if interpreting:
-        if sum(widths) <= 64:
-            return RowPlan(8, widths, True, 1)
-        return RowPlan(8, (16, 0, 0), False, 1)
-    total = sum(widths)
-    if total <= 8192:
-        block_r = min(64, 1 << ((4096 // total).bit_length() - 1)) if total <= 4096 else 1
-        return RowPlan(block_r, widths, True, 4 if block_r * total <= 4096 else 8)
-    return RowPlan(1, (2048, 0, 0), False, 8)
+        return RowPlan(32, 64, 0, 4)
+    if c <= 256:
+        block_c = max(16, triton.next_power_of_2(c))
+        return RowPlan(max(1, 1024 // block_c), block_c, 1, 4)
+    fits = [(triton.cdiv(c, w) * w, -w) for w in (256, 512, 1024, 2048) if triton.cdiv(c, w) <= 8]
+    if not fits:
+        return RowPlan(1, 2048, 0, 8)
+    block_c = -min(fits)[1]
+    warps = 4 if block_c <= 1024 else 8
+    return RowPlan(max(1, 256 * warps // block_c), block_c, triton.cdiv(c, block_c), warps)
 
 
 def _tile_blocks(device: torch.device) -> tuple[int, int, int]:
@@ -229,127 +221,99 @@ def _bf16_by_hand(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _split_float32(bits):
-    """|x| = X · 2^e from the bits of a float32 with its sign bit clear: X an integer below 2²⁴
-    and e >= -149, both int32 (subnormals included, whatever the GPU's float32 arithmetic does
-    with them)."""
-    biased = (bits >> 23) & 0xFF
-    return (bits & 0x7FFFFF) | tl.where(biased > 0, 0x800000, 0), tl.maximum(biased, 1) - 150
-
-
-@triton.jit
-def _power_of_two(e):
-    """2^e as float64, built from its bits, for int32 e in the normal range."""
-    return ((e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-
-
-@triton.jit
 def _quantize(x, absmax, FP8: tl.constexpr):
     """The int8 values, or the e4m3 bit patterns as int8, of a block of x with its float32
     absmax (broadcast against x; 0 or NaN: all 0), exactly ``reference._quantize``.
 
-    With |x| = X·2^ex and absmax = A·2^ea (integers X, A < 2²⁴), v = |x| · Q / absmax is
-    w · 2^(ex − ea), w = X · fl(Q / A) in float64 (relative error below 2⁻⁵²); u is v in units
-    of the target grid's step (int8: 1; e4m3: 2^(e − 3) in v's binade 2^e, 2⁻⁹ below 2⁻⁶),
-    u < 2⁸, exact but for that error (below 2⁻⁴⁵). When v lies exactly on a rounding boundary
-    (a tie), u is within 2⁻⁴⁵ of a half-integer; when it does not, u is at least 2⁻³⁵ away
-    from every half-integer (x and absmax have 24-bit significands, Q < 2⁹, so the distance
-    of the exact v to a boundary is a multiple of 2^(ex or ea + step) over absmax). Rounding
-    u to a multiple of 2⁻⁴⁰ ((u + 1.5·2¹²) − 1.5·2¹²) therefore makes every tie exact and
-    moves no other value across a boundary; adding 1.5·2⁵² then rounds half to even (IEEE
-    addition) and leaves n in the low bits. The sign is x's sign bit (so -0 and negative
-    values that round to 0 give e4m3's -0, as the emulation does); an e4m3 code is
-    (binade + 6) · 8 + n, n reaching 16 carrying into the next binade.
+    v = x · Q / absmax is taken as x · fl(Q / absmax) in float64 (x and absmax widened
+    exactly): within 2⁻⁵² of itself, relatively (the quotient's rounding and the product's,
+    which the compiler may instead fuse into the next addition). u is v in units of the target
+    grid's step (int8: 1; e4m3: 2^(e − 3) in |v|'s binade 2^e, 2⁻⁹ below 2⁻⁶), so |u| <= 127
+    and u is within 2⁻⁴⁵ of its exact value. When the exact v lies on a rounding boundary (a
+    tie), u is that close to a half-integer; when it does not, u is more than 2⁻³⁵ from every
+    half-integer (x and absmax have 24-bit significands and Q < 2⁹, so x · Q − boundary ·
+    absmax, not 0, is a multiple of a power of two that bounds it from below). Rounding u to a
+    multiple of 2⁻⁴⁰ ((u + 1.5·2¹²) − 1.5·2¹²) therefore makes every tie exact and moves no
+    other value across a boundary; adding 1.5·2⁵² then rounds half to even (IEEE addition)
+    and leaves the integer in the low bits, two's complement for int8's signed u. e4m3 rounds
+    |u| and takes the sign bit from x (-0, and negative values that round to 0, give -0 as
+    the emulation does); its code is (binade + 6) · 8 + n, n reaching 16 carrying into the
+    next binade.
 
-    Every step is integer or correctly rounded float64 arithmetic (never flushed to zero on
-    NVIDIA GPUs), so the result does not depend on the hardware's float32 → float8
-    conversion, on float32 denormal handling, or on how the compiler lowers ``-x`` (Triton
-    3.6 emits 0 − x, which turns -0 into +0)."""
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-    x_int, x_exp = _split_float32(bits & 0x7FFFFFFF)
-    a_int, a_exp = _split_float32(absmax.to(tl.int32, bitcast=True))
+    Only integer operations, exact widenings and correctly rounded float64 arithmetic (never
+    flushed to zero on NVIDIA GPUs) take part, so the result depends neither on the
+    hardware's float32 -> float8 conversion nor on float32 division or denormal modes, nor on
+    how the compiler lowers ``-x`` (Triton 3.6 emits 0 − x, which turns -0 into +0)."""
     usable = absmax > 0  # False for NaN
-    a_int = tl.where(usable, a_int, 1).to(tl.float64)
+    x32 = x.to(tl.float32)
     if FP8:
-        w = x_int.to(tl.float64) * (448.0 / a_int)
-        # v's binade from w's exponent field, clamped to e4m3's smallest normal binade 2⁻⁶
-        binade = ((w.to(tl.int64, bitcast=True) >> 52) & 0x7FF).to(tl.int32) - 1023
-        binade = tl.maximum(binade + x_exp - a_exp, -6)
-        u = w * _power_of_two(x_exp - a_exp + 3 - binade)
+        v = tl.abs(x32).to(tl.float64) * (448.0 / tl.where(usable, absmax, 1.0).to(tl.float64))
+        # |v|'s binade 2^e as its biased exponent e + 1023, at least e4m3's smallest normal 2⁻⁶
+        biased = tl.maximum((v.to(tl.int64, bitcast=True) >> 52).to(tl.int32), 1017)
+        u = v * ((2049 - biased).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # · 2^(3 − e)
     else:
-        u = x_int.to(tl.float64) * (127.0 / a_int) * _power_of_two(x_exp - a_exp)
+        u = x32.to(tl.float64) * (127.0 / tl.where(usable, absmax, 1.0).to(tl.float64))
     u = (u + 6144.0) - 6144.0
-    n = ((u + 6755399441055744.0).to(tl.int64, bitcast=True) & 0xFF).to(tl.int32)
+    n = (u + 6755399441055744.0).to(tl.int64, bitcast=True).to(tl.int32)
     if FP8:
-        code = ((binade + 6) << 3) + n
-        q = tl.where(bits < 0, code - 128, code)
-    else:
-        n = tl.minimum(n, 127)
-        q = tl.where(bits < 0, 0 - n, n)
-    return tl.where(usable, q, 0).to(tl.int8)
+        n = ((biased - 1017) << 3) + n + ((x32.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    return tl.where(usable, n, 0).to(tl.int8)
 
 
 @triton.jit
-def _row_absmax(b):
-    """(max |b| over each row's finite entries, 1 where a row holds NaN or ±Inf) of a block."""
-    b_abs = tl.abs(b.to(tl.float32))
-    finite = b_abs < float("inf")  # False for NaN
-    return tl.max(tl.where(finite, b_abs, 0.0), axis=1), tl.max(tl.where(finite, 0, 1), axis=1)
+def _absmax_bits(b):
+    """|b| as float32 bits (int32): non-negative floats order as their bits, and every finite
+    value lies below ±Inf's (0x7F800000) and NaN's bits, so an integer max finds the absmax
+    and whether the block holds NaN or ±Inf in one reduction."""
+    return b.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _absmax_state(bits):
+    """The absmax kept for a block from its largest |x| bits: NaN where the block holds NaN or
+    ±Inf."""
+    return tl.where(bits < 0x7F800000, bits.to(tl.float32, bitcast=True), float("nan"))
 
 
 @triton.jit
 def _quantize_rows_kernel(
     p_x, p_q, p_absmax,  # x (R, C) any strides; q (R, C) int8 (fp8: its bits), own strides; (R,)
     R, C, stride_xr, stride_xc, stride_qr, stride_qc,
-    FP8: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr,
-    WIDTH_1: tl.constexpr, WIDTH_2: tl.constexpr, WIDTH_3: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PIECES: tl.constexpr,
 ):
     """Row-wise quantization: one absmax per row of x (a column of x's transpose when the
-    strides say so). ONE_PASS: the rows are read once, as up to three tiles of widths WIDTH_1,
-    WIDTH_2, WIDTH_3 side by side; otherwise two sweeps of (BLOCK_R, WIDTH_1) tiles."""
+    strides say so). PIECES > 0: the BLOCK_R rows are read once, as PIECES tiles of
+    (BLOCK_R, BLOCK_C) side by side (C <= PIECES · BLOCK_C) held in registers; PIECES = 0: two
+    sweeps of such tiles over the rows, the second one reading them again."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_c = tl.arange(0, BLOCK_C)
     m_r = o_r < R
     p_x_rows = p_x + o_r.to(tl.int64)[:, None] * stride_xr
     p_q_rows = p_q + o_r.to(tl.int64)[:, None] * stride_qr
-    if ONE_PASS:
-        o_1 = tl.arange(0, WIDTH_1)
-        m_1 = m_r[:, None] & (o_1 < C)[None, :]
-        b_1 = tl.load(p_x_rows + o_1[None, :] * stride_xc, mask=m_1, other=0.0)
-        b_max, b_bad = _row_absmax(b_1)
-        if WIDTH_2 > 0:
-            o_2 = WIDTH_1 + tl.arange(0, WIDTH_2)
-            m_2 = m_r[:, None] & (o_2 < C)[None, :]
-            b_2 = tl.load(p_x_rows + o_2[None, :] * stride_xc, mask=m_2, other=0.0)
-            b_max_2, b_bad_2 = _row_absmax(b_2)
-            b_max, b_bad = tl.maximum(b_max, b_max_2), tl.maximum(b_bad, b_bad_2)
-        if WIDTH_3 > 0:
-            o_3 = WIDTH_1 + WIDTH_2 + tl.arange(0, WIDTH_3)
-            m_3 = m_r[:, None] & (o_3 < C)[None, :]
-            b_3 = tl.load(p_x_rows + o_3[None, :] * stride_xc, mask=m_3, other=0.0)
-            b_max_3, b_bad_3 = _row_absmax(b_3)
-            b_max, b_bad = tl.maximum(b_max, b_max_3), tl.maximum(b_bad, b_bad_3)
-        b_state = tl.where(b_bad > 0, float("nan"), b_max)
+    # The largest |x| of each row as float32 bits (see _absmax_bits), elementwise over the
+    # tiles first, across threads once at the end.
+    b_bits = tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
+    if PIECES > 0:
+        b_tiles = ()
+        for i in tl.static_range(PIECES):
+            m = m_r[:, None] & (i * BLOCK_C + o_c < C)[None, :]
+            b = tl.load(p_x_rows + (i * BLOCK_C + o_c)[None, :] * stride_xc, mask=m, other=0.0)
+            b_bits = tl.maximum(b_bits, _absmax_bits(b))
+            b_tiles = b_tiles + (b,)
+        b_state = _absmax_state(tl.max(b_bits, axis=1))
         tl.store(p_absmax + o_r, b_state, mask=m_r)
-        tl.store(p_q_rows + o_1[None, :] * stride_qc, _quantize(b_1, b_state[:, None], FP8),
-                 mask=m_1)
-        if WIDTH_2 > 0:
-            tl.store(p_q_rows + o_2[None, :] * stride_qc, _quantize(b_2, b_state[:, None], FP8),
-                     mask=m_2)
-        if WIDTH_3 > 0:
-            tl.store(p_q_rows + o_3[None, :] * stride_qc, _quantize(b_3, b_state[:, None], FP8),
-                     mask=m_3)
+        for i in tl.static_range(PIECES):
+            m = m_r[:, None] & (i * BLOCK_C + o_c < C)[None, :]
+            tl.store(p_q_rows + (i * BLOCK_C + o_c)[None, :] * stride_qc,
+                     _quantize(b_tiles[i], b_state[:, None], FP8), mask=m)
     else:
-        o_c = tl.arange(0, WIDTH_1)
-        b_max = tl.zeros((BLOCK_R,), tl.float32)
-        b_bad = tl.zeros((BLOCK_R,), tl.int32)
-        for c0 in range(0, C, WIDTH_1):
+        for c0 in range(0, C, BLOCK_C):
             m = m_r[:, None] & (c0 + o_c < C)[None, :]
             b = tl.load(p_x_rows + (c0 + o_c)[None, :] * stride_xc, mask=m, other=0.0)
-            b_max_c, b_bad_c = _row_absmax(b)
-            b_max, b_bad = tl.maximum(b_max, b_max_c), tl.maximum(b_bad, b_bad_c)
-        b_state = tl.where(b_bad > 0, float("nan"), b_max)
+            b_bits = tl.maximum(b_bits, _absmax_bits(b))
+        b_state = _absmax_state(tl.max(b_bits, axis=1))
         tl.store(p_absmax + o_r, b_state, mask=m_r)
-        for c0 in range(0, C, WIDTH_1):
+        for c0 in range(0, C, BLOCK_C):
             m = m_r[:, None] & (c0 + o_c < C)[None, :]
             b = tl.load(p_x_rows + (c0 + o_c)[None, :] * stride_xc, mask=m, other=0.0)
             tl.store(p_q_rows + (c0 + o_c)[None, :] * stride_qc,
@@ -358,24 +322,24 @@ def _quantize_rows_kernel(
 
 @triton.jit
 def _absmax_tiles_kernel(
-    p_x, p_partial,  # x (R, C) row-major; partial (tiles,) fp32: NaN for a tile with NaN/Inf
+    p_x, p_partial,  # x (R, C) row-major; partial (tiles,) int32: the tile's largest |x| bits
     R, C, stride_xr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Per-tile absmax, the first pass of tensor-wise quantization."""
+    """Per-tile absmax (as bits, see _absmax_bits), the first pass of tensor-wise
+    quantization."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (o_r < R)[:, None] & (o_c < C)[None, :]
     b = tl.load(p_x + o_r.to(tl.int64)[:, None] * stride_xr + o_c[None, :], mask=m, other=0.0)
-    b_max, b_bad = _row_absmax(b)
-    tl.store(p_partial + pid_r * tl.num_programs(1) + pid_c,
-             tl.where(tl.max(b_bad, axis=0) > 0, float("nan"), tl.max(b_max, axis=0)))
+    b_bits = tl.max(tl.max(_absmax_bits(b), axis=1), axis=0)
+    tl.store(p_partial + pid_r * tl.num_programs(1) + pid_c, b_bits)
 
 
 @triton.jit
 def _quantize_tensor_kernel(
-    p_x, p_partial, p_q, p_absmax,  # x (R, C) row-major; partial (P,) fp32 tile maxima;
+    p_x, p_partial, p_q, p_absmax,  # x (R, C) row-major; partial (P,) int32 tile maxima (bits);
                                     # q (R, C), or (C, R) with TRANSPOSE, int8; absmax () fp32
     R, C, stride_xr, P,
     FP8: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -386,13 +350,10 @@ def _quantize_tensor_kernel(
     quantizes its tile, storing q as is or transposed (the transpose through registers, so that
     both the load and the store are contiguous)."""
     o_p = tl.arange(0, BLOCK_P)
-    b_max = tl.zeros((BLOCK_P,), tl.float32)
-    b_bad = tl.zeros((BLOCK_P,), tl.int32)
+    b_bits = tl.zeros((BLOCK_P,), tl.int32)
     for p0 in range(0, P, BLOCK_P):
-        b = tl.load(p_partial + p0 + o_p, mask=p0 + o_p < P, other=0.0)
-        b_max = tl.maximum(b_max, tl.where(b == b, b, 0.0))
-        b_bad = tl.maximum(b_bad, tl.where(b == b, 0, 1))
-    absmax = tl.where(tl.max(b_bad, axis=0) > 0, float("nan"), tl.max(b_max, axis=0))
+        b_bits = tl.maximum(b_bits, tl.load(p_partial + p0 + o_p, mask=p0 + o_p < P, other=0))
+    absmax = _absmax_state(tl.max(b_bits, axis=0))
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     tl.store(p_absmax, absmax, mask=(pid_r == 0) & (pid_c == 0))
     o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -474,24 +435,25 @@ def _dequantize_tile(
 
 @triton.jit
 def _matmul_dequantize_kernel(
-    p_a, p_b,  # a (M, K), b (N, K): int8 or float8e4nv, row-major
+    p_a, p_b,  # a (M, K), b (N, K): int8 or float8e4nv, row-major, K a multiple of 16
     a_desc, b_desc,  # their TMA descriptors, blocks (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K), or None
     p_absmax_a, p_absmax_b, p_bias,  # (M,) fp32; (N,) or () fp32; (N,) any float, or None
     p_c, c_desc,  # (M, N) row-major, the output dtype; descriptor (BLOCK_M, BLOCK_N // 2) or None
     M, N, K,
     B_ROWWISE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, INV_Q: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, TMA_LOADS: tl.constexpr, TMA_STORE: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
     """C = (a bᵀ) · absmax_a / Q · absmax_b / Q (+ bias), persistent: program p computes tiles
     p, p + NUM_PROGRAMS, ... (the grid has at most NUM_PROGRAMS programs). The tensor-core dot
-    in int32 (int8) or float32 (fp8: Hopper adds each K chunk's products in its narrower fp8
-    accumulator, as Triton leaves it by default), both operands K-major: b's (BLOCK_N, BLOCK_K)
-    tiles transposed in the dot. USE_TMA: tiles
-    through the bulk copy engine (rows and K past the ends read as zeros, the store clipped);
-    otherwise pointer loads, rows past M or N reading rows inside (never stored), unmasked
-    unless K has a tail (EVEN_K)."""
+    sums in int32 (int8) or float32 (fp8: Hopper adds the products of each wgmma in its
+    narrower fp8 accumulator, which Triton leaves as it is by default), both operands K-major:
+    b's (BLOCK_N, BLOCK_K) tiles are transposed in the dot. TMA_LOADS: tiles through the bulk
+    copy engine (rows and K past the ends read as zeros); otherwise pointer loads, rows past M
+    or N reading rows inside (never stored), unmasked unless K has a tail (EVEN_K). TMA_STORE:
+    C through it as well (clipped at the edges), otherwise masked stores."""
     pid = tl.program_id(0)
     blocks_m, blocks_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -505,13 +467,13 @@ def _matmul_dequantize_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
-        if not USE_TMA:
+        if not TMA_LOADS:
             o_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
             o_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
             p_a_k = p_a + o_am.to(tl.int64)[:, None] * K + o_k[None, :]  # (BLOCK_M, BLOCK_K)
             p_b_k = p_b + o_bn.to(tl.int64)[:, None] * K + o_k[None, :]  # (BLOCK_N, BLOCK_K)
         for ks in range(k_steps):
-            if USE_TMA:
+            if TMA_LOADS:
                 b_a = a_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
                 b_b = b_desc.load([pid_n * BLOCK_N, ks * BLOCK_K])
             elif EVEN_K:
@@ -530,26 +492,27 @@ def _matmul_dequantize_kernel(
 
         tile_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_position(tile_c, blocks_m, blocks_n, GROUP_M)
-        o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        if USE_TMA:
-            # Two half-width stores: half the shared memory for the outgoing tile, which
-            # leaves room for the three operand stages.
-            acc_0, acc_1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
-                                               (0, 2, 1)))
-            n0 = pid_n * BLOCK_N
-            o_n = n0 + tl.arange(0, BLOCK_N // 2)
-            c_desc.store([pid_m * BLOCK_M, n0], _dequantize_tile(
-                acc_0, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
-                B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND))
-            c_desc.store([pid_m * BLOCK_M, n0 + BLOCK_N // 2], _dequantize_tile(
-                acc_1, o_m, o_n + BLOCK_N // 2, p_absmax_a, p_absmax_b, p_bias, M, N,
-                B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND))
+        # The epilogue in two half-width pieces: half the shared memory for the outgoing tile
+        # (its layout conversion or its TMA store), which leaves room for the three operand
+        # stages with any output dtype.
+        acc_0, acc_1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
+                                           (0, 2, 1)))
+        m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        o_n = n0 + tl.arange(0, BLOCK_N // 2)
+        c_0 = _dequantize_tile(acc_0, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
+                               B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND)
+        c_1 = _dequantize_tile(acc_1, o_m, o_n + BLOCK_N // 2, p_absmax_a, p_absmax_b, p_bias,
+                               M, N, B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty,
+                               BF16_BY_HAND)
+        if TMA_STORE:
+            c_desc.store([m0, n0], c_0)
+            c_desc.store([m0, n0 + BLOCK_N // 2], c_1)
         else:
-            o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            c = _dequantize_tile(acc, o_m, o_n, p_absmax_a, p_absmax_b, p_bias, M, N,
-                                 B_ROWWISE, HAS_BIAS, INV_Q, p_c.dtype.element_ty, BF16_BY_HAND)
-            tl.store(p_c + o_m.to(tl.int64)[:, None] * N + o_n[None, :], c,
-                     mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+            p = p_c + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+            m_m = (o_m < M)[:, None]
+            tl.store(p, c_0, mask=m_m & (o_n < N)[None, :])
+            tl.store(p + BLOCK_N // 2, c_1, mask=m_m & (o_n + BLOCK_N // 2 < N)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,9 +544,8 @@ def _quantize_rows(x: Tensor, quant_dtype: str) -> tuple[Tensor, Tensor]:
         plan = _row_plan(x.device, c, x.stride(1) == 1)
         _quantize_rows_kernel[(triton.cdiv(r, plan.block_r),)](
             x, _bits(q), absmax, r, c, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
-            FP8=quant_dtype == "fp8", BLOCK_R=plan.block_r, ONE_PASS=plan.one_pass,
-            WIDTH_1=plan.widths[0], WIDTH_2=plan.widths[1], WIDTH_3=plan.widths[2],
-            num_warps=plan.num_warps,
+            FP8=quant_dtype == "fp8", BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
+            PIECES=plan.pieces, num_warps=plan.num_warps,
         )
     return q, absmax
 
@@ -608,7 +570,7 @@ def _tensorwise(x: Tensor, quant_dtype: str, transpose: bool) -> tuple[Tensor, T
     r, c = x2.shape
     block_r, block_c, warps = _tile_blocks(x.device)
     grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
-    partial = torch.empty(grid, dtype=torch.float32, device=x.device)
+    partial = torch.empty(grid, dtype=torch.int32, device=x.device)
     _absmax_tiles_kernel[grid](x2, partial, r, c, x2.stride(0), BLOCK_R=block_r,
                                BLOCK_C=block_c, num_warps=warps)
     absmax = torch.empty((), dtype=torch.float32, device=x.device)
@@ -650,8 +612,15 @@ def dequantize_rowwise(q: Tensor, absmax: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
-#: configurations whose TMA variant failed to compile here; they use pointer loads from then on
+#: configurations whose TMA variant failed to build here; they use pointer loads from then on
 _TMA_FAILED: set[tuple] = set()
+
+
+def _pad_inner(t: Tensor, k: int) -> Tensor:
+    """t (rows, K) widened with zero columns to (rows, k): zeros add nothing to the sums."""
+    out = t.new_zeros((t.shape[0], k))
+    out[:, : t.shape[1]] = t
+    return out
 
 
 def matmul_dequantize(
@@ -666,11 +635,13 @@ def matmul_dequantize(
 ) -> Tensor:
     """C = (a @ bᵀ) · absmax_a[:, None] · absmax_b / Q² (+ bias) in out_dtype, one kernel.
 
-    ``tma``: None (default) reads and writes tiles through TMA descriptors where the device
-    (Hopper or later, or the interpreter) and the alignment (K a multiple of 16 bytes, rows of C
-    too) allow it and ``FUSEDLOSS_TMA`` is not 0, falling back to pointer loads with a warning
-    if that variant fails to compile; True requires TMA (ValueError where it cannot apply),
-    False uses pointer loads. The result is the same either way, bit for bit."""
+    K is padded with zeros to a multiple of 16 (16-byte rows: vector and TMA loads) where it is
+    not one. ``tma``: None (default) reads the tiles through TMA descriptors where the device
+    allows it (Hopper or later, or the interpreter) and ``FUSEDLOSS_TMA`` is not 0, and writes
+    C through one where its rows are 16-byte aligned, falling back to pointer loads with a
+    warning if that variant fails to build; True requires it (ValueError where the device has
+    no TMA); False uses pointer loads and stores. The result is the same either way, bit for
+    bit."""
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a quantized dtype, got {a.dtype} and {b.dtype}")
     scale = q_max(a.dtype)
@@ -687,48 +658,55 @@ def matmul_dequantize(
     if m == 0 or n == 0:
         return c
     a, b = a.contiguous(), b.contiguous()
+    if k % 16:
+        a, b = _pad_inner(a, k + (-k) % 16), _pad_inner(b, k + (-k) % 16)
     cfg = matmul_config(a.device, m, n)
     key = (a.device.type, a.dtype, out_dtype, cfg, absmax_b.dim(), bias is not None)
-    tma_fits = all(_tma_ready(t) for t in (a, b, c))
-    if tma and not tma_fits:
-        raise ValueError("tma=True needs a Hopper GPU (or the interpreter) and 16-byte aligned "
-                         f"rows: a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}")
-    use_tma = tma if tma is not None else (
-        tma_fits and config.tma_enabled() and key not in _TMA_FAILED)
+    tma_loads = _tma_ready(a) and _tma_ready(b)
+    if tma and not tma_loads:
+        raise ValueError(f"tma=True needs TMA: a Hopper or later GPU (or Triton's interpreter), "
+                         f"got {a.device}")
+    if tma is None:
+        tma_loads = tma_loads and config.tma_enabled() and key not in _TMA_FAILED
+    elif not tma:
+        tma_loads = False
     args = (a, b, absmax_a.contiguous(), absmax_b.contiguous(),
             bias.contiguous() if bias is not None else None, c, cfg, fp8, scale)
-    if use_tma and tma is None:
+    if tma_loads and tma is None:
         try:
-            _launch_matmul(*args, use_tma=True)
+            _launch_matmul(*args, tma=True)
             return c
         except (triton.CompilationError, triton.OutOfResources, RuntimeError) as err:
             _TMA_FAILED.add(key)
             warnings.warn(f"SwitchBack's TMA matmul failed to build ({type(err).__name__}: "
                           f"{str(err)[:300]}); using pointer loads for {key}", RuntimeWarning,
                           stacklevel=2)
-            use_tma = False
-    _launch_matmul(*args, use_tma=use_tma)
+            tma_loads = False
+    _launch_matmul(*args, tma=tma_loads)
     return c
 
 
 def _launch_matmul(a, b, absmax_a, absmax_b, bias, c, cfg: MatmulConfig, fp8: bool, scale: float,
-                   *, use_tma: bool) -> None:
+                   *, tma: bool) -> None:
     (m, k), n = a.shape, b.shape[0]
     a_desc = b_desc = c_desc = None
-    if use_tma:
+    tma_store = tma and _tma_ready(c)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a_desc = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor(b, [n, k], [k, 1], [cfg.block_n, cfg.block_k])
-        c_desc = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n // 2])
+        if tma_store:
+            c_desc = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n // 2])
     stride = _matmul_stride(a.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _matmul_dequantize_kernel[(min(tiles, stride),)](
         a, b, a_desc, b_desc, absmax_a, absmax_b, bias, c, c_desc, m, n, k,
         B_ROWWISE=absmax_b.dim() == 1, HAS_BIAS=bias is not None, FP8=fp8, INV_Q=1.0 / scale,
-        BF16_BY_HAND=_bf16_by_hand(c.dtype), USE_TMA=use_tma, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=stride, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BF16_BY_HAND=_bf16_by_hand(c.dtype), TMA_LOADS=tma, TMA_STORE=tma_store,
+        EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGRAMS=stride, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
