@@ -651,9 +651,9 @@ def hard_rows(dtype: torch.dtype, quant_dtype: str) -> torch.Tensor:
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
 def test_triton_signed_zeros_and_ties(device, quant_dtype):
     """Every tie rounds to even and -0 stays -0, on the device itself: bit for bit the
-    emulation's values and exact rational rounding, for each quantizer and input dtype
-    (Triton 3.6 compiles -x as 0 - x, and float32 -> float8 conversions could round a tie or a
-    signed zero differently; the kernels rely on neither)."""
+    emulation's values for each quantizer and input dtype, and the tests' own table-lookup
+    rounding (Triton 3.6 compiles -x as 0 - x, and a float32 -> float8 conversion could round
+    a tie or a signed zero its own way; the kernels rely on neither)."""
     skip_fp8_without_hardware("triton", quant_dtype)
     for dtype in DTYPES:
         x = hard_rows(dtype, quant_dtype).to(device)
@@ -716,6 +716,7 @@ def test_triton_matmul_falls_back_to_pointer_loads(monkeypatch):
 
     monkeypatch.setattr(kernels, "_launch_matmul", failing_tma)
     monkeypatch.setattr(kernels, "_TMA_FAILED", set())
+    monkeypatch.setattr(config, "tma_enabled", lambda: True)
     a, sa = reference.quantize_rowwise(torch.randn(20, 32, device=DEVICE))
     b, sb = reference.quantize_tensorwise(torch.randn(16, 32, device=DEVICE))
     with pytest.warns(RuntimeWarning, match="TMA matmul failed to build"):
@@ -761,9 +762,13 @@ def test_gpu_layer_at_hopper_tile_sizes(m, k, n, quant_dtype):
         y, dx, dw, _ = run(x, w, b, g, backend="triton", **opts)
         y_t, dx_t, dw_t, _ = run(x, w, b, g, backend="torch", **opts)
         assert resolve_backend("auto", x, quant_dtype) == "torch"  # Triton is opt-in for now
-        for name, got, want in (("y", y, y_t), ("dx", dx, dx_t)):
+        for name, got, want, inner in (("y", y, y_t, k), ("dx", dx, dx_t, n)):
             err = (got.double() - want.double()).norm() / want.double().norm()
-            assert err < 2.0**-8, (name, err.item())  # within bf16 rounding of the emulation
+            # within bf16 rounding of the emulation; fp8 adds its accumulation per step of 32
+            # products (Hopper: a narrower accumulator than float32, see fp8_accumulation_error)
+            tol = 2.0**-8 + (math.ceil(inner / 32) * fp8_accumulation_error()
+                             if quant_dtype == "fp8" else 0.0)
+            assert err < tol, (name, err.item())
         assert torch.equal(dw, dw_t)
 
 
