@@ -21,7 +21,8 @@ stay 0-d tensors on the parameters' device. Nothing is read back to the host, so
 synchronizes and can be captured in a CUDA graph (pass ``lr`` as a device tensor to change it
 between replays).
 
-The fused path (``fused=True``, opt-in, as ``torch.optim``'s) does the same arithmetic,
+The fused path (the default for float32 parameters on CUDA; ``fused=True`` also runs it on the CPU
+under Triton's interpreter) does the same arithmetic,
 equally without synchronizing, in one Triton launch per param group and device: two passes over
 each tensor, no temporaries the size of the parameters (``fusedloss._optim_kernels`` explains
 the passes and their memory traffic).
@@ -60,11 +61,12 @@ class StableAdamW(torch.optim.Optimizer):
             (RMS_t well above 1, e.g. ≥ 2.3 in a ViT's patch embedding, precedes spikes).
         fused: run each step as Triton kernels, one launch per param group and device, instead of
             ``torch._foreach_*`` ops: the same results to float32 rounding, no parameter-sized
-            temporaries. None (default) and False: the foreach path. True requires float32
-            parameters on CUDA (or on the CPU
-            under ``TRITON_INTERPRET=1``). Tensors whose gradient or moments do not share the
-            parameter's dense layout, and steps traced by ``torch.compile``, take the foreach
-            path. Not part of ``state_dict()``: the state is the same on both paths.
+            temporaries, ~4× faster. None (default): the fused path for float32 parameters on
+            CUDA, the foreach path for the rest. False: the foreach path. True requires float32
+            parameters on CUDA (or on the CPU under ``TRITON_INTERPRET=1``). Tensors whose
+            gradient or moments do not share the parameter's dense layout, and steps traced by
+            ``torch.compile``, take the foreach path. Not part of ``state_dict()``: the state is
+            the same on both paths.
 
     State per parameter: ``step`` (0-d float32, device), ``exp_avg`` and ``exp_avg_sq`` (Adam's
     biased moments, shaped and typed like the parameter), and ``rms`` with ``track_rms``.
@@ -142,11 +144,13 @@ class StableAdamW(torch.optim.Optimizer):
         self.fused = fused
         self.__dict__.setdefault("_fused_tables", {})
 
-    def _fused_enabled(self) -> bool:
+    def _fused_for(self, device: torch.device) -> bool:
+        """Whether a bucket of tensors on ``device`` tries the fused step."""
         if torch.compiler.is_compiling():
             return False  # addresses are not traceable; Inductor fuses the foreach ops instead
-        # None: the foreach path, as torch.optim's default; the fused path is opt-in
-        return bool(self.fused)
+        if self.fused is None:  # default: the fused kernels where they run natively
+            return device.type == "cuda"
+        return self.fused
 
     def _init_state(self, p: Tensor, track_rms: bool) -> dict[str, Tensor]:
         state = self.state[p]
@@ -170,7 +174,6 @@ class StableAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fused = self._fused_enabled()
         for index, group in enumerate(self.param_groups):
             buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for p in group["params"]:
@@ -181,7 +184,7 @@ class StableAdamW(torch.optim.Optimizer):
                 self._init_state(p, group["track_rms"])
                 buckets.setdefault((p.device, p.dtype), []).append(p)
             for (device, _), params in buckets.items():
-                if fused:
+                if self._fused_for(device):
                     params = self._fused_update(index, group, device, params, skip)
                     if not params:
                         continue
@@ -242,29 +245,6 @@ class StableAdamW(torch.optim.Optimizer):
         tables = self._fused_tables.setdefault((index, device), kernels.FusedTables())
         kernels.fused_step(
             tables, rows, flags, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-            weight_decay=group["weight_decay"], clip_threshold=group["clip_threshold"],
-            clip_weight_decay=group["clip_weight_decay"], maximize=group["maximize"],
-        )
-        return rest
-        states = [self.state[p] for p in fused]
-        flags = None
-        if skip is not None:
-            false = None
-            entries = []
-            for p in fused:
-                flag = skip.get(p)
-                if flag is None:
-                    if false is None:
-                        false = torch.zeros((), dtype=torch.bool, device=device)
-                    flag = false
-                entries.append(flag.reshape(()))
-            flags = torch.stack(entries)
-        tables = self._fused_tables.setdefault((index, device), kernels.FusedTables())
-        kernels.fused_step(
-            tables, fused, [p.grad for p in fused], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-            [s["rms"] for s in states] if group["track_rms"] else None, flags,
-            lr=group["lr"], betas=group["betas"], eps=group["eps"],
             weight_decay=group["weight_decay"], clip_threshold=group["clip_threshold"],
             clip_weight_decay=group["clip_weight_decay"], maximize=group["maximize"],
         )

@@ -604,7 +604,7 @@ def test_fused_queues_without_waiting_on_cuda():
 @requires_cuda
 def test_fused_matches_foreach_on_cuda_at_gpu_sizes():
     """GPU chunks: tensors of many chunks (more partials than one reduction block) and sizes
-    that are not multiples of a chunk; fused=None is the foreach path (fused is opt-in)."""
+    that are not multiples of a chunk; fused=None (the default) is the fused path on CUDA."""
     shapes = [(4099,), (1, 1), (300, 1001), (2**21 + 5,), (768,)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     grads = [[torch.randn(s, device="cuda", generator=gen) * (300.0 if (t, i) == (4, 3) else 1.0)
@@ -621,6 +621,49 @@ def test_fused_matches_foreach_on_cuda_at_gpu_sizes():
 
     fused, default, foreach = run(True), run(None), run(False)
     assert_paths_agree(fused, foreach, ulps=16.0)
-    for p, q in zip(foreach[0], default[0], strict=True):
-        assert torch.equal(p, q)  # the default is the foreach path
+    for p, q in zip(fused[0], default[0], strict=True):
+        assert torch.equal(p, q)  # the default is the fused path on CUDA
+
+
+@requires_cuda
+@pytest.mark.parametrize("fused", [None, False])
+def test_step_replays_in_a_cuda_graph(fused):
+    """A step captured in a CUDA graph and replayed equals eager steps (nothing read on the
+    host, the fused kernel's counters ready again for every replay)."""
+    shapes = [(300, 1001), (7,), (2**20 + 3,)]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grads = [[torch.randn(s, device="cuda", generator=gen) for s in shapes] for _ in range(6)]
+
+    def make():
+        params = [torch.ones(s, device="cuda").requires_grad_() for s in shapes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = StableAdamW(params, lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1,
+                          fused=fused)
+        return params, opt
+
+    eager, eager_opt = make()
+    for gs in grads:
+        for p, g in zip(eager, gs, strict=True):
+            p.grad.copy_(g)
+        eager_opt.step()
+
+    params, opt = make()
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad.copy_(g)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()  # warm-up outside the graph: state, tables and kernels exist
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for gs in grads[1:]:
+        for p, g in zip(params, gs, strict=True):
+            p.grad.copy_(g)
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(eager, params, strict=True):
+        assert torch.equal(p, q)
     assert fused[1].state[fused[0][3]]["rms"].item() > 1.2

@@ -761,7 +761,7 @@ def test_gpu_layer_at_hopper_tile_sizes(m, k, n, quant_dtype):
         opts = dict(weight_quantization=wq, quant_dtype=quant_dtype)
         y, dx, dw, _ = run(x, w, b, g, backend="triton", **opts)
         y_t, dx_t, dw_t, _ = run(x, w, b, g, backend="torch", **opts)
-        assert resolve_backend("auto", x, quant_dtype) == "torch"  # Triton is opt-in for now
+        assert resolve_backend("auto", x, quant_dtype) == "triton"
         for name, got, want, inner in (("y", y, y_t, k), ("dx", dx, dx_t, n)):
             err = (got.double() - want.double()).norm() / want.double().norm()
             # within bf16 rounding of the emulation; fp8 adds its accumulation per step of 32

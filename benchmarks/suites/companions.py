@@ -8,9 +8,10 @@ Three parts (``--parts``), each a loop over its providers writing one row per me
   weights), SwitchBackM (``memory_efficient=True``), SwitchBackQ (row-wise weights) and
   SwitchBack fp8 (``quant_dtype="fp8"``). Time, speed-up, TFLOP/s, memory, and the relative
   errors of y, dx, dw against a float32 ``nn.Linear`` on the same inputs.
-- ``optimizer``: one step of ``fusedloss.optim.StableAdamW`` against ``torch.optim.AdamW``
-  (foreach and fused) over the parameters of a ViT-B/16 CLIP image tower (86.19 M, fp32,
-  random gradients), and whether the step synchronizes with the host.
+- ``optimizer``: one step of ``fusedloss.optim.StableAdamW`` (its default, fused on CUDA, and
+  its foreach path) against ``torch.optim.AdamW`` (foreach and fused) over the parameters of a
+  ViT-B/16 CLIP image tower (86.19 M, fp32, random gradients), and whether the step
+  synchronizes with the host.
 - ``e2e``: a ViT-B/16 image tower and a small text MLP (``benchmarks/vit.py``) trained on
   synthetic image–text pairs with ``fusedloss.ClipLoss`` under autocast, once with
   ``nn.Linear`` and once per SwitchBack variant swapped into the transformer blocks: step time
@@ -322,10 +323,12 @@ def _linear_progress(result: LinearResult) -> str:
 
 # ----------------------------------------------------------------------------- optimizer
 
-STABLE_ADAMW, ADAMW_FOREACH, ADAMW_FUSED = "stable-adamw", "adamw-foreach", "adamw-fused"
-OPTIMIZERS = (STABLE_ADAMW, ADAMW_FOREACH, ADAMW_FUSED)
+STABLE_ADAMW, STABLE_ADAMW_FOREACH = "stable-adamw", "stable-adamw-foreach"
+ADAMW_FOREACH, ADAMW_FUSED = "adamw-foreach", "adamw-fused"
+OPTIMIZERS = (STABLE_ADAMW, STABLE_ADAMW_FOREACH, ADAMW_FOREACH, ADAMW_FUSED)
 OPTIMIZER_LABELS = {
     STABLE_ADAMW: "StableAdamW",
+    STABLE_ADAMW_FOREACH: "StableAdamW foreach",
     ADAMW_FOREACH: "AdamW foreach",
     ADAMW_FUSED: "AdamW fused",
 }
@@ -337,10 +340,12 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
 
 
 def make_optimizer(key: str, params: Sequence[Tensor]) -> torch.optim.Optimizer:
-    if key == STABLE_ADAMW:
+    if key in (STABLE_ADAMW, STABLE_ADAMW_FOREACH):
         from fusedloss.optim import StableAdamW
 
-        return StableAdamW(params, **HYPER)
+        # the default: the fused kernels on CUDA, the foreach path elsewhere
+        fused = False if key == STABLE_ADAMW_FOREACH else None
+        return StableAdamW(params, **HYPER, fused=fused)
     if key == ADAMW_FOREACH:
         return torch.optim.AdamW(params, **HYPER, foreach=True)
     return torch.optim.AdamW(params, **HYPER, fused=True)
@@ -348,8 +353,9 @@ def make_optimizer(key: str, params: Sequence[Tensor]) -> torch.optim.Optimizer:
 
 def optimizer_call_text(key: str) -> str:
     hyper = ", ".join(f"{k}={v}" for k, v in HYPER.items())
-    if key == STABLE_ADAMW:
-        return f"fusedloss.optim.StableAdamW(params, {hyper}).step()"
+    if key in (STABLE_ADAMW, STABLE_ADAMW_FOREACH):
+        fused = ", fused=False" if key == STABLE_ADAMW_FOREACH else ""
+        return f"fusedloss.optim.StableAdamW(params, {hyper}{fused}).step()"
     flag = "foreach" if key == ADAMW_FOREACH else "fused"
     return f"torch.optim.AdamW(params, {hyper}, {flag}=True).step()"
 

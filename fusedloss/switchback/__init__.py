@@ -21,9 +21,8 @@ Backends (``backend=``): ``"torch"`` is the exact emulation in ``reference.py`` 
 ``"triton"`` runs the kernels of ``kernels.py`` on CUDA tensors (or the CPU under
 TRITON_INTERPRET=1): the same quantized values and scales bit for bit, the matmul's
 dequantization in a float32 epilogue (a few float32 roundings before the output rounding, where
-the emulation scales in float64); ``"auto"`` (default): for now the emulation everywhere — the
-Triton kernels are chosen explicitly until their first GPU runs have passed the tests (see
-docs/companions.md).
+the emulation scales in float64); ``"auto"`` (default): the Triton kernels on CUDA tensors (fp8: on
+GPUs with fp8 tensor cores), the emulation elsewhere.
 
 This file holds the public API and the autograd Function; ``reference.py`` the specification
 and PyTorch path, ``kernels.py`` the Triton kernels, ``ops.py`` their ``torch.library`` ops.
@@ -94,11 +93,11 @@ def _check_options(memory_efficient, weight_quantization, quant_dtype, backend) 
 
 
 def resolve_backend(backend: str, x: torch.Tensor, quant_dtype: str = "int8") -> str:
-    """'auto' -> 'torch' (the Triton kernels are opt-in until verified on a GPU); 'triton'
-    checks that x's device can run the kernels (CUDA, fp8: capability 8.9+; the CPU only under
-    TRITON_INTERPRET=1)."""
+    """'auto' -> 'triton' where x is on a CUDA device whose tensor cores take the format (int8:
+    any; fp8: capability 8.9+), else 'torch'; 'triton' checks that x's device can run the
+    kernels (CUDA, fp8: capability 8.9+; the CPU only under TRITON_INTERPRET=1)."""
     if backend == "auto":
-        backend = "torch"
+        backend = "triton" if kernels.runs_natively(x.device, quant_dtype) else "torch"
     if backend == "triton" and not torch.compiler.is_compiling():
         # While torch.compile traces, the kernels' host functions check at run time instead.
         kernels.check_device("x", x, quant_dtype)

@@ -78,7 +78,7 @@ from .reference import QUANT_FORMATS, check_float, check_quant_dtype, q_max
 
 #: the largest inner dimension whose int8 sums fit the int32 accumulator: K · 127² < 2³¹
 INT8_MAX_K = (2**31 - 1) // (127 * 127)
-_FP8_CAPABILITY = (8, 9)
+FP8_CAPABILITY = (8, 9)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,12 +86,19 @@ _FP8_CAPABILITY = (8, 9)
 # --------------------------------------------------------------------------------------------
 
 
+def runs_natively(device: torch.device, quant_dtype: str = "int8") -> bool:
+    """Whether the kernels run on ``device``'s own hardware: a CUDA GPU (fp8: capability 8.9+,
+    fp8 tensor cores)."""
+    return device.type == "cuda" and (quant_dtype != "fp8"
+                                      or config.capability(device) >= FP8_CAPABILITY)
+
+
 def check_device(name: str, t: Tensor | torch.device, quant_dtype: str = "int8") -> None:
     """Raise unless the kernels can run on t's device: CUDA (fp8: capability >= 8.9), or the
     CPU under Triton's interpreter."""
     device = t if isinstance(t, torch.device) else t.device
     if device.type == "cuda":
-        if quant_dtype == "fp8" and config.capability(device) < _FP8_CAPABILITY:
+        if quant_dtype == "fp8" and config.capability(device) < FP8_CAPABILITY:
             major, minor = config.capability(device)
             raise RuntimeError(
                 f"quant_dtype='fp8' with backend='triton' needs fp8 tensor cores (compute "
