@@ -489,9 +489,17 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
         "python": platform.python_version(),
         "fusedloss_version": fusedloss_version(),
         "fusedloss_revision": git_revision(),
+        "fusedloss_environment": fusedloss_environment(),
         "date": now.date().isoformat(),
         "timestamp": now.isoformat(timespec="seconds"),
     }
+
+
+def fusedloss_environment() -> dict[str, str]:
+    """The ``FUSEDLOSS_*`` environment variables set for the run (filtering rule, TMA, ...):
+    they change what the kernels do, so a result records them."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FUSEDLOSS_")
+            and k != "FUSEDLOSS_HYPOTHESIS_PROFILE"}
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -626,6 +634,8 @@ def environment_rows(
             f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}",
         ),
         ("peers", peers),
+        *([("FUSEDLOSS_* variables", ", ".join(f"{k}={v}" for k, v in settings.items()))]
+          if (settings := env.get("fusedloss_environment")) else []),
         ("date", env["timestamp"]),
     ]
 

@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -358,3 +359,17 @@ def test_quick_run_times_with_do_bench_on_cuda(tmp_path):
     data, _ = read_results(tmp_path, "lm_head_*")
     eager = data["cases"][0]["results"][0]
     assert eager["ms"] > 0 and eager["peak_extra_mib"] is not None and eager["peak_extra_mib"] > 0
+
+
+def test_results_record_the_fusedloss_variables(monkeypatch):
+    """A run under e.g. FUSEDLOSS_FILTER_RULE=pooled says so in its settings table."""
+    for name in [k for k in os.environ if k.startswith("FUSEDLOSS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "pooled")
+    env = common.collect_environment("cpu")
+    assert env["fusedloss_environment"] == {"FUSEDLOSS_FILTER_RULE": "pooled"}
+    rows = dict(common.environment_rows(env, {}))
+    assert rows["FUSEDLOSS_* variables"] == "FUSEDLOSS_FILTER_RULE=pooled"
+    monkeypatch.delenv("FUSEDLOSS_FILTER_RULE")
+    assert "FUSEDLOSS_* variables" not in dict(
+        common.environment_rows(common.collect_environment("cpu"), {}))

@@ -623,6 +623,7 @@ def test_fused_matches_foreach_on_cuda_at_gpu_sizes():
     assert_paths_agree(fused, foreach, ulps=16.0)
     for p, q in zip(fused[0], default[0], strict=True):
         assert torch.equal(p, q)  # the default is the fused path on CUDA
+    assert fused[1].state[fused[0][3]]["rms"].item() > 1.2
 
 
 @requires_cuda
@@ -666,4 +667,3 @@ def test_step_replays_in_a_cuda_graph(fused):
     torch.cuda.synchronize()
     for p, q in zip(eager, params, strict=True):
         assert torch.equal(p, q)
-    assert fused[1].state[fused[0][3]]["rms"].item() > 1.2
