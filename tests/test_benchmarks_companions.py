@@ -3,7 +3,8 @@
 The helpers (cases, saved-tensor bytes, targets, the learning-rate schedule, the tower's size,
 the synthetic pairs) are checked directly; the end-to-end runs use ``--quick`` (tiny shapes,
 a tiny tower, 3 steps) with SwitchBack's torch backend, in a few seconds. ``do_bench`` timing,
-memory figures and the host-sync check need CUDA and are not exercised here.
+memory figures, the host-sync check and the CUDA-graph timing need CUDA and are not exercised
+here; the graphed figures' bookkeeping is, with the timing function replaced.
 """
 
 from __future__ import annotations
@@ -250,6 +251,81 @@ def test_options_select_what_runs(tmp_path):
     assert row["provider"] == "bf16" and len(row["losses"]) == 2 and len(row["step_ms"]) == 2
     assert row["optimizer"] == "AdamW" and data["settings"]["train"]["optimizer"] == "adamw"
     assert data["settings"]["train"]["batch"] == 4
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+GRAPH_OPTIONS = "--parts linear --widths 16 --tokens 32 --shapes d-d --providers torch,switchback"
+
+
+def test_graphed_figures_are_none_without_cuda(tmp_path, capsys):
+    assert companions.graphed_ms(None, None, CPU, common.TimingSettings()) is None
+    data = run_quick(tmp_path, GRAPH_OPTIONS)
+    printed = capsys.readouterr().out
+    assert data["settings"]["graphs"] is True
+    assert "graphed ms" in data["definitions"] and "graphed ×" in data["definitions"]
+    for row in rows_by_provider(data["linear"][0]).values():
+        assert row["status"] == "ok", row["note"]
+        assert row["graphed_ms"] is None and row["graphed_speedup"] is None
+        assert row["speedup"] > 0  # the eager figures as before
+    _, markdown = read_results(tmp_path, "companions_*_cpu_t")
+    assert "| CUDA graphs (linear) | n/a (no CUDA) |" in markdown
+    assert "| speed-up | graphed ms | graphed × |" in markdown
+    assert "| 16x16 N32 | nn.Linear | ok |" in markdown
+    line = next(ln for ln in markdown.splitlines() if ln.startswith("| 16x16 N32 | SwitchBack "))
+    assert line.split(" | ")[5:7] == ["—", "—"]
+    # no graphed figure taken: the printed summary keeps its eager table only
+    assert "linear fwd+bwd" in printed and "graphed ×" not in printed
+
+
+def test_no_graphs_skips_the_graphed_timing(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_graphed_ms(layer, inputs, device, timing):
+        calls.append(type(layer).__name__)
+
+    monkeypatch.setattr(companions, "graphed_ms", fake_graphed_ms)
+    data = run_quick(tmp_path, GRAPH_OPTIONS + " --no-graphs", tag="off")
+    assert data["settings"]["graphs"] is False and not calls
+    assert all(r["graphed_ms"] is None for r in data["linear"][0]["results"])
+    run_quick(tmp_path, GRAPH_OPTIONS, tag="on")
+    assert calls == ["Linear", "SwitchBackLinear"]
+
+
+def test_graphed_speedup_and_tables(tmp_path, monkeypatch, capsys):
+    def fake_graphed_ms(layer, inputs, device, timing):
+        return 0.2 if type(layer) is torch.nn.Linear else 0.1
+
+    monkeypatch.setattr(companions, "graphed_ms", fake_graphed_ms)
+    data = run_quick(tmp_path, GRAPH_OPTIONS)
+    printed = capsys.readouterr().out
+    rows = rows_by_provider(data["linear"][0])
+    assert rows["torch"]["graphed_ms"] == 0.2 and rows["torch"]["graphed_speedup"] == 1.0
+    assert rows["switchback"]["graphed_speedup"] == pytest.approx(2.0)
+    assert "SwitchBack graphed ×" in printed and "2.00×" in printed
+    _, markdown = read_results(tmp_path, "companions_*_cpu_t")
+    line = next(ln for ln in markdown.splitlines() if ln.startswith("| 16x16 N32 | SwitchBack "))
+    assert line.split(" | ")[5:7] == ["0.10", "2.00×"]
+
+
+def test_failed_capture_keeps_the_eager_figures(tmp_path, monkeypatch, capsys):
+    def fake_graphed_ms(layer, inputs, device, timing):
+        if type(layer) is not torch.nn.Linear:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.2
+
+    monkeypatch.setattr(companions, "graphed_ms", fake_graphed_ms)
+    data = run_quick(tmp_path, GRAPH_OPTIONS)
+    printed = capsys.readouterr().out
+    rows = rows_by_provider(data["linear"][0])
+    switchback = rows["switchback"]
+    assert switchback["status"] == "ok" and switchback["ms"] > 0 and switchback["speedup"] > 0
+    assert switchback["graphed_ms"] is None and switchback["graphed_speedup"] is None
+    problem = "not graphed: RuntimeError: operation not permitted when stream is capturing"
+    assert switchback["note"] == problem
+    assert f"16x16 N32: SwitchBack {problem}" in data["notes"]
+    assert rows["torch"]["graphed_ms"] == 0.2 and rows["torch"]["note"] == ""
+    assert "SwitchBack graphed ×" in printed and "not graphed" in printed
 
 
 def test_full_size_needs_cuda(capsys):

@@ -7,7 +7,10 @@ Three parts (``--parts``), each a loop over its providers writing one row per me
   (d → 4d, 4d → d), 8192 to 65536 tokens: ``nn.Linear`` against SwitchBack (int8, tensor-wise
   weights), SwitchBackM (``memory_efficient=True``), SwitchBackQ (row-wise weights) and
   SwitchBack fp8 (``quant_dtype="fp8"``). Time, speed-up, TFLOP/s, memory, and the relative
-  errors of y, dx, dw against a float32 ``nn.Linear`` on the same inputs.
+  errors of y, dx, dw against a float32 ``nn.Linear`` on the same inputs. On CUDA the step is
+  also captured once in a ``torch.cuda.CUDAGraph`` and timed by replaying it (unless
+  ``--no-graphs``): the device's time without the host's launch overhead, what
+  ``torch.compile(mode="reduce-overhead")`` gives, beside the eager time.
 - ``optimizer``: one step of ``fusedloss.optim.StableAdamW`` (its default, fused on CUDA, and
   its foreach path) against ``torch.optim.AdamW`` (foreach and fused) over the parameters of a
   ViT-B/16 CLIP image tower (86.19 M, fp32, random gradients), and whether the step
@@ -83,6 +86,10 @@ TOKENS = (8192, 16384, 32768, 65536)
 SHAPES = {"d-d": (1, 1), "d-4d": (1, 4), "4d-d": (4, 1)}  # (in, out) as multiples of d
 QUICK_WIDTHS = (32,)
 QUICK_TOKENS = (64, 128)
+
+# Eager steps on a side stream before the capture: autotuning, the gradients' allocation.
+GRAPH_WARMUP_STEPS = 3
+GRAPH_FAILED = "not graphed"  # a row's note where the CUDA graph capture or replay failed
 
 SPEEDUP_TARGET = 1.3  # SwitchBack vs nn.Linear, where int8 pays: wide layers, many tokens
 TARGET_MIN_WIDTH = 1280
@@ -215,6 +222,32 @@ def clear_grads(layer: nn.Linear, inputs: LinearInputs) -> None:
     inputs.x.grad = layer.weight.grad = layer.bias.grad = None
 
 
+def graphed_ms(layer: nn.Linear, inputs: LinearInputs, device: torch.device,
+               timing: TimingSettings) -> float | None:
+    """Median time of replaying one forward+backward captured in a CUDA graph: the device's
+    time for the step without the host's launch overhead. None without CUDA.
+
+    The eager step warms up on a side stream (autotuning, allocations), as capture requires.
+    A graph replays into static buffers, so the gradients are not set to None inside it: they
+    are set to None once before the capture, the captured backward allocates them from the
+    graph's memory pool as the eager step allocates them, and every replay rewrites them in
+    place: the same work as the eager step, no accumulation."""
+    if not common.uses_cuda(device):
+        return None
+    step = forward_backward(layer, inputs)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(GRAPH_WARMUP_STEPS):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    clear_grads(layer, inputs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(inputs.x).backward(inputs.dy)
+    return common.median_ms(graph.replay, device, timing)
+
+
 def saved_mib(layer: nn.Linear, x: Tensor) -> float:
     """MiB of the tensors the layer's forward saves for its backward (each storage once,
     the layer's parameters left out; the input counts: a network keeps it alive for this)."""
@@ -241,6 +274,8 @@ class LinearResult(common.ProviderResultBase):
     case: str = ""
     first_call_ms: float | None = None  # the untimed first call: compilation, autotuning
     speedup: float | None = None  # nn.Linear's ms ÷ this ms
+    graphed_ms: float | None = None  # the step replayed from a CUDA graph; None without CUDA
+    graphed_speedup: float | None = None  # nn.Linear's graphed ms ÷ this graphed ms
     tflops: float | None = None
     peak_extra_mib: float | None = None
     saved_mib: float | None = None
@@ -257,7 +292,11 @@ class LinearCaseResult:
 
 def measure_linear(provider: str, case: LinearCase, inputs: LinearInputs,
                    reference: tuple[Tensor, Tensor, Tensor], backend: str,
-                   device: torch.device, timing: TimingSettings) -> LinearResult:
+                   device: torch.device, timing: TimingSettings, graphs: bool = True,
+                   notes: list[str] | None = None) -> LinearResult:
+    """The provider's row on the case. With ``graphs``, a step that cannot be captured in a
+    CUDA graph keeps its eager figures: its graphed time stays None and the capture's error
+    goes to the row's note and to ``notes``."""
     result = LinearResult(provider=provider, label=LINEAR_LABELS[provider], case=case.key,
                           call=layer_call_text(provider, backend, inputs.x.dtype))
     with common.failures_recorded(result, device):
@@ -290,18 +329,28 @@ def measure_linear(provider: str, case: LinearCase, inputs: LinearInputs,
                     (("y", result.y_error), ("dx", result.dx_error), ("dw", result.dw_error))
                     if not math.isfinite(value)]
         common.mark_wrong(result, problems)
+        if graphs:
+            try:
+                result.graphed_ms = graphed_ms(layer, inputs, device, timing)
+            except Exception as error:  # the eager figures stand; the run goes on
+                problem = f"{GRAPH_FAILED}: {common.describe_error(error)}"
+                result.note = "; ".join(filter(None, (result.note, problem)))
+                if notes is not None:
+                    notes.append(f"{case.key}: {result.label} {problem}")
         clear_grads(layer, inputs)
     return result
 
 
 def run_linear(cases: Sequence[LinearCase], providers: Sequence[str], backend: str,
                dtype: torch.dtype, seed: int, device: torch.device, timing: TimingSettings,
-               notes: list[str], log: Callable[[str], None]) -> list[LinearCaseResult]:
+               notes: list[str], log: Callable[[str], None],
+               graphs: bool = True) -> list[LinearCaseResult]:
     case_results = []
     for case in cases:
         inputs = make_linear_inputs(case, dtype, seed, device)
         reference = float32_reference(inputs)
-        results = {p: measure_linear(p, case, inputs, reference, backend, device, timing)
+        results = {p: measure_linear(p, case, inputs, reference, backend, device, timing,
+                                     graphs, notes)
                    for p in providers}
         del inputs, reference
         common.release_memory(device)
@@ -309,6 +358,9 @@ def run_linear(cases: Sequence[LinearCase], providers: Sequence[str], backend: s
         for result in results.values():
             if base is not None and base.measured and result.measured:
                 result.speedup = base.ms / result.ms
+            if (base is not None and base.graphed_ms is not None
+                    and result.graphed_ms is not None):
+                result.graphed_speedup = base.graphed_ms / result.graphed_ms
             common.note_problem(notes, case.key, result)
         log(f"  {case.key}: " + ", ".join(
             f"{r.label} " + common.progress_line(r, _linear_progress) for r in results.values()))
@@ -318,7 +370,12 @@ def run_linear(cases: Sequence[LinearCase], providers: Sequence[str], backend: s
 
 def _linear_progress(result: LinearResult) -> str:
     speedup = "" if result.speedup is None else f" ({common.format_ratio(result.speedup)}×)"
-    return f"{common.format_ms(result.ms)} ms{speedup}"
+    text = f"{common.format_ms(result.ms)} ms{speedup}"
+    if result.graphed_ms is not None:
+        graphed = ("" if result.graphed_speedup is None
+                   else f" ({common.format_ratio(result.graphed_speedup)}×)")
+        text += f", graphed {common.format_ms(result.graphed_ms)} ms{graphed}"
+    return text
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -727,6 +784,7 @@ class Settings:
     seed: int
     quick: bool
     timing: TimingSettings
+    graphs: bool = True  # linear: also time the step replayed from a CUDA graph
 
 
 @dataclass
@@ -745,6 +803,14 @@ DEFINITIONS = {
     "linear ms": "median time of one `y = layer(x); y.backward(dy)` with x (N, in) requiring "
     "grad and the layer's gradients set to None before it: {timing}",
     "speed-up": "nn.Linear's ms ÷ the provider's ms on the same case",
+    "graphed ms": "the same forward+backward captured once in a torch.cuda.CUDAGraph (after "
+    f"{GRAPH_WARMUP_STEPS} eager steps on a side stream) and timed by replaying it: the "
+    "device's time for the step without the host's launch overhead, what "
+    "torch.compile(mode='reduce-overhead') gives; the gradients are set to None before the "
+    "capture, allocated by the captured backward from the graph's pool and rewritten in place "
+    "by every replay (the eager step's work); CUDA only, — without CUDA, with --no-graphs or "
+    "where the capture failed (the note says why): {timing}",
+    "graphed ×": "nn.Linear's graphed ms ÷ the provider's graphed ms on the same case",
     "TFLOP/s": "6·N·in·out ÷ ms (forward, input gradient and weight gradient: 2·N·in·out each)",
     "peak MB": "(torch.cuda.max_memory_allocated() during one forward+backward − "
     "torch.cuda.memory_allocated() just before it − the bytes of dx, dw and db) / 2^20; inputs, "
@@ -787,6 +853,12 @@ def timing_text(info: RunInfo) -> str:
     return common.WALL_CLOCK_TIMING
 
 
+def graphs_text(info: RunInfo) -> str:
+    if not common.uses_cuda(info.environment["device"]):
+        return "n/a (no CUDA)"
+    return "on: step replayed from a CUDA graph" if info.settings.graphs else "off (--no-graphs)"
+
+
 def _count(value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "—"
@@ -807,6 +879,12 @@ def _speedup(value: float | None) -> str:
 
 def _cell(result: common.ProviderResultBase, text: str) -> str:
     return text if result.measured else result.status
+
+
+def _graphed_cell(result: LinearResult, text: str) -> str:
+    if not result.measured:
+        return result.status
+    return GRAPH_FAILED if result.graphed_ms is None and GRAPH_FAILED in result.note else text
 
 
 def vision_text(config: vit.VisionConfig) -> str:
@@ -835,6 +913,7 @@ def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
         ("dtype, seed", f"{s.dtype}, {s.seed}"),
         ("timing", timing_text(info)),
         ("SwitchBack backend", s.backend),
+        ("CUDA graphs (linear)", graphs_text(info)),
     ]
     lines += [common.markdown_table(["setting", "value"], rows), ""]
     lines += ["## Definitions", ""]
@@ -844,15 +923,18 @@ def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
                   f"Widths {', '.join(map(str, s.widths))}; shapes {', '.join(s.shapes)} (in → "
                   f"out as multiples of d); tokens {', '.join(map(str, s.tokens))}; {s.dtype}.",
                   ""]
-        headers = ["case", "provider", "status", "ms", "speed-up", "TFLOP/s", "peak MB",
-                   "saved MB", "y err", "dx err", "dw err", "first call ms", "note"]
+        headers = ["case", "provider", "status", "ms", "speed-up", "graphed ms", "graphed ×",
+                   "TFLOP/s", "peak MB", "saved MB", "y err", "dx err", "dw err",
+                   "first call ms", "note"]
         rows = []
         for case_result in linear:
             for r in case_result.results.values():
                 rows.append([
                     case_result.case.key, r.label, r.status, _cell(r, common.format_ms(r.ms)),
-                    _speedup(r.speedup), "—" if r.tflops is None else common.format_tflops(
-                        r.tflops), common.format_mib(r.peak_extra_mib),
+                    _speedup(r.speedup), common.format_ms(r.graphed_ms),
+                    _speedup(r.graphed_speedup),
+                    "—" if r.tflops is None else common.format_tflops(r.tflops),
+                    common.format_mib(r.peak_extra_mib),
                     common.format_mib(r.saved_mib), common.format_error(r.y_error),
                     common.format_error(r.dx_error), common.format_error(r.dw_error),
                     common.format_ms(r.first_call_ms), r.note,
@@ -940,6 +1022,20 @@ def short_tables(linear: Sequence[LinearCaseResult], optimizer: Sequence[Optimiz
         headers = ["linear fwd+bwd", "nn.Linear ms", *(f"{LINEAR_LABELS[p]} ×"
                                                         for p in switchbacks)]
         parts += [common.text_table(headers, rows), ""]
+        # the graphed figures beside them, where the run took any (CUDA, without --no-graphs)
+        if any(r.graphed_ms is not None or GRAPH_FAILED in r.note
+               for c in linear for r in c.results.values()):
+            rows = []
+            for c in linear:
+                base = c.results.get(TORCH)
+                row = [c.case.key, "—" if base is None
+                       else _graphed_cell(base, common.format_ms(base.graphed_ms))]
+                row += [_graphed_cell(c.results[p], _speedup(c.results[p].graphed_speedup))
+                        for p in switchbacks]
+                rows.append(row)
+            headers = ["linear fwd+bwd graphed", "nn.Linear graphed ms",
+                       *(f"{LINEAR_LABELS[p]} graphed ×" for p in switchbacks)]
+            parts += [common.text_table(headers, rows), ""]
     if optimizer:
         rows = [[r.label, _cell(r, common.format_ms(r.ms)), _speedup(r.vs_fused),
                  r.host_syncs or "—"] for r in optimizer]
@@ -976,6 +1072,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--providers", type=common.comma_list(LINEAR_PROVIDERS),
                         default=list(LINEAR_PROVIDERS),
                         help=f"linear: comma list of {', '.join(LINEAR_PROVIDERS)} (default: all)")
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false",
+                        help="linear: skip the second timing of each step, captured in a CUDA "
+                        "graph and replayed (default: timed on CUDA)")
     parser.add_argument("--widths", type=comma_ints, default=None,
                         help=f"linear: widths d (default {','.join(map(str, WIDTHS))}; "
                         f"{','.join(map(str, QUICK_WIDTHS))} with --quick)")
@@ -1043,7 +1142,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> Settings:
         tokens=list(pick(args.tokens, TOKENS, QUICK_TOKENS)),
         backend=args.backend or ("triton" if common.uses_cuda(device) else "torch"),
         variants=list(args.variants), train=train, dtype=args.dtype, seed=args.seed,
-        quick=quick, timing=timing,
+        quick=quick, timing=timing, graphs=bool(args.graphs),
     )
 
 
@@ -1096,9 +1195,11 @@ def _run(args: argparse.Namespace, settings: Settings, device: torch.device, not
     linear: list[LinearCaseResult] = []
     if LINEAR in settings.parts:
         cases = linear_cases(settings.widths, settings.shapes, settings.tokens)
-        log(f"linear forward+backward: {len(cases)} cases × {len(settings.providers)} providers")
+        graphed = settings.graphs and common.uses_cuda(device)
+        log(f"linear forward+backward: {len(cases)} cases × {len(settings.providers)} providers"
+            + (", eager and replayed from a CUDA graph" if graphed else ""))
         linear = run_linear(cases, settings.providers, settings.backend, dtype, settings.seed,
-                            device, settings.timing, notes, log)
+                            device, settings.timing, notes, log, settings.graphs)
         for provider in settings.providers:
             info.calls[f"linear {provider}"] = layer_call_text(provider, settings.backend, dtype)
     optimizer: list[OptimizerResult] = []
