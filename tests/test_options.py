@@ -450,3 +450,37 @@ def test_module_vocab_order_every(monkeypatch, every):
         assert orders_used[3] is not orders_used[0]
         # A reused (stale) order still meets the bar on the last step's data.
         check_case(replace(case, seed=3), "triton", vocab_order=computed[0])
+
+
+def test_backward_scratch_rule(monkeypatch):
+    """The dX scratch per slab: 64 MiB up to 16384 rows (44 MiB with the split accumulator),
+    4096 columns beyond, capped at 1 GiB; FUSEDLOSS_SCRATCH_MB hands the choice to the engine.
+    The LM head passes it to the engine (a fixed 64 MiB made slabs 32 Mi / N columns wide)."""
+    from fusedloss.core import engine
+    from fusedloss.ops._common import scratch_bytes
+
+    monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB", raising=False)
+
+    def rows(n):
+        return torch.empty((n, 8), dtype=torch.bfloat16, device="meta")
+
+    assert scratch_bytes(rows(16384)) == 2**26
+    assert scratch_bytes(rows(16384), split=True) == 44 * 2**20
+    assert scratch_bytes(rows(40000)) == 40000 * 4096 * 2
+    assert scratch_bytes(rows(1 << 20)) == 2**30
+    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "32")
+    assert scratch_bytes(rows(40000)) is None  # the engine reads the variable itself
+    monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB")
+
+    seen = []
+    real = engine.grads
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("scratch_bytes"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "grads", spy)
+    e = torch.randn(20000, 4, requires_grad=True)
+    c = torch.randn(7, 4, requires_grad=True)
+    linear_cross_entropy(e, c, torch.randint(0, 7, (20000,)), backend="torch").backward()
+    assert seen == [20000 * 4096 * 4]

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ..core.filtering import gradient_mass
-from ..ops.contrastive import scratch_bytes
+from ..ops._common import scratch_bytes
 from ._group import Layout, Shift
 
 _F32 = torch.float32

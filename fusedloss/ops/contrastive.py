@@ -24,7 +24,14 @@ from torch import Tensor
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ..core.filtering import gradient_mass
-from ._common import CUDAGRAPH_UNSAFE, eager_function, grad_or_none, nothing, row_major
+from ._common import (
+    CUDAGRAPH_UNSAFE,
+    eager_function,
+    grad_or_none,
+    nothing,
+    row_major,
+    scratch_bytes,
+)
 
 KINDS = ("clip", "info_nce", "nt_xent", "siglip")
 
@@ -260,26 +267,3 @@ def _split_accumulator(a: Tensor) -> bool:
     return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
 
 
-def scratch_bytes(a: Tensor, split: bool) -> int | None:
-    """dX scratch per column slab: 64 MiB up to N = 16384 rows (44 MiB with the split
-    accumulator), 4096 columns wide beyond, up to 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides.
-
-    Measured on H100s (2026-11-22, CLIP fwd+bwd, bf16, c = 512). At b = 16384, 64 MiB (97.5
-    MiB in all with the fp32 dA accumulator) took 3.0–3.2 ms. A 28 MiB scratch (896 columns,
-    61.5 MiB in all) took 3.6–3.7 ms on one machine and 5.0–5.6 ms on another, where 64 MiB
-    took 3.16: each slab costs a launch of the recompute kernel and two cuBLAS calls, and at
-    19 slabs the host issuing them sets the pace, at the host's speed. With the split
-    accumulator (16 MiB where fp32 took 32), 44 MiB of scratch (1408 columns, 12 slabs)
-    keeps a step at b = 16384, c = 512 within 64 MiB in all (61.5 MiB).
-    Beyond 16384 rows: each slab's read-modify-write of the fp32 dA accumulator (8·N·D bytes)
-    costs as much as a few hundred columns of matmul, and the slab's dB matmul (slab columns ×
-    D outputs, N deep) needs width to fill the GPU. In alternating runs, 4096 columns against
-    2048 took b = 65536 from 49.7–49.9 to 47.9 ms and b = 131072, c = 768 from 267–268 to
-    258–259 ms (8192 columns: no further gain).
-    """
-    if "FUSEDLOSS_SCRATCH_MB" in os.environ:
-        return None
-    n = a.shape[0]
-    if n <= 16384:
-        return 44 * 2**20 if split else 2**26
-    return int(min(2**30, n * 4096 * a.element_size()))

@@ -26,7 +26,14 @@ from torch import Tensor
 
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
-from ._common import CUDAGRAPH_UNSAFE, eager_function, grad_or_none, nothing, row_major
+from ._common import (
+    CUDAGRAPH_UNSAFE,
+    eager_function,
+    grad_or_none,
+    nothing,
+    row_major,
+    scratch_bytes,
+)
 
 _F32 = torch.float32
 
@@ -183,7 +190,7 @@ def backward(
         col_weight=class_weight, filter_eps=filter_eps,
         filter_scale=(_gradient_mass(stats, coef), None),
         need_a=need_input, need_b=need_weight, need_bias=bias is not None and need_bias,
-        backend=backend,
+        scratch_bytes=scratch_bytes(a), backend=backend,
     )
     grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else nothing(a, (0,))
     return (grads.a if need_input else nothing(a, (0,)),
