@@ -33,7 +33,8 @@ logits). Only families whose loss and every parameter gradient were checked equa
 unpatched model's (``tests/test_transformers.py``) are accepted: :data:`SUPPORTED_FAMILIES`.
 Anything else is refused with an error naming the class, as are the heads this cannot
 reproduce: ``pretraining_tp > 1``, a LoRA (or other PEFT tuner) layer on ``lm_head``, a head that
-is not a plain ``nn.Linear`` or has forward hooks (other than FSDP2's), a forward whose head
+is not a plain ``nn.Linear`` or has forward hooks (other than FSDP2's, and tensor parallelism's
+on a vocab-sharded head), a forward whose head
 differs from the family's known one (a newer transformers); and an instance whose forward another
 library has already replaced (TRL's SFTTrainer adds its fused LM head so: patch first). PEFT's
 ``ModulesToSaveWrapper`` on ``lm_head`` (``modules_to_save=["lm_head"]``) is unwrapped at each
@@ -48,8 +49,17 @@ model) that unit's hooks have gathered the full weight before the forward runs. 
 ``lm_head`` is its own unit (FSDP2 ``fully_shard(model.lm_head)`` or a group with the tied
 embedding; FSDP1 wrapping it), the loss runs *as the head module's forward*
 (:func:`_loss_through_head`), so FSDP gathers the weight for it, re-gathers it before its
-backward and reduce-scatters its gradient, as for ``lm_head(hidden)``. A weight still sharded
-at the loss (another layout, a tensor-parallel head, DeepSpeed ZeRO-3) is refused by name.
+backward and reduce-scatters its gradient, as for ``lm_head(hidden)``.
+
+Tensor parallelism: a head weight that is a DTensor sharded over the vocabulary (``Shard(0)``
+on a 1-D device mesh, torch's even ``torch.chunk`` split: ``ColwiseParallel`` on ``lm_head``,
+transformers' ``colwise_gather_output`` / ``colwise_rep``) is computed with the
+vocabulary-parallel head (:func:`_dtensor_head_loss`): each rank passes its rows, the mesh's
+process group and their first row's id; every rank gets the whole head's loss, the hidden
+states their full gradient, and the weight its shard's gradient (a ``Shard(0)`` DTensor). A
+replicated DTensor weight is used whole. Any other layout still sharded at the loss (another
+placement, a multi-dimensional mesh, a flat shard of an unknown unit, DeepSpeed ZeRO-3) is
+refused by name.
 """
 
 from __future__ import annotations
@@ -263,6 +273,74 @@ def _foreign_hooks(module: nn.Module) -> list:
             if not type(owner(h)).__module__.startswith("torch.distributed.fsdp.")]
 
 
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _is_tp_style_hook(hook) -> bool:
+    """Whether a forward (pre-)hook is one that torch's ``parallelize_module`` installs for a
+    ``ColwiseParallel`` or ``RowwiseParallel`` style: ``distribute_module``'s wrapper around the
+    style's input or output function."""
+    code = getattr(hook, "__code__", None)
+    if (code is None or not getattr(hook, "__closure__", None)
+            or getattr(hook, "__module__", None) != "torch.distributed.tensor._api"):
+        return False
+    cells = {}
+    for name, cell in zip(code.co_freevars, hook.__closure__, strict=True):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    fn = cells.get("input_fn", cells.get("output_fn"))
+    fn = getattr(fn, "func", fn)  # a functools.partial of the style's static method
+    return (getattr(fn, "__module__", None) == "torch.distributed.tensor.parallel.style"
+            and getattr(fn, "__qualname__", "").split(".")[0] in ("ColwiseParallel",
+                                                                  "RowwiseParallel"))
+
+
+@dataclass(frozen=True)
+class _VocabShard:
+    """Where this rank's rows of a vocab-sharded DTensor head lie."""
+
+    group: Any  # the mesh's process group
+    start: int  # the global id of this rank's first row
+
+
+def _dtensor_layout(model: nn.Module, weight) -> _VocabShard | None:
+    """The layout of a DTensor head weight: None when it is replicated (every rank holds all of
+    it), the vocabulary shard when it is ``Shard(0)`` on a 1-D mesh in DTensor's own even split
+    (``torch.chunk``: rank r of the mesh holds the rows from r·ceil(V/W), the last ones fewer or
+    none); anything else is refused, naming the placements."""
+    from torch.distributed.tensor import Shard
+
+    name = type(model).__name__
+    placements = tuple(weight.placements)
+    mesh = weight.device_mesh
+    if all(p.is_replicate() for p in placements):
+        return None
+    what = (f"lm_head.weight is a DTensor with placements {placements} on a device mesh of "
+            f"shape {tuple(mesh.shape)}")
+    if mesh.ndim != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
+        raise FusedLossUnsupportedError(
+            f"{name}: {what}. Supported: replicated, or sharded over the vocabulary (Shard(0)) "
+            f"on a 1-D mesh (ColwiseParallel on lm_head), computed with the vocabulary-parallel "
+            f"head")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise FusedLossUnsupportedError(f"{name}: {what}, and this rank is not in that mesh")
+    index, world = coordinate[0], mesh.size()
+    v = weight.shape[0]
+    start = min(index * -(-v // world), v)
+    # Every Shard(0) DTensor that DTensor's own operations make is split so. A hand-built one
+    # with other row counts does not tile [0, V) from these starts, which the vocabulary-parallel
+    # head checks collectively: every rank raises the same error, none waits for the others.
+    return _VocabShard(mesh.get_group(), start)
+
+
 def _check_head(model: nn.Module) -> None:
     name = type(model).__name__
     head = getattr(model, "lm_head", None)
@@ -283,7 +361,14 @@ def _check_head(model: nn.Module) -> None:
             f"{name}: unknown head transform: lm_head is {type(head).__module__}."
             f"{type(head).__name__}, not a plain torch.nn.Linear (quantized or custom heads are "
             f"not supported)")
-    if _foreign_hooks(head) or hasattr(head, "_hf_hook"):
+    hooks = _foreign_hooks(head)
+    if hooks and _is_dtensor(head.weight) and all(_is_tp_style_hook(h) for h in hooks):
+        # parallelize_module's ColwiseParallel / RowwiseParallel: the hooks only redistribute
+        # lm_head's own input and output, which the fused loss never produces; what matters is
+        # the weight's layout, refused here unless the vocabulary-parallel head can take it.
+        _dtensor_layout(model, head.weight)
+        hooks = []
+    if hooks or hasattr(head, "_hf_hook"):
         raise FusedLossUnsupportedError(
             f"{name}: unknown head transform: lm_head has forward hooks (e.g. accelerate's "
             f"device-map offloading), which the fused loss would skip")
@@ -376,7 +461,7 @@ def _loss_forward(self, state: _State, kw: dict):
     else:
         target, shift = labels.to(hidden.device), True
 
-    def head_loss(hidden, weight, bias):
+    def head_loss(hidden, weight, bias, **vocab_parallel):
         device_type = hidden.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -396,12 +481,15 @@ def _loss_forward(self, state: _State, kw: dict):
             return linear_cross_entropy(
                 hidden, weight, target.to(hidden.device), linear_bias=bias,
                 ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
-                softcap=softcap, shift=shift, **state.options)
+                softcap=softcap, shift=shift, **vocab_parallel, **state.options)
 
     head = _active_head(self)
     if _is_fsdp2_module(head) or _fsdp1_wrapped(head) is not None:
         # The head is its own FSDP unit: its weight is a shard until the unit's hooks gather it.
         loss = _loss_through_head(head, head_loss, hidden)
+    elif _is_dtensor(head.weight):
+        # Tensor parallelism: the weight stays a DTensor (no hook gathers it).
+        loss = _dtensor_head_loss(self, head, head_loss, hidden)
     else:
         # Plain, or managed by an enclosing FSDP unit (fully_shard(model) / FSDP1 around the
         # model), whose pre-forward hook has already gathered the full weight (see
@@ -471,19 +559,63 @@ def _loss_through_head(head: nn.Module, head_loss, hidden: torch.Tensor) -> torc
             linear.forward = had
 
 
+def _dtensor_head_loss(model: nn.Module, head: nn.Module, head_loss, hidden) -> torch.Tensor:
+    """``head_loss`` for a head whose weight is a DTensor (tensor parallelism).
+
+    Sharded over the vocabulary (see :func:`_dtensor_layout`): the vocabulary-parallel head on
+    this rank's rows, ``weight.to_local()`` (differentiable: the gradient of the rows reaches the
+    parameter as a ``Shard(0)`` DTensor), with the mesh's process group and the rows' first id.
+    Every rank must pass the same batch (as tensor parallelism has it); each gets the loss of
+    the whole head, and the hidden states the full gradient (the head all-reduces it), as
+    ``ColwiseParallel``'s input hook gives them. Replicated: the local copy is the whole head.
+
+    Hidden states that arrive as a DTensor are made whole first: a replicated one is its local
+    tensor, a sharded one (sequence parallelism) is gathered; both carry the gradient back to
+    their layout. The bias, if any, must be laid out as the weight.
+    """
+    name = type(model).__name__
+    weight, bias = head.weight, head.bias
+    layout = _dtensor_layout(model, weight)
+    if getattr(model.config, "tie_word_embeddings", False):
+        embedding = model.get_input_embeddings()
+        if getattr(embedding, "weight", None) is not weight:
+            raise FusedLossUnsupportedError(
+                f"{name}: config.tie_word_embeddings is set, but lm_head.weight (a DTensor with "
+                f"placements {tuple(weight.placements)}) is not the input embedding's weight: "
+                f"sharding lm_head alone unties them. Shard the embedding the same way (rows: "
+                f"RowwiseParallel on the nn.Embedding) and tie them again (lm_head.weight = "
+                f"embed_tokens.weight), or untie them in the config")
+    if bias is not None:
+        if not _is_dtensor(bias) or (
+                bias.device_mesh != weight.device_mesh or bias.placements != weight.placements):
+            what = (f"a DTensor with placements {tuple(bias.placements)}" if _is_dtensor(bias)
+                    else "a plain tensor")
+            raise FusedLossUnsupportedError(
+                f"{name}: lm_head.weight is a DTensor with placements "
+                f"{tuple(weight.placements)} but lm_head.bias is {what}; they must be laid out "
+                f"alike")
+        bias = bias.to_local()
+    if _is_dtensor(hidden):
+        replicated = all(p.is_replicate() for p in hidden.placements)
+        hidden = hidden.to_local() if replicated else hidden.full_tensor()
+    if layout is None:
+        return head_loss(hidden, weight.to_local(), bias)
+    return head_loss(hidden, weight.to_local(), bias, process_group=layout.group,
+                     vocab_start=layout.start)
+
+
 def _check_gathered(model: nn.Module, weight: torch.Tensor, hidden: torch.Tensor) -> None:
-    """A sharded head weight that reaches the fused loss is refused by name, not left to fail
-    with a shape mismatch deep inside the kernel."""
-    is_dtensor = type(weight).__name__ == "DTensor"
-    if is_dtensor or weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
-        what = (f"a DTensor with placements {tuple(weight.placements)}" if is_dtensor
-                else f"of shape {tuple(weight.shape)} (hidden size {hidden.shape[-1]})")
+    """A sharded (non-DTensor) head weight that reaches the fused loss is refused by name, not
+    left to fail with a shape mismatch deep inside the kernel."""
+    if weight.dim() != 2 or weight.shape[-1] != hidden.shape[-1]:
         raise FusedLossUnsupportedError(
-            f"{type(model).__name__}: lm_head.weight reaches the fused loss sharded ({what}). "
-            f"Supported sharding: FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel) "
-            f"units around the whole model (the head in the root unit) or around lm_head. "
-            f"Not supported: an FSDP unit between the model and lm_head (e.g. around PEFT's "
-            f"ModulesToSaveWrapper), a tensor-parallel (vocab-sharded) head, DeepSpeed ZeRO-3")
+            f"{type(model).__name__}: lm_head.weight reaches the fused loss sharded (of shape "
+            f"{tuple(weight.shape)}, hidden size {hidden.shape[-1]}). Supported sharding: "
+            f"FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel) units around the whole "
+            f"model (the head in the root unit) or around lm_head; a DTensor weight sharded over "
+            f"the vocabulary (Shard(0)) on a 1-D mesh (tensor parallelism). Not supported: an "
+            f"FSDP unit between the model and lm_head (e.g. around PEFT's "
+            f"ModulesToSaveWrapper), DeepSpeed ZeRO-3")
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,9 +643,11 @@ def apply_fusedloss(model: nn.Module, *, fuse_in_eval: bool = False, **options) 
     Raises:
         FusedLossUnsupportedError: (a ``ValueError``) naming the class, for an unsupported
             family, a subclass overriding ``forward``, ``pretraining_tp > 1``, a PEFT tuner
-            layer (LoRA) on ``lm_head``, a head that is not a plain ``nn.Linear``, or an
+            layer (LoRA) on ``lm_head``, a head that is not a plain ``nn.Linear``, a
+            tensor-parallel head whose weight is not split over the vocabulary, or an
             instance whose forward another library already replaced (build TRL's trainers after
-            patching).
+            patching). A head weight laid out so that no hook gathers it and the
+            vocabulary-parallel head cannot take it is refused at the first training call.
         TypeError: an option linear_cross_entropy does not take here.
     """
     unknown = sorted(set(options) - set(_LCE_OPTIONS))
