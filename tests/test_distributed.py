@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from workers import Raised, Workers
+from workers import Raised, Workers, all_ok
 
 import fusedloss
 import fusedloss.distributed as fd
@@ -34,12 +34,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # its fp32 sums run in another order: a few fp32 ulps, or one rounding of the input dtype.
 TOL = {"fp32": dict(rtol=2e-5, atol=2e-6), "bf16": dict(rtol=2e-2, atol=2e-3)}  # losses
 
-
-def _ok(results: list) -> list:
-    for rank, r in enumerate(results):
-        if isinstance(r, Raised):
-            raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
-    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +213,7 @@ def ring_cases(draw, backends=("torch",), max_world=4, max_rows=5):
 @given(case=ring_cases(backends=RING_BACKENDS))
 def test_ring_equals_one_process_sliced(workers, case):
     c = case
-    results = _ok(workers(len(c["rows"])).run(
+    results = all_ok(workers(len(c["rows"])).run(
         _ring_case, c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"],
         c["backend"], c["seed"], None))
     _check(c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"], results,
@@ -235,7 +229,7 @@ def test_ring_on_nccl_equals_one_process_sliced(nccl_workers, case):
     """The same property over NCCL, one process per GPU (the Triton kernels at tiny sizes);
     the reference: one process on the CPU."""
     c = case
-    results = _ok(nccl_workers(len(c["rows"])).run(
+    results = all_ok(nccl_workers(len(c["rows"])).run(
         _ring_case, c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"],
         c["backend"], c["seed"], None, "cuda"))
     _check(c["kind"], c["rows"], c["cols"], c["d"], c["dtype"], c["reduction"], results,
@@ -251,11 +245,11 @@ def test_ring_triton_kernels(workers, kind):
     rows = [2, 0, 3] if kind == "nt_xent" else [5, 0, 7]
     cols = [3, 4, 0] if kind == "info_nce" else rows
     for reduction in ("mean", "none"):
-        results = _ok(workers(3).run(_ring_case, kind, rows, cols, 16, "fp32", reduction,
+        results = all_ok(workers(3).run(_ring_case, kind, rows, cols, 16, "fp32", reduction,
                                      "triton", 7, None))
         _check(kind, rows, cols, 16, "fp32", reduction, results, 7, "triton")
     # Deterministic: the same call gives the same bits (no atomics, a fixed ring order).
-    again = _ok(workers(3).run(_ring_case, kind, rows, cols, 16, "fp32", "none", "triton", 7,
+    again = all_ok(workers(3).run(_ring_case, kind, rows, cols, 16, "fp32", "none", "triton", 7,
                                None))
     for (loss, grads), (loss2, grads2) in zip(results, again, strict=True):
         assert torch.equal(loss, loss2)
@@ -289,8 +283,8 @@ def _filtered_clip(rank, world, filter_eps, dtype_name, tile_budget=None):
 def test_ring_filter_eps_skips_blocks(workers):
     if "triton" not in RING_BACKENDS:
         pytest.skip("CPU workers run the Triton kernels only under TRITON_INTERPRET=1")
-    exact = _ok(workers(2).run(_filtered_clip, None, "fp32"))
-    filtered = _ok(workers(2).run(_filtered_clip, 0.25, "fp32"))
+    exact = all_ok(workers(2).run(_filtered_clip, None, "fp32"))
+    filtered = all_ok(workers(2).run(_filtered_clip, 0.25, "fp32"))
     for (ei, et), (fi, ft) in zip(exact, filtered, strict=True):
         diff = max((fi - ei).abs().max(), (ft - et).abs().max())
         assert diff > 0, "filter_eps was ignored: the far block was computed"
@@ -298,7 +292,7 @@ def test_ring_filter_eps_skips_blocks(workers):
         scale = max(ei.abs().max(), et.abs().max())
         assert diff <= 0.25 * scale
     # Past the tile-statistics budget the ring keeps none and computes every tile.
-    unfiltered = _ok(workers(2).run(_filtered_clip, 0.25, "fp32", 0))
+    unfiltered = all_ok(workers(2).run(_filtered_clip, 0.25, "fp32", 0))
     for (ei, et), (ui, ut) in zip(exact, unfiltered, strict=True):
         torch.testing.assert_close(ui, ei)
         torch.testing.assert_close(ut, et)
@@ -325,7 +319,7 @@ def _subgroup_case(rank, world, seed):
 
 
 def test_ring_on_a_subgroup(workers):
-    results = _ok(workers(3).run(_subgroup_case, 5))
+    results = all_ok(workers(3).run(_subgroup_case, 5))
     assert results[1] is None
     _check("clip", [3, 4], [3, 4], 6, "fp32", "mean", [results[0], results[2]], 5)
 
@@ -384,7 +378,7 @@ def test_one_rank_error_stops_every_rank(workers, what, message):
 
 
 def test_valid_labels_across_ranks(workers):
-    results = _ok(workers(2).run(_disagreeing, "labels"))
+    results = all_ok(workers(2).run(_disagreeing, "labels"))
     assert all(torch.isfinite(r) for r in results)
 
 
@@ -434,7 +428,7 @@ def test_clip_loss_module_open_clip_modes(workers, local_loss, gather_with_grad)
     """What open_clip's ClipLoss gives each rank (b = 3 per rank, W = 2): the loss value, the
     feature gradients (W·∂L/∂f with gather_with_grad, else ∂L/∂f) and d logit_scale."""
     world, rows, seed = 2, [3, 3], 11
-    results = _ok(workers(world).run(_open_clip_mode, local_loss, gather_with_grad, seed))
+    results = all_ok(workers(world).run(_open_clip_mode, local_loss, gather_with_grad, seed))
     batch = _global_batch("clip", rows, rows, 6, torch.float32, seed)
     i, t = batch["i"].clone().requires_grad_(), batch["t"].clone().requires_grad_()
     scale = torch.tensor(5.0, requires_grad=True)
@@ -506,7 +500,7 @@ def test_ddp_training_equals_one_process(workers, nccl_workers, kind, device):
     batch, train the same model as one process on the whole batch."""
     rows, steps = [4, 4], 3
     group = workers(2) if device == "cpu" else nccl_workers(2)
-    states = _ok(group.run(_ddp_train, rows, steps, kind, device))
+    states = all_ok(group.run(_ddp_train, rows, steps, kind, device))
     model = _TwoTower()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = fusedloss.ClipLoss(backend="torch") if kind == "clip" else \
@@ -560,7 +554,7 @@ def test_nccl_world_of_one_equals_one_process():
     kernels, bf16 and filtering on, against the single-process loss."""
     workers = Workers(1, backend="nccl")
     try:
-        out = _ok(workers.run(_nccl_case, 4096, 256))[0]
+        out = all_ok(workers.run(_nccl_case, 4096, 256))[0]
     finally:
         workers.close()
     for on_ring, one in (("ring", "one"), ("nt_ring", "nt_one")):
@@ -591,7 +585,7 @@ def _compiled_case(rank, world, seed):
 def test_ring_inside_torch_compile(workers):
     """Under torch.compile the ring runs eagerly (a graph break around it), with the same
     values and gradients as without compile."""
-    for (loss, grads), (c_loss, c_grads) in _ok(workers(2).run(_compiled_case, 4)):
+    for (loss, grads), (c_loss, c_grads) in all_ok(workers(2).run(_compiled_case, 4)):
         torch.testing.assert_close(c_loss, loss)
         for g, cg in zip(grads, c_grads, strict=True):
             torch.testing.assert_close(cg, g)
@@ -629,7 +623,7 @@ def test_nccl_ring_on_two_gpus():
     against one process on the whole batch."""
     workers = Workers(2, backend="nccl")
     try:
-        results = _ok(workers.run(_nccl_ring_case, 4096, 256))
+        results = all_ok(workers.run(_nccl_ring_case, 4096, 256))
     finally:
         workers.close()
     loss1, di, dt, ds = results[0]["one"]

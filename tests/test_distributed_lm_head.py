@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
-from workers import Raised
+from workers import Raised, all_ok
 
 import fusedloss
 
@@ -23,12 +23,6 @@ BACKENDS = ("torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IGNORE = -100
 
-
-def _ok(results):
-    for rank, r in enumerate(results):
-        if isinstance(r, Raised):
-            raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
-    return results
 
 
 def _problem(case):
@@ -134,7 +128,7 @@ def head_cases(draw, backends=BACKENDS, max_world=3):
 
 @given(case=head_cases())
 def test_sharded_head_equals_whole_head(workers, case):
-    results = _ok(workers(len(case["shards"])).run(_shard_case, case))
+    results = all_ok(workers(len(case["shards"])).run(_shard_case, case))
     _check(case, results)
 
 
@@ -146,7 +140,7 @@ NCCL_WORLD = min(torch.cuda.device_count(), 3)
 def test_sharded_head_on_nccl_equals_whole_head(nccl_workers, case):
     """The same property over NCCL, one process per GPU; the reference: one process on the
     CPU with the torch backend."""
-    results = _ok(nccl_workers(len(case["shards"])).run(_shard_case, case, "cuda"))
+    results = all_ok(nccl_workers(len(case["shards"])).run(_shard_case, case, "cuda"))
     _check(dict(case, backend="torch"), results)
 
 
@@ -155,7 +149,7 @@ def test_explicit_vocab_start(workers):
     case = dict(shards=[4, 6], starts=[6, 0], tokens=(2, 4), d=5, dtype="fp32",
                 reduction="mean", label_smoothing=0.1, z_loss=0.0, softcap=None, shift=True,
                 bias=True, class_weight=True, ignored=0.2, backend="torch", seed=3)
-    results = _ok(workers(2).run(_shard_case, case))
+    results = all_ok(workers(2).run(_shard_case, case))
     _check(case, results)
 
 
@@ -245,7 +239,7 @@ def _train_sharded(rank, world, vocab, steps):
 
 def test_sharded_head_trains_like_one_process(workers):
     vocab, steps, world = 12, 3, 2
-    states = _ok(workers(world).run(_train_sharded, vocab, steps))
+    states = all_ok(workers(world).run(_train_sharded, vocab, steps))
     model = _TinyLM(vocab, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loss_fn = fusedloss.LinearCrossEntropyLoss(shift=True, backend="torch")

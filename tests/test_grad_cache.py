@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from workers import Raised, Workers
+from workers import Workers, all_ok
 
 import fusedloss
 import fusedloss.distributed as fd
@@ -388,12 +388,6 @@ def workers():
     w.close()
 
 
-def _ok(results: list) -> list:
-    for rank, r in enumerate(results):
-        if isinstance(r, Raised):
-            raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
-    return results
-
 
 def _counting_hook(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -443,7 +437,7 @@ def test_ring_loss_over_two_processes(workers, kind, rows, micro_batch_size, ddp
     plain step on the whole batch. A DDP module all-reduces once per step, even when one
     encoder is both towers."""
     world = 2
-    results = _ok(workers.run(_ring_step, kind, rows, micro_batch_size, ddp))
+    results = all_ok(workers.run(_ring_step, kind, rows, micro_batch_size, ddp))
     d = _data(sum(rows))
     if kind == "clip":
         ref = Clip()

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from workers import Raised
+from workers import all_ok
 
 pytest.importorskip("transformers")
 if not dist.is_available():
@@ -125,12 +125,6 @@ def _case(rank, world, layout, raf, tied, opt, apply_after=False):
     return ref, fused, single
 
 
-def _ok(results):
-    for r in results:
-        if isinstance(r, Raised):
-            pytest.fail(f"a rank raised {r.type}: {r.message}\n{r.traceback}")
-    return results
-
 
 def _assert_params(a: dict, b: dict, rtol=1e-4, atol=1e-5):
     assert a.keys() == b.keys()
@@ -151,7 +145,7 @@ CASES = [  # layout, reshard_after_forward, tied embeddings, optimizer
 
 @pytest.mark.parametrize(("layout", "raf", "tied", "opt"), CASES)
 def test_sharded_training_equals_unpatched(workers, layout, raf, tied, opt):
-    results = _ok(workers(WORLD).run(_case, layout, raf, tied, opt))
+    results = all_ok(workers(WORLD).run(_case, layout, raf, tied, opt))
     single_losses, single_params = results[0][2]
     for rank, (ref, fused, _) in enumerate(results):
         # Patched vs. unpatched, both sharded the same way: same losses, same parameters.
@@ -168,7 +162,7 @@ def test_sharded_training_equals_unpatched(workers, layout, raf, tied, opt):
 def test_apply_after_fully_shard(workers):
     """apply_fusedloss on a model whose head is already its own FSDP2 unit (FSDP's hooks on
     lm_head are accepted; other forward hooks are still refused)."""
-    results = _ok(workers(WORLD).run(_case, "fsdp2-head", True, False, "sgd", True))
+    results = all_ok(workers(WORLD).run(_case, "fsdp2-head", True, False, "sgd", True))
     for ref, fused, _ in results:
         torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=1e-6)
         _assert_params(fused[1], ref[1])

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from workers import Raised
+from workers import all_ok
 
 pytest.importorskip("transformers")
 if not dist.is_available():
@@ -134,12 +134,6 @@ def _case(rank, world, model_type, vocab, plan, tied, bias, extra, apply_first):
     }
 
 
-def _ok(results):
-    for r in results:
-        if isinstance(r, Raised):
-            pytest.fail(f"a rank raised {r.type}: {r.message}\n{r.traceback}")
-    return results
-
 
 def _assert_grads(fused: dict, ref: dict, rtol=1e-5, atol=1e-6):
     assert fused.keys() == ref.keys()
@@ -173,7 +167,7 @@ CASES = {  # id: model_type, vocab, plan, tied, bias, extra inputs, apply before
 @pytest.mark.parametrize("case", list(CASES))
 def test_vocab_sharded_head_equals_unpatched(workers, case):
     model_type, vocab, plan, tied, bias, extra, apply_first = CASES[case]
-    results = _ok(workers(WORLD).run(_case, model_type, vocab, plan, tied, bias, extra,
+    results = all_ok(workers(WORLD).run(_case, model_type, vocab, plan, tied, bias, extra,
                                      apply_first))
     if plan == "replicated":
         assert results[0]["layout"] == (Replicate(),)
@@ -257,7 +251,7 @@ def test_refused_layouts(workers):
         "2-d-mesh": ("forward", r"placements \(Replicate\(\), Shard\(dim=0\)\)"),
         "tie-broken": ("forward", "tie_word_embeddings"),
     }
-    for result in _ok(workers(WORLD).run(_refusals)):
+    for result in all_ok(workers(WORLD).run(_refusals)):
         assert [what for what, _, _ in result] == list(expected)
         for what, where, message in result:
             assert where == expected[what][0], (what, message)

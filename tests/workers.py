@@ -35,6 +35,15 @@ class Raised:
     traceback: str
 
 
+def all_ok(results: list) -> list:
+    """The ranks' results, after failing the test with the first rank's exception if one
+    raised (its type, message and traceback)."""
+    for rank, r in enumerate(results):
+        if isinstance(r, Raised):
+            raise AssertionError(f"rank {rank} raised {r.type}: {r.message}\n{r.traceback}")
+    return results
+
+
 class Workers:
     def __init__(self, world: int, timeout: float = 120.0, backend: str = "gloo"):
         self.world, self.timeout = world, timeout
