@@ -64,6 +64,7 @@ bfloat16 conversion truncates, so there the kernels round bfloat16 outputs by ha
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -115,6 +116,16 @@ def check_device(name: str, t: Tensor | torch.device, quant_dtype: str = "int8")
     )
 
 
+def _cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ on the host (``triton.cdiv`` is a constexpr function: microseconds a call)."""
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ n (≥ 1), on the host."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 _SM_COUNTS: dict[int, int] = {}
 
 
@@ -141,6 +152,7 @@ _MATMUL_INTERPRETER = MatmulConfig(16, 16, 32, 2, num_warps=1, num_stages=1)
 _INTERPRETER_PROGRAMS = 3
 
 
+@functools.lru_cache(maxsize=256)
 def matmul_config(device: torch.device, m: int, n: int) -> MatmulConfig:
     """Tile of the quantized matmul; frozen per architecture (no autotuning).
 
@@ -191,6 +203,7 @@ class RowPlan:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=256)
 def _row_plan(device: torch.device, c: int, contiguous_rows: bool) -> RowPlan:
     """Tiles of 8 elements per thread (16-byte loads of 16-bit x), as many side by side as a
     row needs, at most 8, all of one width so that they share one register layout: the power
@@ -201,18 +214,18 @@ def _row_plan(device: torch.device, c: int, contiguous_rows: bool) -> RowPlan:
     if device.type != "cuda":
         if not contiguous_rows:
             return RowPlan(32, 16, 0, 1)
-        return RowPlan(8, 16, triton.cdiv(c, 16), 1) if c <= 64 else RowPlan(8, 64, 0, 1)
+        return RowPlan(8, 16, _cdiv(c, 16), 1) if c <= 64 else RowPlan(8, 64, 0, 1)
     if not contiguous_rows:
         return RowPlan(32, 64, 0, 4)
     if c <= 256:
-        block_c = max(16, triton.next_power_of_2(c))
+        block_c = max(16, _next_power_of_2(c))
         return RowPlan(max(1, 1024 // block_c), block_c, 1, 4)
-    fits = [(triton.cdiv(c, w) * w, -w) for w in (256, 512, 1024, 2048) if triton.cdiv(c, w) <= 8]
+    fits = [(_cdiv(c, w) * w, -w) for w in (256, 512, 1024, 2048) if _cdiv(c, w) <= 8]
     if not fits:
         return RowPlan(1, 2048, 0, 8)
     block_c = -min(fits)[1]
     warps = 4 if block_c <= 1024 else 8
-    return RowPlan(max(1, 256 * warps // block_c), block_c, triton.cdiv(c, block_c), warps)
+    return RowPlan(max(1, 256 * warps // block_c), block_c, _cdiv(c, block_c), warps)
 
 
 def _tile_blocks(device: torch.device) -> tuple[int, int, int]:
@@ -551,7 +564,7 @@ def _quantize_rows(x: Tensor, quant_dtype: str) -> tuple[Tensor, Tensor]:
     absmax = torch.empty(r, dtype=torch.float32, device=x.device)
     if r:
         plan = _row_plan(x.device, c, x.stride(1) == 1)
-        _quantize_rows_kernel[(triton.cdiv(r, plan.block_r),)](
+        _quantize_rows_kernel[(_cdiv(r, plan.block_r),)](
             x, _bits(q), absmax, r, c, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
             FP8=quant_dtype == "fp8", BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
             PIECES=plan.pieces, num_warps=plan.num_warps,
@@ -578,7 +591,7 @@ def _tensorwise(x: Tensor, quant_dtype: str, transpose: bool) -> tuple[Tensor, T
     x2 = x.reshape(-1, x.shape[-1] if x.dim() else 1).contiguous()
     r, c = x2.shape
     block_r, block_c, warps = _tile_blocks(x.device)
-    grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
+    grid = (_cdiv(r, block_r), _cdiv(c, block_c))
     partial = torch.empty(grid, dtype=torch.int32, device=x.device)
     _absmax_tiles_kernel[grid](x2, partial, r, c, x2.stride(0), BLOCK_R=block_r,
                                BLOCK_C=block_c, num_warps=warps)
@@ -588,7 +601,7 @@ def _tensorwise(x: Tensor, quant_dtype: str, transpose: bool) -> tuple[Tensor, T
     _quantize_tensor_kernel[grid](
         x2, partial, _bits(q), absmax, r, c, x2.stride(0), partial.numel(),
         FP8=quant_dtype == "fp8", TRANSPOSE=transpose, BLOCK_R=block_r, BLOCK_C=block_c,
-        BLOCK_P=min(1024, triton.next_power_of_2(partial.numel())), num_warps=warps,
+        BLOCK_P=min(1024, _next_power_of_2(partial.numel())), num_warps=warps,
     )
     return (q if transpose else q.reshape(x.shape)), absmax
 
@@ -614,7 +627,7 @@ def dequantize_rowwise(q: Tensor, absmax: Tensor, dtype: torch.dtype) -> Tensor:
     out = torch.empty((r, c), dtype=dtype, device=q.device)
     if q.numel():
         block_r, block_c, warps = _tile_blocks(q.device)
-        grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
+        grid = (_cdiv(r, block_r), _cdiv(c, block_c))
         _dequantize_rows_kernel[grid](q, absmax.contiguous(), out, r, c, Q=scale,
                                       BF16_BY_HAND=_bf16_by_hand(dtype), BLOCK_R=block_r,
                                       BLOCK_C=block_c, num_warps=warps)
@@ -708,7 +721,7 @@ def _launch_matmul(a, b, absmax_a, absmax_b, bias, c, cfg: MatmulConfig, fp8: bo
         if tma_store:
             c_desc = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n // 2])
     stride = _matmul_stride(a.device)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     _matmul_dequantize_kernel[(min(tiles, stride),)](
         a, b, a_desc, b_desc, absmax_a, absmax_b, bias, c, c_desc, m, n, k,
         B_ROWWISE=absmax_b.dim() == 1, HAS_BIAS=bias is not None, FP8=fp8, INV_Q=1.0 / scale,
