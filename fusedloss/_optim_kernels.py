@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -99,12 +100,24 @@ INTERPRETER_CONFIG = FusedConfig(block=8, reduce_block=4, num_warps=1, lag=1)
 
 
 def fused_config(device: torch.device) -> FusedConfig:
-    """Frozen per device; to be tuned on the H100. 4096 fp32 per program and 8 warps: 16 elements
-    per thread and array, 128 KiB moved by a pass-2 program (few tickets and counters per byte).
-    The lag is about one wave of resident programs (~2 per SM with pass 2's registers): ~1 M
-    elements, 8 MiB of pass-1 reads, well inside L2."""
+    """Frozen per device, not tuned yet (on an H200 the step takes 2.6× fused AdamW's). 4096 fp32
+    per program and 8 warps: 16 elements per thread and array, 128 KiB moved by a pass-2 program
+    (few tickets and counters per byte). The lag is about one wave of resident programs (~2 per
+    SM with pass 2's registers): ~1 M elements, 8 MiB of pass-1 reads, well inside L2.
+    ``FUSEDLOSS_OPTIM_CONFIG="block,num_warps,lag"`` overrides it on CUDA (for tuning; block a
+    power of two, reduce_block stays 512)."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
+    if spec := os.environ.get("FUSEDLOSS_OPTIM_CONFIG"):
+        try:
+            block, num_warps, lag = (int(x) for x in spec.split(","))
+        except ValueError:
+            raise ValueError(f"FUSEDLOSS_OPTIM_CONFIG must be 'block,num_warps,lag' (integers), "
+                             f"got {spec!r}") from None
+        if block < 512 or block & (block - 1) or num_warps not in (1, 2, 4, 8, 16) or lag < 0:
+            raise ValueError(f"FUSEDLOSS_OPTIM_CONFIG: block must be a power of two ≥ 512, "
+                             f"num_warps 1–16 (a power of two), lag ≥ 0; got {spec!r}")
+        return FusedConfig(block=block, reduce_block=512, num_warps=num_warps, lag=lag)
     return FusedConfig(block=4096, reduce_block=512, num_warps=8, lag=2 * _sm_count(device))
 
 

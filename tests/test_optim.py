@@ -667,3 +667,19 @@ def test_step_replays_in_a_cuda_graph(fused):
     torch.cuda.synchronize()
     for p, q in zip(eager, params, strict=True):
         assert torch.equal(p, q)
+
+
+def test_fused_config_override(monkeypatch):
+    """FUSEDLOSS_OPTIM_CONFIG sets the fused step's launch shape on CUDA (for tuning), and a
+    malformed value is an error naming the variable."""
+    from fusedloss import _optim_kernels
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("FUSEDLOSS_OPTIM_CONFIG", "8192,4,528")
+    cfg = _optim_kernels.fused_config(cuda)
+    assert (cfg.block, cfg.num_warps, cfg.lag, cfg.reduce_block) == (8192, 4, 528, 512)
+    assert _optim_kernels.fused_config(torch.device("cpu")) == _optim_kernels.INTERPRETER_CONFIG
+    for bad in ("4096,8", "4096,8,x", "3000,8,10", "4096,3,10", "4096,8,-1"):
+        monkeypatch.setenv("FUSEDLOSS_OPTIM_CONFIG", bad)
+        with pytest.raises(ValueError, match="FUSEDLOSS_OPTIM_CONFIG"):
+            _optim_kernels.fused_config(cuda)
