@@ -16,7 +16,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import import_benchmarks, read_results, requires_cuda
+from helpers import can_run_triton, import_benchmarks, read_results, requires_cuda
+
+import fusedloss
 
 common, inputs, providers, lm_head, run_module = import_benchmarks(
     "common", "inputs", "providers", "suites.lm_head", "run"
@@ -373,3 +375,33 @@ def test_results_record_the_fusedloss_variables(monkeypatch):
     monkeypatch.delenv("FUSEDLOSS_FILTER_RULE")
     assert "FUSEDLOSS_* variables" not in dict(
         common.environment_rows(common.collect_environment("cpu"), {}))
+
+
+@pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or Triton's interpreter")
+def test_check_records_the_tiles_filtering_skipped():
+    """The lm-head suite's check call reports the share of the backward's tiles that fusedloss's
+    filter skipped (None for a provider without that backward, 0 with filtering off)."""
+    from benchmarks.inputs import LMHeadShape
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n, v, d = 70, 300, 16
+    hidden = (torch.randn(n, d, device=device) * 4).requires_grad_()
+    classifier = (torch.randn(v, d, device=device) * 4).requires_grad_()
+    labels = torch.randint(0, v, (n,), device=device)
+    case = lm_head.Case(LMHeadShape("tiny", v, d), "peaked", "fwd+bwd", n)
+    reference = lm_head.reference_float64(hidden, classifier, labels, True)
+    skipped = {}
+    for name, eps in (("exact", None), ("filtered", 0.5), ("torch", None)):
+        result = lm_head.ProviderResult(name, name)
+        backend = "torch" if name == "torch" else "triton"
+
+        def forward(backend=backend, eps=eps):
+            return fusedloss.linear_cross_entropy(hidden, classifier, labels, backend=backend,
+                                                  filter_eps=eps)
+
+        lm_head._check(result, forward, (hidden, classifier), case, reference,
+                       lm_head.Yardstick())
+        skipped[name] = result.tiles_skipped
+    assert skipped["exact"] == 0.0 and skipped["torch"] is None
+    assert 0.0 < skipped["filtered"] < 1.0

@@ -260,6 +260,7 @@ class ProviderResult(common.ProviderResultBase):
     ratio_hidden: float | None = None  # err_hidden ÷ torch-bf16's
     ratio_classifier: float | None = None
     times_floor: float | None = None  # ms ÷ the case's floor
+    tiles_skipped: float | None = None  # fusedloss's Triton backward: share of tiles skipped
 
 
 @dataclass
@@ -322,10 +323,17 @@ def _check(
     yardstick: Yardstick,
 ) -> None:
     """First (untimed) call: loss and gradients against the float64 reference."""
+    from fusedloss.core import engine
+
     problems = []
-    loss = forward()
+    with engine.recording_backward_tiles() as tiles:
+        loss = forward()
+        if case.with_backward:
+            grad_hidden, grad_classifier = torch.autograd.grad(loss, leaves)
+    if tiles:  # fusedloss's Triton backward ran: what its filter skipped
+        computed, total = (int(x) for x in torch.stack(tiles).sum(0).tolist())
+        result.tiles_skipped = 1.0 - computed / total if total else 0.0
     if case.with_backward:
-        grad_hidden, grad_classifier = torch.autograd.grad(loss, leaves)
         result.err_hidden = common.relative_l2_error(grad_hidden, reference.grad_hidden)
         result.err_classifier = common.relative_l2_error(grad_classifier, reference.grad_classifier)
         del grad_hidden, grad_classifier
@@ -689,6 +697,7 @@ def render_markdown(
                     common.format_error(result.err_hidden),
                     common.format_error(result.err_classifier),
                     _ratio_cell(result),
+                    _skipped_cell(result),
                     result.note,
                 ]
             )
@@ -704,6 +713,7 @@ def render_markdown(
         "dE err",
         "dC err",
         "err ratio dE / dC",
+        "tiles skipped",
         "note",
     ]
     lines += [common.markdown_table(headers, rows), ""]
@@ -715,6 +725,11 @@ def render_markdown(
     lines += [common.markdown_table(["case", "float64 reference loss"], ref_rows), ""]
     lines += common.closing_sections(info.calls, info.notes)
     return "\n".join(lines)
+
+
+def _skipped_cell(result: ProviderResult) -> str:
+    """The share of the backward's tiles that filtering skipped (fusedloss's Triton path)."""
+    return "—" if result.tiles_skipped is None else f"{100 * result.tiles_skipped:.2f}%"
 
 
 def results_json(
@@ -786,12 +801,13 @@ def short_tables(
         [
             *common.summary_cells(cr.case.key, result),
             _ratio_cell(result),
+            _skipped_cell(result),
             (PASS if result.status == OK else FAIL) if result.measured else "",
         ]
         for cr in case_results
         for result in cr.results.values()
     ]
-    headers = [*common.SUMMARY_HEADERS, "err ratio dE/dC", "check"]
+    headers = [*common.SUMMARY_HEADERS, "err ratio dE/dC", "skipped", "check"]
     parts += [common.text_table(headers, rows)]
     return "\n".join(parts)
 

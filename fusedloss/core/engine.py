@@ -28,6 +28,7 @@ through Triton's interpreter) and a chunked pure-PyTorch path ("torch").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -744,6 +745,32 @@ def _pooled_live(stats: RowStats, rows: Rows, col_order: torch.Tensor | None, v:
     return live
 
 
+#: the open ``recording_backward_tiles`` blocks' records
+_TILE_RECORDS: list[list[torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def recording_backward_tiles():
+    """Within the block, every Triton backward call (``grads``) appends to the yielded list a
+    (2,) int64 tensor on its device: (tiles computed, tiles of its valid rows) — what filtering
+    skipped is the difference. Nothing is read back while recording. For benchmarks and
+    tests."""
+    record: list[torch.Tensor] = []
+    _TILE_RECORDS.append(record)
+    try:
+        yield record
+    finally:
+        _TILE_RECORDS.remove(record)
+
+
+def _record_tiles(live: torch.Tensor, n_valid: torch.Tensor, block_m: int) -> None:
+    n_rb, n_ct = live.shape
+    valid_blocks = (n_valid.reshape(()) + block_m - 1) // block_m
+    counts = torch.stack([live.sum(dtype=torch.int64), valid_blocks.to(torch.int64) * n_ct])
+    for record in _TILE_RECORDS:
+        record.append(counts)
+
+
 def _over(weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """weight / total, 0 where total is 0 (no entry at all); NaN stays NaN."""
     return torch.where(total == 0, 0.0, weight / total)
@@ -801,6 +828,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
     if rows.target is not None and coarse is not None:
         targets = _target_positions(rows.target, logits.col_order, v)
     live = backward_tiles(coarse, factors, n_rb, n_ct, bm, bn, rows.n_valid, targets)
+    if _TILE_RECORDS:
+        _record_tiles(live, rows.n_valid, bm)
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
