@@ -3,7 +3,8 @@
 For every case (shape × regime × mode) and provider, one run records:
 
 - a correctness check (untimed; it is also the warm-up that compiles ``torch.compile``):
-  loss against a float64 reference, gradients' relative L2 errors (forward+backward);
+  loss against a float64 reference, gradients' relative L2 errors (forward+backward), and
+  for fusedloss's Triton backward the share of its tiles that filtering skipped in that call;
 - peak device memory above inputs and gradient buffers (:data:`MEMORY_DEFINITION`);
 - the median time of ``do_bench`` (forward, or forward+backward w.r.t. E and C).
 
