@@ -118,17 +118,7 @@ def fused_config(device: torch.device) -> FusedConfig:
             raise ValueError(f"FUSEDLOSS_OPTIM_CONFIG: block must be a power of two ≥ 512, "
                              f"num_warps 1–16 (a power of two), lag ≥ 0; got {spec!r}")
         return FusedConfig(block=block, reduce_block=512, num_warps=num_warps, lag=lag)
-    return FusedConfig(block=4096, reduce_block=512, num_warps=8, lag=2 * _sm_count(device))
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return FusedConfig(block=4096, reduce_block=512, num_warps=8, lag=2 * config.sm_count(device))
 
 
 def kernels_run_on(device: torch.device) -> bool:

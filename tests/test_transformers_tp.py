@@ -256,3 +256,25 @@ def test_refused_layouts(workers):
         for what, where, message in result:
             assert where == expected[what][0], (what, message)
             assert re.search(expected[what][1], message), (what, message)
+
+
+def _compiled_case(rank, world):
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    single = make_model("llama", vocab_size=301, tie_word_embeddings=False).train()
+    fused = _shard(copy.deepcopy(single), mesh, "colwise")
+    apply_fusedloss(fused, **OPTS)
+    inputs = tp_batch(301)
+    fused.forward = torch.compile(fused.forward, backend="aot_eager")
+    o_single, o_fused = _step(single, inputs), _step(fused, inputs)
+    return o_single.loss.detach(), o_fused.loss.detach(), _grads(single), _grads(fused)
+
+
+def test_vocab_sharded_head_under_torch_compile(workers):
+    """The patched forward of a tensor-parallel model compiled (the vocabulary-parallel head
+    runs eagerly inside it, as the distributed layer does under torch.compile): the loss and
+    every gradient of the unpatched model in one process."""
+    for single_loss, fused_loss, single_grads, fused_grads in all_ok(
+            workers(WORLD).run(_compiled_case)):
+        torch.testing.assert_close(fused_loss, single_loss, rtol=1e-5, atol=1e-6)
+        _assert_grads(fused_grads, single_grads)

@@ -89,6 +89,16 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's number of streaming multiprocessors (cached)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _override(name: str) -> TileConfig | None:
     """A tile from the environment, "block_m,block_n,block_k,block_d,num_warps,num_stages"."""
     spec = os.environ.get(name)

@@ -298,7 +298,7 @@ def _program_target(device: torch.device) -> int:
     """How many forward programs fill the device a few times over."""
     if device.type != "cuda":
         return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * config.sm_count(device)
 
 
 def _forward_grid(n_rb: int, n_ct: int, col_stats: bool, device: torch.device,
@@ -764,7 +764,7 @@ def recording_backward_tiles():
 
 
 def _record_tiles(live: torch.Tensor, n_valid: torch.Tensor, block_m: int) -> None:
-    n_rb, n_ct = live.shape
+    n_ct = live.shape[1]
     valid_blocks = (n_valid.reshape(()) + block_m - 1) // block_m
     counts = torch.stack([live.sum(dtype=torch.int64), valid_blocks.to(torch.int64) * n_ct])
     for record in _TILE_RECORDS:

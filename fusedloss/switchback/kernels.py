@@ -126,16 +126,6 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
 @dataclass(frozen=True)
 class MatmulConfig:
     block_m: int
@@ -179,7 +169,7 @@ def _matmul_stride(device: torch.device) -> int:
     """The persistent grid's size on a large problem: one program per SM (the tiles' shared
     memory allows one), each walking the tiles in steps of this many. A fixed number per
     device (the kernel takes it as a constant); smaller problems launch one program per tile."""
-    return _INTERPRETER_PROGRAMS if device.type != "cuda" else _sm_count(device)
+    return _INTERPRETER_PROGRAMS if device.type != "cuda" else config.sm_count(device)
 
 
 def _tma_ready(t: Tensor) -> bool:
