@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .core.filtering import resolve_filter_eps
+from .core.filtering import resolve_lm_head_filter_eps
 from .core.vocab_order import order_by_mean_logit
 from .distributed._group import group_rank_world, mean_over_ranks, sum_grad_over_ranks
 from .distributed.contrastive import pair_loss
@@ -50,7 +50,7 @@ class LinearCrossEntropyLoss(nn.Module):
     ) -> None:
         super().__init__()
         check_options(reduction, label_smoothing, softcap, z_loss)
-        resolve_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
+        resolve_lm_head_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
         if vocab_order_every is not None and (
             not isinstance(vocab_order_every, int) or vocab_order_every < 1
         ):
@@ -111,7 +111,7 @@ class LinearCrossEntropyLoss(nn.Module):
 def _check_options(reduction: str, filter_eps) -> None:
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    resolve_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
+    resolve_lm_head_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
 
 
 class ClipLoss(nn.Module):

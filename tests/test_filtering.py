@@ -18,13 +18,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedloss
-from fusedloss.core import engine, filtering
+from fusedloss.core import config, engine, filtering
 from fusedloss.core.filtering import (
     AUTO_FILTER_EPS,
     live_tiles,
     live_tiles_into,
     mark_targets_live,
     resolve_filter_eps,
+    resolve_lm_head_filter_eps,
 )
 
 # The PyTorch rule and its one-launch Triton form (the engine's), where Triton can run.
@@ -371,6 +372,11 @@ requires_triton = pytest.mark.skipif(
     not can_run_triton(), reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1"
 )
 
+# Some end-to-end problems are sized for the interpreter's 16 × 16 tiles (config.py); a GPU's
+# tiles are 64–128 wide, so there each such problem is one or two tiles, none to skip.
+small_tiles = pytest.mark.skipif(not config.interpreting(),
+                                 reason="sized for the interpreter's 16 × 16 tiles")
+
 
 @requires_triton
 @pytest.mark.parametrize("regime", ["flat", "sharp"])
@@ -608,6 +614,53 @@ def test_resolve_filter_eps_auto_follows_the_rule(rule, dtype, expected, monkeyp
         resolve_filter_eps("auto", dtype)
 
 
+@pytest.mark.parametrize("rule", ["block", "pooled"])
+def test_lm_head_auto_is_exact(rule, monkeypatch):
+    """The LM heads' "auto" computes every tile, under either rule and in every dtype; None and
+    floats mean what they mean elsewhere, and bad values are refused by name."""
+    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", rule)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert resolve_lm_head_filter_eps("auto", dtype) is None
+        assert resolve_lm_head_filter_eps(None, dtype) is None
+        assert resolve_lm_head_filter_eps(0.0, dtype) is None
+        assert resolve_lm_head_filter_eps(2.0**-12, dtype) == 2.0**-12
+    for bad in ("sometimes", -1.0, float("nan")):
+        with pytest.raises(ValueError, match="filter_eps"):
+            resolve_lm_head_filter_eps(bad, torch.bfloat16)
+
+
+@requires_triton
+@small_tiles
+def test_lm_head_auto_skips_no_tile_where_a_float_does():
+    """Logits X = E (C = I) whose rows split their mass between the target and its neighbour
+    y ^ 1 (both in the first tile; P_y ≈ ½, so each row's budget is the whole ε) over a
+    background ~20 nats below: filter_eps = 2⁻⁶ skips the background tiles (the recorded
+    count drops below the total), while "auto" computes every tile and its gradients equal
+    filter_eps=None's bit for bit."""
+    n, v = 32, 64
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 16, (n,), generator=g)  # every target in the first 16-column tile
+    e = -12.0 + 0.5 * torch.randn(n, v, generator=g)
+    e[torch.arange(n), y] = 8.0
+    e[torch.arange(n), y ^ 1] = 8.0
+    c = torch.eye(v)
+
+    def run(filter_eps):
+        leaves = [t.clone().to(DEVICE).requires_grad_() for t in (e, c)]
+        with engine.recording_backward_tiles() as record:
+            fusedloss.linear_cross_entropy(*leaves, y.to(DEVICE), filter_eps=filter_eps,
+                                           backend="triton").backward()
+        (computed, total), = [r.tolist() for r in record]
+        return computed, total, [t.grad for t in leaves]
+
+    filtered, total, _ = run(2.0**-6)
+    assert filtered < total, "the explicit bound should skip tiles on these rows"
+    computed, total, auto = run("auto")
+    assert computed == total
+    _, _, exact = run(None)
+    assert all(torch.equal(a, b) for a, b in zip(auto, exact, strict=True))
+
+
 @requires_triton
 @pytest.mark.parametrize("n_valid", [37, 20], ids=["all-valid", "some-ignored"])
 def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, monkeypatch):
@@ -664,6 +717,7 @@ def _linear_ce_grads(logits, target, rule, eps, monkeypatch, **options):
 
 
 @requires_triton
+@small_tiles
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "ignore_index": 40}],
                          ids=["plain", "smoothing-ignored"])
 def test_linear_cross_entropy_pooled_rule_end_to_end(options, monkeypatch):
@@ -702,6 +756,7 @@ def test_linear_cross_entropy_pooled_rule_end_to_end(options, monkeypatch):
 
 
 @requires_triton
+@small_tiles
 @pytest.mark.parametrize("runner_ups", ["all-odd-rows", "first-block"])
 def test_clip_loss_pooled_rule_filters_both_directions(runner_ups, monkeypatch):
     """CLIP under the pooled rule (rows and columns, ε/√2 each), with T = I so that X = s·I_feat

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
-from ..core.filtering import resolve_filter_eps
+from ..core.filtering import resolve_lm_head_filter_eps
 from ..losses import cross_entropy as single
 from ..ops._common import scratch_bytes
 from ..ops.cross_entropy import _gradient_mass
@@ -102,7 +102,7 @@ def _prepare(input, linear_weight, target, linear_bias, weight, reduction, ignor
     single._check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                          label_smoothing, softcap, z_loss, shift)
     backend = engine.resolve_backend(backend, input.device)
-    eps = resolve_filter_eps(filter_eps, input.dtype)
+    eps = resolve_lm_head_filter_eps(filter_eps, input.dtype)
     eps = eps if backend == "triton" else None
     d = linear_weight.shape[1]
     a = input.reshape(-1, d)
