@@ -79,15 +79,19 @@ def _import(module: str, provider: LMHeadProvider) -> Any:
 
 
 class FusedLossProvider(LMHeadProvider):
-    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")``, optionally exact, or
-    inside ``torch.compile(fullgraph=True)`` (compiled in the suite's untimed first call)."""
+    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")`` (whose ``filter_eps="auto"``
+    is exact), optionally with an explicit ``filter_eps=None`` (``exact``), with gradient
+    filtering at the filter rule's bound for E's dtype (``filtered``: bf16 2⁻¹² under the block
+    rule, 2⁻¹⁰ under ``FUSEDLOSS_FILTER_RULE=pooled``), or inside
+    ``torch.compile(fullgraph=True)`` (compiled in the suite's untimed first call)."""
 
     distribution = "fusedloss"
 
-    def __init__(self, exact: bool = False, compiled: bool = False):
-        self.exact, self.compiled = exact, compiled
-        self.key = "fusedloss-exact" if exact else "fusedloss-compile" if compiled else "fusedloss"
-        self.label = ("fusedloss (exact)" if exact else
+    def __init__(self, exact: bool = False, compiled: bool = False, filtered: bool = False):
+        self.exact, self.compiled, self.filtered = exact, compiled, filtered
+        self.key = ("fusedloss-exact" if exact else "fusedloss-filtered" if filtered else
+                    "fusedloss-compile" if compiled else "fusedloss")
+        self.label = ("fusedloss (exact)" if exact else "fusedloss (filtered)" if filtered else
                       "fusedloss (compiled)" if compiled else "fusedloss")
 
     def build(self, device: torch.device) -> LossFn:
@@ -95,15 +99,21 @@ class FusedLossProvider(LMHeadProvider):
         linear_cross_entropy = getattr(fusedloss, "linear_cross_entropy", None)
         if linear_cross_entropy is None:
             raise Unavailable("fusedloss has no linear_cross_entropy yet")
-        extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
+        resolve = None
+        if self.filtered:
+            from fusedloss.core.filtering import resolve_filter_eps as resolve
 
         def loss(e: Tensor, c: Tensor, y: Tensor) -> Tensor:
+            extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
+            if resolve is not None:
+                extra["filter_eps"] = resolve("auto", e.dtype)
             return linear_cross_entropy(e, c, y, backend="triton", **extra)
 
         return _compiled(loss) if self.compiled else loss
 
     def describe(self) -> str:
-        extra = ", filter_eps=None" if self.exact else ""
+        extra = (", filter_eps=None" if self.exact else
+                 ", filter_eps=<the filter rule's bound for the dtype>" if self.filtered else "")
         call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton"{extra})'
         return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
 
@@ -311,6 +321,7 @@ def lm_head_providers() -> dict[str, LMHeadProvider]:
     providers: list[LMHeadProvider] = [
         FusedLossProvider(),
         FusedLossProvider(exact=True),
+        FusedLossProvider(filtered=True),
         FusedLossProvider(compiled=True),
         TorchEagerProvider(),
         TorchCompileProvider(),

@@ -172,6 +172,26 @@ def test_targets_apply_per_case():
     assert not any(t.baselines == ("fusedloss-exact",) for t in lm_head.targets_for_case(
         _case(regime="flat"), ["fusedloss", "torch-compile"]))
     assert lm_head.targets_for_case(_case(), ["torch-eager"]) == []
+    # the explicitly filtered provider: ≤ the exact path's time, ≤ PyTorch's own error
+    with_filtered = sorted(
+        (t.provider, t.kind, t.factor, t.baselines) for t in lm_head.targets_for_case(
+            _case(), ["fusedloss-filtered", "fusedloss-exact", "torch-compile"]))
+    assert ("fusedloss-filtered", "time", 1.0, ("fusedloss-exact",)) in with_filtered
+    assert ("fusedloss-filtered", "error", 1.0, ()) in with_filtered
+
+
+def test_filtered_provider_passes_the_rules_bound(monkeypatch):
+    """``fusedloss-filtered`` calls with the filter rule's bound for E's dtype, ``fusedloss``
+    with the API's default (exact for the LM head)."""
+    calls = []
+    monkeypatch.setattr(fusedloss, "linear_cross_entropy",
+                        lambda e, c, y, **kw: calls.append(kw.get("filter_eps", "default")))
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    for key in ("fusedloss-filtered", "fusedloss", "fusedloss-exact"):
+        providers.lm_head_providers()[key].build(torch.device("cpu"))(x, x, None)
+    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "pooled")
+    providers.lm_head_providers()["fusedloss-filtered"].build(torch.device("cpu"))(x, x, None)
+    assert calls == [2.0**-12, "default", None, 2.0**-10]
 
 
 def test_target_checks_pass_fail_and_missing_peers():
