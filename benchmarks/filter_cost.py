@@ -1,0 +1,75 @@
+"""What gradient filtering's bookkeeping costs the LM head where it skips nothing.
+
+    python -m benchmarks.filter_cost [--rounds 6] [--eps auto|<float>]
+
+On the lm-head suite's peaked inputs (N = 8192, bf16), at the trained regime's size
+(V = 32768, D = 768), phi3.5's and gemma2-2b's, times forward+backward of
+``fusedloss.linear_cross_entropy`` with the filter (``--eps``: a float, or "auto" for the filter
+rule's own bound for bf16, ``filtering.resolve_filter_eps``) against ``filter_eps=None`` in
+alternating rounds (``triton.testing.do_bench`` medians, warm-up 25 ms, repetitions 150 ms),
+and prints each shape's medians and the median and range of the per-round ratios. Writes every
+round to ``--out``/filter_cost_<date>_<gpu>[_<tag>].json. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+
+from benchmarks import common
+from benchmarks.inputs import make_lm_head_inputs
+
+SHAPES = {"trained-size": (32768, 768), "phi3.5": (32064, 3072), "gemma2-2b": (256000, 2304)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.filter_cost")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--eps", default="auto",
+                        help='the filter: a float, or "auto" for the rule\'s bound for bf16')
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--tag", default=None)
+    args = parser.parse_args(argv)
+    import fusedloss
+    from fusedloss.core.filtering import resolve_filter_eps
+
+    eps = resolve_filter_eps("auto" if args.eps == "auto" else float(args.eps), torch.bfloat16)
+    results = {}
+    for name, (v, d) in SHAPES.items():
+        e, c, y = make_lm_head_inputs(args.n, v, d, "peaked", device="cuda")
+        e.requires_grad_()
+        c.requires_grad_()
+
+        def step(filter_eps, e=e, c=c, y=y):
+            loss = fusedloss.linear_cross_entropy(e, c, y, filter_eps=filter_eps)
+            torch.autograd.grad(loss, (e, c))
+
+        rounds: dict[str, list[float]] = {"filtered": [], "exact": []}
+        for _ in range(args.rounds):
+            for key, value in (("filtered", eps), ("exact", None)):
+                rounds[key].append(triton.testing.do_bench(
+                    lambda value=value: step(value), warmup=25, rep=150, return_mode="median"))
+        ratios = [f / x for f, x in zip(rounds["filtered"], rounds["exact"], strict=True)]
+        results[name] = {"V": v, "D": d, **rounds, "ratios": ratios}
+        print(f"{name} ({v}×{d}): filtered {statistics.median(rounds['filtered']):.3f} ms, "
+              f"exact {statistics.median(rounds['exact']):.3f} ms, per-round ratio median "
+              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})",
+              flush=True)
+    env = common.collect_environment(torch.device("cuda"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / (common.results_stem("filter_cost", env["date"], env["device_slug"],
+                                           args.tag) + ".json")
+    data = {"environment": env, "n": args.n, "filter_eps": eps, "results": results}
+    path.write_text(json.dumps(common.json_safe(data), indent=2, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
