@@ -202,9 +202,9 @@ def fake_cut_cross_entropy(monkeypatch):
     recorded = []
 
     def linear_cross_entropy(e, c, targets, ignore_index=-100, softcap=None, reduction="mean",
-                             shift=False):
+                             shift=False, filter_eps="auto"):
         recorded.append(dict(ignore_index=ignore_index, softcap=softcap, reduction=reduction,
-                             shift=shift))
+                             shift=shift, filter_eps=filter_eps))
         logits = e.float() @ c.float().T
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
@@ -220,11 +220,13 @@ def fake_cut_cross_entropy(monkeypatch):
     return recorded
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["cce", "cce-exact"])
 @pytest.mark.parametrize("name", ["llama3.2-1b", "gemma2-2b"])
-def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name):
+def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name, exact):
     """The generic forward's loss (and gradients) equal the unpatched model's: labels shifted,
-    ignored labels, num_items_in_batch, Gemma 2's softcap. float32 models with a head scaled
-    so that the logits are far from uniform (and beyond the softcap's linear range)."""
+    ignored labels, num_items_in_batch, Gemma 2's softcap; ``exact`` passes filter_eps=None
+    (else cut-cross-entropy's default filter). float32 models with a head scaled so that the
+    logits are far from uniform (and beyond the softcap's linear range)."""
     recorded = fake_cut_cross_entropy(monkeypatch)
     spec = train.MODEL_SPECS[name]
 
@@ -235,9 +237,9 @@ def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name):
         return built
 
     reference, patched = model(), model()
-    patched, call = train.patch_cce(patched)
+    patched, call = train.patch_cce(patched, exact=exact)
     softcap = patched.config.final_logit_softcapping if name == "gemma2-2b" else None
-    assert f"softcap={softcap}" in call
+    assert f"softcap={softcap}" in call and ("filter_eps=None" in call) == exact
     ids = train.make_batch(512, 2, 16, seed=0, step=0, device=CPU)
     labels = ids.clone()
     labels[0, :5] = -100
@@ -246,7 +248,8 @@ def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name):
         output = patched(input_ids=ids, labels=labels, **extra)
         assert output.logits is None and float(expected.loss) > 1.0
         assert recorded.pop() == dict(ignore_index=-100, softcap=softcap, shift=True,
-                                      reduction="sum" if extra else "mean")
+                                      reduction="sum" if extra else "mean",
+                                      filter_eps=None if exact else "auto")
         torch.testing.assert_close(output.loss, expected.loss, rtol=1e-4, atol=1e-4)
         expected.loss.backward()
         output.loss.backward()
@@ -263,7 +266,7 @@ def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name):
 
 def test_quick_run_end_to_end(tmp_path, capsys):
     options = "train --quick --models llama3.2-1b,gemma2-2b " \
-              "--methods hf,fusedloss,cce,liger,liger-flce " \
+              "--methods hf,fusedloss,cce,cce-exact,liger,liger-flce " \
               "--find-max-batch --max-batch-limit 4"
     if torch.cuda.is_available():
         options += " --device cpu"
@@ -277,7 +280,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     for model in data["models"]:
         assert model["vocab_size"] == 512 and model["parameters"] > 0
         by_method = {r["method"]: r for r in model["results"]}
-        for peer in ("cce", "liger", "liger-flce"):
+        for peer in ("cce", "cce-exact", "liger", "liger-flce"):
             assert by_method[peer]["status"] in ("not installed", "unavailable")
         hf, ours = by_method["hf"], by_method["fusedloss"]
         for row in (hf, ours):

@@ -55,8 +55,9 @@ RESULTS_PREFIX = "train"
 GIB = float(1 << 30)
 
 HF, HF_COMPILE, LIGER, LIGER_FLCE, CCE = "hf", "hf-compile", "liger", "liger-flce", "cce"
+CCE_EXACT = "cce-exact"
 FUSEDLOSS, FUSEDLOSS_COMPILE = "fusedloss", "fusedloss-compile"
-METHODS = (HF, HF_COMPILE, LIGER, LIGER_FLCE, CCE, FUSEDLOSS, FUSEDLOSS_COMPILE)
+METHODS = (HF, HF_COMPILE, LIGER, LIGER_FLCE, CCE, CCE_EXACT, FUSEDLOSS, FUSEDLOSS_COMPILE)
 COMPILED = (HF_COMPILE, FUSEDLOSS_COMPILE)
 OURS = (FUSEDLOSS, FUSEDLOSS_COMPILE)
 LABELS = {
@@ -65,14 +66,19 @@ LABELS = {
     LIGER: "liger-kernel (all kernels)",
     LIGER_FLCE: "liger-kernel (loss only)",
     CCE: "cut-cross-entropy (loss via a generic forward)",
+    CCE_EXACT: "cut-cross-entropy, filter_eps=None (loss via a generic forward)",
     FUSEDLOSS: "fusedloss",
     FUSEDLOSS_COMPILE: "fusedloss torch.compile",
 }
-PEERS = {LIGER: "liger-kernel", LIGER_FLCE: "liger-kernel", CCE: "cut-cross-entropy"}
-PEER_MODULES = {LIGER: "liger_kernel", LIGER_FLCE: "liger_kernel", CCE: "cut_cross_entropy"}
+PEERS = {LIGER: "liger-kernel", LIGER_FLCE: "liger-kernel", CCE: "cut-cross-entropy",
+         CCE_EXACT: "cut-cross-entropy"}
+PEER_MODULES = {LIGER: "liger_kernel", LIGER_FLCE: "liger_kernel", CCE: "cut_cross_entropy",
+                CCE_EXACT: "cut_cross_entropy"}
 # Methods whose step differs from ours by more than the loss: reported, left out of the targets.
 OTHER_WORK = (LIGER,)
 # The peers the throughput target names (same work as ours: only the loss replaced).
+# cut-cross-entropy without its gradient filter (CCE_EXACT) is reported beside them: its
+# default filter drops most of the backward on the flat softmax of untrained weights.
 THROUGHPUT_PEERS = (LIGER_FLCE, CCE)
 INSTALL_HINT = "pip install cut-cross-entropy==25.1.1 liger-kernel==0.8.5 --no-deps"
 
@@ -333,10 +339,11 @@ CCE_NOTE = (
 )
 
 
-def patch_cce(model: Any) -> tuple[Any, str]:
+def patch_cce(model: Any, exact: bool = False) -> tuple[Any, str]:
     """Replaces this model instance's forward by one whose training loss is
     ``cut_cross_entropy.linear_cross_entropy`` of the final hidden states and
     ``lm_head.weight`` (the logits are never built); returns the model and the call's text.
+    ``exact``: with ``filter_eps=None`` (its gradient filter off), else its default filter.
 
     With ``labels`` in training mode: the base model (``model.model``) runs with every other
     argument, as in the family's forward, then the loss is HF's ``ForCausalLMLoss``: the labels
@@ -355,6 +362,11 @@ def patch_cce(model: Any) -> tuple[Any, str]:
 
     original = type(model).forward
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    extra: dict[str, Any] = {}
+    if exact:
+        if "filter_eps" not in inspect.signature(linear_cross_entropy).parameters:
+            raise Unavailable("this cut_cross_entropy has no filter_eps argument")
+        extra["filter_eps"] = None
 
     def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
         if labels is None or not self.training or not isinstance(logits_to_keep, int) \
@@ -371,7 +383,8 @@ def patch_cce(model: Any) -> tuple[Any, str]:
         loss = linear_cross_entropy(
             hidden, self.lm_head.weight, targets.to(hidden.device),
             ignore_index=kwargs.get("ignore_index", -100), softcap=softcap,
-            reduction="mean" if num_items is None else "sum", shift=shift_labels is None)
+            reduction="mean" if num_items is None else "sum", shift=shift_labels is None,
+            **extra)
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         return CausalLMOutputWithPast(
@@ -379,8 +392,10 @@ def patch_cce(model: Any) -> tuple[Any, str]:
             hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
     model.forward = types.MethodType(forward, model)
+    filter_text = ", filter_eps=None" if exact else ""
     return model, (f"patch_cce(model): cut_cross_entropy.linear_cross_entropy(hidden, "
-                   f"lm_head.weight, labels, shift=True, reduction='mean', softcap={softcap})")
+                   f"lm_head.weight, labels, shift=True, reduction='mean', softcap={softcap}"
+                   f"{filter_text})")
 
 
 def prepare_method(
@@ -392,7 +407,9 @@ def prepare_method(
         if not on_cuda:  # their Triton kernels do not run in Triton's interpreter either
             _import_peer(PEER_MODULES[method])
             raise Unavailable("needs CUDA (Triton kernels)")
-        return patch_cce(model) if method == CCE else patch_liger(method, model, spec)
+        if method in (CCE, CCE_EXACT):
+            return patch_cce(model, exact=method == CCE_EXACT)
+        return patch_liger(method, model, spec)
     call = "model"
     if method in OURS:
         from fusedloss.integrations.transformers import apply_fusedloss
@@ -1026,7 +1043,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         return 2
     settings = settings_from(args)
     notes: list[str] = [common.QUICK_NOTE] if settings.quick else []
-    if CCE in args.methods:
+    if CCE in args.methods or CCE_EXACT in args.methods:
         notes.append(CCE_NOTE)
     environment = common.collect_environment(device)
     log(f"train on {environment['device_name']}: torch {environment['torch']}, transformers "
