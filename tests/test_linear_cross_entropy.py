@@ -686,6 +686,48 @@ def test_dense_and_sparse_paths_agree(monkeypatch, case):
         )
 
 
+_CHUNK_N = 1031 if ON_GPU else 100
+ROW_CHUNK_CASES = [
+    Case(lead=(_CHUNK_N,), v=_ENGINE_V, d=24, dtype=torch.float32, regime="peaked",
+         ignore="some", bias=True, class_weight=True, label_smoothing=0.1),
+    Case(lead=(_CHUNK_N,), v=_ENGINE_V, d=32, dtype=torch.bfloat16, regime="sharp",
+         filter_eps=0.25),
+    Case(lead=(2, _CHUNK_N // 2), v=_ENGINE_V, d=16, dtype=torch.float16, regime="flat",
+         shift=True, softcap=3.0, z_loss=1e-4, ignore="some"),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("order", [False, True], ids=["natural", "permuted"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ROW_CHUNK_CASES])
+def test_backward_in_row_chunks_equals_one_call(monkeypatch, case, order):
+    """Beyond ``backward_row_chunk`` rows the backward runs in blocks of rows (engine
+    ``row_chunk``): the loss and d input equal the one-call backward's bit for bit, d weight and
+    d bias (the blocks' fp32 parts added, rounded once) within a rounding of the dtype; one
+    backward record per block shows the blocks ran."""
+    from fusedloss.core import engine
+    from fusedloss.ops import cross_entropy as ops
+
+    problem = make_problem(case)
+    extra = {}
+    if order:
+        extra["vocab_order"] = torch.randperm(
+            case.v, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    results, records = {}, {}
+    for name, rows in (("one call", None), ("chunks", 20)):
+        monkeypatch.setattr(ops, "backward_row_chunk", lambda a, rows=rows: rows)
+        with engine.recording_backward_tiles() as record:
+            results[name] = run_ours(case, problem, "triton", **extra)
+        records[name] = len(record)
+    one, chunks = results["one call"], results["chunks"]
+    assert records["one call"] == 1 and records["chunks"] > 1
+    assert torch.equal(one.loss, chunks.loss)
+    assert torch.equal(one.grads["input"], chunks.grads["input"])
+    tol = 2 * torch.finfo(case.dtype).eps
+    for name in one.grads:
+        assert rel_err(chunks.grads[name], one.grads[name]) <= tol, name
+
+
 # ---------------------------------------------------------------------------------------------
 # edge cases
 

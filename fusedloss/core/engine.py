@@ -596,6 +596,7 @@ def grads(
     grad_dtype: torch.dtype | None = None,
     grad_a_dtype: torch.dtype | None = None,
     backend: str = "triton",
+    row_chunk: int | None = None,
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
 
@@ -629,6 +630,13 @@ def grads(
     alone). ``torch.float32`` returns the fp32 accumulations unrounded, for a caller that adds
     gradients of several blocks of columns (``fusedloss.distributed``: the ring, the
     vocabulary-parallel head) and rounds once at the end.
+
+    ``row_chunk`` (Triton, cross-entropy-like calls: no column term, no scale gradient, the
+    block rule's statistics): more valid rows than this go through the backward in blocks of
+    this many compact rows (``_grads_by_row_chunks``), so that dA's fp32 accumulator, read and
+    written once per column slab, holds one block instead of every row, and a bounded scratch
+    keeps its slabs wide. dA is the same, bit for bit; dB and dbias add the blocks' parts in
+    fp32 and round once.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
@@ -648,10 +656,60 @@ def grads(
     if backend == "torch":
         return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
                             need_a, need_b, need_bias, need_scale, sigmoid, dtypes)
+    if (row_chunk is not None and rows.index.numel() > row_chunk and not sigmoid
+            and coef.col is None and not need_scale and pooled is None
+            and not stats.per_row_tiles):
+        return _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps,
+                                    filter_scale or (None, None), scratch_bytes, need_a, need_b,
+                                    need_bias, sparse, dtypes, row_chunk)
     return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
                          None if sigmoid else filter_eps, filter_scale or (None, None),
                          scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid, sparse,
                          split_accumulator, dtypes, pooled)
+
+
+def _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
+                         scratch_bytes, need_a, need_b, need_bias, sparse, dtypes,
+                         row_chunk) -> Grads:
+    """``_grads_triton`` over blocks of ``row_chunk`` compact rows (rounded up to whole row
+    blocks of the forward's statistics and of the backward), each writing its rows of dA and
+    adding to fp32 dB and dbias. One read-back of the valid rows first, then each block's own
+    (at most one each)."""
+    n = rows.index.numel()
+    n_valid = int(rows.n_valid)
+    align = max(1, stats.block_m, config.backward_config(a.device, a.dtype, b.shape[1]).block_m)
+    chunk = -(-row_chunk // align) * align
+    if n_valid <= chunk:
+        return _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
+                             filter_scale, scratch_bytes, need_a, need_b, need_bias, False,
+                             False, sparse, False, dtypes)
+    f32 = dict(dtype=torch.float32, device=a.device)
+    into = Grads(a=torch.zeros_like(a, dtype=dtypes[0]) if need_a else None,
+                 b=torch.zeros(b.shape, **f32) if need_b else None,
+                 bias=torch.zeros(b.shape[0], **f32) if need_bias else None, scale=None)
+    fm, tiles = stats.block_m, stats.tile_log_mass
+    for r0 in range(0, n_valid, chunk):
+        part = slice(r0, min(r0 + chunk, n))
+
+        def rows_of(x, part=part):
+            return None if x is None else x[part]
+
+        chunk_rows = Rows(index=rows.index[part],
+                          n_valid=(rows.n_valid - r0).clamp(0, part.stop - r0),
+                          target=rows_of(rows.target), identity=False, all_valid=rows.all_valid)
+        chunk_stats = RowStats(
+            lse=stats.lse[part], target_logit=rows_of(stats.target_logit), weighted_sum=None,
+            tile_log_mass=None if tiles is None else tiles[r0 // fm:-(-part.stop // fm)],
+            block_m=fm, block_n=stats.block_n, max=stats.max[part],
+            log_sum=rows_of(stats.log_sum), sum=rows_of(stats.sum))
+        chunk_coef = GradCoefficients(lse=coef.lse[part], target=rows_of(coef.target),
+                                      uniform=rows_of(coef.uniform))
+        _grads_triton(a, b, logits, chunk_rows, chunk_stats, chunk_coef, col_weight, filter_eps,
+                      (rows_of(filter_scale[0]), None), scratch_bytes, need_a, need_b,
+                      need_bias, False, False, sparse, False, (dtypes[0], torch.float32),
+                      into=into)
+    return Grads(a=into.a, b=into.b.to(dtypes[1]) if need_b else None, bias=into.bias,
+                 scale=None)
 
 
 @dataclass(frozen=True)
@@ -791,7 +849,11 @@ def _dense_slab_fraction() -> float:
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
                   scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid,
                   sparse=True, split_accumulator=False, dtypes=(None, None),
-                  pooled: PooledWeights | None = None) -> Grads:
+                  pooled: PooledWeights | None = None, into: Grads | None = None) -> Grads:
+    """The Triton backward of ``grads``. ``into``: buffers that this call's rows add to instead
+    of new gradients (``_grads_by_row_chunks``): dA rows written into ``into.a`` (the rows of
+    other calls left alone), dB and dbias accumulated in fp32 into ``into.b`` and
+    ``into.bias``."""
     from .lse_backward import (
         _accumulate_split_kernel,
         _grad_a_kernel,
@@ -858,8 +920,12 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         rank1_bias = coef.uniform.sum()
 
     a_dtype, b_dtype = (dt or t.dtype for dt, t in zip(dtypes, (a, b), strict=True))
-    grad_b = torch.empty_like(b, dtype=b_dtype) if need_b else None
-    grad_bias = torch.empty(v, **f32) if need_bias else None
+    accumulate = into is not None
+    if accumulate:
+        grad_b, grad_bias = into.b, into.bias
+    else:
+        grad_b = torch.empty_like(b, dtype=b_dtype) if need_b else None
+        grad_bias = torch.empty(v, **f32) if need_bias else None
     dscale = torch.zeros(n_rb, n_ct, **f32) if need_scale else None
     # dA's accumulator: fp32, or the split bf16 pair (hi is the returned gradient itself).
     split = (split_accumulator and need_a and a.dtype == torch.bfloat16 == a_dtype and not sparse
@@ -971,18 +1037,19 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     a_rows = compact_operand(a, rows)
                 a_compact = a_rows[:n_valid]
             if need_b:
-                if cols is None and post_scale is None and not rank1 and b_dtype == b.dtype:
+                if (cols is None and post_scale is None and not rank1 and b_dtype == b.dtype
+                        and not accumulate):
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
                 else:
                     part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
                     _finish_grad_b(part, grad_b, cols, c0, c1, post_scale, w,
-                                   rank1_b if rank1 else None)
+                                   rank1_b if rank1 else None, accumulate)
             if need_bias:
                 bias_part = dx.sum(dim=0, dtype=torch.float32)
                 if rank1:
                     bias_part -= _slice_cols(w, cols, c0, c1) * rank1_bias
-                _write_cols(grad_bias, bias_part, cols, c0, c1)
+                _write_cols(grad_bias, bias_part, cols, c0, c1, accumulate)
             if split:
                 # hi + lo += dX · B rows c0…c1 (the straddled K step reads this slab's zeros)
                 split_launch(split_grid, K=c1 - c0, c0=c0, first=int(first_a))
@@ -1004,7 +1071,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     v, d, a.stride(0), grad_b.stride(0) if need_b else 0, n_rb, scratch_width,
                     t0,
                     HAS_SCALE=post_scale is not None,
-                    GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=False,
+                    GRAD_B=need_b, GRAD_BIAS=need_bias, HAS_RANK1=rank1, ACCUMULATE=accumulate,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
                     num_warps=cfg.num_warps, num_stages=cfg.matmul_stages, **common,
                 )
@@ -1029,7 +1096,10 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         if rank1:
             row_term = _weighted_row_sum(b, w)
             acc -= coef.uniform[:n_valid, None] * (row_term if s is None else s * row_term)
-        if rows.identity and n_valid == a.shape[0]:  # every row, in order
+        if accumulate:
+            grad_a = into.a
+            grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a_dtype))
+        elif rows.identity and n_valid == a.shape[0]:  # every row, in order
             grad_a = acc.to(a_dtype)
         else:
             grad_a = torch.zeros_like(a, dtype=a_dtype)
@@ -1110,23 +1180,30 @@ def _slice_cols(values: torch.Tensor, cols: torch.Tensor | None, c0: int, c1: in
     return values[cols] if cols is not None else values[c0:c1]
 
 
-def _write_cols(out: torch.Tensor, values: torch.Tensor, cols, c0: int, c1: int) -> None:
+def _write_cols(out: torch.Tensor, values: torch.Tensor, cols, c0: int, c1: int,
+                accumulate: bool = False) -> None:
     if cols is not None:
-        out.index_copy_(0, cols, values.to(out.dtype))
+        if accumulate:
+            out.index_add_(0, cols, values.to(out.dtype))
+        else:
+            out.index_copy_(0, cols, values.to(out.dtype))
+    elif accumulate:
+        out[c0:c1] += values
     else:
         out[c0:c1] = values
 
 
-def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b) -> None:
-    """dB_j = s · Σ_i dX_ij A_i − w_j · v for one slab's columns, rounded once (s None: 1)."""
-    if rank1_b is None and cols is None and s is not None:
+def _finish_grad_b(part, grad_b, cols, c0, c1, s, w, rank1_b, accumulate=False) -> None:
+    """dB_j = s · Σ_i dX_ij A_i − w_j · v for one slab's columns, rounded once (s None: 1);
+    ``accumulate``: added to ``grad_b`` (fp32) instead."""
+    if rank1_b is None and cols is None and s is not None and not accumulate:
         torch.mul(part, s, out=grad_b[c0:c1])  # scaled and rounded in one pass
         return
     if s is not None:
         part *= s
     if rank1_b is not None:
         part -= _slice_cols(w, cols, c0, c1)[:, None] * rank1_b
-    _write_cols(grad_b, part, cols, c0, c1)
+    _write_cols(grad_b, part, cols, c0, c1, accumulate)
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..losses import cross_entropy as single
-from ..ops._common import scratch_bytes
+from ..ops._common import backward_row_chunk, scratch_bytes
 from ..ops.cross_entropy import _gradient_mass
 from ._group import device_code, dtype_code, exchange, float_code
 
@@ -250,7 +250,8 @@ class _VocabParallel(torch.autograd.Function):
             a, b, Logits(bias=bias, softcap=softcap, col_order=order), rows, stats, coef,
             col_weight=class_weight, filter_eps=eps, filter_scale=(mass, None),
             need_a=need_a, need_b=need_b, need_bias=bias is not None and need_bias,
-            scratch_bytes=scratch_bytes(a), grad_a_dtype=_F32, backend=backend)
+            scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), grad_a_dtype=_F32,
+            backend=backend)
         grad_a = None
         if need_a:
             grad_a = grads.a

@@ -28,6 +28,7 @@ from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ._common import (
     CUDAGRAPH_UNSAFE,
+    backward_row_chunk,
     eager_function,
     grad_or_none,
     nothing,
@@ -190,7 +191,7 @@ def backward(
         col_weight=class_weight, filter_eps=filter_eps,
         filter_scale=(_gradient_mass(stats, coef), None),
         need_a=need_input, need_b=need_weight, need_bias=bias is not None and need_bias,
-        scratch_bytes=scratch_bytes(a), backend=backend,
+        scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), backend=backend,
     )
     grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else nothing(a, (0,))
     return (grads.a if need_input else nothing(a, (0,)),
