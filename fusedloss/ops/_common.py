@@ -83,7 +83,16 @@ def backward_row_chunk(a: Tensor) -> int | None:
     accumulator of all rows, 8·N·D bytes: at N = 581632 (a training step of 142 × 4096 tokens),
     D = 2048 and V = 128256, 144 slabs of 896 columns move ~1.4 TB, in blocks of 131072 rows
     with 32 slabs each ~0.3 TB (arithmetic; not yet timed), and the accumulator shrinks from
-    4.8 to 1.1 GB. dB then adds the blocks' parts in an fp32 (V, D) buffer."""
+    4.8 to 1.1 GB. dB then adds the blocks' parts in an fp32 (V, D) buffer.
+    ``FUSEDLOSS_BACKWARD_ROWS`` overrides (for measurements; 0: one block whatever N)."""
+    if spec := os.environ.get("FUSEDLOSS_BACKWARD_ROWS"):
+        try:
+            rows = int(spec)
+        except ValueError:
+            rows = -1
+        if rows < 0:
+            raise ValueError(f"FUSEDLOSS_BACKWARD_ROWS must be an integer ≥ 0, got {spec!r}")
+        return rows or None
     if "FUSEDLOSS_SCRATCH_MB" in os.environ:
         return None
     return 2**30 // (4096 * a.element_size())
