@@ -1037,8 +1037,10 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     a_rows = compact_operand(a, rows)
                 a_compact = a_rows[:n_valid]
             if need_b:
-                if (cols is None and post_scale is None and not rank1 and b_dtype == b.dtype
-                        and not accumulate):
+                plain = cols is None and post_scale is None and not rank1
+                if plain and accumulate:
+                    _addmm_f32_(grad_b_slabs[k], dx.T, a_compact)  # this block's rows' part
+                elif plain and b_dtype == b.dtype:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
                 else:
