@@ -42,6 +42,16 @@ def can_run_triton() -> bool:
     return torch.cuda.is_available() or triton_interpreter_enabled()
 
 
+# Where the tests put their tensors, and the mark of tests that run Triton kernels.
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+requires_triton = pytest.mark.skipif(
+    not can_run_triton(),
+    reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1 (set before triton is "
+    "imported; `make pytest` exports it on CPU machines)",
+)
+
+
 def rel_err(x: Tensor, ref: Tensor) -> float:
     """Relative L2 error ``‖x − ref‖ / ‖ref‖``, computed in float64.
 

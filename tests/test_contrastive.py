@@ -31,12 +31,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    DEVICE,
+    ON_GPU,
     assert_close_to_ref,
     can_run_triton,
     default_floor,
     note_case,
     rel_err,
     requires_cuda,
+    requires_triton,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -46,18 +49,11 @@ from fusedloss import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
 from fusedloss.core import engine
 from fusedloss.reference import clip_loss_ref, info_nce_loss_ref, nt_xent_loss_ref, siglip_loss_ref
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 EPS32 = torch.finfo(torch.float32).eps
 LOSSES = ["clip", "info_nce", "nt_xent", "siglip"]
 
-requires_triton = pytest.mark.skipif(
-    not can_run_triton(),
-    reason="backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set before triton is "
-    "imported; `make pytest` exports it on CPU machines)",
-)
 BACKENDS = [pytest.param("torch", id="torch"),
             pytest.param("triton", id="triton", marks=requires_triton)]
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import can_run_triton
+from helpers import DEVICE, can_run_triton, requires_triton
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -30,7 +30,6 @@ from fusedloss.core.filtering import (
 
 # The PyTorch rule and its one-launch Triton form (the engine's), where Triton can run.
 IMPLS = ["torch", "triton"] if can_run_triton() else ["torch"]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run_live(impl, tile_log_mass, lse, n_valid, block, eps, scale=None):
@@ -367,10 +366,6 @@ def test_resolve_filter_eps_rejects(value):
 
 # ---------------------------------------------------------------------------------------------
 # the forward kernel records the statistics the rule assumes
-
-requires_triton = pytest.mark.skipif(
-    not can_run_triton(), reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1"
-)
 
 # Some end-to-end problems are sized for the interpreter's 16 × 16 tiles (config.py); a GPU's
 # tiles are 64–128 wide, so there each such problem is one or two tiles, none to skip.

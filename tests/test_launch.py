@@ -6,13 +6,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import can_run_triton, requires_cuda
+from helpers import DEVICE, requires_cuda, requires_triton
 
 from fusedloss.core.launch import RepeatedLaunch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-requires_triton = pytest.mark.skipif(not can_run_triton(),
-                                     reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 @triton.jit(do_not_specialize=["start"])

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field, fields
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close_to_ref, can_run_triton, default_floor, note_case, rel_err
+from helpers import (
+    DEVICE,
+    ON_GPU,
+    assert_close_to_ref,
+    default_floor,
+    note_case,
+    rel_err,
+    requires_triton,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,16 +34,9 @@ import fusedloss
 from fusedloss.core.filtering import AUTO_FILTER_EPS
 from fusedloss.reference import linear_cross_entropy_ref
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-requires_triton = pytest.mark.skipif(
-    not can_run_triton(),
-    reason="backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set before triton is "
-    "imported; `make pytest` exports it on CPU machines)",
-)
 
 # Both backends take the profile's example budget; the interpreter keeps its shapes tiny instead.
 PROFILE_EXAMPLES = settings.default.max_examples

@@ -7,19 +7,14 @@ hi + lo within ~2⁻¹⁵ of the sum, whatever the slabs' magnitudes and signs (
 
 from __future__ import annotations
 
-import pytest
 import torch
 import triton
-from helpers import can_run_triton
+from helpers import DEVICE, requires_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusedloss.core import config
 from fusedloss.core.lse_backward import _accumulate_split_kernel
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-requires_triton = pytest.mark.skipif(not can_run_triton(),
-                                     reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 def _accumulate(slabs, b, cfg):

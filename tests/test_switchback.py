@@ -25,7 +25,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import can_run_triton, requires_cuda, triton_interpreter_enabled
+from helpers import (
+    DEVICE,
+    requires_cuda,
+    requires_triton,
+    triton_interpreter_enabled,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -55,15 +60,9 @@ QUANT_DTYPES = ["int8", "fp8"]
 Q = {"int8": 127, "fp8": 448}
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 INF, NAN = float("inf"), float("nan")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANTIZERS = ["quantize_rowwise", "quantize_tensorwise", "quantize_tensorwise_transpose",
               "quantize_columnwise_transpose"]
 
-requires_triton = pytest.mark.skipif(
-    not can_run_triton(),
-    reason="backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set before triton is "
-    "imported; `make pytest` exports it on CPU machines)",
-)
 BACKENDS = [pytest.param("torch", id="torch"),
             pytest.param("triton", id="triton", marks=requires_triton)]
 

@@ -9,15 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import can_run_triton
+from helpers import DEVICE, requires_triton
 
 import fusedloss
 from fusedloss.core import config, engine
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-requires_triton = pytest.mark.skipif(
-    not can_run_triton(), reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-
 
 NO_TMA = (None, None, None)
 
