@@ -338,7 +338,7 @@ def _upstream_rows(case: Case) -> torch.Tensor:
 
 
 def _logit_grad_terms(case: Case, problem: Problem, x: torch.Tensor) -> dict:
-    """The float64 terms of dX (DESIGN.md §1): dX = r·P + c·Q − t·onehot, or SigLIP's
+    """The float64 terms of dX (docs/design.md, top): dX = r·P + c·Q − t·onehot, or SigLIP's
     −g·z·σ(−zX), each (N, M); their sum is the exact logit gradient."""
     g = _upstream_rows(case)
     if case.loss == "siglip":
@@ -467,8 +467,8 @@ def check_against_reference(case: Case, problem: Problem, ours: Result, theirs: 
     of rounding_floors (item 4, a known bug of the torch backend, only unless ``strict``).
 
     bf16 on Triton's interpreter: it converts fp32 to bf16 by truncation, not round-to-nearest
-    (DESIGN.md §5), so every bf16 value the kernels store (the dX scratch) carries twice the
-    error, biased toward zero: factor 2.5 and half a bf16 ulp, as in
+    (docs/companions.md, "Triton's interpreter"), so every bf16 value the kernels store (the
+    dX scratch) carries twice the error, biased toward zero: factor 2.5 and half a bf16 ulp, as in
     test_linear_cross_entropy.py, times how much the gradient cancels (biased errors do not).
     GPUs round to nearest: there the bar is the library's,
     except for SigLIP's (fp32) bias gradient on the Triton backend: a sum of the dX scratch,

@@ -1,6 +1,6 @@
 """The linear-log-sum-exp engine: one forward and one backward that every loss is built on.
 
-Notation (DESIGN.md §1): A (N, D) rows, B (V, D) columns,
+Notation (docs/design.md, top): A (N, D) rows, B (V, D) columns,
 
     X_ij = softcap(s · <A_i, B_j> + bias_j)        lse_i = log Σ_j exp(X_ij)
                                                    lse^col_j = log Σ_i exp(X_ij)   (optional)
