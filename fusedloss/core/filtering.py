@@ -91,7 +91,7 @@ def resolve_lm_head_filter_eps(filter_eps: float | str | None, dtype: torch.dtyp
                                rule: str | None = None) -> float | None:
     """The LM heads' ``filter_eps``: as :func:`resolve_filter_eps`, except that "auto" computes
     every tile (None). On LM-head inputs no rule skips enough at the accuracy bar to pay for its
-    bookkeeping (the forward's statistics, the mask, the backward's read-back of live counts):
+    bookkeeping (the forward's per-tile statistics, the mask's launches):
     measured on an H200 (2026-11-26, docs/design.md "The LM heads' default"), the block rule
     skipped 0.00% of the tiles on the flat, peaked and trained regimes and cost 0.7–2.3% over
     the exact path; the pooled rule skipped 0.2% (peaked) to 1.4% (trained) with more memory.
