@@ -323,6 +323,23 @@ def test_triton_backend_compiled_matches_eager(name, device, requires_triton):
     assert _check_compiled(TRITON_CALLS, name, device, "aot_eager") == 1
 
 
+def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_triton,
+                                                              monkeypatch):
+    """The LM head's backward in blocks of rows (``FUSEDLOSS_BACKWARD_ROWS``) runs inside the
+    op: compiled with fullgraph=True it gives eager's loss and gradients, and each backward
+    ran in more than one block (one record per block)."""
+    from fusedloss.core import engine
+
+    monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "16")
+    table = {"lce-triton-row-blocks": (
+        partial(_lm, lead=(48,), v=VT, d=DT, bias=True, ignore=-100),
+        lambda h, w, y, b: LCE(h, w, y, linear_bias=b, label_smoothing=0.1,
+                               backend="triton"))}
+    with engine.recording_backward_tiles() as record:
+        assert _check_compiled(table, "lce-triton-row-blocks", device, "aot_eager") == 1
+    assert len(record) > 2  # two backward calls, compiled and eager, in blocks
+
+
 # ---------------------------------------------------------------------------------------------
 # 3: no recompilation between training steps
 
