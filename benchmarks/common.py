@@ -745,15 +745,21 @@ def write_results(
     out_dir: Path | str, stem: str, markdown: str, data: dict[str, Any]
 ) -> tuple[Path, Path]:
     """Write ``<stem>.md`` and ``<stem>.json`` under ``out_dir``; returns both paths."""
+    md_path = Path(out_dir) / f"{stem}.md"
+    json_path = write_json(out_dir, stem, data)
+    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    return md_path, json_path
+
+
+def write_json(out_dir: Path | str, stem: str, data: dict[str, Any]) -> Path:
+    """Write ``<stem>.json`` under ``out_dir`` (created if missing); returns its path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    md_path = out_dir / f"{stem}.md"
     json_path = out_dir / f"{stem}.json"
-    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
     json_path.write_text(
         json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    return md_path, json_path
+    return json_path
 
 
 def report_results(

@@ -14,7 +14,6 @@ round to ``--out``/filter_cost_<date>_<gpu>[_<tag>].json. Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -62,12 +61,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})",
               flush=True)
     env = common.collect_environment(torch.device("cuda"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / (common.results_stem("filter_cost", env["date"], env["device_slug"],
-                                           args.tag) + ".json")
-    data = {"environment": env, "n": args.n, "filter_eps": eps, "results": results}
-    path.write_text(json.dumps(common.json_safe(data), indent=2, ensure_ascii=False) + "\n",
-                    encoding="utf-8")
+    stem = common.results_stem("filter_cost", env["date"], env["device_slug"], args.tag)
+    path = common.write_json(args.out, stem, {
+        "environment": env, "n": args.n, "filter_eps": eps, "results": results})
     print(f"results: {path}")
 
 

@@ -14,7 +14,6 @@ to ``--out``/optim_sweep_<date>_<gpu>[_<tag>].json. Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -59,14 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in sorted(rows, key=lambda r: r["ms"])[:5]:
         print(f"  {row['config']}: {row['ms']:.3f} ms = {row['vs_fused_adamw']:.2f}×")
     env = common.collect_environment(device)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / (common.results_stem("optim_sweep", env["date"], env["device_slug"],
-                                           args.tag) + ".json")
-    data = {"environment": env, "parameters": sum(p.numel() for p in params),
-            "hyper": HYPER, "adamw_fused_ms": [before, after], "default_ms": default,
-            "rows": rows}
-    path.write_text(json.dumps(common.json_safe(data), indent=2, ensure_ascii=False) + "\n",
-                    encoding="utf-8")
+    stem = common.results_stem("optim_sweep", env["date"], env["device_slug"], args.tag)
+    path = common.write_json(args.out, stem, {
+        "environment": env, "parameters": sum(p.numel() for p in params), "hyper": HYPER,
+        "adamw_fused_ms": [before, after], "default_ms": default, "rows": rows})
     print(f"results: {path}")
 
 

@@ -676,7 +676,7 @@ def _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps
     adding to fp32 dB and dbias. One read-back of the valid rows first, then each block's own
     (at most one each)."""
     n = rows.index.numel()
-    n_valid = int(rows.n_valid)
+    n_valid = n if rows.all_valid else int(rows.n_valid)
     align = max(1, stats.block_m, config.backward_config(a.device, a.dtype, b.shape[1]).block_m)
     chunk = -(-row_chunk // align) * align
     if n_valid <= chunk:
@@ -690,10 +690,7 @@ def _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps
     fm, tiles = stats.block_m, stats.tile_log_mass
     for r0 in range(0, n_valid, chunk):
         part = slice(r0, min(r0 + chunk, n))
-
-        def rows_of(x, part=part):
-            return None if x is None else x[part]
-
+        rows_of = functools.partial(_rows_of, part=part)
         chunk_rows = Rows(index=rows.index[part],
                           n_valid=(rows.n_valid - r0).clamp(0, part.stop - r0),
                           target=rows_of(rows.target), identity=False, all_valid=rows.all_valid)
@@ -710,6 +707,10 @@ def _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps
                       into=into)
     return Grads(a=into.a, b=into.b.to(dtypes[1]) if need_b else None, bias=into.bias,
                  scale=None)
+
+
+def _rows_of(x: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+    return None if x is None else x[part]
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,12 @@ def eager_function(name: str, forward, setup_context, autograd_backward,
     })
 
 
+# Beyond 16384 rows the backward's column slabs are this many columns wide, in a scratch of at
+# most this many bytes (``scratch_bytes``); ``backward_row_chunk`` keeps the LM heads' within both.
+WIDE_SLAB_COLUMNS = 4096
+SCRATCH_CAP_BYTES = 2**30
+
+
 def scratch_bytes(a: Tensor, split: bool = False) -> int | None:
     """The backward's dX scratch per column slab for the rows ``a`` (``engine.grads``'
     ``scratch_bytes``): 64 MiB up to N = 16384 rows (44 MiB with the split accumulator), 4096
@@ -72,7 +78,7 @@ def scratch_bytes(a: Tensor, split: bool = False) -> int | None:
     n = a.shape[0]
     if n <= 16384:
         return 44 * 2**20 if split else 2**26
-    return int(min(2**30, n * 4096 * a.element_size()))
+    return int(min(SCRATCH_CAP_BYTES, n * WIDE_SLAB_COLUMNS * a.element_size()))
 
 
 def backward_row_chunk(a: Tensor) -> int | None:
@@ -95,4 +101,4 @@ def backward_row_chunk(a: Tensor) -> int | None:
         return rows or None
     if "FUSEDLOSS_SCRATCH_MB" in os.environ:
         return None
-    return 2**30 // (4096 * a.element_size())
+    return SCRATCH_CAP_BYTES // (WIDE_SLAB_COLUMNS * a.element_size())
