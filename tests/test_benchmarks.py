@@ -405,7 +405,9 @@ def test_check_records_the_tiles_filtering_skipped():
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    n, v, d = 70, 300, 16
+    # a few column tiles hold every row's peak, the rest nothing (tiles: 16 wide under the
+    # interpreter, 128 or more on a GPU)
+    n, v, d = 70, 5000 if device == "cuda" else 300, 16
     hidden = (torch.randn(n, d, device=device) * 4).requires_grad_()
     classifier = (torch.randn(v, d, device=device) * 4).requires_grad_()
     labels = torch.randint(0, v, (n,), device=device)

@@ -32,6 +32,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ON_GPU
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -332,7 +333,8 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
 
     monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "16")
     table = {"lce-triton-row-blocks": (
-        partial(_lm, lead=(48,), v=VT, d=DT, bias=True, ignore=-100),
+        # more rows than one block of the backward's tiles (16 here, 128 or more on a GPU)
+        partial(_lm, lead=(600,) if ON_GPU else (48,), v=VT, d=DT, bias=True, ignore=-100),
         lambda h, w, y, b: LCE(h, w, y, linear_bias=b, label_smoothing=0.1,
                                backend="triton"))}
     with engine.recording_backward_tiles() as record:

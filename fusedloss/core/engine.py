@@ -635,8 +635,9 @@ def grads(
     block rule's statistics): more valid rows than this go through the backward in blocks of
     this many compact rows (``_grads_by_row_chunks``), so that dA's fp32 accumulator, read and
     written once per column slab, holds one block instead of every row, and a bounded scratch
-    keeps its slabs wide. Each row's dA is formed as in one call (bit for bit with slabs of
-    the same width); dB and dbias add the blocks' parts in fp32 and round once.
+    keeps its slabs wide. Each row's dA is formed as in one call (the same slabs; cuBLAS may
+    pick another algorithm for a block's row count, so its fp32 sums may round differently);
+    dB and dbias add the blocks' parts in fp32 and round once.
     """
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
