@@ -398,10 +398,13 @@ def test_results_record_the_fusedloss_variables(monkeypatch):
 
 
 @pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or Triton's interpreter")
-def test_check_records_the_tiles_filtering_skipped():
+def test_check_records_the_tiles_filtering_skipped(monkeypatch):
     """The lm-head suite's check call reports the share of the backward's tiles that fusedloss's
     filter skipped (None for a provider without that backward, 0 with filtering off)."""
     from benchmarks.inputs import LMHeadShape
+
+    # the engine's backward, which records tiles (not the gradient computed in the forward)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -332,6 +332,7 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
     from fusedloss.core import engine
 
     monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "16")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
     table = {"lce-triton-row-blocks": (
         # more rows than one block of the backward's tiles (16 here, 128 or more on a GPU)
         partial(_lm, lead=(600,) if ON_GPU else (48,), v=VT, d=DT, bias=True, ignore=-100),
@@ -340,6 +341,33 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
     with engine.recording_backward_tiles() as record:
         assert _check_compiled(table, "lce-triton-row-blocks", device, "aot_eager") == 1
     assert len(record) > 2  # two backward calls, compiled and eager, in blocks
+
+
+@pytest.mark.parametrize("setting", ["1", "0"], ids=["in-forward", "engine"])
+def test_triton_gradient_in_forward_compiled_matches_eager(device, requires_triton, monkeypatch,
+                                                           setting):
+    """The LM head's gradient computed in the forward (``FUSEDLOSS_GRAD_IN_FORWARD=1``, in
+    chunks of 16 rows) and the engine's backward (``=0``): compiled with fullgraph=True each
+    gives eager's loss and gradients under "mean" and "sum", and only the first took the
+    in-forward op."""
+    from fusedloss.core import chunked_logits
+
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", setting)
+    monkeypatch.setenv("FUSEDLOSS_CHUNK_ROWS", "16")
+    calls = []
+    original = chunked_logits.loss_and_grads
+    monkeypatch.setattr(chunked_logits, "loss_and_grads",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    table = {f"lce-{reduction}": (
+        partial(_lm, lead=(3, 20), v=VT, d=DT, bias=True, class_weight=True, ignore=-100),
+        lambda h, w, y, b, cw, reduction=reduction: LCE(
+            h, w, y, linear_bias=b, weight=cw, softcap=5.0, z_loss=1e-3, shift=True,
+            reduction=reduction, backend="triton") * 0.37)
+        for reduction in ("mean", "sum")}
+    for name in table:
+        assert _check_compiled(table, name, device, "aot_eager") == 1
+        counters.clear()
+    assert len(calls) == (4 if setting == "1" else 0)  # compiled and eager, two reductions
 
 
 # ---------------------------------------------------------------------------------------------

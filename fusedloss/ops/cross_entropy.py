@@ -24,7 +24,7 @@ masses); ``fusedloss::linear_cross_entropy_backward`` takes them with the upstre
 import torch
 from torch import Tensor
 
-from ..core import engine
+from ..core import chunked_logits, engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ._common import (
     CUDAGRAPH_UNSAFE,
@@ -269,3 +269,138 @@ def _to_original_order(values: Tensor, rows: Rows) -> Tensor:
     out = torch.empty_like(values)
     out[rows.index] = values
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient in the forward (``core.chunked_logits``): many rows, a reduced loss.
+
+
+def grad_in_forward_chunk(input: Tensor, v: int) -> int | None:
+    """Rows per chunk when a reduced loss of ``input``'s rows (N, D) on a V-row head computes
+    its gradient in the forward (``core.chunked_logits``), else None. The path may hold what
+    the engine's backward would: its dX scratch (``scratch_bytes``), its fp32 dA accumulator
+    (one block of rows, ``backward_row_chunk``) and, beyond one block, an fp32 dB
+    (``chunked_logits.chunk_rows`` turns that into a chunk). In bf16 that is every step of a
+    128256- or 256000-row head from 131072 rows on (32 × 4096 tokens; 4096- and 1792-row
+    chunks at D = 2048 / 2304), and small problems, whose logits fit in the engine's 64 MiB
+    scratch. ``FUSEDLOSS_GRAD_IN_FORWARD`` = 1 / 0 forces it on / off."""
+    n, d = input.shape
+    forced = chunked_logits.forced()
+    if forced is False:
+        return None
+    block = backward_row_chunk(input) or n
+    budget = ((scratch_bytes(input) or 2**26) + 4 * min(n, block) * d
+              + (4 * v * d if n > block else 0))
+    rows = chunked_logits.chunk_rows(n, v, d, budget)
+    if rows is None and forced:
+        rows = min(n, chunked_logits.MIN_CHUNK_ROWS)
+    return rows
+
+
+def linear_cross_entropy_grad_in_forward(*args) -> Tensor:
+    """The reduced loss (() fp32) of ``forward_grad_in_forward``'s arguments, with its autograd:
+    the gradients are computed in the forward and scaled by the loss's upstream gradient in
+    the backward."""
+    if torch.compiler.is_compiling():
+        return grad_in_forward_op(*args)[0]
+    return _EagerGradInForward.apply(*args)[0]
+
+
+def forward_grad_in_forward(
+    input: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    target: Tensor,  # (N,) int64: class ids in [0, V), or ignore_index
+    bias: Tensor | None,  # (V,)
+    class_weight: Tensor | None,  # (V,) fp32
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
+    mean: bool,  # reduction "mean" (else "sum")
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+    chunk_rows: int,  # rows per chunk of logits (``grad_in_forward_chunk``)
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(the loss () fp32, d input (N, D), d weight (V, D) fp32, d bias (V,) fp32) for an
+    upstream gradient of 1; each gradient an empty tensor when not asked for. "mean" divides
+    by the valid tokens' count or summed class weights (a batch with none gives 0).
+
+    Raises ValueError for a target outside [0, V) other than ``ignore_index``."""
+    a, b = row_major(input), row_major(weight)
+    v = b.shape[0]
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= v))
+    rows = engine.compact_rows(valid)
+    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
+    any_out_of_range, n_valid = torch.stack([out_of_range.any(), rows.n_valid]).tolist()
+    if any_out_of_range:
+        bad = int(target[out_of_range][0])
+        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")
+    denom = target_weight.sum() if mean else torch.ones((), device=a.device)
+    coef = 1.0 / torch.where(denom == 0, 1.0, denom)
+    loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
+        a, b, bias, rows.index, int(n_valid), compact_target, target_weight, class_weight, coef,
+        label_smoothing, softcap, z_loss, need_input, need_weight,
+        bias is not None and need_bias, chunk_rows)
+    return (loss, grad_a if need_input else nothing(a, (0,)),
+            grad_b if need_weight else nothing(a, (0,)),
+            grad_bias if grad_bias is not None else nothing(a, (0,)))
+
+
+grad_in_forward_op = torch.library.custom_op(
+    "fusedloss::linear_cross_entropy_grad_in_forward", forward_grad_in_forward, mutates_args=(),
+    tags=CUDAGRAPH_UNSAFE)
+
+
+@grad_in_forward_op.register_fake
+def _(input, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
+      mean, need_input, need_weight, need_bias, chunk_rows):
+    return (input.new_empty((), dtype=_F32),
+            torch.empty_like(input) if need_input else nothing(input, (0,)),
+            weight.new_empty(weight.shape, dtype=_F32) if need_weight else nothing(input, (0,)),
+            bias.new_empty(bias.shape, dtype=_F32) if bias is not None and need_bias
+            else nothing(input, (0,)))
+
+
+def _grad_in_forward_setup_context(ctx, inputs, output):
+    input, weight, _, bias = inputs[:4]
+    _, *grads = output
+    ctx.mark_non_differentiable(*grads)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*grads)
+    ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def _grad_in_forward_backward(ctx, grad_loss, *_, backward_fn=None):
+    need_input, need_weight, _, need_bias = ctx.needs_input_grad[:4]
+    nones = [None] * 10
+    if grad_loss is None:
+        return (None, None, None, None, *nones)
+    grad_input, grad_weight, grad_bias = ctx.saved_tensors
+    dtypes = ctx.dtypes
+    return (_scaled(grad_input, grad_loss, dtypes[0]) if need_input else None,
+            _scaled(grad_weight, grad_loss, dtypes[1]) if need_weight else None, None,
+            _scaled(grad_bias, grad_loss, dtypes[2]) if need_bias else None, *nones)
+
+
+def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad · scale in fp32, rounded once to ``dtype`` (a bf16 product would round the scale
+    first); in pieces of 2²⁶ elements in eager mode, so that no fp32 copy of a bf16 dA is held."""
+    if grad.dtype == _F32 or torch.compiler.is_compiling():
+        return (grad.float() * scale).to(dtype)
+    out = torch.empty_like(grad, dtype=dtype)
+    flat, flat_out = grad.view(-1), out.view(-1)
+    step = 1 << 26
+    for i in range(0, flat.numel(), step):
+        flat_out[i:i + step] = flat[i:i + step].float() * scale
+    return out
+
+
+grad_in_forward_op.register_autograd(_grad_in_forward_backward,
+                                     setup_context=_grad_in_forward_setup_context)
+
+_EagerGradInForward = eager_function("_EagerGradInForward", forward_grad_in_forward,
+                                     _grad_in_forward_setup_context, _grad_in_forward_backward,
+                                     None)
