@@ -107,6 +107,11 @@ def linear_cross_entropy(
         The loss (fp32; a scalar, or per-token for "none"), and with ``return_lse`` a tuple
         ``(loss, lse)``.
 
+    With many rows (from 131072 on a 128256- or 256000-row head in bf16) and a "mean" or "sum"
+    loss on the Triton backend, the forward computes the gradients too, from chunks of fp32
+    logits, and the backward scales them (three matmul passes instead of four, never more
+    memory than the backward would hold; docs/design.md, "The gradient in the forward").
+
     Example:
         >>> h = torch.randn(4, 16, 64, requires_grad=True)
         >>> w = torch.randn(1000, 64, requires_grad=True)
