@@ -852,6 +852,9 @@ def test_gradient_in_forward_policy(monkeypatch):
     assert chunk(89 * 4096, 256000, 2304) == 2048
     assert chunk(8192, 128256, 4096) is None and chunk(16 * 4096, 256000, 2304) is None
     assert chunk(1031, 5003, 32) == 1031 and chunk(37, 123, 16, torch.float16) == 37
+    monkeypatch.setenv("FUSEDLOSS_CHUNK_ROWS", "7")  # the rows where taken, not whether
+    assert chunk(8192, 128256, 4096) is None and chunk(37, 123, 16) == 7
+    monkeypatch.delenv("FUSEDLOSS_CHUNK_ROWS")
     monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     assert chunk(8192, 128256, 4096) == 1024
     monkeypatch.setenv("FUSEDLOSS_CHUNK_ROWS", "7")

@@ -55,19 +55,24 @@ def chunk_rows(n: int, v: int, d: int, budget: int) -> int | None:
     """Rows per chunk for N rows when the path may hold ``budget`` bytes beyond its inputs and
     dA: its fp32 dB accumulator (4·V·D) and a chunk of fp32 logits in the rest (at most
     ``MAX_CHUNK_BYTES``; a multiple of 256 rows, or all N); None when that leaves fewer than
-    ``MIN_CHUNK_ROWS`` rows (or N, if fewer). ``FUSEDLOSS_CHUNK_ROWS`` sets the rows (for
-    measurements and tests)."""
-    if spec := os.environ.get("FUSEDLOSS_CHUNK_ROWS"):
-        rows = int(spec) if spec.isdigit() else 0
-        if rows <= 0:
-            raise ValueError(f"FUSEDLOSS_CHUNK_ROWS must be a positive integer, got {spec!r}")
-        return rows
+    ``MIN_CHUNK_ROWS`` rows (or N, if fewer)."""
     rows = min(budget - 4 * v * d, MAX_CHUNK_BYTES) // (4 * v)
     if rows >= n:
         return n
     if rows < MIN_CHUNK_ROWS:
         return None
     return rows // 256 * 256
+
+
+def rows_override() -> int | None:
+    """``FUSEDLOSS_CHUNK_ROWS``: the rows per chunk where the path is taken (for measurements
+    and tests); None when unset."""
+    if spec := os.environ.get("FUSEDLOSS_CHUNK_ROWS"):
+        rows = int(spec) if spec.isdigit() else 0
+        if rows <= 0:
+            raise ValueError(f"FUSEDLOSS_CHUNK_ROWS must be a positive integer, got {spec!r}")
+        return rows
+    return None
 
 
 def loss_and_grads(

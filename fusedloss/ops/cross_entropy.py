@@ -283,7 +283,8 @@ def grad_in_forward_chunk(input: Tensor, v: int) -> int | None:
     (``chunked_logits.chunk_rows`` turns that into a chunk). In bf16 that is every step of a
     128256- or 256000-row head from 131072 rows on (32 × 4096 tokens; 4096- and 1792-row
     chunks at D = 2048 / 2304), and small problems, whose logits fit in the engine's 64 MiB
-    scratch. ``FUSEDLOSS_GRAD_IN_FORWARD`` = 1 / 0 forces it on / off."""
+    scratch. ``FUSEDLOSS_GRAD_IN_FORWARD`` = 1 / 0 forces it on / off;
+    ``FUSEDLOSS_CHUNK_ROWS`` sets the rows where it is taken."""
     n, d = input.shape
     forced = chunked_logits.forced()
     if forced is False:
@@ -292,9 +293,11 @@ def grad_in_forward_chunk(input: Tensor, v: int) -> int | None:
     budget = ((scratch_bytes(input) or 2**26) + 4 * min(n, block) * d
               + (4 * v * d if n > block else 0))
     rows = chunked_logits.chunk_rows(n, v, d, budget)
-    if rows is None and forced:
+    if rows is None:
+        if not forced:
+            return None
         rows = min(n, chunked_logits.MIN_CHUNK_ROWS)
-    return rows
+    return chunked_logits.rows_override() or rows
 
 
 def linear_cross_entropy_grad_in_forward(*args) -> Tensor:
