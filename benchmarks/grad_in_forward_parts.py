@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
     from fusedloss.core import chunked_logits as cl
-    from fusedloss.core.engine import _addmm_f32_
+    from fusedloss.core.engine import addmm_f32_
 
     torch.manual_seed(0)
     dev, n, r = "cuda", args.n, args.chunk
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     grad_a = torch.empty(r, D, device=dev, dtype=torch.bfloat16)
     bench("dA = G B", lambda: torch.mm(g16, b, out=grad_a))
     acc32 = torch.zeros(V, D, device=dev)
-    bench("dB += G^T A, fp32 accumulator", lambda: _addmm_f32_(acc32, g16.T, a_c))
+    bench("dB += G^T A, fp32 accumulator", lambda: addmm_f32_(acc32, g16.T, a_c))
     acc16 = torch.zeros(V, D, device=dev, dtype=torch.bfloat16)
     bench("dB += G^T A, bf16 accumulator", lambda: torch.addmm(acc16, z16.T, a_c, out=acc16))
     bench("dB = G^T A, no accumulation", lambda: torch.mm(z16.T, a_c, out=acc16))

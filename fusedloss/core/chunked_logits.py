@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .engine import _addmm_f32_
+from .engine import addmm_f32_
 from .logits import div, exp, log, mul_rn, tanh
 
 # The fp32 chunk of logits holds at most this many bytes and at least this many rows (cuBLAS
@@ -136,7 +136,7 @@ def loss_and_grads(
             else:
                 grad_a.index_copy_(0, row_index[r0:r1], g @ b)
         if need_b:
-            _addmm_f32_(grad_b, g.T, a_c)
+            addmm_f32_(grad_b, g.T, a_c)
         if need_bias:
             grad_bias += g.sum(dim=0, dtype=torch.float32)
     loss = losses.sum() * coef

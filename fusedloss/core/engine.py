@@ -1041,7 +1041,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
             if need_b:
                 plain = cols is None and post_scale is None and not rank1
                 if plain and accumulate:
-                    _addmm_f32_(grad_b_slabs[k], dx.T, a_compact)  # this block's rows' part
+                    addmm_f32_(grad_b_slabs[k], dx.T, a_compact)  # this block's rows' part
                 elif plain and b_dtype == b.dtype:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
@@ -1060,7 +1060,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                 first_a = False
             elif need_a:
                 b_slab = b.index_select(0, cols) if cols is not None else b_slabs[k]
-                _addmm_f32_(acc_valid, dx, b_slab)
+                addmm_f32_(acc_valid, dx, b_slab)
                 first_a = False
         else:
             if need_b or need_bias:
@@ -1169,7 +1169,7 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.float() @ y.float()) if not x.is_cuda else (x @ y).float()
 
 
-def _addmm_f32_(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+def addmm_f32_(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
     """acc += x @ y, acc fp32, in place, fp32 accumulation."""
     if x.is_cuda and x.dtype != torch.float32:
         try:
