@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .engine import addmm_f32_
+from .engine import addmm_f32_, mm_f32
 from .logits import div, exp, log, mul_rn, tanh
 
 # The fp32 chunk of logits holds at most this many bytes and at least this many rows (cuBLAS
@@ -117,7 +117,7 @@ def loss_and_grads(
         r1 = min(r0 + chunk, n_valid)
         a_c = a[r0:r1] if identity else a.index_select(0, row_index[r0:r1])
         z, g = buffer[: r1 - r0], grads_view[: r1 - r0]
-        _logits_f32(a_c, b, out=z)
+        mm_f32(a_c, b.T, out=z)
         _softmax_grad_rows_kernel[(r1 - r0,)](
             z, z.stride(0), g, g.stride(0), bias if bias is not None else dummy,
             row_target[r0:r1], row_weight[r0:r1],
@@ -141,20 +141,6 @@ def loss_and_grads(
             grad_bias += g.sum(dim=0, dtype=torch.float32)
     loss = losses.sum() * coef
     return loss, grad_a, grad_b, grad_bias
-
-
-def _logits_f32(a_c: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a_c Bᵀ in fp32: cuBLAS with fp32 output for bf16 inputs (no rounding of the
-    products' sums); a build without it rounds to bf16 first; the CPU computes in fp32."""
-    if a_c.dtype == torch.float32:
-        torch.mm(a_c, b.T, out=out)
-    elif a_c.is_cuda:
-        try:
-            torch.mm(a_c, b.T, out_dtype=torch.float32, out=out)
-        except (TypeError, RuntimeError, NotImplementedError):
-            out.copy_(a_c @ b.T)
-    else:
-        torch.mm(a_c.float(), b.float().T, out=out)
 
 
 @triton.jit

@@ -1046,7 +1046,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
                 else:
-                    part = _mm_f32(dx.T, a_compact)  # (slab columns, D)
+                    part = mm_f32(dx.T, a_compact)  # (slab columns, D)
                     _finish_grad_b(part, grad_b, cols, c0, c1, post_scale, w,
                                    rank1_b if rank1 else None, accumulate)
             if need_bias:
@@ -1157,16 +1157,20 @@ def _is_identity(index: torch.Tensor) -> bool:
     return bool(torch.equal(index, torch.arange(index.numel(), device=index.device)))
 
 
-def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x @ y with fp32 accumulation and fp32 output (cuBLAS), whatever the input dtype."""
+def mm_f32(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ y with fp32 accumulation and fp32 output (cuBLAS), whatever the input dtype, into
+    ``out`` when given. A CUDA build without fp32 output rounds to the input dtype first; the
+    CPU computes in fp32."""
     if x.dtype == torch.float32:
-        return x @ y
+        return torch.mm(x, y, out=out)
     if x.is_cuda:
         try:
-            return torch.mm(x, y, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            pass
-    return (x.float() @ y.float()) if not x.is_cuda else (x @ y).float()
+            return torch.mm(x, y, out_dtype=torch.float32, out=out)
+        except (TypeError, RuntimeError, NotImplementedError):
+            product = x @ y
+    else:
+        product = x.float() @ y.float()
+    return product.float() if out is None else out.copy_(product)
 
 
 def addmm_f32_(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -1177,7 +1181,7 @@ def addmm_f32_(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
             return
         except (TypeError, RuntimeError):
             pass
-    acc += _mm_f32(x, y)
+    acc += mm_f32(x, y)
 
 
 def _slice_cols(values: torch.Tensor, cols: torch.Tensor | None, c0: int, c1: int):

@@ -75,24 +75,18 @@ def forward(
     """
     a, b = row_major(input), row_major(weight)
     n, v = a.shape[0], b.shape[0]
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= v))
-    rows = engine.compact_rows(valid)
-    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
-    checks = [out_of_range.any(), valid.all()]
+    order_checks = []
     if vocab_order is not None:
         in_order = torch.sort(vocab_order).values
-        checks.append((in_order != torch.arange(v, device=in_order.device)).any())
-    any_out_of_range, all_valid, *bad_order = torch.stack(checks).tolist()
-    if any_out_of_range:
-        bad = int(target[out_of_range][0])
-        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
-                         f"ignore_index={ignore_index}")
+        order_checks.append((in_order != torch.arange(v, device=in_order.device)).any())
+    rows, compact_target, target_weight, n_valid, bad_order = _checked_rows(
+        target, ignore_index, class_weight, v, order_checks)
     if bad_order and bad_order[0]:
         raise ValueError("vocab_order must be a permutation of 0..V-1")
+    all_valid = n_valid == n
     # The compact order is the identity when every token counts, so A is read by whole blocks.
     rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
-                identity=bool(all_valid))
+                identity=all_valid)
 
     alpha = label_smoothing
     stats = engine.row_stats(
@@ -238,6 +232,26 @@ _EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _auto
                                 backward)
 
 
+def _checked_rows(target: Tensor, ignore_index: int, class_weight: Tensor | None, v: int,
+                  device_checks: tuple[Tensor, ...] | list[Tensor] = (),
+                  ) -> tuple[Rows, Tensor, Tensor, int, list]:
+    """The compact row order of the valid targets, their compact targets and class weights
+    (``_compact_targets``), the valid count, and the values of ``device_checks``: one
+    read-back, the forward's one wait for the GPU. Raises ValueError for a target outside
+    [0, V) other than ``ignore_index``."""
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= v))
+    rows = engine.compact_rows(valid)
+    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
+    any_out_of_range, n_valid, *checked = torch.stack(
+        [out_of_range.any(), rows.n_valid, *device_checks]).tolist()
+    if any_out_of_range:
+        bad = int(target[out_of_range][0])
+        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")
+    return rows, compact_target, target_weight, int(n_valid), checked
+
+
 def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v: int):
     """(each position's target (N,) int64, −1 past n_valid; its class weight w_y (N,) fp32,
     0 past n_valid)."""
@@ -331,20 +345,12 @@ def forward_grad_in_forward(
 
     Raises ValueError for a target outside [0, V) other than ``ignore_index``."""
     a, b = row_major(input), row_major(weight)
-    v = b.shape[0]
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= v))
-    rows = engine.compact_rows(valid)
-    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
-    any_out_of_range, n_valid = torch.stack([out_of_range.any(), rows.n_valid]).tolist()
-    if any_out_of_range:
-        bad = int(target[out_of_range][0])
-        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
-                         f"ignore_index={ignore_index}")
+    rows, compact_target, target_weight, n_valid, _ = _checked_rows(
+        target, ignore_index, class_weight, b.shape[0])
     denom = target_weight.sum() if mean else torch.ones((), device=a.device)
     coef = 1.0 / torch.where(denom == 0, 1.0, denom)
     loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
-        a, b, bias, rows.index, int(n_valid), compact_target, target_weight, class_weight, coef,
+        a, b, bias, rows.index, n_valid, compact_target, target_weight, class_weight, coef,
         label_smoothing, softcap, z_loss, need_input, need_weight,
         bias is not None and need_bias, chunk_rows)
     return (loss, grad_a if need_input else nothing(a, (0,)),
