@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import DEVICE, can_run_triton
 from hypothesis import given
 from hypothesis import strategies as st
 from workers import Raised, Workers, all_ok
@@ -637,3 +638,40 @@ def test_nccl_ring_on_two_gpus():
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max())
     total_ds = results[0]["ring"][3] + results[1]["ring"][3]
     torch.testing.assert_close(total_ds, world * ds, rtol=1e-3, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the merge of two partial statistics (the ring's travelling column statistics)
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=pytest.mark.skipif(
+        not can_run_triton(), reason="needs a GPU or the Triton interpreter"))])
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_merge_stats_matches_float64(backend, n, seed):
+    """engine.merge_stats of two (max, Σ exp) partials equals the float64 log-sum-exp of their
+    union; a partial without entries (sum 0, max 0 as the forward reports it) counts as none,
+    so rows far below 0 are not swamped; NaN stays NaN; the output may alias an input."""
+    from fusedloss.core import engine
+
+    gen = torch.Generator().manual_seed(seed)
+    device = DEVICE if backend == "triton" else "cpu"
+    values = [torch.randn(n, 7, generator=gen, dtype=torch.float64) * 30 - 200 for _ in "xy"]
+    empty = torch.rand(n, generator=gen) < 0.2  # rows whose x partial has no entries
+    packed = []
+    for k, v in enumerate(values):
+        top = v.amax(1)
+        total = torch.exp(v - top[:, None]).sum(1)
+        if k == 0:
+            top, total = torch.where(empty, 0.0, top), torch.where(empty, 0.0, total)
+        packed.append(torch.stack((top, total)).float().to(device))
+    packed[1][1, -1] = float("nan")  # a NaN row
+    expected = torch.logsumexp(torch.where(empty[:, None], float("-inf"), values[0]), 1)
+    expected = torch.logaddexp(expected, torch.logsumexp(values[1], 1))
+    expected[-1] = float("nan")
+    x = packed[0].clone()
+    out = engine.merge_stats(x, packed[1], out=x, backend=backend).cpu().double()
+    got = out[0] + torch.log(out[1])
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    finite = ~torch.isnan(expected)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-6, atol=1e-6)

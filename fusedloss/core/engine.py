@@ -478,6 +478,32 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     return stats
 
 
+def merge_stats(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None, *,
+                backend: str) -> torch.Tensor:
+    """(max, Σ exp(· − max)) of two partial statistics of the same n rows (or columns), each
+    packed (2, n) fp32 as [max; sum] with contiguous rows (``RowStats.packed()[:2]`` is one):
+    the packed pair of their union, written into ``out`` (which may be ``x`` or ``y``;
+    default a new tensor). A partial with sum 0 — no entries; ``row_stats`` reports max 0
+    there — counts as max −inf, so it cannot swamp entries far below 0. NaN stays NaN.
+    One launch with the Triton backend, where PyTorch would issue about fourteen."""
+    out = torch.empty_like(x) if out is None else out
+    n = x.shape[1]
+    if backend == "triton" and n:
+        from .lse_forward import _merge_pair_kernel
+
+        block = 1024 if not config.interpreting() else 64
+        _merge_pair_kernel[(triton_cdiv(n, block),)](
+            x, y, out, n, BLOCK=block, PRECISE=not config.interpreting(), num_warps=4)
+        return out
+    max1 = torch.where(x[1] > 0, x[0], float("-inf"))
+    max2 = torch.where(y[1] > 0, y[0], float("-inf"))
+    top = torch.maximum(max1, max2)
+    safe = torch.where(torch.isfinite(top), top, 0.0)
+    total = x[1] * torch.exp(max1 - safe) + y[1] * torch.exp(max2 - safe)
+    out[0], out[1] = top, total
+    return out
+
+
 def _combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor):
     """(max, Σ exp(· − max)) of partial (max_k, Σ_k) pairs over dim 0.
 

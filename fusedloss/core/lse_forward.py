@@ -296,6 +296,24 @@ def _combine_partials_kernel(
 
 
 @triton.jit
+def _merge_pair_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """(max, Σ exp(· − max)) of two partials of the same n rows, each packed (2, n) as
+    [max; sum] (``out`` may be either input). A partial with sum 0 (no entries; the forward
+    reports max 0 there) counts as max −inf; NaN stays NaN."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    s1 = tl.load(x_ptr + n + offs, mask=inside, other=0.0)
+    s2 = tl.load(y_ptr + n + offs, mask=inside, other=0.0)
+    m1 = tl.where(s1 > 0, tl.load(x_ptr + offs, mask=inside, other=0.0), float("-inf"))
+    m2 = tl.where(s2 > 0, tl.load(y_ptr + offs, mask=inside, other=0.0), float("-inf"))
+    top = tl.maximum(m1, m2, propagate_nan=tl.PropagateNan.ALL)
+    safe = tl.where(top - top == 0.0, top, 0.0)  # ±inf and NaN → 0
+    total = s1 * exp(m1 - safe, PRECISE) + s2 * exp(m2 - safe, PRECISE)
+    tl.store(out_ptr + offs, top, mask=inside)
+    tl.store(out_ptr + n + offs, total, mask=inside)
+
+
+@triton.jit
 def _combine(max_ptr, sum_ptr, n_parts, n, offs, valid, dest, out_ptr, BLOCK: tl.constexpr,
              PRECISE: tl.constexpr):
     inside = offs < n

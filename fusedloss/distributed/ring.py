@@ -7,14 +7,17 @@ the column blocks travel around the ring instead (rank r sends to r + 1 and rece
 r − 1), so that at step k rank r holds block s = (r − k) mod W, and after W steps every block
 has met every rank's rows.
 
-Forward, at each step: post the transfer of the block held now to the next rank (and of the
-next block from the previous one), then run the engine's forward on (A_r, B_s) while the
-transfer is in flight. Row statistics (max, Σ exp) stay home and are merged step by step; for
-CLIP the visiting block's column statistics travel with it, merged at each rank, and arrive
-home complete after the last step. Backward: the same tour, with the block, its complete column
-statistics and column coefficients travelling ahead of the compute, and its gradient
-accumulator (fp32) travelling behind it, home after the last step. Gradients accumulate in fp32
-over the W blocks and are rounded once.
+Forward, at each step: run the engine's forward on (A_r, B_s) while the next block is in
+flight (posted at the previous step boundary). Row statistics (max, Σ exp) stay home, one
+partial per step, merged once after the last step; for CLIP the visiting block's column
+statistics travel with it, merged at each rank, and arrive home complete after the last step.
+Backward: the same tour, with the block, its complete column statistics and column
+coefficients travelling ahead of the compute, and its gradient accumulator (fp32) travelling
+behind it, home after the last step. Gradients accumulate in fp32 over the W blocks and are
+rounded once. Whatever crosses one step boundary goes in one posting (``_Boundary``): the next
+block and the held block's statistics or accumulator together, one NCCL call per step — each
+costs the host about 0.1 ms, and at 16384 rows per rank the host's time per step is close to
+the GPU's.
 
 Memory per rank beyond inputs and gradients: the block in flight besides the one held (c·b_max
 elements), the travelling dB accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and
@@ -26,6 +29,7 @@ global batch: past ``TILE_STATS_BUDGET`` the ring does not filter.)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -66,69 +70,78 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     per-step tile statistics that filtering reads)."""
     n, d = a.shape
     dev = a.device
+    world = layout.world
     clip, siglip = kind == "clip", kind == "siglip"
     filtering = (record and filter_eps is not None and not siglip and backend == "triton"
                  and _tile_stats_bytes(layout, kind, a) <= TILE_STATS_BUDGET)
-    run_max = torch.full((n,), float("-inf"), dtype=_F32, device=dev)
-    run_sum = torch.zeros(n, dtype=_F32, device=dev)
     sig_sum = torch.zeros(n, dtype=_F32, device=dev) if siglip else None
     target_logit = torch.zeros(n, dtype=_F32, device=dev)
-    saved = Saved(row_max=run_max, row_sum=run_sum)
+    row_parts = []  # per step: (max, Σ exp) of this rank's rows over the held block, packed
+    tiles_by_step, block = [], (0, 0)
+    rows_of = _RowsOf(kind, layout, n, labels, dev)
+
+    def arriving(k: int) -> _Parcel:
+        """What arrives at boundary k (before step k): the block of step k + 1, and for CLIP
+        the column statistics of the block held at step k over the rows it has met so far
+        (home, complete, at k = W). At k = 0 the statistics are this rank's own: local."""
+        specs = [] if k + 1 >= world else [((layout.cols[layout.block_at(k + 1)], d), b.dtype)]
+        if clip:
+            specs.append(((2, layout.cols[layout.block_at(k)]), _F32))
+        return _Parcel(specs, dev)
+
+    parcel = arriving(0)
+    shift = Shift(layout, [b], parcel.parts[:1]) if world > 1 else None
     held = b
-    # CLIP: the (max, Σ exp) of the held block's columns over the rows it has met so far
-    # arrive from the previous rank while this rank computes its part (``behind``, posted at
-    # the end of the previous step), and go on to the next rank; home after the last step.
-    behind, cols = None, None
-    for step in range(layout.world):
+    for step in range(world):
         s = layout.block_at(step)
-        last = step == layout.world - 1
-        ahead = None
-        if not last:
-            incoming = b.new_empty((layout.cols[layout.block_at(step + 1)], d))
-            ahead = Shift(layout, [held], [incoming])
         m_s = held.shape[0]
         tiles, part_cols = None, None
         if n and m_s:
-            rows = _rows(kind, layout, step, s, n, m_s, labels, dev)
             stats = engine.row_stats(
-                a, held, _logits(kind, held, scale, bias, step), rows,
+                a, held, _logits(kind, held, scale, bias, step), rows_of(step, s, m_s),
                 col_stats=clip, sigmoid=siglip, record_tiles=filtering, backend=backend)
             if siglip:
                 sig_sum += stats.sigmoid_sum
             else:
-                run_max, run_sum = _merge(run_max, run_sum, stats.max, stats.sum)
+                packed_rows, packed_cols = stats.packed()
+                row_parts.append(packed_rows[:2])
                 if clip:
-                    part_cols = (stats.col_max, stats.col_sum)
+                    part_cols = packed_cols[:2]
                 if kind == "info_nce":
                     in_block = _in_block(labels, layout.col_offset(s), m_s)
                     target_logit = torch.where(in_block, stats.target_logit, target_logit)
                 elif step == 0:
                     target_logit = stats.target_logit
-            saved.block = (stats.block_m, stats.block_n)
+            block = (stats.block_m, stats.block_n)
             if filtering:
                 tiles = (stats.tile_log_mass, stats.col_tile_log_mass)
-        saved.tiles.append(tiles)
-        if clip:
+        tiles_by_step.append(tiles)
+        if shift is not None:
+            shift.wait()  # the next block; CLIP: the held block's statistics so far
+        if step + 1 < world:
+            held = parcel.parts[0]
+        if clip:  # add this rank's rows to the held block's column statistics
+            so_far = parcel.parts[-1]
             if step == 0:
-                cols = _empty_cols(m_s, dev)
-            elif behind is not None:
-                behind.wait()  # the held block's statistics from the previous ranks
-            if part_cols is not None:
-                cols = torch.stack(_merge(cols[0], cols[1], *part_cols))
-            if layout.world > 1:  # on to the next rank (home, after the last step)
-                arriving = torch.empty((2, layout.cols[layout.block_at(step + 1)]),
-                                       dtype=_F32, device=dev)
-                behind = Shift(layout, [cols], [arriving], tag=2)
-                cols = arriving
-        if ahead is not None:
-            ahead.wait()
-            held = incoming
-    if behind is not None:
-        behind.wait()
+                so_far.copy_(part_cols if part_cols is not None else _empty_cols(m_s, dev))
+            elif part_cols is not None:
+                engine.merge_stats(so_far, part_cols, out=so_far, backend=backend)
+        # On to the next rank, as one transfer: the block it needs next (unless it has met
+        # every block) and the statistics.
+        first = 0 if step + 2 < world else (0 if step + 1 >= world else 1)
+        if world > 1 and (clip or step + 1 < world - 1):
+            sent, parcel = parcel, arriving(step + 1)
+            shift = Shift(layout, [sent.from_part(first)], [parcel.buffer])
+        else:
+            shift = None
+    if shift is not None:
+        shift.wait()  # CLIP: this rank's columns, over every row
+    cols = parcel.parts[-1] if clip else None
 
+    run_max, run_sum = _merge_all(row_parts, n, dev)  # SigLIP: none (max −inf, sum 0)
+    saved = Saved(row_max=run_max, row_sum=run_sum, tiles=tiles_by_step, block=block)
     if siglip:
         return sig_sum, saved
-    saved.row_max, saved.row_sum = run_max, run_sum
     row_margin = (run_max - target_logit) + torch.log(run_sum)
     loss = row_margin
     if clip:
@@ -152,54 +165,63 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     need_a, need_b, need_scale, need_bias = needs
     n, d = a.shape
     dev = a.device
+    world = layout.world
     clip, siglip = kind == "clip", kind == "siglip"
     g = grad_loss.float().contiguous()
+    half_g = 0.5 * g if clip else None
     row_log_sum = torch.log(saved.row_sum)
+    row_lse = saved.row_max + row_log_sum
+    rows_of = _RowsOf(kind, layout, n, labels, dev)
     grad_a = torch.zeros((n, d), dtype=_F32, device=dev) if need_a else None
-    # The held block's dB accumulator (fp32), over the ranks it has visited; it starts at home,
-    # arrives from the previous rank while this rank computes its part (``behind``, posted at
-    # the end of the previous step), and goes on to the next rank; home after the last step.
-    behind, grad_b = None, None
     grad_scale = torch.zeros((), dtype=_F32, device=dev)
     grad_bias = torch.zeros((), dtype=_F32, device=dev)
     # What travels ahead with a CLIP block: (col max, col sum, col coefficient, col mass).
     held_cols = None
     if clip:
         mass = saved.col_mass if saved.col_mass is not None else torch.ones_like(saved.col_max)
-        held_cols = torch.stack((saved.col_max, saved.col_sum, 0.5 * g, mass))
-    held = b
-    for step in range(layout.world):
+        held_cols = torch.stack((saved.col_max, saved.col_sum, half_g, mass))
+    n_ahead = 2 if clip else 1  # the block, and its column statistics (CLIP)
+
+    def arriving(k: int) -> _Parcel:
+        """What arrives at boundary k (before step k): the block of step k + 1 (CLIP: with
+        its column statistics and coefficients), and the dB accumulator (fp32) of the block
+        held at step k over the ranks it has visited (home, complete, at k = W). At k = 0
+        the accumulator is this rank's own: local."""
+        specs = []
+        if k + 1 < world:
+            m = layout.cols[layout.block_at(k + 1)]
+            specs += [((m, d), b.dtype)] + ([((4, m), _F32)] if clip else [])
+        if need_b:
+            specs.append(((layout.cols[layout.block_at(k)], d), _F32))
+        return _Parcel(specs, dev)
+
+    parcel = arriving(0)
+    ahead = [b, held_cols] if clip else [b]
+    shift = Shift(layout, ahead, parcel.parts[:n_ahead]) if world > 1 else None
+    for step in range(world):
         s = layout.block_at(step)
-        last = step == layout.world - 1
-        ahead = None
-        if not last:
-            m_next = layout.cols[layout.block_at(step + 1)]
-            incoming = b.new_empty((m_next, d))
-            incoming_cols = torch.empty((4, m_next) if clip else (0,), dtype=_F32, device=dev)
-            ahead = Shift(layout, [held, held_cols if clip else incoming_cols],
-                          [incoming, incoming_cols])
+        held = ahead[0]
         m_s = held.shape[0]
         part_b = None
         if n and m_s:
-            rows = _rows(kind, layout, step, s, n, m_s, labels, dev)
             tiles = saved.tiles[step] or (None, None)
-            stats = RowStats(lse=saved.row_max + row_log_sum, max=saved.row_max,
-                             log_sum=row_log_sum, sum=saved.row_sum, target_logit=None,
-                             weighted_sum=None, tile_log_mass=tiles[0],
-                             col_tile_log_mass=tiles[1], block_m=saved.block[0],
-                             block_n=saved.block[1])
+            stats = RowStats(lse=row_lse, max=saved.row_max, log_sum=row_log_sum,
+                             sum=saved.row_sum, target_logit=None, weighted_sum=None,
+                             tile_log_mass=tiles[0], col_tile_log_mass=tiles[1],
+                             block_m=saved.block[0], block_n=saved.block[1])
             col_mass = None
             if clip:
-                stats.set_columns(held_cols[0], held_cols[1])
-                col_mass = held_cols[3] if saved.col_mass is not None else None
-            coef = _coefficients(kind, g, rows, held_cols, labels, layout.col_offset(s), m_s,
-                                 step)
+                stats.set_columns(ahead[1][0], ahead[1][1])
+                col_mass = ahead[1][3] if saved.col_mass is not None else None
+            rows = rows_of(step, s, m_s)
+            coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
+                                 layout.col_offset(s), m_s)
             grads = engine.grads(
                 a, held, _logits(kind, held, scale, bias, step), rows, stats, coef,
                 filter_eps=filter_eps, need_a=need_a, need_b=need_b,
                 need_bias=bias is not None and need_bias, need_scale=need_scale,
                 sigmoid=siglip, filter_scale=(saved.row_mass, col_mass),
-                scratch_bytes=scratch_bytes(a, False), sparse=False, grad_dtype=_F32,
+                scratch_bytes=scratch_bytes(a, wide=True), sparse=False, grad_dtype=_F32,
                 backend=backend)
             if need_a:
                 grad_a += grads.a
@@ -208,24 +230,29 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 grad_scale += grads.scale
             if grads.bias is not None:
                 grad_bias += grads.bias.sum()
-        if need_b:
-            if step == 0:
-                grad_b = part_b if part_b is not None else torch.zeros((m_s, d), dtype=_F32,
-                                                                       device=dev)
-            else:
-                behind.wait()  # the held block's accumulator from the previous ranks
-                if part_b is not None:
-                    grad_b += part_b
-            if layout.world > 1:  # on to the next rank (home, after the last step)
-                arriving = torch.empty((layout.cols[layout.block_at(step + 1)], d),
-                                       dtype=_F32, device=dev)
-                behind = Shift(layout, [grad_b], [arriving], tag=2)
-                grad_b = arriving
-        if ahead is not None:
-            ahead.wait()
-            held, held_cols = incoming, incoming_cols if clip else None
-    if behind is not None:
-        behind.wait()
+        if shift is not None:
+            shift.wait()  # the next block; the held block's accumulator so far
+        if step + 1 < world:
+            ahead = parcel.parts[:n_ahead]
+        if need_b:  # add this rank's part to the held block's accumulator
+            acc = parcel.parts[-1]
+            if step == 0 and part_b is not None:
+                acc.copy_(part_b)
+            elif step == 0:
+                acc.zero_()
+            elif part_b is not None:
+                acc += part_b
+        # On to the next rank, as one transfer: the block it needs next (unless it has met
+        # every block) and the accumulator.
+        first = 0 if step + 2 < world else (0 if step + 1 >= world else n_ahead)
+        if world > 1 and (need_b or step + 1 < world - 1):
+            sent, parcel = parcel, arriving(step + 1)
+            shift = Shift(layout, [sent.from_part(first)], [parcel.buffer])
+        else:
+            shift = None
+    if shift is not None:
+        shift.wait()  # this rank's columns' gradient, from every rank
+    grad_b = parcel.parts[-1] if need_b else None
 
     if kind == "nt_xent":  # A and B are the same rows: both sides of the product
         if need_a or need_b:
@@ -235,27 +262,67 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             _opt(grad_scale, need_scale), _opt(grad_bias, need_bias and bias is not None))
 
 
+class _Parcel:
+    """Tensors of given (shape, dtype) as sections of one byte buffer, each 256-byte aligned,
+    so that what crosses a step boundary travels as one transfer: a rank forwards the parcel
+    it received (after adding its part in place) as the next rank's parcel, whose sections
+    have the same shapes. Each NCCL send or receive costs the host ~0.1 ms, and at 16384 rows
+    per rank the host's time per step is close to the GPU's."""
+
+    ALIGN = 256
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+        self.offsets, total = [], 0
+        for shape, dtype in specs:
+            self.offsets.append(total)
+            nbytes = math.prod(shape) * dtype.itemsize
+            total += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        self.parts = [
+            self.buffer[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), o in zip(specs, self.offsets, strict=True)]
+
+    def from_part(self, i: int) -> Tensor:
+        """The buffer from section ``i`` on (the next rank's parcel, when it needs less)."""
+        return self.buffer[self.offsets[i]:] if i < len(self.offsets) else self.buffer[:0]
+
+
 # ---------------------------------------------------------------------------------------------
 # per step: which rows have a target in the held block, and how the logits are formed
 
 
-def _rows(kind: str, layout: Layout, step: int, s: int, n: int, m_s: int,
-          labels: Tensor | None, dev: torch.device) -> Rows:
-    """All n rows, in order; their targets within the held block (column ids of the block)."""
-    target = None
-    if kind == "info_nce":
-        # Each query's positive key lies in one block; elsewhere a stand-in id whose
-        # target logit and coefficient are masked out.
-        offset = layout.col_offset(s)
-        target = torch.where(_in_block(labels, offset, m_s), labels - offset, 0)
-    elif step == 0:  # the diagonal pairs live in the home block
-        ids = torch.arange(n, device=dev)
-        target = (ids + n // 2) % n if kind == "nt_xent" else ids
-    elif kind == "siglip":  # sigmoid mode needs targets: none of these columns is one
-        target = torch.full((n,), -1, dtype=torch.int64, device=dev)
-    return Rows(index=torch.arange(n, device=dev),
-                n_valid=torch.full((), n, dtype=torch.int64, device=dev),
-                target=target, identity=True, all_valid=True)
+class _RowsOf:
+    """The rows of each step: all n rows in order, with their targets within the held block
+    (column ids of the block). Formed once per call, but for InfoNCE's per-block targets."""
+
+    def __init__(self, kind: str, layout: Layout, n: int, labels: Tensor | None,
+                 dev: torch.device):
+        self.kind, self.layout, self.n, self.labels = kind, layout, n, labels
+        self.index = torch.arange(n, device=dev)
+        self.n_valid = torch.full((), n, dtype=torch.int64, device=dev)
+        self.cached: dict[bool, Rows] = {}
+
+    def __call__(self, step: int, s: int, m_s: int) -> Rows:
+        kind, n = self.kind, self.n
+        if kind == "info_nce":
+            # Each query's positive key lies in one block; elsewhere a stand-in id whose
+            # target logit and coefficient are masked out.
+            offset = self.layout.col_offset(s)
+            return self._rows(torch.where(_in_block(self.labels, offset, m_s),
+                                          self.labels - offset, 0))
+        home = step == 0
+        if home not in self.cached:
+            target = None
+            if home:  # the diagonal pairs live in the home block
+                target = (self.index + n // 2) % n if kind == "nt_xent" else self.index
+            elif kind == "siglip":  # sigmoid mode needs targets: none of these columns is one
+                target = torch.full((n,), -1, dtype=torch.int64, device=self.index.device)
+            self.cached[home] = self._rows(target)
+        return self.cached[home]
+
+    def _rows(self, target: Tensor | None) -> Rows:
+        return Rows(index=self.index, n_valid=self.n_valid, target=target, identity=True,
+                    all_valid=True)
 
 
 def _logits(kind: str, held: Tensor, scale: Tensor, bias: Tensor | None, step: int) -> Logits:
@@ -264,13 +331,14 @@ def _logits(kind: str, held: Tensor, scale: Tensor, bias: Tensor | None, step: i
     return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent" and step == 0)
 
 
-def _coefficients(kind: str, g: Tensor, rows: Rows, held_cols: Tensor | None,
-                  labels: Tensor | None, offset: int, m_s: int, step: int) -> GradCoefficients:
+def _coefficients(kind: str, g: Tensor, half_g: Tensor | None, rows: Rows,
+                  held_cols: Tensor | None, labels: Tensor | None, offset: int,
+                  m_s: int) -> GradCoefficients:
     """dX = r·P + c·Q − t·onehot(target) for this block (the table in ops/contrastive.py)."""
     if kind == "siglip":
         return GradCoefficients(lse=g)
     if kind == "clip":
-        return GradCoefficients(lse=0.5 * g, col=held_cols[2],
+        return GradCoefficients(lse=half_g, col=held_cols[2],
                                 target=g if rows.target is not None else None)
     if kind == "info_nce":
         return GradCoefficients(lse=g, target=torch.where(_in_block(labels, offset, m_s), g, 0.0))
@@ -301,17 +369,19 @@ def _empty_cols(m: int, dev: torch.device) -> Tensor:
                         torch.zeros(m, dtype=_F32, device=dev)))
 
 
-def _merge(max1: Tensor, sum1: Tensor, max2: Tensor, sum2: Tensor) -> tuple[Tensor, Tensor]:
-    """(max, Σ exp(· − max)) of two partial pairs of the same rows (or columns).
-
-    A partial without entries (sum 0; the engine reports max 0 there) counts as max −inf, so it
-    cannot swamp a row whose entries are all far below 0. NaN stays NaN.
-    """
-    max1 = torch.where(sum1 > 0, max1, float("-inf"))
-    max2 = torch.where(sum2 > 0, max2, float("-inf"))
-    top = torch.maximum(max1, max2)
+def _merge_all(parts: list[Tensor], n: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+    """(max, Σ exp(· − max)) of the rows over every step, from the steps' packed (2, n)
+    partials, in one reduction at the end. A partial without entries (sum 0; the engine
+    reports max 0 there) counts as max −inf, so it cannot swamp a row whose entries are all
+    far below 0. NaN stays NaN."""
+    if not parts:
+        return (torch.full((n,), float("-inf"), dtype=_F32, device=dev),
+                torch.zeros(n, dtype=_F32, device=dev))
+    packed = torch.stack(parts)  # (steps, 2, n)
+    maxes = torch.where(packed[:, 1] > 0, packed[:, 0], float("-inf"))
+    top = maxes.amax(dim=0)
     safe = torch.where(torch.isfinite(top), top, 0.0)
-    return top, sum1 * torch.exp(max1 - safe) + sum2 * torch.exp(max2 - safe)
+    return top, (packed[:, 1] * torch.exp(maxes - safe)).sum(dim=0)
 
 
 def _opt(t: Tensor, needed: bool) -> Tensor | None:

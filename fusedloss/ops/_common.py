@@ -53,10 +53,15 @@ WIDE_SLAB_COLUMNS = 4096
 SCRATCH_CAP_BYTES = 2**30
 
 
-def scratch_bytes(a: Tensor, split: bool = False) -> int | None:
+def scratch_bytes(a: Tensor, split: bool = False, wide: bool = False) -> int | None:
     """The backward's dX scratch per column slab for the rows ``a`` (``engine.grads``'
     ``scratch_bytes``): 64 MiB up to N = 16384 rows (44 MiB with the split accumulator), 4096
-    columns wide beyond, up to 1 GiB. ``FUSEDLOSS_SCRATCH_MB`` overrides. The LM heads and the
+    columns wide beyond, up to 1 GiB. ``wide``: slabs of 4096 columns (up to 1 GiB) whatever N,
+    but never a smaller scratch than the default — the ring's choice, whose blocks of one
+    rank's rows are often 16384 or fewer, each block paying the host's per-slab launches
+    (measured on 4 × H200, 2026-11-26, CLIP ring, B = 65536, c = 512, 16384 rows per rank:
+    128 MiB against 64 MiB took the step from 17.2–17.7 to 15.8–16.1 ms, its compute alone
+    from 14.8 to 12.6). ``FUSEDLOSS_SCRATCH_MB`` overrides. The LM heads and the
     contrastive losses share it: beyond 16384 rows a fixed 64 MiB would leave slabs of
     32 Mi / N columns (256 at N = 131072), each paying the read-modify-write of the fp32 dA.
 
@@ -76,9 +81,11 @@ def scratch_bytes(a: Tensor, split: bool = False) -> int | None:
     if "FUSEDLOSS_SCRATCH_MB" in os.environ:
         return None
     n = a.shape[0]
+    wide_bytes = int(min(SCRATCH_CAP_BYTES, n * WIDE_SLAB_COLUMNS * a.element_size()))
     if n <= 16384:
-        return 44 * 2**20 if split else 2**26
-    return int(min(SCRATCH_CAP_BYTES, n * WIDE_SLAB_COLUMNS * a.element_size()))
+        default = 44 * 2**20 if split else 2**26
+        return max(default, wide_bytes) if wide else default
+    return wide_bytes
 
 
 def backward_row_chunk(a: Tensor) -> int | None:
