@@ -139,23 +139,24 @@ def _reference(kind, rows, cols, d, dtype, reduction, seed, backend="torch"):
             loss = fusedloss.siglip_loss(*feats, scale, bias, **common)
         else:
             loss = fusedloss.clip_loss(*feats, scale, **common)
-    factor = 1 if reduction == "none" and kind != "siglip" else world
     if reduction == "none" and kind != "siglip":
         n = loss.shape[0]
         (loss * _weights(n, seed)).sum().backward()
     else:
-        loss.backward()
-    shared = [scale.grad * factor] + ([bias.grad * factor] if kind == "siglip" else [])
+        # The ring's scaling as the upstream gradient, as the ring applies it: the kernels
+        # round the same scaled dX to the features' dtype (scaling the gradients afterwards
+        # rounds differently, by up to a bf16 ulp of every term of a cancelling sum).
+        (loss * world).backward()
+    shared = [scale.grad] + ([bias.grad] if kind == "siglip" else [])
     per_rank = []
     for r in range(world):
         if kind == "nt_xent":
             pick = _nt_xent_rows(rows, r)
-            grads = [feats[0].grad[pick] * factor]
+            grads = [feats[0].grad[pick]]
             value = loss.detach()[pick] if reduction == "none" else None
         else:
             col_sizes = cols if kind == "info_nce" else rows
-            grads = [_slice(feats[0].grad, rows, r) * factor,
-                     _slice(feats[1].grad, col_sizes, r) * factor]
+            grads = [_slice(feats[0].grad, rows, r), _slice(feats[1].grad, col_sizes, r)]
             value = _slice(loss.detach(), rows, r) if reduction == "none" and \
                 kind != "siglip" else None
         per_rank.append((value, grads))

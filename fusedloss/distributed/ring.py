@@ -191,7 +191,7 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
         if k + 1 < world:
             m = layout.cols[layout.block_at(k + 1)]
             specs += [((m, d), b.dtype)] + ([((4, m), _F32)] if clip else [])
-        if need_b:
+        if need_b and world > 1:  # with one rank dB is the one step's part itself
             specs.append(((layout.cols[layout.block_at(k)], d), _F32))
         return _Parcel(specs, dev)
 
@@ -234,7 +234,7 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             shift.wait()  # the next block; the held block's accumulator so far
         if step + 1 < world:
             ahead = parcel.parts[:n_ahead]
-        if need_b:  # add this rank's part to the held block's accumulator
+        if need_b and world > 1:  # add this rank's part to the held block's accumulator
             acc = parcel.parts[-1]
             if step == 0 and part_b is not None:
                 acc.copy_(part_b)
@@ -252,7 +252,11 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             shift = None
     if shift is not None:
         shift.wait()  # this rank's columns' gradient, from every rank
-    grad_b = parcel.parts[-1] if need_b else None
+    grad_b = None
+    if need_b:
+        grad_b = parcel.parts[-1] if world > 1 else part_b
+        if grad_b is None:  # one rank without rows
+            grad_b = torch.zeros((b.shape[0], d), dtype=_F32, device=dev)
 
     if kind == "nt_xent":  # A and B are the same rows: both sides of the product
         if need_a or need_b:
