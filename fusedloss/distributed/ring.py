@@ -130,7 +130,8 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
         # every block) and the statistics.
         first = 0 if step + 2 < world else (0 if step + 1 >= world else 1)
         if world > 1 and (clip or step + 1 < world - 1):
-            sent, parcel = parcel, arriving(step + 1)
+            sent = parcel  # (the parcel sent before this one is released first)
+            parcel = arriving(step + 1)
             shift = Shift(layout, [sent.from_part(first)], [parcel.buffer])
         else:
             shift = None
@@ -230,6 +231,7 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 grad_scale += grads.scale
             if grads.bias is not None:
                 grad_bias += grads.bias.sum()
+            grads = None  # dA's part is added; dB's stays as part_b until added below
         if shift is not None:
             shift.wait()  # the next block; the held block's accumulator so far
         if step + 1 < world:
@@ -242,11 +244,15 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 acc.zero_()
             elif part_b is not None:
                 acc += part_b
+            # Freed before the next step's part is formed: three m × D fp32 buffers at most
+            # (the accumulator on its way out, the one coming in, the step's part).
+            part_b = None
         # On to the next rank, as one transfer: the block it needs next (unless it has met
         # every block) and the accumulator.
         first = 0 if step + 2 < world else (0 if step + 1 >= world else n_ahead)
         if world > 1 and (need_b or step + 1 < world - 1):
-            sent, parcel = parcel, arriving(step + 1)
+            sent = parcel  # (the parcel sent before this one is released first)
+            parcel = arriving(step + 1)
             shift = Shift(layout, [sent.from_part(first)], [parcel.buffer])
         else:
             shift = None
