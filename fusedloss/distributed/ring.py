@@ -14,14 +14,16 @@ statistics travel with it, merged at each rank, and arrive home complete after t
 Backward: the same tour, with the block, its complete column statistics and column
 coefficients travelling ahead of the compute, and its gradient accumulator (fp32) travelling
 behind it, home after the last step. Gradients accumulate in fp32 over the W blocks and are
-rounded once. Whatever crosses one step boundary goes in one posting (``_Boundary``): the next
-block and the held block's statistics or accumulator together, one NCCL call per step — each
-costs the host about 0.1 ms, and at 16384 rows per rank the host's time per step is close to
-the GPU's.
+rounded once. Whatever crosses one step boundary travels as one transfer (``_Parcel``): the
+next block and the held block's statistics or accumulator, as sections of one buffer, which
+each rank forwards as it arrived once its own part is added in place — one NCCL send and one
+receive per step; each posting costs the host about 0.1 ms, and at 16384 rows per rank the
+host's time per step is close to the GPU's.
 
 Memory per rank beyond inputs and gradients: the block in flight besides the one held (c·b_max
 elements), the travelling dB accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and
-the dA accumulator (4·b_r·c bytes) in the backward, O(b_r + b_max) statistics, the per-step
+the dA accumulator (4·b_r·c bytes) in the backward, the row statistics of every step until the
+last (8·b_r·W bytes), O(b_max) column statistics, the per-step
 tile statistics the backward's filtering reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the
 engine's own working memory for one (b_r × b_s) block. (The tile statistics grow with the
 global batch: past ``TILE_STATS_BUDGET`` the ring does not filter.)
