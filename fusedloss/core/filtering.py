@@ -301,21 +301,31 @@ def _live_tiles_kernel(
     stat = tl.load(stat_ptr + b * stride_sb + offs_t.to(tl.int64) * stride_st, mask=in_range,
                    other=float("inf"))
     bound = exp(stat - min_lse, PRECISE)  # ≥ every valid row's mass in the tile
-    # Skip the smallest bounds while their running sum stays within the budget: every tile
-    # below the first sorted bound whose running sum exceeds it (NaN sorts as +inf: kept).
-    key = tl.where(bound == bound, bound, float("inf"))
-    ordered = tl.sort(key)
-    running = tl.cumsum(ordered, 0)
-    threshold = tl.min(tl.where(running > budget, ordered, float("inf")), axis=0)
-    live = ~(bound < threshold) | nan_row
-    live = live & has_rows
-    ptrs = live_ptr + b * stride_lb + offs_t.to(tl.int64) * stride_lt
+    # (Tiles outside the range loaded +inf: they sort last.)
+    live = ~(bound < _skip_threshold(bound, budget)) | nan_row
     m_out = in_range
-    if ACCUMULATE:
-        live = live | (tl.load(ptrs, mask=in_range, other=0) != 0)
     if TILE_ROWS > 0:
         m_out = m_out & (offs_t * TILE_ROWS < tl.load(tile_limit_ptr))
-    tl.store(ptrs, live.to(tl.uint8), mask=m_out)
+    _store_live(live & has_rows, live_ptr + b * stride_lb + offs_t.to(tl.int64) * stride_lt,
+                m_out, ACCUMULATE)
+
+
+@triton.jit
+def _skip_threshold(bound, budget):
+    """Both rules skip a block's smallest bounds while their running sum stays within the
+    budget: every tile below the threshold returned here, the first sorted bound whose running
+    sum exceeds the budget (NaN sorts as +inf: kept)."""
+    ordered = tl.sort(tl.where(bound == bound, bound, float("inf")))
+    running = tl.cumsum(ordered, 0)
+    return tl.min(tl.where(running > budget, ordered, float("inf")), axis=0)
+
+
+@triton.jit
+def _store_live(live, ptrs, mask, ACCUMULATE: tl.constexpr):
+    """Stores a block's live mask (uint8), or'ed into the one there with ``ACCUMULATE``."""
+    if ACCUMULATE:
+        live = live | (tl.load(ptrs, mask=mask, other=0) != 0)
+    tl.store(ptrs, live.to(tl.uint8), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,16 +504,8 @@ def _pooled_live_tiles_kernel(
     nan_block = tl.max(bad, axis=0) > 0
     budget = eps * tl.sqrt(tl.sum(floor2, axis=0))
     q = tl.sqrt(q2)
-    # Skip the smallest q while their running sum stays within the budget: every tile below
-    # the first sorted q whose running sum exceeds it (NaN sorts as +inf: kept). Tiles outside
-    # the range sort last.
-    key = tl.where((q == q) & in_range, q, float("inf"))
-    ordered = tl.sort(key)
-    running = tl.cumsum(ordered, 0)
-    threshold = tl.min(tl.where(running > budget, ordered, float("inf")), axis=0)
+    # Tiles outside the range sort last.
+    threshold = _skip_threshold(tl.where(in_range, q, float("inf")), budget)
     live = ~(q < threshold) | nan_block
-    live = live & has_rows
-    ptrs = live_ptr + b * stride_lb + offs_t.to(tl.int64) * stride_lt
-    if ACCUMULATE:
-        live = live | (tl.load(ptrs, mask=counted, other=0) != 0)
-    tl.store(ptrs, live.to(tl.uint8), mask=counted)
+    _store_live(live & has_rows, live_ptr + b * stride_lb + offs_t.to(tl.int64) * stride_lt,
+                counted, ACCUMULATE)
