@@ -128,9 +128,10 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 so_far.copy_(part_cols if part_cols is not None else _empty_cols(m_s, dev))
             elif part_cols is not None:
                 engine.merge_stats(so_far, part_cols, out=so_far, backend=backend)
-        # On to the next rank, as one transfer: the block it needs next (unless it has met
-        # every block) and the statistics.
-        first = 0 if step + 2 < world else (0 if step + 1 >= world else 1)
+        # On to the next rank, as one transfer: the block it needs next (none once it has
+        # met every block: then the parcel's block section, if any, stays) and the statistics.
+        has_block, next_needs_block = step + 1 < world, step + 2 < world
+        first = 1 if has_block and not next_needs_block else 0
         if world > 1 and (clip or step + 1 < world - 1):
             sent = parcel  # (the parcel sent before this one is released first)
             parcel = arriving(step + 1)
@@ -249,9 +250,11 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             # Freed before the next step's part is formed: three m × D fp32 buffers at most
             # (the accumulator on its way out, the one coming in, the step's part).
             part_b = None
-        # On to the next rank, as one transfer: the block it needs next (unless it has met
-        # every block) and the accumulator.
-        first = 0 if step + 2 < world else (0 if step + 1 >= world else n_ahead)
+        # On to the next rank, as one transfer: the block it needs next (none once it has
+        # met every block: then the parcel's block sections, if any, stay) and the
+        # accumulator.
+        has_block, next_needs_block = step + 1 < world, step + 2 < world
+        first = n_ahead if has_block and not next_needs_block else 0
         if world > 1 and (need_b or step + 1 < world - 1):
             sent = parcel  # (the parcel sent before this one is released first)
             parcel = arriving(step + 1)
