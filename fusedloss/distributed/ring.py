@@ -128,16 +128,7 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 so_far.copy_(part_cols if part_cols is not None else _empty_cols(m_s, dev))
             elif part_cols is not None:
                 engine.merge_stats(so_far, part_cols, out=so_far, backend=backend)
-        # On to the next rank, as one transfer: the block it needs next (none once it has
-        # met every block: then the parcel's block section, if any, stays) and the statistics.
-        has_block, next_needs_block = step + 1 < world, step + 2 < world
-        first = 1 if has_block and not next_needs_block else 0
-        if world > 1 and (clip or step + 1 < world - 1):
-            sent = parcel  # (the parcel sent before this one is released first)
-            parcel = arriving(step + 1)
-            shift = Shift(layout, [sent.from_part(first)], [parcel.buffer])
-        else:
-            shift = None
+        parcel, shift = _pass_on(layout, step, parcel, 1, clip, arriving)
     if shift is not None:
         shift.wait()  # CLIP: this rank's columns, over every row
     cols = parcel.parts[-1] if clip else None
@@ -250,17 +241,7 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             # Freed before the next step's part is formed: three m × D fp32 buffers at most
             # (the accumulator on its way out, the one coming in, the step's part).
             part_b = None
-        # On to the next rank, as one transfer: the block it needs next (none once it has
-        # met every block: then the parcel's block sections, if any, stay) and the
-        # accumulator.
-        has_block, next_needs_block = step + 1 < world, step + 2 < world
-        first = n_ahead if has_block and not next_needs_block else 0
-        if world > 1 and (need_b or step + 1 < world - 1):
-            sent = parcel  # (the parcel sent before this one is released first)
-            parcel = arriving(step + 1)
-            shift = Shift(layout, [sent.from_part(first)], [parcel.buffer])
-        else:
-            shift = None
+        parcel, shift = _pass_on(layout, step, parcel, n_ahead, need_b, arriving)
     if shift is not None:
         shift.wait()  # this rank's columns' gradient, from every rank
     grad_b = None
@@ -275,6 +256,23 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             return total.to(a.dtype), None, _opt(grad_scale, need_scale), None
     return (grad_a.to(a.dtype) if need_a else None, grad_b.to(b.dtype) if need_b else None,
             _opt(grad_scale, need_scale), _opt(grad_bias, need_bias and bias is not None))
+
+
+def _pass_on(layout: Layout, step: int, parcel: _Parcel, block_sections: int,
+             carries: bool, arriving) -> tuple[_Parcel, Shift | None]:
+    """The boundary after ``step``: sends ``parcel`` on to the next rank as one transfer — the
+    block it needs next (none once it has met every block: the parcel's first
+    ``block_sections`` sections then stay) and what follows (``carries``: statistics or an
+    accumulator) — and posts the receive of the parcel ``arriving(step + 1)``. Returns that
+    parcel and its ``Shift`` (None where nothing travels). The caller's earlier parcel is
+    released before the new one is allocated."""
+    world = layout.world
+    if world == 1 or not (carries or step + 1 < world - 1):
+        return parcel, None
+    has_block, next_needs_block = step + 1 < world, step + 2 < world
+    first = block_sections if has_block and not next_needs_block else 0
+    incoming = arriving(step + 1)
+    return incoming, Shift(layout, [parcel.from_part(first)], [incoming.buffer])
 
 
 class _Parcel:
