@@ -468,6 +468,10 @@ def test_backward_scratch_rule(monkeypatch):
     assert scratch_bytes(rows(16384), split=True) == 44 * 2**20
     assert scratch_bytes(rows(40000)) == 40000 * 4096 * 2
     assert scratch_bytes(rows(1 << 20)) == 2**30
+    # wide (the ring's blocks): 4096-column slabs at any row count, never below the default
+    assert scratch_bytes(rows(16384), wide=True) == 16384 * 4096 * 2
+    assert scratch_bytes(rows(4096), wide=True) == 2**26
+    assert scratch_bytes(rows(1 << 20), wide=True) == 2**30
     monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "32")
     assert scratch_bytes(rows(40000)) is None  # the engine reads the variable itself
     monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB")
