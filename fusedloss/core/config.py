@@ -72,6 +72,26 @@ def filter_rule() -> str:
     return rule
 
 
+def gluon_enabled(device: torch.device) -> bool:
+    """Whether the Hopper (sm90) Gluon kernels may run on ``device`` (``lse_forward_sm90``):
+    a compute capability 9.x GPU, not the interpreter, a Triton with Gluon's Hopper ops, and
+    ``FUSEDLOSS_GLUON`` not "0" (which keeps the Triton kernels, for comparison or as a
+    fallback)."""
+    if (device.type != "cuda" or interpreting() or os.environ.get("FUSEDLOSS_GLUON", "1") == "0"
+            or capability(device)[0] != 9):
+        return False
+    return _gluon_importable()
+
+
+@functools.cache
+def _gluon_importable() -> bool:
+    try:
+        from . import lse_forward_sm90  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("FUSEDLOSS_AUTOTUNE", "0") == "1"
 
@@ -129,6 +149,9 @@ def forward_config(device: torch.device, dtype: torch.dtype, d: int, *,
             # the registers per thread. Measured on an H100 (2026-11-22): NT-Xent forward
             # 2 × 16384 × 256 1.75 → 1.38 ms. With column statistics (below) it was slower.
             return TileConfig(128, 128, 64, 0, num_warps=8, num_stages=3)
+        if d <= 512 and d % 64 == 0 and gluon_enabled(device):
+            # The Gluon kernel (lse_forward_sm90): 64 × 128 tiles, two consumer warpgroups.
+            return TileConfig(64, 128, 64, 0, num_warps=4, num_stages=3)
         if d <= 1024:
             # Contrastive widths: one warpgroup on 128×128 tiles. Measured on an H100
             # (2026-11-22, bf16, fwd+bwd) against 128×256 on 8 warps: CLIP b = 65536, c = 512

@@ -302,20 +302,21 @@ def _program_target(device: torch.device) -> int:
 
 
 def _forward_grid(n_rb: int, n_ct: int, col_stats: bool, device: torch.device,
-                  resident: int = 1):
+                  resident: int = 1, col_parts: int = 1):
     """(row groups, blocks per group, column splits, tiles per split) of the forward.
 
     Without column statistics every row block is its own group, and the columns are split so
     that the programs' last wave ends with the others (``_balanced_splits``). With them,
     programs own near-square rectangles of tiles so that both the row and the column partials
-    stay few (O((N + V) · √programs) floats). ``resident``: programs one SM runs at once.
+    stay few (O((N + V) · √programs) floats). ``resident``: programs one SM runs at once;
+    ``col_parts``: column partials per group (the Hopper kernel keeps one per consumer).
     """
     target = _program_target(device)
     if not col_stats:
         slots = max(1, target // 4) * resident if device.type == "cuda" else target
         splits, per_split = _balanced_splits(n_rb, n_ct, slots)
         return n_rb, 1, splits, per_split
-    groups = max(1, min(n_rb, round((target * n_rb / n_ct) ** 0.5)))
+    groups = max(1, min(n_rb, round((target * n_rb / (n_ct * col_parts)) ** 0.5)))
     per_group = triton_cdiv(n_rb, groups)
     groups = triton_cdiv(n_rb, per_group)
     splits = max(1, min(n_ct, triton_cdiv(target, groups)))
@@ -348,6 +349,23 @@ def _resident_programs(cfg: config.TileConfig, element_size: int) -> int:
     return max(1, min(228 * 1024 // max(1, smem), 64 // cfg.num_warps // 4))
 
 
+def _sm90_operand(a, b, logits, rows, col_stats, sigmoid, weighted_sum) -> torch.Tensor | None:
+    """A in compact row order where the Hopper kernel (``lse_forward_sm90``) computes this
+    forward, else None: column statistics without the options it lacks (softcap, vocabulary
+    order, diagonal mask, weighted sums), on operands that TMA reads."""
+    if not (col_stats and not sigmoid and not weighted_sum and config.gluon_enabled(a.device)
+            and config.tma_enabled()):
+        return None
+    if logits.softcap or logits.col_order is not None or logits.diag_mask:
+        return None
+    from . import lse_forward_sm90
+
+    if not (lse_forward_sm90.supports(a, b) and _tma_ready(a) and _tma_ready(b)):
+        return None
+    a_rows = compact_operand(a, rows)
+    return a_rows if _tma_ready(a_rows) else None
+
+
 def _check_ids(n: int, v: int) -> None:
     """The kernels compare row and column ids in 32 bits."""
     if max(n, v) >= 2**31:
@@ -367,8 +385,10 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     _check_ids(n, v)
     cfg = config.forward_config(a.device, a.dtype, d, sigmoid=sigmoid, col_stats=col_stats)
     n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
+    a_sm90 = _sm90_operand(a, b, logits, rows, col_stats, sigmoid, weighted_sum)
+    resident = 1 if a_sm90 is not None else _resident_programs(cfg, a.element_size())
     groups, blocks_per_group, splits, tiles_per_split = _forward_grid(
-        n_rb, n_ct, col_stats, a.device, _resident_programs(cfg, a.element_size()))
+        n_rb, n_ct, col_stats, a.device, resident, col_parts=2 if a_sm90 is not None else 1)
     record_tiles = record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
@@ -389,8 +409,10 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     else:
         tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
-        col_max = torch.full((groups, v), float("-inf"), **f32)
-        col_sum = torch.zeros((groups, v), **f32)
+        # The Hopper kernel keeps one column partial per consumer warpgroup.
+        col_parts = groups * (2 if a_sm90 is not None else 1)
+        col_max = torch.full((col_parts, v), float("-inf"), **f32)
+        col_sum = torch.zeros((col_parts, v), **f32)
         if per_row:
             col_tiles = torch.full((n_rb, n_ct * cfg.block_n), float("-inf"), **f32)
         else:
@@ -398,31 +420,38 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
                          else col_sum)
     dot_fp32, precision = _dot_flags(a)
     dummy = part_sum
-    a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
-                                         cfg.block_k)
-    _lse_forward_kernel[(groups, splits)](
-        a, b, a_desc, b_desc,
-        logits.bias if logits.bias is not None else dummy,
-        logits.scale if logits.scale is not None else dummy,
-        rows.index, rows.n_valid,
-        logits.col_order if logits.col_order is not None else rows.index,
-        rows.target if has_target else rows.index,
-        col_weight if col_weight is not None else dummy,
-        part_max, part_sum, part_target, part_wsum, tiles,
-        col_max if col_stats else dummy, col_sum if col_stats else dummy,
-        col_tiles if col_stats else dummy,
-        n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
-        HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
-        SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
-        HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum, HAS_COL_WEIGHT=col_weight is not None,
-        RECORD_TILES=record_tiles, PER_ROW=per_row, COL_STATS=col_stats,
-        DIAG_MASK=logits.diag_mask,
-        SIGMOID=sigmoid,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
-        PRECISE=config.precise_math(a.dtype), USE_TMA=a_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if a_sm90 is not None:
+        from . import lse_forward_sm90
+
+        lse_forward_sm90.launch(
+            a_sm90, b, logits.bias, logits.scale, rows.n_valid, part_max, part_sum, tiles,
+            col_max, col_sum, col_tiles, (groups, splits), blocks_per_group, tiles_per_split,
+            n_ct, record_tiles, per_row)
+    else:
+        a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
+                                             cfg.block_k)
+        _lse_forward_kernel[(groups, splits)](
+            a, b, a_desc, b_desc,
+            logits.bias if logits.bias is not None else dummy,
+            logits.scale if logits.scale is not None else dummy,
+            rows.index, rows.n_valid,
+            logits.col_order if logits.col_order is not None else rows.index,
+            rows.target if has_target else rows.index,
+            col_weight if col_weight is not None else dummy,
+            part_max, part_sum, part_target, part_wsum, tiles,
+            col_max if col_stats else dummy, col_sum if col_stats else dummy,
+            col_tiles if col_stats else dummy,
+            n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
+            HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
+            SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
+            HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum,
+            HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles, PER_ROW=per_row,
+            COL_STATS=col_stats, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
+            PRECISE=config.precise_math(a.dtype), USE_TMA=a_desc is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     target_logit = None
     if target_in_tiles:
         target_logit = part_target.sum(dim=0)
@@ -454,7 +483,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     _combine_partials_kernel[(row_programs + (triton_cdiv(v, block) if col_stats else 0),)](
         part_max, part_sum, splits, n, rows.n_valid, row_out,
         col_max if col_stats else dummy, col_sum if col_stats else dummy,
-        groups if col_stats else 0, v,
+        col_parts if col_stats else 0, v,
         logits.col_order if logits.col_order is not None else rows.index, col_out,
         row_programs, COLUMNS=col_stats, HAS_ORDER=logits.col_order is not None, BLOCK=block,
         PRECISE=not config.interpreting(), num_warps=4,

@@ -1,0 +1,355 @@
+"""Hopper (sm90) forward of the core with column statistics: the symmetric contrastive losses.
+
+The same statistics as ``lse_forward._lse_forward_kernel`` with ``COL_STATS`` (row and column
+(max, Σ exp) partials, per-tile log-masses for filtering), written in Gluon, Triton's
+lower-level dialect, for one reason: where the column reduction happens.
+
+A (BLOCK_M × BLOCK_N) tile lives in the registers of one warpgroup, each warp holding
+BLOCK_M / 4 of its rows. A column's (max, Σ exp) over the tile's rows needs every warp's
+rows: reduced over the whole tile (what the Triton kernel's ``tl.max(x, axis=0)`` compiles
+to) it costs three exchanges through shared memory, each behind a barrier of the four warps,
+per tile. Here each warp first reduces its own rows (shuffles within the warp, no barrier);
+the four per-warp partials, 4 × BLOCK_N pairs instead of BLOCK_M × BLOCK_N values, are
+combined in one exchange. Measured on an H200 (b = 16384, c = 512, bf16): 1.18–1.34 ms for
+the Triton kernel, see docs/results.md for this kernel's figure.
+
+Operands: A's row block stays in shared memory for all of the program's tiles (K_TILES chunks
+of BLOCK_K columns); B's tiles stream through a ring of STAGES chunk slots filled by TMA
+(the bulk copy engine) ahead of the tensor cores, which multiply by ``warpgroup_mma`` chains.
+The raw tile, its scaling (one rounded product, as ``logits.mul_rn``) and masks equal the
+Triton kernels' bit for bit, so the target logits and the backward's recomputed tiles agree
+with these statistics exactly.
+
+Gluon kernels run on the GPU only (not under Triton's interpreter): the Triton kernel serves
+every other device, dtype and option, and the GPU tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 64   # rows of a tile: one warpgroup, 16 rows per warp
+BLOCK_N = 128  # columns of a tile: the backward's column tile (its statistics address it)
+BLOCK_K = 64   # width of one operand chunk (128 bytes of bf16: one TMA swizzle row)
+MAX_D = 512    # two consumers' A blocks (2 · 64 · D · 2 bytes) stay in shared memory
+WARPS = 4      # per consumer warpgroup; the loader's warp comes on top
+# Registers: 12 warps (the loader's rounded up to a warpgroup) share 64K per SM: 168 each on
+# launch, then the loader gives its up (24) and the consumers take 232 each.
+MAX_REGS = 168
+CONSUMER_REGS = 232
+# Column sums share one reference per tile (the largest row max) where every entry lies within
+# this many nats of it: exp(X − ref) ≥ e⁻⁸⁰ stays a normal fp32 number (e⁻⁸⁷ is the least).
+_REF_RANGE = gl.constexpr(80.0)
+_SMEM_BUDGET = 208 * 1024  # of Hopper's 227 KiB per block; the rest for layout exchanges
+
+
+@gluon.jit
+def _mul_rn(x, y):
+    """x · y rounded once, never fused into a later add (``logits.mul_rn``)."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _max_min_max(a0, b0, c0, a1, b1, c1):
+    return gl.maximum(a0, a1), gl.minimum(b0, b1), gl.maximum(c0, c1)
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
+            block_begin, block_end, tile_begin, tile_end,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            K_TILES: gl.constexpr, STAGES: gl.constexpr):
+    """One warp that issues every TMA copy: per pair of row blocks, each consumer's A block
+    (once the consumer has multiplied its previous one), then the B chunks of every tile
+    into the ring (once both consumers have multiplied the chunk a slot held)."""
+    c = 0
+    for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
+        for w in gl.static_range(2):
+            rb = block_begin + 2 * pair + w
+            active = rb < block_end
+            # Barriers start with phase 1 complete: the first wait passes.
+            mbarrier.wait(a_empty.index(w), (pair & 1) ^ 1, pred=active)
+            mbarrier.expect(a_ready.index(w), K_TILES * a_desc.block_type.nbytes, pred=active)
+            for k in gl.static_range(K_TILES):
+                tma.async_copy_global_to_shared(a_desc, [rb * BLOCK_M, k * BLOCK_K],
+                                                a_ready.index(w), a_smem.index(w * K_TILES + k),
+                                                pred=active)
+        for t in range(tile_begin, tile_end):
+            for k in gl.static_range(K_TILES):
+                slot = c % STAGES
+                mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [t * BLOCK_N, k * BLOCK_K],
+                                                ready.index(slot), b_smem.index(slot))
+                c += 1
+
+
+@gluon.jit
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
+              bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
+              col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
+              n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
+              n_col_tiles,
+              HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+              RECORD_TILES: gl.constexpr, PER_ROW: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warpgroup: row blocks block_begin + W, + 2 + W, ... against every tile of the
+    split. Its column partials are row 2·g + W of the (2 · groups, V) arrays."""
+    WARP_ROWS: gl.constexpr = BLOCK_M // 4
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # The four warps' column partials, each thread holding one column's four: combined there.
+    parts_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, BLOCK_N // 128],
+                                             threads_per_warp=[1, 32], warps_per_cta=[1, 4],
+                                             order=[0, 1])
+    pcol_l: gl.constexpr = gl.SliceLayout(0, parts_l)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = gl.load(scale_ptr).to(gl.float32)
+    col_part = (pid_g * 2 + W).to(gl.int64) * V
+
+    c = 0
+    for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
+        rb = block_begin + 2 * pair + W
+        active = rb < block_end  # the last pair of an odd count has one block
+        mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+        m_rows = offs_m < n_valid
+        row_max = gl.full([BLOCK_M], float("-inf"), gl.float32, row_l)
+        row_sum = gl.zeros([BLOCK_M], gl.float32, row_l)
+
+        for t in range(tile_begin, tile_end):
+            raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            for k in gl.static_range(K_TILES):
+                slot = c % STAGES
+                mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+                raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
+                                    b_smem.index(slot).permute((1, 0)), raw,
+                                    use_acc=k > 0, is_async=True)
+                # The previous chunk's product is done: its slot may be refilled.
+                raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
+                if k > 0:
+                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+                c += 1
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            # The block's last product is done: the loader may bring the next block in
+            # while this tile's statistics are formed.
+            mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+            if active:
+                row_max, row_sum = _tile_statistics(
+                    raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
+                    n_col_tiles, tile_stat_ptr, col_max_ptr + col_part, col_sum_ptr + col_part,
+                    col_tile_stat_ptr, mma, col_l, parts_l, pcol_l, HAS_BIAS, HAS_SCALE,
+                    RECORD_TILES, PER_ROW, BLOCK_N, WARP_ROWS)
+
+        if active:
+            out = pid_s.to(gl.int64) * N + offs_m
+            gl.store(max_out_ptr + out, row_max, mask=m_rows)
+            gl.store(sum_out_ptr + out, row_sum, mask=m_rows)
+
+
+@gluon.jit
+def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
+                     n_col_tiles, tile_stat_ptr, col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
+                     mma: gl.constexpr, col_l: gl.constexpr, parts_l: gl.constexpr,
+                     pcol_l: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+                     RECORD_TILES: gl.constexpr, PER_ROW: gl.constexpr,
+                     BLOCK_N: gl.constexpr, WARP_ROWS: gl.constexpr):
+    """Folds one raw tile into the rows' online (max, Σ exp), the column partials (``col_*_ptr``
+    at the consumer's row) and the per-tile records; returns the rows' (max, sum)."""
+    offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+    m_cols = offs_n < V
+    x = raw
+    if HAS_SCALE:
+        x = _mul_rn(x, scale)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + offs_n, mask=m_cols, other=0.0).to(gl.float32)
+        x = x + gl.expand_dims(bias, 0)
+    x = gl.where(gl.expand_dims(m_cols, 0), x, float("-inf"))
+
+    # Rows: the online (max, Σ exp) of the Triton kernel.
+    new_max = gl.maximum(row_max, gl.max(x, axis=1))
+    safe_max = gl.where(new_max == float("-inf"), 0.0, new_max)
+    p = gl.exp(x - gl.expand_dims(safe_max, 1))
+    tile_sum = gl.sum(p, axis=1)
+    row_sum = row_sum * gl.exp(row_max - safe_max) + tile_sum
+    mass = new_max + gl.log(tile_sum)  # each row's log Σ over the tile (records only)
+    if RECORD_TILES and PER_ROW:
+        gl.store(tile_stat_ptr + offs_m.to(gl.int64) * n_col_tiles + t, mass, mask=m_rows)
+
+    # Three scalars of the tile in one exchange across the warps: the largest row max (the
+    # columns' shared reference below), the smallest entry, the largest row log-mass.
+    ref, low, top_mass = gl.reduce(
+        (gl.where(m_rows, safe_max, float("-inf")),
+         gl.where(m_rows, gl.min(x, axis=1), float("inf")),
+         gl.where(m_rows, mass, float("-inf"))), 0, _max_min_max)
+    if RECORD_TILES and not PER_ROW:
+        gl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), top_mass)
+
+    # Columns: Σ_r exp(X_rj − m) for one reference m per tile, each warp over its own rows
+    # (no exchange between warps), then the four partials added.
+    if low >= ref - _REF_RANGE:
+        # Every entry lies within _REF_RANGE of the largest row max: exp(X − ref) is a normal
+        # float, formed from the rows' own exponentials, exp(X − max_r) · exp(max_r − ref),
+        # without an exponential per entry.
+        r = gl.where(m_rows, gl.exp(safe_max - ref), 0.0)
+        e = gl.reshape(p * gl.expand_dims(r, 1), [4, WARP_ROWS, BLOCK_N])
+        tile_csum = gl.sum(gl.convert_layout(gl.sum(e, axis=1), parts_l), axis=0)
+        tile_max = gl.zeros_like(tile_csum) + ref
+    else:
+        # A wide tile (or the matrix's edge, where masked entries are -inf): each column
+        # against its own max, as the Triton kernel.
+        xc = gl.where(gl.expand_dims(m_rows, 1), x, float("-inf"))
+        x3 = gl.reshape(xc, [4, WARP_ROWS, BLOCK_N])
+        w_max = gl.max(x3, axis=1)
+        w_safe = gl.where(w_max == float("-inf"), 0.0, w_max)
+        w_sum = gl.sum(gl.exp(x3 - gl.expand_dims(w_safe, 1)), axis=1)
+        w_max = gl.convert_layout(w_max, parts_l)
+        w_sum = gl.convert_layout(w_sum, parts_l)
+        tile_max = gl.max(w_max, axis=0)
+        safe_tile = gl.where(tile_max == float("-inf"), 0.0, tile_max)
+        tile_csum = gl.sum(w_sum * gl.exp(w_max - gl.expand_dims(safe_tile, 0)), axis=0)
+
+    cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
+    inside = cols < V
+    if RECORD_TILES:
+        if PER_ROW:
+            gl.store(col_tile_stat_ptr + (rb * n_col_tiles).to(gl.int64) * BLOCK_N + cols,
+                     tile_max + gl.log(tile_csum), mask=inside)
+        else:
+            cmass = gl.where(inside, tile_max + gl.log(tile_csum), float("-inf"))
+            gl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64),
+                     gl.max(cmass, axis=0))
+    # Each thread reads back only the columns it wrote (one layout): no barrier needed.
+    old_max = gl.load(col_max_ptr + cols, mask=inside, other=float("-inf"))
+    old_sum = gl.load(col_sum_ptr + cols, mask=inside, other=0.0)
+    top = gl.maximum(old_max, tile_max)
+    safe_top = gl.where(top == float("-inf"), 0.0, top)
+    total = old_sum * gl.exp(old_max - safe_top) + tile_csum * gl.exp(tile_max - safe_top)
+    gl.store(col_max_ptr + cols, top, mask=inside)
+    gl.store(col_sum_ptr + cols, total, mask=inside)
+    return new_max, row_sum
+
+
+@gluon.jit
+def _clip_forward_sm90_kernel(
+    a_desc, b_desc,      # TMA descriptors of A in compact row order (BLOCK_M × BLOCK_K) and B
+    bias_ptr, scale_ptr,
+    n_valid_ptr,         # () int64: rows p >= n_valid are skipped
+    max_out_ptr,         # (splits, N) fp32 partial row max
+    sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X − max)
+    tile_stat_ptr,       # as _lse_forward_kernel's (block or PER_ROW form), RECORD_TILES
+    col_max_ptr,         # (2 · row groups, V) fp32 partial column max
+    col_sum_ptr,         # (2 · row groups, V) fp32 partial column Σ exp(X − max)
+    col_tile_stat_ptr,   # as _lse_forward_kernel's, RECORD_TILES
+    N, V, blocks_per_group, tiles_per_split, n_col_tiles,
+    HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+    RECORD_TILES: gl.constexpr, PER_ROW: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """Program (g, c) visits row blocks of group g × column tiles of split c, as the Triton
+    kernel's grid (engine._forward_grid), with three partitions: a loader warp and two
+    consumer warpgroups, each with row blocks of its own, that share the B chunks."""
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    n_valid = gl.load(n_valid_ptr).to(gl.int32)  # TMA coordinates are 32-bit; N < 2³¹
+    block_begin = pid_g * blocks_per_group
+    block_end = gl.minimum(block_begin + blocks_per_group, gl.cdiv(n_valid, BLOCK_M))
+    tile_begin = pid_s * tiles_per_split
+    tile_end = gl.minimum(tile_begin + tiles_per_split, n_col_tiles)
+
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * K_TILES, BLOCK_M, BLOCK_K],
+                                       a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
+
+    gl.warp_specialize([
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                     bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
+                     col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
+                     n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
+                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES, PER_ROW,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                     bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
+                     col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
+                     n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
+                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES, PER_ROW,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+        (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                   block_begin, block_end, tile_begin, tile_end,
+                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+    for i in gl.static_range(2):
+        mbarrier.invalidate(a_ready.index(i))
+        mbarrier.invalidate(a_empty.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def stages(d: int, element_size: int) -> int:
+    """B chunk slots that fit beside the two consumers' resident A blocks."""
+    a_bytes = 2 * BLOCK_M * d * element_size
+    return max(2, min(2 * (d // BLOCK_K), (_SMEM_BUDGET - a_bytes) // (BLOCK_N * BLOCK_K
+                                                                         * element_size)))
+
+
+def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands (dtype and width; the caller checks the GPU):
+    two 64-row blocks of A stay in shared memory, so D ≤ 512."""
+    d = b.shape[1]
+    return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
+            and d % BLOCK_K == 0 and BLOCK_K <= d <= MAX_D)
+
+
+def launch(a_rows, b, bias, scale, n_valid, part_max, part_sum, tiles, col_max, col_sum,
+           col_tiles, grid, blocks_per_group, tiles_per_split, n_col_tiles, record_tiles,
+           per_row) -> None:
+    """Runs the kernel over ``grid`` = (row groups, column splits); ``a_rows``: A in compact
+    row order, TMA-ready (engine._tma_ready), as b; the outputs as _lse_forward_kernel's but
+    for the column partials, (2 · row groups, V): one row per consumer."""
+    gl_dtype = gl.bfloat16 if a_rows.dtype == torch.bfloat16 else gl.float16
+    d = b.shape[1]
+
+    def descriptor(t, rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl_dtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
+
+    dummy = part_sum
+    _clip_forward_sm90_kernel[grid](
+        descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
+        bias if bias is not None else dummy, scale if scale is not None else dummy, n_valid,
+        part_max, part_sum, tiles, col_max, col_sum, col_tiles,
+        a_rows.shape[0], b.shape[0], blocks_per_group, tiles_per_split, n_col_tiles,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        RECORD_TILES=record_tiles, PER_ROW=per_row,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
+        STAGES=stages(d, a_rows.element_size()), CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=WARPS, maxnreg=MAX_REGS,
+    )

@@ -1,0 +1,146 @@
+"""The Hopper (sm90) forward with column statistics (``core/lse_forward_sm90.py``) against the
+Triton kernel it replaces there and against float64.
+
+Gluon kernels do not run under Triton's interpreter: these tests need an sm90 GPU (H100,
+H200) and skip elsewhere. On such a GPU every contrastive test with column statistics runs
+through this kernel as well; here it is compared with the Triton kernel
+(``FUSEDLOSS_GLUON=0``) on odd shapes, both paths of its column sums (one reference per tile,
+and each column's own max on wide tiles), the per-tile records of both filtering rules, and
+NaN inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedloss.core import config, engine
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and config.gluon_enabled(torch.device("cuda"))),
+    reason="needs an sm90 GPU and Triton's Gluon")
+
+DEV = torch.device("cuda")
+
+
+def _features(n, d, dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(n, d, device=DEV, generator=g)
+    return torch.nn.functional.normalize(x, dim=1).to(dtype)
+
+
+def _stats(a, b, scale, bias=None, n_valid=None, rule="block", record=True):
+    n = a.shape[0]
+    n_valid = n if n_valid is None else n_valid
+    rows = engine.Rows(index=torch.arange(n, device=DEV),
+                       n_valid=torch.tensor(n_valid, device=DEV),
+                       target=torch.arange(n, device=DEV) % b.shape[0], identity=True,
+                       all_valid=n_valid == n)
+    logits = engine.Logits(scale=torch.tensor(scale, device=DEV), bias=bias)
+    return engine.row_stats(a, b, logits, rows, col_stats=True, record_tiles=record,
+                            tile_rule=rule)
+
+
+def _both(monkeypatch, *args, **kw):
+    monkeypatch.setenv("FUSEDLOSS_GLUON", "1")
+    hopper = _stats(*args, **kw)
+    monkeypatch.setenv("FUSEDLOSS_GLUON", "0")
+    triton = _stats(*args, **kw)
+    monkeypatch.delenv("FUSEDLOSS_GLUON")
+    return hopper, triton
+
+
+CASES = [
+    # n, v, d, n_valid, bias, dtype, scale, identical features (wide diagonal tiles)
+    (333, 517, 64, 333, False, torch.bfloat16, 14.3, False),
+    (1000, 700, 128, 931, True, torch.bfloat16, 30.0, False),
+    (200, 300, 448, 190, True, torch.bfloat16, 50.0, False),
+    (2112, 1000, 512, 2112, False, torch.float16, 20.0, False),
+    (2048, 2048, 256, 2048, False, torch.bfloat16, 100.0, True),
+    (2048, 2048, 512, 2000, True, torch.bfloat16, 100.0, True),
+]
+
+
+@pytest.mark.parametrize("rule", ["block", "pooled"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}")
+def test_matches_triton_kernel_and_float64(monkeypatch, case, rule):
+    n, v, d, n_valid, with_bias, dtype, scale, same = case
+    a = _features(n, d, dtype, n)
+    b = a.clone() if same else _features(v, d, dtype, v + 1)
+    bias = torch.randn(v, device=DEV) if with_bias else None
+    hopper, triton = _both(monkeypatch, a, b, scale, bias, n_valid, rule)
+    assert (hopper.block_m, hopper.block_n) == (64, 128)
+    assert (triton.block_m, triton.block_n) == (128, 128)
+
+    x = scale * (a[:n_valid].double() @ b.double().T)
+    if bias is not None:
+        x = x + bias.double()
+    for got, ref_got, ref in ((hopper.lse[:n_valid], triton.lse[:n_valid], x.logsumexp(1)),
+                              (hopper.col_lse, triton.col_lse, x.logsumexp(0))):
+        err, ref_err = (got.double() - ref).abs().max(), (ref_got.double() - ref).abs().max()
+        assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+    # The same rounded logits: row maxima and target logits agree bit for bit (a confident
+    # row's loss, lse - target, is then exactly what the Triton path gives).
+    assert torch.equal(hopper.max[:n_valid], triton.max[:n_valid])
+    assert torch.equal(hopper.target_logit[:n_valid], triton.target_logit[:n_valid])
+
+    # Per-tile records at the kernel's 64 x 128 tiles, against float64.
+    bm, bn = 64, 128
+    n_rb, n_ct = -(-n // bm), -(-v // bn)
+    padded = torch.full((n_rb * bm, n_ct * bn), float("-inf"), dtype=torch.float64, device=DEV)
+    padded[:n_valid, :v] = x
+    tiles = padded.view(n_rb, bm, n_ct, bn)
+    row_mass = tiles.logsumexp(3)  # (n_rb, bm, n_ct)
+    col_mass = tiles.logsumexp(1)  # (n_rb, n_ct, bn)
+    if rule == "block":
+        expect_rows, expect_cols = row_mass.amax(1), col_mass.amax(2)
+        got_rows, got_cols = hopper.tile_log_mass, hopper.col_tile_log_mass
+    else:
+        expect_rows = row_mass.reshape(n_rb * bm, n_ct)[:n_valid]
+        got_rows = hopper.tile_log_mass[:n_valid]
+        expect_cols = col_mass.reshape(n_rb, n_ct * bn)[:, :v]
+        got_cols = hopper.col_tile_log_mass[:, :v]
+    for got, expect in ((got_rows, expect_rows), (got_cols, expect_cols)):
+        assert got.shape == expect.shape
+        finite = torch.isfinite(expect)
+        assert torch.equal(torch.isfinite(got), finite)
+        assert (got[finite].double() - expect[finite]).abs().max() < 1e-4
+
+
+def test_nan_rows_give_nan(monkeypatch):
+    a = _features(700, 256, torch.bfloat16, 1)
+    b = _features(900, 256, torch.bfloat16, 2)
+    a[5, 3] = float("nan")
+    monkeypatch.setenv("FUSEDLOSS_GLUON", "1")
+    stats = _stats(a, b, 20.0)
+    assert stats.block_m == 64
+    assert stats.lse[5].isnan()
+    assert torch.isfinite(stats.lse[torch.arange(700, device=DEV) != 5]).all()
+    assert stats.col_lse.isnan().all()  # every column sees row 5
+
+
+@pytest.mark.parametrize("why", ["softcap", "order", "diag", "fp32", "wide", "unaligned"])
+def test_other_calls_keep_the_triton_kernel(why):
+    d = {"wide": 768, "unaligned": 200}.get(why, 256)
+    dtype = torch.float32 if why == "fp32" else torch.bfloat16
+    a, b = _features(300, d, dtype, 3), _features(300, d, dtype, 4)
+    logits = engine.Logits(
+        scale=torch.tensor(10.0, device=DEV), softcap=30.0 if why == "softcap" else None,
+        col_order=torch.randperm(300, device=DEV) if why == "order" else None,
+        diag_mask=why == "diag")
+    rows = engine.Rows(index=torch.arange(300, device=DEV), n_valid=torch.tensor(300, device=DEV))
+    assert engine._sm90_operand(a, b, logits, rows, True, False, False) is None
+    if why in ("softcap", "order", "diag"):
+        # The same inputs without the option do take the Hopper kernel.
+        plain = engine.Logits(scale=logits.scale)
+        assert engine._sm90_operand(a, b, plain, rows, True, False, False) is not None
+
+
+def test_env_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("FUSEDLOSS_GLUON", "0")
+    assert not config.gluon_enabled(DEV)
+    assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=True) == (128, 128)
+    monkeypatch.setenv("FUSEDLOSS_GLUON", "1")
+    assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=True) == (64, 128)
+    # Row statistics alone (InfoNCE, NT-Xent) keep the Triton kernel's tile.
+    assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=False) == (128, 128)
