@@ -104,7 +104,9 @@ def test_matches_triton_kernel_and_float64(monkeypatch, case, rule):
         assert got.shape == expect.shape
         finite = torch.isfinite(expect)
         assert torch.equal(torch.isfinite(got), finite)
-        assert (got[finite].double() - expect[finite]).abs().max() < 1e-4
+        # fp32 logits of magnitude up to ~100 (scale 100): a few ulp of each.
+        err = (got[finite].double() - expect[finite]).abs()
+        assert (err <= 2e-6 * expect[finite].abs() + 1e-5).all(), err.max()
 
 
 def test_nan_rows_give_nan(monkeypatch):
