@@ -72,7 +72,9 @@ class Case:
     dtype: torch.dtype = torch.float32
     scale: float = 10.0  # logit_scale (clip, siglip) or 1 / temperature
     bias: float | None = None  # logit_bias (clip, siglip; siglip's None passes 0.0)
-    regime: str = "random"  # "random", "correlated" or "clustered" (trained-like)
+    # "random", "correlated", "clustered" (trained-like), or "opposed": correlated pairs, every
+    # other one negated (columns whose max lies far below other rows' maxima)
+    regime: str = "random"
     reduction: str = "mean"  # clip, info_nce, nt_xent
     keys: int | None = None  # info_nce: M keys (None: M = N)
     labels: bool = False  # info_nce: explicit labels, a random injection into the keys
@@ -160,6 +162,8 @@ def make_problem(case: Case, device: str = DEVICE) -> Problem:
     else:
         a = first(case.n)
         b = partner(a)
+        if case.regime == "opposed":
+            b[1::2] = -b[1::2]
     to = dict(device=device, dtype=case.dtype)
     return Problem(a=a.to(**to), b=None if b is None else b.to(**to), labels=labels)
 
@@ -642,6 +646,9 @@ PEAKED = [
     Case(loss="clip", n=_PEAKED_N, d=16, dtype=torch.float16, scale=30.0, regime="clustered",
          cluster=_CLUSTER, reduction="none"),
     Case(loss="clip", n=_PEAKED_N, d=16, dtype=torch.float32, scale=100.0, regime="correlated"),
+    # Tiles whose column maxima lie far below their largest row max: the kernels' column sums
+    # (forward) and column softmax (backward) take their per-column form there.
+    Case(loss="clip", n=_PEAKED_N, d=16, dtype=torch.bfloat16, scale=200.0, regime="opposed"),
     Case(loss="info_nce", n=_PEAKED_N, d=16, dtype=torch.bfloat16, scale=100.0,
          regime="correlated", keys=2 * _PEAKED_N + 5, labels=True),
     Case(loss="info_nce", n=_PEAKED_N, d=16, dtype=torch.bfloat16, scale=30.0,

@@ -1030,6 +1030,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
         GRAD_SCALE=need_scale, ZERO_DEAD=None,
         COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
+        FACTOR_COLUMNS=a.dtype != torch.float32,
         ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, **common,
     )

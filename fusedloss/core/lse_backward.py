@@ -58,6 +58,7 @@ def _grad_logits_kernel(
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
     COL_LSE: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
+    FACTOR_COLUMNS: tl.constexpr,  # Q from P's exponentials where a tile allows (_softmax_terms)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -106,11 +107,14 @@ def _grad_logits_kernel(
     else:
         # P = exp(X − max) / Σ: the division is folded into the coefficient (see RowStats).
         row_max = tl.load(row_max_ptr + offs_m, mask=m_rows, other=0.0)
-        dx = coef_lse[:, None] * exp(x - row_max[:, None], PRECISE)
+        e = exp(x - row_max[:, None], PRECISE)
         if COL_LSE:
             col_max = tl.load(col_max_ptr + cols, mask=m_cols, other=0.0)
             coef_col = tl.load(coef_col_ptr + cols, mask=m_cols, other=0.0)
-            dx += coef_col[None, :] * exp(x - col_max[None, :], PRECISE)
+            dx = _softmax_terms(x, e, coef_lse, row_max, m_rows, coef_col, col_max, m_cols,
+                                FACTOR_COLUMNS, PRECISE)
+        else:
+            dx = coef_lse[:, None] * e
         if HAS_TARGET:
             target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
             # Most tiles hold no target of this block: test that once, not per element (here,
@@ -137,6 +141,42 @@ def _grad_logits_kernel(
 
     tl.store(_scratch_tile(scratch_ptr, offs_m, pid_t, width, BLOCK_N),
              dx.to(scratch_ptr.dtype.element_ty))
+
+
+# Q's factored form needs every column max within this many nats of the tile's largest row
+# max: exp(ref − max_j) ≤ e⁶⁰ ≈ 1e26 leaves 1e12 of fp32's range to the coefficient c_j (loss
+# scaling included), and an entry that counts in its column, X_ij ≈ max_j, keeps
+# exp(X_ij − ref) ≥ e⁻⁶⁰, far from fp32's underflow (e⁻⁸⁷).
+_FACTOR_RANGE = tl.constexpr(60.0)
+
+
+@triton.jit
+def _softmax_terms(x, e, coef_lse, row_max, m_rows, coef_col, col_max, m_cols,
+                   FACTOR_COLUMNS: tl.constexpr, PRECISE: tl.constexpr):
+    """r_i · P_ij + c_j · Q_ij of a tile, given e = exp(X − max_i) (P's exponentials).
+
+    Q needs exp(X_ij − max_j), a second exponential per entry. With ``FACTOR_COLUMNS`` (bf16
+    and fp16 inputs, whose dX is stored in that dtype) it comes from e instead, where the
+    tile's maxima lie within _FACTOR_RANGE of each other:
+
+        exp(X_ij − max_j) = e_ij · exp(max_i − ref) · exp(ref − max_j),   ref = max over rows
+
+    so r_i·P + c_j·Q = e_ij · (coef_lse_i + a_i · b_j) with a and b per row and per column:
+    one exponential per entry instead of two (a few fp32 ulp from the direct form; the
+    precise form stays for fp32 inputs and for wide tiles).
+    """
+    if FACTOR_COLUMNS:
+        ref = tl.max(tl.where(m_rows, row_max, float("-inf")), axis=0)
+        low = tl.min(tl.where(m_cols, col_max, float("inf")), axis=0)
+        if ref - low <= _FACTOR_RANGE:
+            a = exp(row_max - ref, PRECISE)
+            b = coef_col * exp(ref - col_max, PRECISE)
+            dx = e * (coef_lse[:, None] + a[:, None] * b[None, :])
+        else:
+            dx = coef_lse[:, None] * e + coef_col[None, :] * exp(x - col_max[None, :], PRECISE)
+    else:
+        dx = coef_lse[:, None] * e + coef_col[None, :] * exp(x - col_max[None, :], PRECISE)
+    return dx
 
 
 @triton.jit
