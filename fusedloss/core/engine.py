@@ -302,21 +302,20 @@ def _program_target(device: torch.device) -> int:
 
 
 def _forward_grid(n_rb: int, n_ct: int, col_stats: bool, device: torch.device,
-                  resident: int = 1, col_parts: int = 1):
+                  resident: int = 1):
     """(row groups, blocks per group, column splits, tiles per split) of the forward.
 
     Without column statistics every row block is its own group, and the columns are split so
     that the programs' last wave ends with the others (``_balanced_splits``). With them,
     programs own near-square rectangles of tiles so that both the row and the column partials
-    stay few (O((N + V) · √programs) floats). ``resident``: programs one SM runs at once;
-    ``col_parts``: column partials per group (the Hopper kernel keeps one per consumer).
+    stay few (O((N + V) · √programs) floats). ``resident``: programs one SM runs at once.
     """
     target = _program_target(device)
     if not col_stats:
         slots = max(1, target // 4) * resident if device.type == "cuda" else target
         splits, per_split = _balanced_splits(n_rb, n_ct, slots)
         return n_rb, 1, splits, per_split
-    groups = max(1, min(n_rb, round((target * n_rb / (n_ct * col_parts)) ** 0.5)))
+    groups = max(1, min(n_rb, round((target * n_rb / n_ct) ** 0.5)))
     per_group = triton_cdiv(n_rb, groups)
     groups = triton_cdiv(n_rb, per_group)
     splits = max(1, min(n_ct, triton_cdiv(target, groups)))
@@ -388,7 +387,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     a_sm90 = _sm90_operand(a, b, logits, rows, col_stats, sigmoid, weighted_sum)
     resident = 1 if a_sm90 is not None else _resident_programs(cfg, a.element_size())
     groups, blocks_per_group, splits, tiles_per_split = _forward_grid(
-        n_rb, n_ct, col_stats, a.device, resident, col_parts=2 if a_sm90 is not None else 1)
+        n_rb, n_ct, col_stats, a.device, resident)
     record_tiles = record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
