@@ -1,27 +1,35 @@
 """Hopper (sm90) forward of the core with column statistics: the symmetric contrastive losses.
 
 The same statistics as ``lse_forward._lse_forward_kernel`` with ``COL_STATS`` (row and column
-(max, Σ exp) partials, per-tile log-masses for filtering), written in Gluon, Triton's
-lower-level dialect, for one reason: where the column reduction happens.
+(max, Σ exp) partials, per-tile log-masses for both filtering rules), written in Gluon,
+Triton's lower-level dialect, to control what the Triton kernel cannot: which warps do what,
+and where the column reductions happen. docs/design.md ("The Hopper forward") has the
+measurements.
 
-A (BLOCK_M × BLOCK_N) tile lives in the registers of one warpgroup, each warp holding
-BLOCK_M / 4 of its rows. A column's (max, Σ exp) over the tile's rows needs every warp's
-rows: reduced over the whole tile (what the Triton kernel's ``tl.max(x, axis=0)`` compiles
-to) it costs three exchanges through shared memory, each behind a barrier of the four warps,
-per tile. Here each warp first reduces its own rows (shuffles within the warp, no barrier);
-the four per-warp partials, 4 × BLOCK_N pairs instead of BLOCK_M × BLOCK_N values, are
-combined in one exchange. Measured on an H200 (b = 16384, c = 512, bf16): 1.18–1.34 ms for
-the Triton kernel, see docs/results.md for this kernel's figure.
+Partitions (``gl.warp_specialize``):
 
-Operands: A's row block stays in shared memory for all of the program's tiles (K_TILES chunks
-of BLOCK_K columns); B's tiles stream through a ring of STAGES chunk slots filled by TMA
-(the bulk copy engine) ahead of the tensor cores, which multiply by ``warpgroup_mma`` chains.
+- a loader warp issues every TMA copy: per pair of row blocks, each consumer's 64-row A block
+  (resident in shared memory, once the consumer has multiplied its previous one), then the
+  B chunks (BLOCK_N × BLOCK_K) of every tile of the split into a ring of STAGES slots;
+- two consumer warpgroups, each with row blocks of its own, multiply the same B chunks
+  (``warpgroup_mma``; a slot is free once both have read it) and fold the tiles into the
+  statistics: while one forms a tile's softmax sums, the other's products run.
+
+Columns: a column's Σ_r exp(X_rj − m) over the tile's rows is summed per warp (its 16 rows,
+shuffles within the warp) and the four warps' sums are combined in one layout exchange, where
+a reduction over the whole tile (the Triton kernel's ``tl.max(x, axis=0)``) costs three
+exchanges through shared memory per tile. Where every entry of the tile lies within
+_REF_RANGE of its largest row max, the sums reuse the row softmax's exponentials with that max
+as the columns' shared reference (no exponential per entry); other tiles take each column's
+own max, as the Triton kernel (``_fold_columns``, which the per-column path mirrors).
+
 The raw tile, its scaling (one rounded product, as ``logits.mul_rn``) and masks equal the
 Triton kernels' bit for bit, so the target logits and the backward's recomputed tiles agree
 with these statistics exactly.
 
 Gluon kernels run on the GPU only (not under Triton's interpreter): the Triton kernel serves
-every other device, dtype and option, and the GPU tests compare the two.
+every other device, dtype and option, and the GPU tests (``tests/test_sm90_forward.py``)
+compare the two.
 """
 
 from __future__ import annotations
