@@ -284,14 +284,21 @@ def tile_descriptors(a: torch.Tensor, b: torch.Tensor, logits: Logits, rows: Row
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if (not config.tma_enabled() or logits.col_order is not None
-            or not (_tma_ready(a) and _tma_ready(b))):
-        return None, None, None
-    a_rows = compact_operand(a, rows)
-    if not _tma_ready(a_rows):
+    a_rows = _tma_rows(a, b, logits, rows)
+    if a_rows is None:
         return None, None, None
     return (TensorDescriptor.from_tensor(a_rows, [block_m, block_k]),
             TensorDescriptor.from_tensor(b, [block_n, block_k]), a_rows)
+
+
+def _tma_rows(a: torch.Tensor, b: torch.Tensor, logits: Logits, rows: Rows):
+    """A in compact row order where TMA can read both operands' tiles (``tile_descriptors``),
+    else None."""
+    if (not config.tma_enabled() or logits.col_order is not None
+            or not (_tma_ready(a) and _tma_ready(b))):
+        return None
+    a_rows = compact_operand(a, rows)
+    return a_rows if _tma_ready(a_rows) else None
 
 
 def _program_target(device: torch.device) -> int:
@@ -352,17 +359,13 @@ def _sm90_operand(a, b, logits, rows, col_stats, sigmoid, weighted_sum) -> torch
     """A in compact row order where the Hopper kernel (``lse_forward_sm90``) computes this
     forward, else None: column statistics without the options it lacks (softcap, vocabulary
     order, diagonal mask, weighted sums), on operands that TMA reads."""
-    if not (col_stats and not sigmoid and not weighted_sum and config.gluon_enabled(a.device)
-            and config.tma_enabled()):
+    if not (col_stats and not sigmoid and not weighted_sum and config.gluon_enabled(a.device)):
         return None
-    if logits.softcap or logits.col_order is not None or logits.diag_mask:
+    if logits.softcap or logits.diag_mask:
         return None
     from . import lse_forward_sm90
 
-    if not (lse_forward_sm90.supports(a, b) and _tma_ready(a) and _tma_ready(b)):
-        return None
-    a_rows = compact_operand(a, rows)
-    return a_rows if _tma_ready(a_rows) else None
+    return _tma_rows(a, b, logits, rows) if lse_forward_sm90.supports(a, b) else None
 
 
 def _check_ids(n: int, v: int) -> None:
