@@ -16,6 +16,7 @@ from helpers import can_run_triton, requires_cuda
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fusedloss.core import config
 from fusedloss.optim import StableAdamW
 
 SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
@@ -548,10 +549,10 @@ def test_work_schedule_orders_passes(chunks, lag):
 def test_fused_true_needs_a_device_the_kernels_run_on(monkeypatch):
     """fused=True on the CPU without the interpreter, or with other dtypes, is refused; the
     default then takes the foreach path."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(config, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="fused=True"):
         StableAdamW([torch.zeros(3, requires_grad=True)], fused=True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(config, "interpreting", lambda: True)
     for dtype in (torch.float64, torch.bfloat16):
         with pytest.raises(RuntimeError, match="fused=True"):
             StableAdamW([torch.zeros(3, dtype=dtype, requires_grad=True)], fused=True)
@@ -559,7 +560,7 @@ def test_fused_true_needs_a_device_the_kernels_run_on(monkeypatch):
     with pytest.raises(RuntimeError, match="fused=True"):
         opt.add_param_group(dict(params=[torch.zeros(2, dtype=torch.float64)]))
     assert len(opt.param_groups) == 1
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(config, "interpreting", lambda: False)
     p = torch.zeros(3, requires_grad=True)
     opt = StableAdamW([p], lr=0.1)  # fused=None: foreach on the CPU
     p.grad = torch.ones(3)

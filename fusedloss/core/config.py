@@ -37,8 +37,11 @@ class TileConfig:
         return self.gemm_stages or self.num_stages
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton kernels run through Triton's CPU interpreter."""
+    """True when Triton kernels run through Triton's CPU interpreter. Read once: Triton itself
+    decides when a kernel is defined (``TRITON_INTERPRET`` is set before Triton is imported),
+    and the engine asks on every launch."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

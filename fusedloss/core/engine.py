@@ -381,7 +381,7 @@ def triton_cdiv(x: int, y: int) -> int:
 
 def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
                       record_tiles, per_row=False) -> RowStats:
-    from .lse_forward import _combine_partials_kernel, _lse_forward_kernel, _target_logit_kernel
+    from .lse_forward import _lse_forward_kernel, _target_logit_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
     _check_ids(n, v)
@@ -477,19 +477,9 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         return RowStats(lse=zeros, max=zeros, log_sum=zeros, target_logit=target_logit,
                         weighted_sum=None, tile_log_mass=None,
                         sigmoid_sum=torch.where(valid, part_sum.sum(dim=0), 0.0))
-    # (max, sum, log sum, lse) per row, and per column id with column statistics.
-    row_out = torch.empty((4, n), **f32)
-    col_out = torch.empty((4, v), **f32) if col_stats else row_out
-    block = 1024 if not config.interpreting() else 64
-    row_programs = triton_cdiv(n, block)
-    _combine_partials_kernel[(row_programs + (triton_cdiv(v, block) if col_stats else 0),)](
-        part_max, part_sum, splits, n, rows.n_valid, row_out,
-        col_max if col_stats else dummy, col_sum if col_stats else dummy,
-        col_parts if col_stats else 0, v,
-        logits.col_order if logits.col_order is not None else rows.index, col_out,
-        row_programs, COLUMNS=col_stats, HAS_ORDER=logits.col_order is not None, BLOCK=block,
-        PRECISE=not config.interpreting(), num_warps=4,
-    )
+    row_out, col_out = combine_partials(
+        part_max, part_sum, rows.n_valid, (col_max, col_sum) if col_stats else None,
+        logits.col_order)
     stats = RowStats(
         lse=row_out[3],
         max=row_out[0],
@@ -507,6 +497,37 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = col_out.unbind(0)
         stats.cols_packed = col_out
     return stats
+
+
+def combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor, n_valid: torch.Tensor,
+                     cols: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     col_order: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward's partial statistics merged, in one launch: ``part_max``, ``part_sum``
+    (parts, N) fp32 per row (max, Σ exp(X − max)) → (4, N) fp32 [max; sum; log sum; lse] per
+    row (rows ≥ ``n_valid``, a () int64 tensor: max 0, sum 1); ``cols``: the (parts, V) column
+    partials, by tile position, likewise → (4, V) by column id (``col_order[j]``: the column
+    at position j), else None. A row without entries (no finite partial) gets max 0, sum 0;
+    NaN stays NaN."""
+    from .lse_forward import _combine_partials_kernel
+
+    (splits, n), dev = part_max.shape, part_max.device
+    row_out = torch.empty((4, n), dtype=torch.float32, device=dev)
+    col_parts, v = cols[0].shape if cols is not None else (0, 0)
+    col_out = torch.empty((4, v), dtype=torch.float32, device=dev) if cols is not None else None
+    block = 256 if not config.interpreting() else 64
+    row_programs = triton_cdiv(n, block)
+    # Partials read per load: a power of 2 from 2 to 16.
+    parts = min(16, 1 << (max(2, splits, col_parts) - 1).bit_length())
+    order = col_order if col_order is not None else n_valid  # read only with HAS_ORDER
+    _combine_partials_kernel[(row_programs + triton_cdiv(v, block),)](
+        part_max, part_sum, splits, n, n_valid, row_out,
+        *(cols if cols is not None else (part_max, part_sum)), col_parts, v,
+        order, col_out if col_out is not None else row_out,
+        row_programs, COLUMNS=cols is not None, HAS_ORDER=col_order is not None, BLOCK=block,
+        PARTS=parts, PRECISE=not config.interpreting(), num_warps=4,
+    )
+    return row_out, col_out
 
 
 def merge_stats(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -1103,6 +1124,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
                 elif plain and b_dtype == b.dtype:
                     # Plain slab: cuBLAS accumulates in fp32 and rounds once into dB.
                     torch.mm(dx.T, a_compact, out=grad_b_slabs[k])
+                elif plain and b_dtype == torch.float32:  # fp32 dB (the ring's): no copy
+                    mm_f32(dx.T, a_compact, out=grad_b_slabs[k])
                 else:
                     part = mm_f32(dx.T, a_compact)  # (slab columns, D)
                     _finish_grad_b(part, grad_b, cols, c0, c1, post_scale, w,

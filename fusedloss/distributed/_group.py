@@ -78,10 +78,11 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     local = torch.tensor([int(error is not None), rows, cols, *codes, *extra],
                          dtype=torch.int64)
     if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
-        local = local.to(device if device.type == "cuda" else torch.cuda.current_device())
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
-    table = torch.stack(gathered).tolist()
+        table = _gather_on_side_stream(local, world, group, device)
+    else:
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=group)
+        table = torch.stack(gathered).tolist()
     if error is not None:
         raise error
     failed = [r for r, row in enumerate(table) if row[0]]
@@ -105,6 +106,30 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     )
     first_extra = 3 + MAX_FACTS
     return layout, [tuple(row[first_extra:]) for row in table]
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _gather_on_side_stream(local: torch.Tensor, world: int, group: dist.ProcessGroup | None,
+                           device: torch.device) -> list[list[int]]:
+    """Every rank's row of ``local`` (int64, host), all-gathered through NCCL on a stream of its
+    own: the host waits for this exchange alone, not for the work already queued on the current
+    stream (the previous step's backward, the optimizer), so that the host keeps its lead over
+    the GPU; pinned host buffers keep the copies from syncing the device."""
+    index = device.index if device.type == "cuda" else None
+    index = torch.cuda.current_device() if index is None else index
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    with torch.cuda.device(index), torch.cuda.stream(side):
+        sent = local.pin_memory().to(index, non_blocking=True)
+        table = torch.empty(world * local.numel(), dtype=local.dtype, device=index)
+        dist.all_gather_into_tensor(table, sent, group=group)
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        side.synchronize()
+    return host.view(world, -1).tolist()
 
 
 def float_code(x: float | None) -> int:
