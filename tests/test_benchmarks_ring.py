@@ -248,6 +248,8 @@ def test_quick_run_over_two_processes(tmp_path):
         assert ours["status"] == "ok", ours["note"]
         assert ours["ms"] > 0 and len(ours["ms_per_rank"]) == 2
         assert ours["ms"] == max(ours["ms_per_rank"]) and ours["reps"] >= 3
+        # On the CPU the host's time to issue a call is its wall-clock time.
+        assert ours["host_per_rank"] == ours["ms_per_rank"] and ours["host_ms"] == ours["ms"]
         assert len(ours["rank_losses"]) == 2
         assert ours["loss_error"] < 1e-4 and case["reference"]["dtype"] == "float64"
         assert set(ours["errors"]) == {"dI", "dT", "ds"}

@@ -327,6 +327,8 @@ class RankTiming:
     per_rank_ms: list[float]  # each rank's median
     reps: int
     warmup: int
+    # each rank's median time for the host to issue one call (its return, not the GPU's end)
+    per_rank_host_ms: list[float] = field(default_factory=list)
 
     @property
     def ms(self) -> float:
@@ -343,28 +345,34 @@ def time_on_all_ranks(fn: Callable[[], Any], device: torch.device, ranks: Ranks,
         fn()
     common.synchronize(device)
     ranks.barrier()
-    samples = _timed_calls(fn, device, reps)
-    return RankTiming(ranks.gather(statistics.median(samples)), reps, warmup)
+    samples, host = _timed_calls(fn, device, reps)
+    return RankTiming(ranks.gather(statistics.median(samples)), reps, warmup,
+                      ranks.gather(statistics.median(host)))
 
 
-def _timed_calls(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+def _timed_calls(fn: Callable[[], Any], device: torch.device,
+                 reps: int) -> tuple[list[float], list[float]]:
+    """(ms of each call, ms the host took to issue it): on CUDA between events, the host's
+    time to the call's return; on the CPU both the wall clock."""
     if common.uses_cuda(device):
-        events = []
+        events, host = [], []
         for _ in range(reps):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - begin) * 1e3)
             end.record()
             events.append((start, end))
         torch.cuda.synchronize(device)
-        return [float(start.elapsed_time(end)) for start, end in events]
+        return [float(start.elapsed_time(end)) for start, end in events], host
     samples = []
     for _ in range(reps):
         begin = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - begin) * 1e3)
-    return samples
+    return samples, samples
 
 
 # ----------------------------------------------------------------------------- the ring's shifts
@@ -769,6 +777,8 @@ class ProviderResult(common.ProviderResultBase):
     timing: str = ""
     reps: int | None = None
     ms_per_rank: list[float] = field(default_factory=list)
+    host_ms: float | None = None  # max over the ranks of each rank's median host time per call
+    host_per_rank: list[float] = field(default_factory=list)
     first_call_ms: float | None = None
     peak_extra_mib: float | None = None  # max over the ranks
     peak_per_rank: list[float] = field(default_factory=list)
@@ -881,6 +891,8 @@ def run_provider(provider: RingProvider, case: Case, inputs: RingInputs,
     if not ok:
         return result
     result.ms_per_rank, result.ms, result.reps = timed.per_rank_ms, timed.ms, timed.reps
+    result.host_per_rank = timed.per_rank_host_ms
+    result.host_ms = max(timed.per_rank_host_ms)
     how = "CUDA events" if common.uses_cuda(device) else "wall clock"
     result.timing = f"median of {timed.reps} calls ({how}), max over ranks"
     common.release_memory(device)
@@ -1174,7 +1186,8 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
             continue
         megabytes, rate = _comm_text(ours)
         overlap_rows.append([
-            cr.case.label, common.format_ms(ours.ms), common.format_ms(ours.compute_ms),
+            cr.case.label, common.format_ms(ours.ms), common.format_ms(ours.host_ms),
+            common.format_ms(ours.compute_ms),
             common.format_ms(ours.comm_ms), _signed_ms(ours.exposed_comm_ms),
             _percent(ours.overlap), megabytes, rate, ours.overlap_note or "",
         ])
@@ -1183,11 +1196,14 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
             "## Communication and compute (fusedloss)",
             "",
             "(a) ring step, (b) compute only, (c) transfers only, in ms (each the max over "
-            "ranks of the rank's median); exposed = a − b; overlap = (b + c − a) / min(b, c) "
-            "in [0, 1]; MB sent per rank per step and the transfers' rate c implies.",
+            "ranks of the rank's median); host: the host's time to issue one ring step (where "
+            "it is close to a, the host, not the GPU, sets the pace); exposed = a − b; overlap "
+            "= (b + c − a) / min(b, c) in [0, 1]; MB sent per rank per step and the transfers' "
+            "rate c implies.",
             "",
         ]
-        headers = ["case", "a: ring", "b: compute only", "c: transfers only", "exposed a − b",
+        headers = ["case", "a: ring", "host", "b: compute only", "c: transfers only",
+                   "exposed a − b",
                    "overlap", "MB sent / rank", "GB/s", "note"]
         lines += [common.markdown_table(headers, overlap_rows), ""]
 
