@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 
 import fusedloss
 from fusedloss import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
-from fusedloss.core import engine
+from fusedloss.core import config, engine
 from fusedloss.reference import clip_loss_ref, info_nce_loss_ref, nt_xent_loss_ref, siglip_loss_ref
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -850,6 +850,34 @@ def test_split_accumulator(monkeypatch, loss, split):
                 keys=n + 37 if loss == "info_nce" else None)
     check_case(case, "triton")
     assert bool(used) == (split == "1")
+
+
+@requires_triton
+@pytest.mark.parametrize("loss", ["clip", "info_nce"])
+def test_recompute_groups_cover_every_tile(monkeypatch, loss):
+    """The recompute's programs sweep the tiles in groups of row blocks
+    (``engine.RECOMPUTE_GROUP_BYTES``): groups of one and of three row blocks (a shorter last
+    group) give the same gradients, bit for bit, as one group over every row block, over
+    slabs of several tiles — a tile mapped twice or never would change them."""
+    # Slabs of three tiles (16 columns) on the interpreter, two (128 columns) on a GPU.
+    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "0.16" if ON_GPU else "0.0075")
+    n = 300 if ON_GPU else 70  # five row blocks of 64 or 16
+    case = Case(loss=loss, n=n, d=64 if ON_GPU else 16, dtype=torch.bfloat16, scale=1 / 0.07,
+                regime="correlated", keys=n + 37 if loss == "info_nce" else None)
+    cfg = config.backward_config(torch.device(DEVICE), case.dtype, case.d)
+    block_bytes = cfg.block_m * case.d * case.dtype.itemsize
+    assert math.ceil(n / cfg.block_m) % 3 != 0  # the last group of three is shorter
+    problem = make_problem(case)
+    results = {}
+    for rows in (1, 3, 10**6):
+        monkeypatch.setattr(engine, "RECOMPUTE_GROUP_BYTES", rows * block_bytes)
+        results[rows] = run_ours(case, problem, "triton")
+    check_against_reference(case, problem, results[3], run_torch_same_dtype(case, problem),
+                            run_reference(case, problem), "triton")
+    for rows in (1, 3):
+        assert torch.equal(results[rows].loss, results[10**6].loss)
+        for name, grad in results[10**6].grads.items():
+            assert torch.equal(results[rows].grads[name], grad), (rows, name)
 
 
 @requires_cuda

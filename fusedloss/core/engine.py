@@ -921,6 +921,12 @@ def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int, budget: int | None = N
     return max(1, min(n_ct, int(budget // max(1, n_rb * tile_bytes))))
 
 
+# The recompute kernel's programs sweep a slab's tiles in groups of row blocks of about this
+# many bytes of A, which stay in L2 (50 MiB on an H100 or H200) beside the slab's B rows
+# (``lse_backward._grouped_tile``).
+RECOMPUTE_GROUP_BYTES = 24 * 2**20
+
+
 def _dense_slab_fraction() -> float:
     """A slab whose live fraction reaches this goes through cuBLAS as a dense matrix."""
     return float(os.environ.get("FUSEDLOSS_DENSE_SLAB_FRACTION", 0.25))
@@ -1046,6 +1052,7 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
         live_ptr=live.view(torch.uint8), scratch_ptr=scratch,
         dscale_ptr=dscale if need_scale else dummy,
         V=v, D=d, stride_a=a.stride(0), stride_b=b.stride(0), slab_tile_start=0,
+        slab_tiles=0, group_rows=max(1, RECOMPUTE_GROUP_BYTES // (bm * d * a.element_size())),
         scratch_width=scratch_width, n_col_tiles=n_ct,
         HAS_BIAS=logits.bias is not None, HAS_SCALE=s is not None, SCALE_DX=scale_dx,
         SOFTCAP=float(logits.softcap or 0.0),
@@ -1060,7 +1067,8 @@ def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filte
 
     def recompute_slab(k: int, row_blocks: int, dense: bool) -> None:
         """Launches slab k's recompute into the scratch."""
-        recompute((row_blocks, min(slab, n_ct - k * slab)), slab_tile_start=k * slab,
+        nt = min(slab, n_ct - k * slab)
+        recompute((row_blocks * nt,), slab_tile_start=k * slab, slab_tiles=nt,
                   ZERO_DEAD=dense)
 
     # At most one host sync, after everything above is queued: the number of valid rows and
