@@ -327,7 +327,8 @@ class RankTiming:
     per_rank_ms: list[float]  # each rank's median
     reps: int
     warmup: int
-    # each rank's median time for the host to issue one call (its return, not the GPU's end)
+    # each rank's median time for the host to issue one call that starts on an idle GPU (its
+    # return, not the GPU's end); empty where not measured
     per_rank_host_ms: list[float] = field(default_factory=list)
 
     @property
@@ -335,9 +336,16 @@ class RankTiming:
         return max(self.per_rank_ms)
 
 
+HOST_REPS = 5  # synchronized calls whose host time is measured
+
+
 def time_on_all_ranks(fn: Callable[[], Any], device: torch.device, ranks: Ranks,
-                      timing: common.TimingSettings, min_reps: int) -> RankTiming:
-    """Each rank's median time of ``fn()`` over the same number of calls on every rank."""
+                      timing: common.TimingSettings, min_reps: int,
+                      host: bool = False) -> RankTiming:
+    """Each rank's median time of ``fn()`` over the same number of calls on every rank, the
+    calls back to back. ``host``: then, over HOST_REPS calls each started on an idle GPU, the
+    host's time to issue one (back to back, a call's host time would include its waits for
+    the previous call's GPU work: the per-call exchange waits for its transfers)."""
     estimate = max(ranks.max(common.call_ms(fn, device)), 1e-3)
     warmup = min(MAX_WARMUP, int(timing.warmup_ms / estimate))
     reps = max(min_reps, min(MAX_REPS, int(timing.rep_ms / estimate)))
@@ -345,34 +353,40 @@ def time_on_all_ranks(fn: Callable[[], Any], device: torch.device, ranks: Ranks,
         fn()
     common.synchronize(device)
     ranks.barrier()
-    samples, host = _timed_calls(fn, device, reps)
-    return RankTiming(ranks.gather(statistics.median(samples)), reps, warmup,
-                      ranks.gather(statistics.median(host)))
+    samples = _timed_calls(fn, device, reps)
+    timed = RankTiming(ranks.gather(statistics.median(samples)), reps, warmup)
+    if host:
+        issue = []
+        for _ in range(HOST_REPS):
+            common.synchronize(device)
+            ranks.barrier()
+            begin = time.perf_counter()
+            fn()
+            issue.append((time.perf_counter() - begin) * 1e3)
+        common.synchronize(device)
+        timed.per_rank_host_ms = ranks.gather(statistics.median(issue))
+    return timed
 
 
-def _timed_calls(fn: Callable[[], Any], device: torch.device,
-                 reps: int) -> tuple[list[float], list[float]]:
-    """(ms of each call, ms the host took to issue it): on CUDA between events, the host's
-    time to the call's return; on the CPU both the wall clock."""
+def _timed_calls(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+    """ms of each call: on CUDA between events, on the CPU the wall clock."""
     if common.uses_cuda(device):
-        events, host = [], []
+        events = []
         for _ in range(reps):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            begin = time.perf_counter()
             fn()
-            host.append((time.perf_counter() - begin) * 1e3)
             end.record()
             events.append((start, end))
         torch.cuda.synchronize(device)
-        return [float(start.elapsed_time(end)) for start, end in events], host
+        return [float(start.elapsed_time(end)) for start, end in events]
     samples = []
     for _ in range(reps):
         begin = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - begin) * 1e3)
-    return samples, samples
+    return samples
 
 
 # ----------------------------------------------------------------------------- the ring's shifts
@@ -887,12 +901,13 @@ def run_provider(provider: RingProvider, case: Case, inputs: RingInputs,
         result.peak_extra_mib = max(result.peak_per_rank)
 
     ok, timed = stage(ranks, result, device, lambda: time_on_all_ranks(
-        forward_backward, device, ranks, settings.timing, settings.min_reps))
+        forward_backward, device, ranks, settings.timing, settings.min_reps,
+        host=provider.key == FUSEDLOSS))
     if not ok:
         return result
     result.ms_per_rank, result.ms, result.reps = timed.per_rank_ms, timed.ms, timed.reps
     result.host_per_rank = timed.per_rank_host_ms
-    result.host_ms = max(timed.per_rank_host_ms)
+    result.host_ms = max(timed.per_rank_host_ms) if timed.per_rank_host_ms else None
     how = "CUDA events" if common.uses_cuda(device) else "wall clock"
     result.timing = f"median of {timed.reps} calls ({how}), max over ranks"
     common.release_memory(device)
@@ -1196,8 +1211,9 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
             "## Communication and compute (fusedloss)",
             "",
             "(a) ring step, (b) compute only, (c) transfers only, in ms (each the max over "
-            "ranks of the rank's median); host: the host's time to issue one ring step (where "
-            "it is close to a, the host, not the GPU, sets the pace); exposed = a − b; overlap "
+            "ranks of the rank's median); host: the host's time to issue one ring step that "
+            f"starts on an idle GPU (median of {HOST_REPS} calls, max over ranks; where it is "
+            "close to a, the host, not the GPU, sets the pace); exposed = a − b; overlap "
             "= (b + c − a) / min(b, c) in [0, 1]; MB sent per rank per step and the transfers' "
             "rate c implies.",
             "",
