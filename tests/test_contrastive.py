@@ -383,7 +383,7 @@ def _logit_grad_terms(case: Case, problem: Problem, x: torch.Tensor) -> dict:
 
 
 def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
-                    known_bugs: bool = True) -> tuple:
+                    known_bugs: bool = True, tensor_cores: bool | None = None) -> tuple:
     """Relative error floors (loss, {gradient: floor}) for fp32 roundings that a relative
     comparison with PyTorch's error does not see. They matter for fp32 inputs (PyTorch's error
     ~1e-7); bf16 / fp16 rounding dwarfs them.
@@ -416,7 +416,22 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
        ‖dX·B‖. PyTorch's cuBLAS call may pick a luckier order for the same shape (measured,
        CLIP N = 1031, D = 1, fp32: its dB error 6.1e-8 on a GPU, 1.2e-7 on a CPU, where the
        same fp32 product of exact inputs in another layout gave 5.4e-7).
+    7. ``tensor_cores`` (default: the Triton backend on a GPU with fp16 / bf16 inputs): the
+       tensor cores add each k-step of 16 products into the fp32 logit by truncation, not
+       rounding: up to about an ulp of the partial sum per step (and one more for the step's
+       own alignment), errors of one sign wherever the partial sums keep theirs, so that they
+       add up over the logits instead of averaging: ΔX ≤ 2·eps32·s·Σ_k |Σ_{i<16k} a_i b_i|
+       (measured on an H200, fp16, D = 768: a logit whose partial sums climb to 1 came out
+       3.7e-6 off, 31 eps32; its bound 6.3e-6). The loss moves by up to Σ |∂L/∂X|·ΔX, the
+       scalar sums likewise (Σ |t|·ΔX, and ds also by Σ |dX|·ΔX / s through the raw
+       logits it multiplies), the feature gradients by |dX|·ΔX per entry (item 1's way).
+       PyTorch's logits, rounded to the input dtype to nearest, average instead: where many
+       logits enter one number (NT-Xent's dτ over 90,000 logits: 1.7e-6 ours, 3.9e-8
+       PyTorch's; SigLIP's loss at s = 50 on clustered features: 1.9e-6 and 4.8e-7) a
+       relative comparison would charge the hardware's rounding to the kernel.
     """
+    if tensor_cores is None:
+        tensor_cores = backend == "triton" and ON_GPU and case.dtype != torch.float32
     def relative(err, scale) -> float:
         scale = float(scale)
         return float(err) / scale if scale > 0 else 0.0
@@ -435,16 +450,23 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
         # cancel: |X| would understate it (SigLIP's 14·0.96 − 10).
         bias = abs(case.bias or 0.0) if case.loss in ("clip", "siglip") else 0.0
         x_err = 2 * EPS32 * torch.where(torch.isfinite(x), case.scale * dots.abs() + bias, 0.0)
+        # Item 7: the tensor cores' truncated sums, errors of one sign (absolute, per logit).
+        coherent = torch.zeros_like(x)
+        if tensor_cores:
+            coherent = torch.where(torch.isfinite(x),
+                                   2 * EPS32 * case.scale * _partial_sums(a, b), 0.0)
         if case.reduction == "none" and case.loss != "siglip":
             unit = replace(case, reduction="sum")  # each row's own sensitivity: upstream 1
             d_x_unit = sum(_logit_grad_terms(unit, problem, x).values())
             loss_err = loss_err + (d_x_unit * x_err).norm(dim=1)  # item 5
+            loss_err = loss_err + (d_x_unit.abs() * coherent).sum(dim=1)  # item 7
             loss_floor = relative(loss_err.norm(), ref_loss.norm())
         else:
             total = (loss_err * _upstream_rows(case).abs()).sum()
             total = total + (d_x * x_err).norm()  # item 5
+            total = total + (d_x.abs() * coherent).sum()  # item 7
             loss_floor = relative(total, ref_loss.abs())
-        var_x = err_x.square()
+        var_x = err_x.square() + (d_x.abs() * coherent).square()
         # The scalars: summed whole (the rows' errors need not average: a saturated row's
         # 1 + δ rounds alike in PyTorch's fp32 softmax and ours, measured 11-21% on ds).
         absolute = {"scale": (err_x * dots.nan_to_num(0).abs()).sum(), "bias": err_x.sum()}
@@ -455,8 +477,10 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
             absolute["a"] = case.scale * (var_x @ norm_b2).sum().sqrt()
             absolute["b"] = case.scale * (var_x.T @ norm_a2).sum().sqrt()
         scalar_terms = {"scale": d_x * dots.nan_to_num(0), "bias": d_x}  # item 2
-        conditioning = {  # items 2 and 5
-            name: relative(EPS32 * t.abs().sum() + (t * x_err).norm(), t.sum().abs())
+        through_raw = {"scale": (d_x.abs() * coherent).sum() / case.scale, "bias": 0.0}
+        conditioning = {  # items 2, 5 and 7
+            name: relative(EPS32 * t.abs().sum() + (t * x_err).norm()
+                           + (t.abs() * coherent).sum() + through_raw[name], t.sum().abs())
             for name, t in scalar_terms.items()}
     shared = (4 * EPS32 + x_err.max().item()) / min(case.rows, case.m)  # item 3
     floors = {}
@@ -466,6 +490,17 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
         floors[name] = (relative(absolute[key], ref_abs) + conditioning.get(key, 0.0)
                         + (shared if name in ("a", "b") else 0.0))
     return loss_floor, floors
+
+
+def _partial_sums(a: torch.Tensor, b: torch.Tensor, step: int = 16) -> torch.Tensor:
+    """Σ_k |Σ_{i<step·k} a_i b_i| for every pair of rows (float64, (N, M)): the partial sums
+    that a tensor-core matmul rounds, k-step by k-step."""
+    partial = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64)
+    total = torch.zeros_like(partial)
+    for k in range(0, a.shape[1], step):
+        partial += a[:, k:k + step] @ b[:, k:k + step].T
+        total += partial
+    return total.abs()
 
 
 def underflow_floor(case: Case, ref: torch.Tensor) -> float:
