@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import DEVICE, can_run_triton
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from workers import Raised, Workers, all_ok
+from workers import NCCL_EXAMPLES, Raised, Workers, all_ok
 
 import fusedloss
 import fusedloss.distributed as fd
@@ -226,6 +226,7 @@ NCCL_WORLD = min(torch.cuda.device_count(), 4)
 
 
 @pytest.mark.skipif(NCCL_WORLD < 2, reason="needs two or more CUDA GPUs")
+@settings(max_examples=NCCL_EXAMPLES)
 @given(case=ring_cases(backends=("triton", "torch"), max_world=max(NCCL_WORLD, 1)))
 def test_ring_on_nccl_equals_one_process_sliced(nccl_workers, case):
     """The same property over NCCL, one process per GPU (the Triton kernels at tiny sizes);

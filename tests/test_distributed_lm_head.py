@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from workers import Raised, all_ok
+from workers import NCCL_EXAMPLES, Raised, all_ok
 
 import fusedloss
 
@@ -136,6 +136,7 @@ NCCL_WORLD = min(torch.cuda.device_count(), 3)
 
 
 @pytest.mark.skipif(NCCL_WORLD < 2, reason="needs two or more CUDA GPUs")
+@settings(max_examples=NCCL_EXAMPLES)
 @given(case=head_cases(backends=("triton", "torch"), max_world=max(NCCL_WORLD, 1)))
 def test_sharded_head_on_nccl_equals_whole_head(nccl_workers, case):
     """The same property over NCCL, one process per GPU; the reference: one process on the

@@ -24,6 +24,10 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 GROUP_TIMEOUT = timedelta(seconds=60)  # a collective that waits longer raises on its rank
+# Examples of a property test over NCCL: each runs on every rank, and each new combination
+# of options compiles its kernels in every process: the GPU profile's 200 took minutes of
+# several GPUs (the LM head's test did not finish in 4 minutes on 2 × H200).
+NCCL_EXAMPLES = 50
 
 
 @dataclass
