@@ -499,8 +499,8 @@ def _partial_sums(a: torch.Tensor, b: torch.Tensor, step: int = 16) -> torch.Ten
     total = torch.zeros_like(partial)
     for k in range(0, a.shape[1], step):
         partial += a[:, k:k + step] @ b[:, k:k + step].T
-        total += partial
-    return total.abs()
+        total += partial.abs()
+    return total
 
 
 def underflow_floor(case: Case, ref: torch.Tensor) -> float:
