@@ -105,7 +105,7 @@ def test_relative_l2_error_chunked_equals_direct():
 def test_case_floors_follow_design_formulas():
     case = lm_head.Case(inputs.LM_HEAD_SHAPES["gemma2-2b"], "peaked", "fwd+bwd", 8192)
     floors = case.floors_ms(723.0)
-    assert floors["forward"] == pytest.approx(13.4, abs=0.05)  # DESIGN §4: 9.7 TFLOP ≈ 13.4 ms
+    assert floors["forward"] == pytest.approx(13.4, abs=0.05)  # docs/design.md: 9.7 TFLOP ≈ 13.4 ms
     assert floors["backward_unskipped"] == pytest.approx(3 * floors["forward"])
     assert case.floor_ms(723.0) == pytest.approx(4 * floors["forward"])
 

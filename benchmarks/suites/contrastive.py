@@ -196,7 +196,8 @@ class Case:
         return f"τ {NT_XENT_TEMPERATURE:g}"
 
     def floors_ms(self, tflops: float) -> dict[str, float]:
-        """DESIGN §4 at a matmul rate of ``tflops``: one pass 8·r²·c/R, with reuse 4·r²·c/R."""
+        """The cost floors (docs/design.md) at a matmul rate of ``tflops``: one pass 8·r²·c/R,
+        with reuse 4·r²·c/R."""
         work = float(self.rows) ** 2 * self.width
         to_ms = 1e3 / (tflops * 1e12)
         return {"one_pass": 8 * work * to_ms, "one_pass_reuse": 4 * work * to_ms}
@@ -880,8 +881,8 @@ def render_markdown(
         ),
         (
             "floor",
-            "DESIGN §4 one-pass floor 8·r²·c/R (r = b, or 2B for NT-Xent; R measured above); "
-            "4·r²·c/R if the backward reuses forward statistics well",
+            "the one-pass cost floor (docs/design.md) 8·r²·c/R (r = b, or 2B for NT-Xent; "
+            "R measured above); 4·r²·c/R if the backward reuses forward statistics well",
         ),
     ]
     lines += [common.markdown_table(["setting", "value"], header_rows), ""]
@@ -951,7 +952,7 @@ def render_markdown(
         "",
     ]
 
-    lines += ["## Cost floors (DESIGN §4)", ""]
+    lines += ["## Cost floors (docs/design.md)", ""]
     rows = [
         [
             cr.case.label,

@@ -126,7 +126,7 @@ class Case:
         return self.mode == "fwd+bwd"
 
     def floors_ms(self, tflops: float) -> dict[str, float]:
-        """Cost floors of DESIGN §4 at a matmul rate of ``tflops``: 2NVD/R, 6NVD/R, 8NVD/R."""
+        """Cost floors of docs/design.md at a matmul rate of ``tflops``: 2NVD/R, 6NVD/R, 8NVD/R."""
         nvd = self.n * self.shape.vocab_size * self.shape.hidden_size
         to_ms = 1e3 / (tflops * 1e12)
         return {
@@ -660,7 +660,7 @@ def render_markdown(
         lines += [common.markdown_table(headers, rows), ""]
 
     lines += [
-        "## Cost floors (DESIGN §4)",
+        "## Cost floors (docs/design.md)",
         "",
         f"At the measured R = {common.format_tflops(tflops)} TFLOP/s: forward 2NVD/R, "
         "backward with nothing skipped 6NVD/R, so forward+backward unskipped 8NVD/R. "

@@ -164,7 +164,7 @@ class Case:
         return pair_logit_scale(self.regime)
 
     def floor_ms(self, tflops: float) -> float:
-        """DESIGN §4's one-pass floor for one rank's b_r × B share: 8·b_r·B·c / R."""
+        """The one-pass cost floor (docs/design.md) of one rank's b_r × B share: 8·b_r·B·c / R."""
         return 8.0 * self.per_rank * self.batch * self.width / (tflops * 1e12) * 1e3
 
     @property
@@ -1171,7 +1171,7 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
                    "regime, seed) (bf16 unit vectors; random: logit_scale 1/0.07, trained: "
                    "100), rank r holding pairs r·B/K … (r+1)·B/K − 1: the same batch for every "
                    "K; logit_scale a learnable fp32 tensor"),
-        ("floor", "DESIGN §4's one-pass floor of one rank's share: 8·b_r·B·c / R"),
+        ("floor", "the one-pass cost floor (docs/design.md) of one rank's share: 8·b_r·B·c / R"),
     ]
     lines += [common.markdown_table(["setting", "value"], rows), ""]
 

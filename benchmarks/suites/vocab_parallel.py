@@ -732,8 +732,8 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
         ("check", CHECK_DEFINITION),
         ("inputs", "benchmarks/inputs.py make_lm_head_inputs(N, V, D, regime, seed) on every "
                    "rank; rank r keeps C's rows [⌊r·V/K⌋, ⌊(r+1)·V/K⌋)"),
-        ("floor", "one rank's share of DESIGN §4's floor: 8·N·V·D / (K·R) (single GPU: "
-                  "8·N·V·D / R)"),
+        ("floor", "one rank's share of the cost floor (docs/design.md): 8·N·V·D / (K·R) "
+                  "(single GPU: 8·N·V·D / R)"),
     ]
     lines += [common.markdown_table(["setting", "value"], rows), ""]
 
