@@ -432,6 +432,7 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
     """
     if tensor_cores is None:
         tensor_cores = backend == "triton" and ON_GPU and case.dtype != torch.float32
+
     def relative(err, scale) -> float:
         scale = float(scale)
         return float(err) / scale if scale > 0 else 0.0
