@@ -727,6 +727,37 @@ def test_peaked_with_filtering(case, backend):
     check_case(case, backend)
 
 
+def _truncating_dot(a: torch.Tensor, b: torch.Tensor, step: int = 16) -> torch.Tensor:
+    """A Bᵀ of fp16 rows as the tensor cores accumulate it: each k-step's 16 products (exact in
+    fp16 → fp32) added to the fp32 accumulator, the sum rounded toward zero."""
+    acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32)
+    a64, b64 = a.double(), b.double()
+    for k in range(0, a.shape[1], step):
+        exact = acc.double() + a64[:, k:k + step] @ b64[:, k:k + step].T
+        nearest = exact.float()
+        away = nearest.double().abs() > exact.abs()  # rounded away from zero: one ulp back
+        acc = torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+    return acc
+
+
+@pytest.mark.parametrize("regime", ["random", "clustered"])
+def test_tensor_core_floor_bounds_truncated_sums(regime):
+    """rounding_floors' item 7 against an emulation of the tensor cores' accumulation: every
+    logit's error within 2·eps32·Σ_k |partial sum_k|, where the model of one fp32 rounding of
+    the result (item 5: 2·eps32·|A Bᵀ|) falls short on clustered features (partial sums that
+    climb together truncate alike)."""
+    case = Case(loss="clip", n=64, d=768, dtype=torch.float16, scale=1.0, regime=regime,
+                cluster=8)
+    problem = make_problem(case)
+    a, b = problem.a.cpu(), problem.b.cpu()
+    exact = a.double() @ b.double().T
+    error = (_truncating_dot(a, b).double() - exact).abs()
+    bound = 2 * EPS32 * _partial_sums(a.double(), b.double())
+    assert (error <= bound).all(), float((error / bound).max())
+    if regime == "clustered":
+        assert (error > 2 * EPS32 * exact.abs()).any()
+
+
 def test_torch_backend_clip_column_lse_within_strict_bar():
     """rounding_floors' item 4 checked without its allowance: measured 2.6x over the bar
     (grad of the image features 1.1e-2 vs PyTorch's 4.7e-4); with the column partials merged
