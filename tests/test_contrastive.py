@@ -421,10 +421,12 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
        rounding: up to about an ulp of the partial sum per step (and one more for the step's
        own alignment), errors of one sign wherever the partial sums keep theirs, so that they
        add up over the logits instead of averaging: ΔX ≤ 2·eps32·s·Σ_k |Σ_{i<16k} a_i b_i|
-       (measured on an H200, fp16, D = 768: a logit whose partial sums climb to 1 came out
-       3.7e-6 off, 31 eps32; its bound 6.3e-6). The loss moves by up to Σ |∂L/∂X|·ΔX, the
-       scalar sums likewise (Σ |t|·ΔX, and ds also by Σ |dX|·ΔX / s through the raw
-       logits it multiplies), the feature gradients by |dX|·ΔX per entry (item 1's way).
+       (measured on an H200, fp16, D = 768, unit rows: the largest logit error 3.7e-6,
+       31 eps32; the largest bound 6.3e-6, a row's product with itself, whose partial sums
+       climb to 1; test_tensor_core_floor_bounds_truncated_sums checks an emulation). The
+       loss moves by up to Σ |∂L/∂X|·ΔX, the scalar sums likewise (Σ |t|·ΔX, and ds also by
+       Σ |dX|·ΔX / s through the raw logits it multiplies), the feature gradients by |dX|·ΔX
+       per entry (item 1's way).
        PyTorch's logits, rounded to the input dtype to nearest, average instead: where many
        logits enter one number (NT-Xent's dτ over 90,000 logits: 1.7e-6 ours, 3.9e-8
        PyTorch's; SigLIP's loss at s = 50 on clustered features: 1.9e-6 and 4.8e-7) a
