@@ -285,3 +285,16 @@ def test_quick_run_on_one_process_without_torchrun(tmp_path):
     assert ours["compute_ms"] > 0 and ours["comm_ms"] is None and ours["overlap"] is None
     assert ours["overlap_note"] == "K = 1: the ring makes no transfers"
     assert "K = 1 (CPU process)" in markdown
+    assert data["settings"]["graph"] is False and ours["graphed_ms"] is None
+    assert "not measured (without --graph)" in markdown
+
+
+def test_graph_option_on_the_cpu_says_why_nothing_was_graphed(tmp_path):
+    _run([sys.executable, "benchmarks/run.py", "ring", "--quick", "--device", "cpu",
+          "--providers", "fusedloss", "--batches", "128", "--no-overlap", "--graph",
+          "--out", str(tmp_path), "--tag", "graph"], tmp_path)
+    data, markdown = read_results(tmp_path, "ring_*_cpu_1proc_graph")
+    ours = _results(data["cases"][0], "fusedloss")
+    assert data["settings"]["graph"] is True and ours["graphed_ms"] is None
+    assert ours["graphed_note"] == "not graphed: CUDA graphs need a CUDA device"
+    assert "torch.cuda.CUDAGraph" in markdown and "| graphed |" in markdown

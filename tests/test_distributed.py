@@ -677,3 +677,140 @@ def test_merge_stats_matches_float64(backend, n, seed):
     assert torch.equal(torch.isnan(got), torch.isnan(expected))
     finite = ~torch.isnan(expected)
     torch.testing.assert_close(got[finite], expected[finite], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: a call during a capture reuses the last eager call's exchange of facts
+
+
+class _PretendCapturing:
+    """Makes the distributed layer see a CUDA graph capture in progress (on the CPU, where none
+    can be), and any all-gather fail: a captured call must not communicate its facts."""
+
+    def __enter__(self):
+        import fusedloss.distributed._group as group_module
+        import fusedloss.distributed.contrastive as contrastive_module
+        import fusedloss.distributed.cross_entropy as cross_entropy_module
+
+        modules = (group_module, contrastive_module, cross_entropy_module)
+        self.saved = [(m, "capturing", m.capturing) for m in modules]
+        self.saved.append((dist, "all_gather", dist.all_gather))
+        for module, name, _ in self.saved[:3]:
+            setattr(module, name, lambda device: True)
+
+        def no_all_gather(*args, **kwargs):
+            raise AssertionError("a captured call exchanged its facts")
+
+        dist.all_gather = no_all_gather
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, value in self.saved:
+            setattr(module, name, value)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _captured_calls(rank, world):
+    """An eager call, then the same call and others as if during a CUDA graph capture."""
+    g = torch.Generator().manual_seed(rank)
+    i, t = (torch.randn(5 + rank, 16, generator=g).requires_grad_() for _ in range(2))
+    scale = torch.tensor(10.0, requires_grad=True)
+
+    def call(rows=None, **kwargs):
+        loss = fd.clip_loss(i[:rows], t[:rows], scale, **kwargs)
+        return [loss.detach(), *torch.autograd.grad(loss, (i, t, scale))]
+
+    eager = call()
+    vocab = torch.randn(7, 16, generator=g)
+    fd.nt_xent_loss(i[:4], 0.5)  # an eager NT-Xent call with a float temperature
+    with _PretendCapturing():
+        captured = call()
+        errors = {
+            "new shapes": _error_of(lambda: call(rows=-1)),
+            "new options": _error_of(lambda: call(reduction="sum")),
+            "labels": _error_of(lambda: fd.info_nce_loss(i, t, torch.arange(i.shape[0]))),
+            "tensor temperature": _error_of(lambda: fd.nt_xent_loss(i[:4], torch.tensor(0.5))),
+            "torch backend": _error_of(lambda: call(backend="torch")),
+            "lm head": _error_of(lambda: fd.vocab_parallel_cross_entropy(
+                i.detach(), vocab, torch.zeros(i.shape[0], dtype=torch.long))),
+        }
+        nt_xent = _error_of(lambda: fd.nt_xent_loss(i[:4], 0.5))
+    return eager, captured, errors, nt_xent
+
+
+def test_a_call_during_a_cuda_graph_capture_reuses_the_eager_exchange(workers):
+    """During a capture the host cannot read the exchange's all-gather: a call with the
+    arguments of an earlier eager call reuses what that call found (and gives its results),
+    without communicating; any other call, and a call that reads input values on the host,
+    raises naming what to do (on every rank alike, before any transfer)."""
+    for eager, captured, errors, nt_xent in all_ok(workers(3).run(_captured_calls)):
+        for got, want in zip(captured, eager, strict=True):
+            assert torch.equal(got, want)
+        assert nt_xent is None
+        assert "no eager call on this rank" in errors["new shapes"]
+        assert "no eager call on this rank" in errors["new options"]
+        assert "labels=None" in errors["labels"]
+        assert "float temperature" in errors["tensor temperature"]
+        assert "backend='torch'" in errors["torch backend"]
+        assert "call it outside the capture" in errors["lm head"]
+
+
+def _nccl_graph_case(rank, world, b, c):
+    """The ring's forward and backward captured in a CUDA graph (after an eager call) and
+    replayed on new inputs, against eager calls on the same inputs."""
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    g = torch.Generator(device=dev).manual_seed(rank)
+
+    def features():
+        return F.normalize(torch.randn(b, c, device=dev, generator=g), dim=1).bfloat16()
+
+    i, t = features().requires_grad_(), features().requires_grad_()
+    scale = torch.tensor(20.0, device=dev, requires_grad=True)
+
+    def step():
+        loss = fd.clip_loss(i, t, scale)
+        return [loss.detach().clone(), *torch.autograd.grad(loss, (i, t, scale))]
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks, and the eager exchange
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    out = []
+    for _ in range(2):
+        new = [features(), features()]
+        with torch.no_grad():
+            i.copy_(new[0])
+            t.copy_(new[1])
+        eager = step()
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        out.append(([x.float().cpu() for x in eager], [x.float().cpu() for x in static]))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_nccl_ring_replayed_as_a_cuda_graph():
+    """The ring captured in a CUDA graph (its NCCL transfers inside) gives, replayed on new
+    inputs, what eager calls give, bit for bit."""
+    workers = Workers(2, backend="nccl")
+    try:
+        results = all_ok(workers.run(_nccl_graph_case, 4096, 256))
+    finally:
+        workers.close()
+    for per_rank in results:
+        for eager, replayed in per_rank:
+            for want, got in zip(eager, replayed, strict=True):
+                assert torch.equal(got, want)

@@ -116,6 +116,14 @@ OVERLAP_DEFINITION = (
     "a − b (negative values are noise). With K = 1 the ring makes no transfers: (c) and the "
     "overlap are then —"
 )
+GRAPH_DEFINITION = (
+    "fusedloss only, with --graph, on CUDA: the step captured once in a torch.cuda.CUDAGraph "
+    "(after warm-up calls on a side stream, as capture asks; the captured call reuses the last "
+    "eager call's exchange of facts, fusedloss.distributed's rule under capture) and timed like "
+    "(a) by replaying it: the same kernels and NCCL transfers without the host's launches. The "
+    "graph reads the step's input tensors in place, as when the towers that produce them are "
+    "captured too. Before timing, one replay's gradients must equal an eager call's bit for bit"
+)
 RING_MEMORY_DEFINITION = (
     MEMORY_DEFINITION + " Per rank, on its b_r rows (gradient bytes: its dI, dT and d "
     "logit_scale); MB = the max over the ranks. NCCL's own buffers are not allocated through "
@@ -811,6 +819,10 @@ class ProviderResult(common.ProviderResultBase):
     overlap: float | None = None
     comm_bytes: int | None = None  # sent per rank per step
     overlap_note: str = ""
+    # fusedloss: the step replayed from a CUDA graph (GRAPH_DEFINITION)
+    graphed_ms: float | None = None
+    graphed_per_rank: list[float] = field(default_factory=list)
+    graphed_note: str = ""
 
     @property
     def comm_gbps(self) -> float | None:
@@ -836,6 +848,7 @@ class Settings:
     min_reps: int
     backend: str
     overlap: bool
+    graph: bool = False
 
 
 def run_provider(provider: RingProvider, case: Case, inputs: RingInputs,
@@ -914,6 +927,8 @@ def run_provider(provider: RingProvider, case: Case, inputs: RingInputs,
 
     if provider.key == FUSEDLOSS and settings.overlap:
         measure_overlap(result, forward_backward, ctx, settings)
+    if provider.key == FUSEDLOSS and settings.graph:
+        measure_graphed(result, forward_backward, ctx, settings)
     return result
 
 
@@ -1009,6 +1024,53 @@ def measure_overlap(result: ProviderResult, forward_backward: Callable[[], Any],
         result.overlap_note = f"overlap not measured: {probe.status}: {probe.note}"
 
 
+GRAPH_WARMUP_CALLS = 2
+
+
+def graphed_step(forward_backward: Callable[[], tuple[Tensor, ...]],
+                 device: torch.device) -> Callable[[], None]:
+    """``forward_backward`` captured once in a CUDA graph, and the graph's replay
+    (GRAPH_DEFINITION); raises if a replay's gradients differ from an eager call's."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP_CALLS):
+            forward_backward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward_backward()
+    graph.replay()
+    eager = forward_backward()
+    if not all(torch.equal(c, e) for c, e in zip(captured, eager, strict=True)):
+        raise RuntimeError("a replay's gradients differ from an eager call's")
+    return graph.replay
+
+
+def measure_graphed(result: ProviderResult, forward_backward: Callable[[], Any], ctx: Context,
+                    settings: Settings) -> None:
+    """The step replayed from a CUDA graph, timed like the step (GRAPH_DEFINITION)."""
+    ranks, device = ctx.ranks, ctx.device
+    if not common.uses_cuda(device):
+        result.graphed_note = "not graphed: CUDA graphs need a CUDA device"
+        return
+    probe = ProviderResult(result.provider, result.label)  # takes a failure, if any
+    replay: list[Callable[[], None]] = []
+    try:
+        ok, _ = stage(ranks, probe, device,
+                      lambda: replay.append(graphed_step(forward_backward, device)))
+        if ok:
+            ok, timed = stage(ranks, probe, device, lambda: time_on_all_ranks(
+                replay[0], device, ranks, settings.timing, settings.min_reps))
+            if ok:
+                result.graphed_ms, result.graphed_per_rank = timed.ms, timed.per_rank_ms
+    finally:
+        replay.clear()  # frees the graph and its memory pool
+        common.release_memory(device)
+    if probe.status != OK:
+        result.graphed_note = f"not graphed: {probe.status}: {probe.note}"
+
+
 def cross_check(case_result: CaseResult) -> None:
     """Without a reference: each peer's mean loss against fusedloss's."""
     if case_result.reference is not None:
@@ -1093,6 +1155,10 @@ def _figures_text(result: ProviderResult) -> str:
                  f"{common.format_ms(result.comm_ms)} ms, overlap {_percent(result.overlap)}")
     elif result.overlap_note:
         text += f"; {result.overlap_note}"
+    if result.graphed_ms is not None:
+        text += f"; replayed as a CUDA graph {common.format_ms(result.graphed_ms)} ms"
+    elif result.graphed_note:
+        text += f"; {result.graphed_note}"
     return text
 
 
@@ -1109,6 +1175,7 @@ class RunInfo(common.RunInfoBase):
     regimes: list[str]
     min_reps: int
     overlap: bool
+    graph: bool = False
 
 
 def _percent(value: float | None) -> str:
@@ -1166,6 +1233,7 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
                                   else "; " + common.WALL_CLOCK_TIMING))),
         ("memory", RING_MEMORY_DEFINITION),
         ("overlap", OVERLAP_DEFINITION if info.overlap else "not measured (--no-overlap)"),
+        ("CUDA graph", GRAPH_DEFINITION if info.graph else "not measured (without --graph)"),
         ("check", CHECK_DEFINITION),
         ("inputs", "one global batch B × c from benchmarks/inputs.py make_pair_features(B, c, "
                    "regime, seed) (bf16 unit vectors; random: logit_scale 1/0.07, trained: "
@@ -1202,23 +1270,25 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
         megabytes, rate = _comm_text(ours)
         overlap_rows.append([
             cr.case.label, common.format_ms(ours.ms), common.format_ms(ours.host_ms),
-            common.format_ms(ours.compute_ms),
+            common.format_ms(ours.graphed_ms), common.format_ms(ours.compute_ms),
             common.format_ms(ours.comm_ms), _signed_ms(ours.exposed_comm_ms),
-            _percent(ours.overlap), megabytes, rate, ours.overlap_note or "",
+            _percent(ours.overlap), megabytes, rate,
+            "; ".join(n for n in (ours.overlap_note, ours.graphed_note) if n),
         ])
-    if overlap_rows and info.overlap:
+    if overlap_rows and (info.overlap or info.graph):
         lines += [
             "## Communication and compute (fusedloss)",
             "",
             "(a) ring step, (b) compute only, (c) transfers only, in ms (each the max over "
             "ranks of the rank's median); host: the host's time to issue one ring step that "
             f"starts on an idle GPU (median of {HOST_REPS} calls, max over ranks; where it is "
-            "close to a, the host, not the GPU, sets the pace); exposed = a − b; overlap "
+            "close to a, the host, not the GPU, sets the pace); graphed: the step replayed from "
+            "a CUDA graph (with --graph); exposed = a − b; overlap "
             "= (b + c − a) / min(b, c) in [0, 1]; MB sent per rank per step and the transfers' "
             "rate c implies.",
             "",
         ]
-        headers = ["case", "a: ring", "host", "b: compute only", "c: transfers only",
+        headers = ["case", "a: ring", "host", "graphed", "b: compute only", "c: transfers only",
                    "exposed a − b",
                    "overlap", "MB sent / rank", "GB/s", "note"]
         lines += [common.markdown_table(headers, overlap_rows), ""]
@@ -1279,6 +1349,7 @@ def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str,
             "backend": info.backend,
             "providers": info.providers,
             "overlap": info.overlap,
+            "graph": info.graph,
         },
         "matmul": info.matmul,
         "peer_versions": info.peer_versions,
@@ -1286,6 +1357,7 @@ def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str,
             "timing": TIMING_DEFINITION,
             "memory": RING_MEMORY_DEFINITION,
             "overlap": OVERLAP_DEFINITION,
+            "graph": GRAPH_DEFINITION,
             "check": CHECK_DEFINITION,
             "floor": "8·b_r·B·c / R per rank",
         },
@@ -1412,6 +1484,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip fusedloss's compute-only and transfers-only measurements",
     )
     parser.add_argument(
+        "--graph", action="store_true",
+        help="also time fusedloss's step replayed from a CUDA graph (CUDA only)",
+    )
+    parser.add_argument(
         "--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
         help="torch.distributed timeout of a collective (default "
         f"{DEFAULT_GROUP_TIMEOUT_S:g} s)",
@@ -1486,7 +1562,7 @@ def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
         if backend == "triton" and FUSEDLOSS in args.providers:
             notes.append(common.use_triton_interpreter())
     settings = Settings(device, dtype, args.seed, timing, args.min_reps, backend,
-                        overlap=not args.no_overlap)
+                        overlap=not args.no_overlap, graph=args.graph)
     all_providers = ring_providers(backend)
     providers = [all_providers[key] for key in args.providers]
     ctx = Context(ranks, device, backend, dtype)
@@ -1541,6 +1617,7 @@ def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult],
         calls=calls, notes=notes, world=world, dist_backend=dist_backend,
         backend=settings.backend, width=width, batches=list(batches),
         regimes=list(args.regimes), min_reps=settings.min_reps, overlap=settings.overlap,
+        graph=settings.graph,
     )
 
 

@@ -67,6 +67,11 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     rank, so that no rank waits for one that has left. ``extra``: per-rank integers the caller
     needs from every rank (returned, one tuple per rank): the same count on every rank. One
     small all-gather and one host read.
+
+    While a CUDA graph is being captured on ``device`` the host cannot read the all-gather's
+    result: the caller then gets what the last eager exchange on this rank with the same
+    arguments (group, rows, cols, facts, extra) found, without communicating (that call checked
+    them across the ranks, and a graph replays the same shapes); without one, it raises.
     """
     rank, world = group_rank_world(group)
     names = list(facts)
@@ -75,6 +80,10 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     codes = [facts[k][0] for k in names] if error is None else []
     # The same length on every rank, also where an error left no facts to send.
     codes += [0] * (MAX_FACTS - len(codes))
+    key = (group if group is not None else dist.group.WORLD, rows, cols, tuple(codes),
+           tuple(extra))
+    if capturing(device):
+        return _captured(key, error)
     local = torch.tensor([int(error is not None), rows, cols, *codes, *extra],
                          dtype=torch.int64)
     if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
@@ -105,7 +114,37 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
         next_peer=peer((rank + 1) % world), prev_peer=peer((rank - 1) % world),
     )
     first_extra = 3 + MAX_FACTS
-    return layout, [tuple(row[first_extra:]) for row in table]
+    found = layout, [tuple(row[first_extra:]) for row in table]
+    _EAGER_EXCHANGES.pop(key, None)  # re-inserted last: the dict keeps the most recent ones
+    _EAGER_EXCHANGES[key] = found
+    while len(_EAGER_EXCHANGES) > _EAGER_EXCHANGES_KEPT:
+        del _EAGER_EXCHANGES[next(iter(_EAGER_EXCHANGES))]
+    return found
+
+
+# What the last eager exchanges found, by their arguments, for calls made during a CUDA graph
+# capture (``exchange``); the most recent last.
+_EAGER_EXCHANGES: dict[tuple, tuple[Layout, list]] = {}
+_EAGER_EXCHANGES_KEPT = 64
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _captured(key: tuple, error: Exception | None) -> tuple[Layout, list]:
+    if error is not None:
+        raise error
+    found = _EAGER_EXCHANGES.get(key)
+    if found is None:
+        raise RuntimeError(
+            "called while a CUDA graph is being captured, with arguments (group, shapes, "
+            "dtypes, options) that no eager call on this rank has had: make one eager call with "
+            "the same arguments on every rank first; it checks them across the ranks, and the "
+            "capture reuses what it found"
+        )
+    return found
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -21,6 +21,13 @@ Every rank of the group must make the same call (same loss, reduction, options, 
 device type, and which inputs need gradients) and run the backward: the ranks exchange these
 facts once per call and all raise the same error when they disagree, or when one rank's
 arguments are wrong, instead of leaving the others waiting.
+
+CUDA graphs: a call made while a graph is being captured (``torch.cuda.graph``) reuses what
+the last eager call on this rank with the same arguments found in that exchange, without
+communicating, so that the ring's kernels and NCCL transfers replay without the host. Make one
+eager call with the same shapes and options on every rank before capturing. What the eager
+call reads on the host from input values cannot be read during a capture: InfoNCE with
+``labels``, NT-Xent with a tensor temperature and ``backend="torch"`` raise there.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from ..core import engine
 from ..core.filtering import resolve_filter_eps
 from ..losses.contrastive import _as_scalar, feature_error
 from . import ring
-from ._group import device_code, dtype_code, exchange, float_code
+from ._group import capturing, device_code, dtype_code, exchange, float_code
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "triton", "torch"]
@@ -179,6 +186,8 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
                error, *, scale_name):
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
     facts, scale, bias, eps, needs = {}, None, None, None, None
+    if error is None and capturing(device):
+        error = _capture_error(kind, labels, scale_arg, backend)
     if error is None:
         try:
             scale, bias, eps, backend, needs, facts = _options(
@@ -206,6 +215,22 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
         return per_row
     total = per_row.sum() * layout.world
     return total if reduction == "sum" else total / total_rows
+
+
+def _capture_error(kind, labels, scale_arg, backend) -> Exception | None:
+    """Why this call cannot be captured in a CUDA graph (None: it can). A captured call skips
+    the exchange of facts (it reuses the last eager call's, ``exchange``); what the eager call
+    reads on the host from the inputs' values cannot be read during a capture."""
+    if labels is not None:
+        return RuntimeError(f"{kind}_loss reads the labels' range on the host, which a CUDA "
+                            f"graph capture cannot do: capture it with labels=None")
+    if kind == "nt_xent" and isinstance(scale_arg, torch.Tensor):
+        return RuntimeError("nt_xent_loss checks a tensor temperature on the host, which a CUDA "
+                            "graph capture cannot do: capture it with a float temperature")
+    if backend == "torch":
+        return RuntimeError("backend='torch' reads on the host, which a CUDA graph capture "
+                            "cannot do: capture the Triton kernels (backend 'auto' or 'triton')")
+    return None
 
 
 def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, scale_name):
