@@ -150,6 +150,27 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def capture_graph(warm_up: Callable[[], Any], captured: Callable[[], Any],
+                  device: torch.device, calls: int,
+                  before_capture: Callable[[], None] | None = None) -> tuple[Any, Any]:
+    """``captured`` recorded once in a ``torch.cuda.CUDAGraph`` after ``calls`` calls of
+    ``warm_up`` on a side stream (as capture asks: compilation, autotuning and the first
+    allocations happen outside it); returns the graph and what ``captured`` returned (the
+    graph's static outputs)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            warm_up()
+    torch.cuda.current_stream(device).wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = captured()
+    return graph, outputs
+
+
 def release_memory(device: torch.device | str) -> None:
     """Drop garbage and cached blocks so the next measurement starts clean."""
     gc.collect()

@@ -234,17 +234,9 @@ def graphed_ms(layer: nn.Linear, inputs: LinearInputs, device: torch.device,
     place: the same work as the eager step, no accumulation."""
     if not common.uses_cuda(device):
         return None
-    step = forward_backward(layer, inputs)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(GRAPH_WARMUP_STEPS):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    clear_grads(layer, inputs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(inputs.x).backward(inputs.dy)
+    graph, _ = common.capture_graph(
+        forward_backward(layer, inputs), lambda: layer(inputs.x).backward(inputs.dy), device,
+        GRAPH_WARMUP_STEPS, before_capture=lambda: clear_grads(layer, inputs))
     return common.median_ms(graph.replay, device, timing)
 
 

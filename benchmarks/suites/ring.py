@@ -1031,15 +1031,8 @@ def graphed_step(forward_backward: Callable[[], tuple[Tensor, ...]],
                  device: torch.device) -> Callable[[], None]:
     """``forward_backward`` captured once in a CUDA graph, and the graph's replay
     (GRAPH_DEFINITION); raises if a replay's gradients differ from an eager call's."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(GRAPH_WARMUP_CALLS):
-            forward_backward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = forward_backward()
+    graph, captured = common.capture_graph(forward_backward, forward_backward, device,
+                                           GRAPH_WARMUP_CALLS)
     graph.replay()
     eager = forward_backward()
     if not all(torch.equal(c, e) for c, e in zip(captured, eager, strict=True)):
