@@ -40,8 +40,8 @@ import torch.distributed as dist
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
 from ..losses.contrastive import _as_scalar, feature_error
-from . import ring
-from ._group import capturing, device_code, dtype_code, exchange, float_code
+from . import _group, ring
+from ._group import device_code, dtype_code, exchange, float_code
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "triton", "torch"]
@@ -186,7 +186,7 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
                error, *, scale_name):
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
     facts, scale, bias, eps, needs = {}, None, None, None, None
-    if error is None and capturing(device):
+    if error is None and _group.capturing(device):
         error = _capture_error(kind, labels, scale_arg, backend)
     if error is None:
         try:

@@ -30,7 +30,8 @@ from ..core.filtering import resolve_lm_head_filter_eps
 from ..losses import cross_entropy as single
 from ..ops._common import backward_row_chunk, scratch_bytes
 from ..ops.cross_entropy import _gradient_mass
-from ._group import capturing, device_code, dtype_code, exchange, float_code
+from . import _group
+from ._group import device_code, dtype_code, exchange, float_code
 
 _F32 = torch.float32
 _REDUCTIONS = ("none", "mean", "sum")
@@ -70,7 +71,7 @@ def vocab_parallel_cross_entropy(
     """
     error, prepared = None, None
     try:
-        if capturing(_device(input)):
+        if _group.capturing(_device(input)):
             raise RuntimeError("vocab_parallel_cross_entropy reads values on the host, which a "
                                "CUDA graph capture cannot do: call it outside the capture")
         prepared = _prepare(input, linear_weight, target, linear_bias, weight, reduction,
