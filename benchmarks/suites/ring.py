@@ -21,8 +21,9 @@ and calls the provider's loss on its own rows; the loss is the global batch's. F
 - for fusedloss, the overlap of communication with compute (:data:`OVERLAP_DEFINITION`): the
   ring step (a), the same step without its transfers (b: every ``Shift`` of the ring replaced
   by one that hands over, without copying, the tensors a recorded real step received), and the
-  transfers alone (c: the recorded sequence of shifts, same sizes, tags and order, no
-  compute); overlap = (b + c − a) / min(b, c) clamped to [0, 1], exposed communication a − b.
+  transfers alone (c: the recorded sequence of shifts, same sizes, tags, directions and
+  order, no compute); overlap = (b + c − a) / min(b, c) clamped to [0, 1], exposed
+  communication a − b.
 
 Every rank takes part in every collective; only rank 0 prints and writes the results files
 (``ring_<date>_<gpu-slug>_<K>gpu[_tag].md/.json``).
@@ -109,7 +110,8 @@ OVERLAP_DEFINITION = (
     "direction) sees the same blocks, column statistics and filtering masses as in (a); what "
     "else the call does (argument checks, the one small all-gather of facts per call, the "
     "reductions) stays in. (c) transfers only: the recorded sequence of shifts (same tensor "
-    "sizes, dtypes, tags, posting and waiting order, through the same Shift class) without "
+    "sizes, dtypes, tags, directions, posting and waiting order, through the same Shift "
+    "class) without "
     "compute. Each is timed like (a) (max over ranks of each rank's median). overlap = "
     "(b + c − a) / min(b, c), clamped to [0, 1]: 1 when the transfers hide entirely behind "
     "compute (a = max(b, c)), 0 when nothing overlaps (a ≥ b + c); exposed communication = "
@@ -408,6 +410,7 @@ class RecordedShift:
     send: list[tuple[tuple[int, ...], torch.dtype]]
     recv_specs: list[tuple[tuple[int, ...], torch.dtype]]
     recv: list[Tensor]  # the tensors as received (dropped by ShiftRecording.release)
+    layout: Any = None  # the layout it went over (the backward's runs the other way round)
 
     @property
     def bytes_sent(self) -> int:
@@ -467,7 +470,7 @@ def recording_shift(recording: ShiftRecording) -> type:
             self.index = len(recording.shifts)
             recording.layout = layout
             recording.shifts.append(
-                RecordedShift(tag, _specs(send), _specs(recv), list(recv))
+                RecordedShift(tag, _specs(send), _specs(recv), list(recv), layout)
             )
             recording.events.append(("post", self.index))
             self._shift = real_shift(layout, send, recv, tag=tag)
@@ -526,10 +529,10 @@ class ComputeOnly:
 
 
 def transfers_only(recording: ShiftRecording, device: torch.device) -> Callable[[], None]:
-    """The recorded step's transfers alone: the same shifts (sizes, dtypes, tags) posted and
-    waited for in the recorded order through the ring's own ``Shift``, from zero-filled send
-    buffers into receive buffers kept from call to call (one per shape, dtype and tag: shifts in
-    flight together have different tags)."""
+    """The recorded step's transfers alone: the same shifts (sizes, dtypes, tags, layouts)
+    posted and waited for in the recorded order through the ring's own ``Shift``, from
+    zero-filled send buffers into receive buffers kept from call to call (one per shape, dtype
+    and tag: shifts in flight together have different tags)."""
     shift_class = _ring_module().Shift
     layout = recording.layout
     sends: dict[tuple[Any, ...], Tensor] = {}
@@ -544,15 +547,15 @@ def transfers_only(recording: ShiftRecording, device: torch.device) -> Callable[
     for shift in recording.shifts:
         send = [buffer(sends, spec) for spec in shift.send]
         recv = [buffer(recvs, (*spec, shift.tag + j)) for j, spec in enumerate(shift.recv_specs)]
-        plan.append((send, recv, shift.tag))
+        plan.append((shift.layout or layout, send, recv, shift.tag))
     events = list(recording.events)
 
     def run() -> None:
         posted: dict[int, Any] = {}
         for kind, index in events:
             if kind == "post":
-                send, recv, tag = plan[index]
-                posted[index] = shift_class(layout, send, recv, tag=tag)
+                over, send, recv, tag = plan[index]
+                posted[index] = shift_class(over, send, recv, tag=tag)
             else:
                 posted.pop(index).wait()
         for shift in posted.values():

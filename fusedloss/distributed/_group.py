@@ -9,6 +9,7 @@ expires; torch.distributed raises there.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 
@@ -32,8 +33,10 @@ class Layout:
     world: int
     rows: tuple[int, ...]  # per rank
     cols: tuple[int, ...]  # per rank
-    next_peer: int  # global rank of (rank + 1) mod world: where blocks go
-    prev_peer: int  # global rank of (rank − 1) mod world: where blocks come from
+    # Global ranks of the neighbours, (rank ± 1) mod world (the other way round on a
+    # ``reversed`` layout):
+    next_peer: int  # rank + 1: where blocks go
+    prev_peer: int  # rank − 1: where blocks come from
 
     def col_offset(self, r: int) -> int:
         return sum(self.cols[:r])
@@ -42,8 +45,14 @@ class Layout:
         return sum(self.rows[:r])
 
     def block_at(self, step: int) -> int:
-        """The rank whose column block this rank holds at ``step`` of a tour (0 = its own)."""
+        """The rank whose column block this rank holds at ``step`` of the forward's tour (0 = its
+        own; the backward tours the other way, ``ring.backward``)."""
         return (self.rank - step) % self.world
+
+    def reversed(self) -> Layout:
+        """The same group with the ring's direction reversed: a ``Shift`` on it sends to rank − 1
+        and receives from rank + 1."""
+        return dataclasses.replace(self, next_peer=self.prev_peer, prev_peer=self.next_peer)
 
 
 def group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:

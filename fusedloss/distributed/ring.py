@@ -11,22 +11,28 @@ Forward, at each step: run the engine's forward on (A_r, B_s) while the next blo
 flight (posted at the previous step boundary). Row statistics (max, Σ exp) stay home, one
 partial per step, merged once after the last step; for CLIP the visiting block's column
 statistics travel with it, merged at each rank, and arrive home complete after the last step.
-Backward: the same tour, with the block, its complete column statistics and column
-coefficients travelling ahead of the compute, and its gradient accumulator (fp32) travelling
-behind it, home after the last step. Gradients accumulate in fp32 over the W blocks and are
-rounded once. Whatever crosses one step boundary travels as one transfer (``_Parcel``): the
-next block and the held block's statistics or accumulator, as sections of one buffer, which
-each rank forwards as it arrived once its own part is added in place — one NCCL send and one
-receive per step; each posting costs the host about 0.1 ms, and at 16384 rows per rank the
-host's time per step is close to the GPU's.
+Backward: the tour the other way round (rank r sends to r − 1), starting from the block each
+rank held last in the forward (r + 1's, kept for it) and ending with its own: at step k rank r
+holds block (r + 1 + k) mod W. The block, its complete column statistics and column
+coefficients travel ahead of the compute (for CLIP the first block's come from its home in one
+small transfer before the first step), and its gradient accumulator (fp32) travels behind it,
+complete where the tour ends, at home: nothing is sent after the last step's compute.
+Gradients accumulate in fp32 over the W blocks and are rounded once.
+
+Whatever crosses one step boundary travels as one transfer (``_Parcel``): the next block and
+the held block's statistics or accumulator, as sections of one buffer, which each rank forwards
+as it arrived once its own part is added in place — one NCCL send and one receive per step;
+each posting costs the host about 0.1 ms, and at 16384 rows per rank the host's time per step
+is close to the GPU's.
 
 Memory per rank beyond inputs and gradients: the block in flight besides the one held (c·b_max
-elements), the travelling dB accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and
-the dA accumulator (4·b_r·c bytes) in the backward, the row statistics of every step until the
-last (8·b_r·W bytes), O(b_max) column statistics, the per-step
-tile statistics the backward's filtering reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the
-engine's own working memory for one (b_r × b_s) block. (The tile statistics grow with the
-global batch: past ``TILE_STATS_BUDGET`` the ring does not filter.)
+elements; from the forward to the backward, the block held last: c·b_(r+1)), the travelling dB
+accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and the dA accumulator
+(4·b_r·c bytes) in the backward, the row statistics of every step until the last (8·b_r·W
+bytes), O(b_max) column statistics, the per-step tile statistics the backward's filtering
+reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the engine's own working memory for one
+(b_r × b_s) block. (The tile statistics grow with the global batch: past
+``TILE_STATS_BUDGET`` the ring does not filter.)
 """
 
 from __future__ import annotations
@@ -60,8 +66,9 @@ class Saved:
     col_sum: Tensor | None = None
     row_mass: Tensor | None = None  # (n,) gradient mass of each row, with filtering
     col_mass: Tensor | None = None  # (m,) CLIP, with filtering
-    tiles: list = field(default_factory=list)  # per step: (row tiles, column tiles) or None
+    tiles: list = field(default_factory=list)  # per block: (row tiles, column tiles) or None
     block: tuple[int, int] = (0, 0)  # the forward's (block_m, block_n)
+    last_block: Tensor | None = None  # the block held at the forward's last step: r + 1's
 
 
 def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
@@ -79,7 +86,7 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     sig_sum = torch.zeros(n, dtype=_F32, device=dev) if siglip else None
     target_logit = torch.zeros(n, dtype=_F32, device=dev)
     row_parts = []  # per step: (max, Σ exp) of this rank's rows over the held block, packed
-    tiles_by_step, block = [], (0, 0)
+    tiles_by_block, block = [None] * world, (0, 0)
     rows_of = _RowsOf(kind, layout, n, labels, dev)
 
     def arriving(k: int) -> _Parcel:
@@ -100,7 +107,7 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
         tiles, part_cols = None, None
         if n and m_s:
             stats = engine.row_stats(
-                a, held, _logits(kind, held, scale, bias, step), rows_of(step, s, m_s),
+                a, held, _logits(kind, held, scale, bias, s == layout.rank), rows_of(s, m_s),
                 col_stats=clip, sigmoid=siglip, record_tiles=filtering, backend=backend)
             if siglip:
                 sig_sum += stats.sigmoid_sum
@@ -117,7 +124,7 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             block = (stats.block_m, stats.block_n)
             if filtering:
                 tiles = (stats.tile_log_mass, stats.col_tile_log_mass)
-        tiles_by_step.append(tiles)
+        tiles_by_block[s] = tiles
         if shift is not None:
             shift.wait()  # the next block; CLIP: the held block's statistics so far
         if step + 1 < world:
@@ -128,13 +135,14 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                 so_far.copy_(part_cols if part_cols is not None else _empty_cols(m_s, dev))
             elif part_cols is not None:
                 engine.merge_stats(so_far, part_cols, out=so_far, backend=backend)
-        parcel, shift = _pass_on(layout, step, parcel, 1, clip, arriving)
+        parcel, shift = _pass_on(layout, step, parcel, 1, clip, arriving, world - 1)
     if shift is not None:
         shift.wait()  # CLIP: this rank's columns, over every row
     cols = parcel.parts[-1] if clip else None
 
     run_max, run_sum = _merge_all(row_parts, n, dev)  # SigLIP: none (max −inf, sum 0)
-    saved = Saved(row_max=run_max, row_sum=run_sum, tiles=tiles_by_step, block=block)
+    saved = Saved(row_max=run_max, row_sum=run_sum, tiles=tiles_by_block, block=block,
+                  last_block=held)
     if siglip:
         return sig_sum, saved
     row_margin = (run_max - target_logit) + torch.log(run_sum)
@@ -170,36 +178,54 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     grad_a = torch.zeros((n, d), dtype=_F32, device=dev) if need_a else None
     grad_scale = torch.zeros((), dtype=_F32, device=dev)
     grad_bias = torch.zeros((), dtype=_F32, device=dev)
+    # The tour runs the other way round (tour: rank r sends to r − 1): rank r starts with the
+    # block it held last in the forward, r + 1's, and ends with its own, so that each block's
+    # dB accumulator is complete where its tour ends: at home, nothing to send after the last
+    # step. At step k rank r holds block (r + 1 + k) mod W.
+    tour = layout.reversed()
+    last = world - 1  # the step of this rank's own block
+
+    def block_at(k: int) -> int:
+        return (layout.rank + 1 + k) % world
+
     # What travels ahead with a CLIP block: (col max, col sum, col coefficient, col mass).
-    held_cols = None
+    own_cols = None
     if clip:
         mass = saved.col_mass if saved.col_mass is not None else torch.ones_like(saved.col_max)
-        held_cols = torch.stack((saved.col_max, saved.col_sum, half_g, mass))
+        own_cols = torch.stack((saved.col_max, saved.col_sum, half_g, mass))
     n_ahead = 2 if clip else 1  # the block, and its column statistics (CLIP)
 
     def arriving(k: int) -> _Parcel:
-        """What arrives at boundary k (before step k): the block of step k + 1 (CLIP: with
-        its column statistics and coefficients), and the dB accumulator (fp32) of the block
-        held at step k over the ranks it has visited (home, complete, at k = W). At k = 0
-        the accumulator is this rank's own: local."""
+        """What arrives at boundary k (before step k): the block of step k + 1 unless that is
+        the last, this rank's own (CLIP: with its column statistics and coefficients), and the
+        dB accumulator (fp32) of the block held at step k over the ranks it has visited. At
+        k = 0 the accumulator is this rank's own: local."""
         specs = []
-        if k + 1 < world:
-            m = layout.cols[layout.block_at(k + 1)]
+        if k + 1 < last:
+            m = layout.cols[block_at(k + 1)]
             specs += [((m, d), b.dtype)] + ([((4, m), _F32)] if clip else [])
         if need_b and world > 1:  # with one rank dB is the one step's part itself
-            specs.append(((layout.cols[layout.block_at(k)], d), _F32))
+            specs.append(((layout.cols[block_at(k)], d), _F32))
         return _Parcel(specs, dev)
 
-    parcel = arriving(0)
-    ahead = [b, held_cols] if clip else [b]
-    shift = Shift(layout, ahead, parcel.parts[:n_ahead]) if world > 1 else None
+    parcel, shift = arriving(0), None
+    if world == 1:
+        ahead = [b, own_cols] if clip else [b]
+    else:
+        ahead = [saved.last_block]
+        if clip:  # the first block's column statistics and coefficients, from its home
+            ahead.append(torch.empty((4, saved.last_block.shape[0]), dtype=_F32, device=dev))
+            Shift(tour, [own_cols], ahead[1:]).wait()
+        if 1 < last:  # the first block goes on to rank r − 1, for its step 1
+            shift = Shift(tour, ahead, parcel.parts[:n_ahead])
     for step in range(world):
-        s = layout.block_at(step)
+        s = block_at(step)
         held = ahead[0]
         m_s = held.shape[0]
+        home = step == last
         part_b = None
         if n and m_s:
-            tiles = saved.tiles[step] or (None, None)
+            tiles = saved.tiles[s] or (None, None)
             stats = RowStats(lse=row_lse, max=saved.row_max, log_sum=row_log_sum,
                              sum=saved.row_sum, target_logit=None, weighted_sum=None,
                              tile_log_mass=tiles[0], col_tile_log_mass=tiles[1],
@@ -208,11 +234,11 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             if clip:
                 stats.set_columns(ahead[1][0], ahead[1][1])
                 col_mass = ahead[1][3] if saved.col_mass is not None else None
-            rows = rows_of(step, s, m_s)
+            rows = rows_of(s, m_s)
             coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
                                  layout.col_offset(s), m_s)
             grads = engine.grads(
-                a, held, _logits(kind, held, scale, bias, step), rows, stats, coef,
+                a, held, _logits(kind, held, scale, bias, home), rows, stats, coef,
                 filter_eps=filter_eps, need_a=need_a, need_b=need_b,
                 need_bias=bias is not None and need_bias, need_scale=need_scale,
                 sigmoid=siglip, filter_scale=(saved.row_mass, col_mass),
@@ -228,8 +254,10 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             grads = None  # dA's part is added; dB's stays as part_b until added below
         if shift is not None:
             shift.wait()  # the next block; the held block's accumulator so far
-        if step + 1 < world:
+        if step + 1 < last:
             ahead = parcel.parts[:n_ahead]
+        elif step + 1 == last:  # the last block is this rank's own
+            ahead = [b, own_cols] if clip else [b]
         if need_b and world > 1:  # add this rank's part to the held block's accumulator
             acc = parcel.parts[-1]
             if step == 0 and part_b is not None:
@@ -241,9 +269,9 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             # Freed before the next step's part is formed: three m × D fp32 buffers at most
             # (the accumulator on its way out, the one coming in, the step's part).
             part_b = None
-        parcel, shift = _pass_on(layout, step, parcel, n_ahead, need_b, arriving)
-    if shift is not None:
-        shift.wait()  # this rank's columns' gradient, from every rank
+        shift = None
+        if step < last:
+            parcel, shift = _pass_on(tour, step, parcel, n_ahead, need_b, arriving, last - 1)
     grad_b = None
     if need_b:
         grad_b = parcel.parts[-1] if world > 1 else part_b
@@ -259,17 +287,16 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
 
 
 def _pass_on(layout: Layout, step: int, parcel: _Parcel, block_sections: int,
-             carries: bool, arriving) -> tuple[_Parcel, Shift | None]:
+             carries: bool, arriving, last_arriving: int) -> tuple[_Parcel, Shift | None]:
     """The boundary after ``step``: sends ``parcel`` on to the next rank as one transfer — the
-    block it needs next (none once it has met every block: the parcel's first
-    ``block_sections`` sections then stay) and what follows (``carries``: statistics or an
-    accumulator) — and posts the receive of the parcel ``arriving(step + 1)``. Returns that
-    parcel and its ``Shift`` (None where nothing travels). The caller's earlier parcel is
-    released before the new one is allocated."""
-    world = layout.world
-    if world == 1 or not (carries or step + 1 < world - 1):
+    block it needs next (none once the blocks that arrive by transfer are through: the steps up
+    to ``last_arriving`` take one; the parcel's first ``block_sections`` sections then stay) and
+    what follows (``carries``: statistics or an accumulator) — and posts the receive of the
+    parcel ``arriving(step + 1)``. Returns that parcel and its ``Shift`` (None where nothing
+    travels). The caller's earlier parcel is released before the new one is allocated."""
+    has_block, next_needs_block = step + 1 <= last_arriving, step + 2 <= last_arriving
+    if layout.world == 1 or not (carries or next_needs_block):
         return parcel, None
-    has_block, next_needs_block = step + 1 < world, step + 2 < world
     first = block_sections if has_block and not next_needs_block else 0
     incoming = arriving(step + 1)
     return incoming, Shift(layout, [parcel.from_part(first)], [incoming.buffer])
@@ -315,7 +342,8 @@ class _RowsOf:
         self.n_valid = torch.full((), n, dtype=torch.int64, device=dev)
         self.cached: dict[bool, Rows] = {}
 
-    def __call__(self, step: int, s: int, m_s: int) -> Rows:
+    def __call__(self, s: int, m_s: int) -> Rows:
+        """The rows against block ``s`` (``m_s`` columns)."""
         kind, n = self.kind, self.n
         if kind == "info_nce":
             # Each query's positive key lies in one block; elsewhere a stand-in id whose
@@ -323,7 +351,7 @@ class _RowsOf:
             offset = self.layout.col_offset(s)
             return self._rows(torch.where(_in_block(self.labels, offset, m_s),
                                           self.labels - offset, 0))
-        home = step == 0
+        home = s == self.layout.rank
         if home not in self.cached:
             target = None
             if home:  # the diagonal pairs live in the home block
@@ -338,10 +366,10 @@ class _RowsOf:
                     all_valid=True)
 
 
-def _logits(kind: str, held: Tensor, scale: Tensor, bias: Tensor | None, step: int) -> Logits:
+def _logits(kind: str, held: Tensor, scale: Tensor, bias: Tensor | None, home: bool) -> Logits:
     column_bias = bias.expand(held.shape[0]).contiguous() if bias is not None else None
     # NT-Xent leaves out each row's similarity with itself: in the home block only.
-    return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent" and step == 0)
+    return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent" and home)
 
 
 def _coefficients(kind: str, g: Tensor, half_g: Tensor | None, rows: Rows,
