@@ -259,6 +259,47 @@ def test_ring_triton_kernels(workers, kind):
         assert all(torch.equal(g, g2) for g, g2 in zip(grads, grads2, strict=True))
 
 
+def _backward_events(rank, world, kind, rows):
+    """The order of the ring's backward on this rank: ("block", columns) per engine.grads
+    call (the block it holds) and ("post", bytes) per transfer posted."""
+    cols = rows
+    batch = _global_batch(kind, rows, cols, 4, torch.float32, 11)
+    a, b = (_slice(x, rows, rank).clone().requires_grad_() for x in list(batch.values())[:2])
+    loss = (fd.clip_loss(a, b, 5.0, backend="torch") if kind == "clip"
+            else fd.siglip_loss(a, b, 5.0, -1.0, backend="torch"))
+    events, real_shift, real_grads = [], ring.Shift, ring.engine.grads
+
+    class LoggedShift(real_shift):
+        def __init__(self, layout, send, recv, tag=0):
+            events.append(("post", sum(t.numel() * t.element_size() for t in send)))
+            super().__init__(layout, send, recv, tag=tag)
+
+    def logged_grads(a, b, *args, **kwargs):
+        events.append(("block", b.shape[0]))
+        return real_grads(a, b, *args, **kwargs)
+
+    ring.Shift, ring.engine.grads = LoggedShift, logged_grads
+    try:
+        loss.sum().backward()
+    finally:
+        ring.Shift, ring.engine.grads = real_shift, real_grads
+    return events
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("rows", [[2, 3], [2, 3, 4], [2, 3, 4, 5]])
+def test_ring_backward_ends_at_home(workers, kind, rows):
+    """The backward tours the other way round from the forward: rank r starts with the block
+    it held last in the forward (r + 1's) and ends with its own, and posts nothing after its
+    last block's compute (each block's gradient accumulator is complete at home)."""
+    world = len(rows)
+    for r, events in enumerate(all_ok(workers(world).run(_backward_events, kind, rows))):
+        blocks = [size for what, size in events if what == "block"]
+        assert blocks == [rows[(r + 1 + k) % world] for k in range(world)]
+        assert events[-1] == ("block", rows[r])
+        assert any(what == "post" for what, _ in events)
+
+
 # ---------------------------------------------------------------------------------------------
 # filtering over the ring
 
