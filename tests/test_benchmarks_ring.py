@@ -133,10 +133,12 @@ def _recording():
     """A recorded step of two shifts: a block (tag 0) and a column-statistics pair (tag 2)."""
     block = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     stats = torch.ones(2, 3)
-    recording = ring.ShiftRecording(layout="layout")
+    recording = ring.ShiftRecording()
     recording.shifts = [
-        ring.RecordedShift(0, [((3, 4), torch.bfloat16)], [((3, 4), torch.bfloat16)], [block]),
-        ring.RecordedShift(2, [((2, 3), torch.float32)], [((2, 3), torch.float32)], [stats]),
+        ring.RecordedShift(0, [((3, 4), torch.bfloat16)], [((3, 4), torch.bfloat16)], [block],
+                           "layout"),
+        ring.RecordedShift(2, [((2, 3), torch.float32)], [((2, 3), torch.float32)], [stats],
+                           "layout"),
     ]
     recording.events = [("post", 0), ("post", 1), ("wait", 1), ("wait", 0)]
     return recording, block, stats

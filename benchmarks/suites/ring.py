@@ -410,7 +410,7 @@ class RecordedShift:
     send: list[tuple[tuple[int, ...], torch.dtype]]
     recv_specs: list[tuple[tuple[int, ...], torch.dtype]]
     recv: list[Tensor]  # the tensors as received (dropped by ShiftRecording.release)
-    layout: Any = None  # the layout it went over (the backward's runs the other way round)
+    layout: Any  # the layout it went over (the backward's runs the other way round)
 
     @property
     def bytes_sent(self) -> int:
@@ -423,7 +423,6 @@ class ShiftRecording:
     """The shifts of one ring step (forward and backward) in the order the ring made them, and
     its ``("post", i)`` / ``("wait", i)`` events."""
 
-    layout: Any = None
     shifts: list[RecordedShift] = field(default_factory=list)
     events: list[tuple[str, int]] = field(default_factory=list)
 
@@ -468,7 +467,6 @@ def recording_shift(recording: ShiftRecording) -> type:
     class RecordingShift:
         def __init__(self, layout: Any, send: list[Tensor], recv: list[Tensor], tag: int = 0):
             self.index = len(recording.shifts)
-            recording.layout = layout
             recording.shifts.append(
                 RecordedShift(tag, _specs(send), _specs(recv), list(recv), layout)
             )
@@ -534,7 +532,6 @@ def transfers_only(recording: ShiftRecording, device: torch.device) -> Callable[
     zero-filled send buffers into receive buffers kept from call to call (one per shape, dtype
     and tag: shifts in flight together have different tags)."""
     shift_class = _ring_module().Shift
-    layout = recording.layout
     sends: dict[tuple[Any, ...], Tensor] = {}
     recvs: dict[tuple[Any, ...], Tensor] = {}
 
@@ -547,7 +544,7 @@ def transfers_only(recording: ShiftRecording, device: torch.device) -> Callable[
     for shift in recording.shifts:
         send = [buffer(sends, spec) for spec in shift.send]
         recv = [buffer(recvs, (*spec, shift.tag + j)) for j, spec in enumerate(shift.recv_specs)]
-        plan.append((shift.layout or layout, send, recv, shift.tag))
+        plan.append((shift.layout, send, recv, shift.tag))
     events = list(recording.events)
 
     def run() -> None:
