@@ -9,8 +9,15 @@ from .core.filtering import resolve_lm_head_filter_eps
 from .core.vocab_order import order_by_mean_logit
 from .distributed._group import group_rank_world, mean_over_ranks, sum_grad_over_ranks
 from .distributed.contrastive import pair_loss
-from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
-from .losses.cross_entropy import check_options, linear_cross_entropy
+from .losses.contrastive import (
+    check_positive,
+    clip_loss,
+    info_nce_loss,
+    matched_features,
+    nt_xent_loss,
+    siglip_loss,
+)
+from .losses.cross_entropy import check_linear_options, check_options, linear_cross_entropy
 from .switchback import SwitchBackLinear  # noqa: F401  (re-exported as fusedloss.nn.SwitchBackLinear)
 
 
@@ -36,8 +43,9 @@ class LinearCrossEntropyLoss(nn.Module):
         weight: torch.Tensor | None = None,
         *,
         reduction: str = "mean",
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         label_smoothing: float = 0.0,
+        options=None,
         softcap: float | None = None,
         z_loss: float = 0.0,
         shift: bool = False,
@@ -50,6 +58,7 @@ class LinearCrossEntropyLoss(nn.Module):
     ) -> None:
         super().__init__()
         check_options(reduction, label_smoothing, softcap, z_loss)
+        check_linear_options(options)
         resolve_lm_head_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
         if vocab_order_every is not None and (
             not isinstance(vocab_order_every, int) or vocab_order_every < 1
@@ -58,7 +67,7 @@ class LinearCrossEntropyLoss(nn.Module):
                 f"vocab_order_every must be None or an int >= 1, got {vocab_order_every!r}"
             )
         self.register_buffer("weight", weight, persistent=weight is not None)
-        self.reduction, self.ignore_index = reduction, ignore_index
+        self.reduction, self.ignore_index, self.options = reduction, ignore_index, options
         self.label_smoothing, self.softcap, self.z_loss = label_smoothing, softcap, z_loss
         self.shift, self.filter_eps, self.return_lse = shift, filter_eps, return_lse
         self.backend, self.vocab_order_every = backend, vocab_order_every
@@ -71,7 +80,7 @@ class LinearCrossEntropyLoss(nn.Module):
             input, linear_weight, target,
             linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
             ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-            softcap=self.softcap, z_loss=self.z_loss, shift=self.shift,
+            options=self.options, softcap=self.softcap, z_loss=self.z_loss, shift=self.shift,
             filter_eps=self.filter_eps, return_lse=self.return_lse, backend=self.backend,
             vocab_order=self._vocab_order(input, linear_weight, target, linear_bias),
             process_group=self.process_group, vocab_start=self.vocab_start,
@@ -94,7 +103,8 @@ class LinearCrossEntropyLoss(nn.Module):
         if stale or self._calls % self.vocab_order_every == 0:
             with torch.no_grad():
                 d = linear_weight.shape[1]
-                valid = (target != self.ignore_index).reshape(-1)
+                ignored = -100 if self.ignore_index is None else self.ignore_index
+                valid = (target != ignored).reshape(-1)
                 self._order = order_by_mean_logit(
                     input.detach().reshape(-1, d), linear_weight.detach(),
                     None if linear_bias is None else linear_bias.detach(), valid,
@@ -138,6 +148,9 @@ class ClipLoss(nn.Module):
     the process group (``group``, default the world); ``use_horovod`` is not supported.
     ``cache_labels`` has nothing to cache (no label tensor is built). ``reduction="mean"``
     only across processes.
+
+    Arguments, autocast, invalid scales and empty inputs as in :func:`fusedloss.clip_loss`
+    (over a process group a rank may pass 0 rows, as long as the group holds some).
     """
 
     def __init__(
@@ -218,6 +231,9 @@ class SigLipLoss(nn.Module):
     (``dist_impl`` "bidir", "shift", "reduce" or "gather" all give the same loss): each rank's
     loss is its images against every text ÷ its batch size, with the gradients of the sum of the
     ranks' losses, as open_clip's. ``rank`` and ``world_size`` must match the process group.
+
+    Arguments, autocast, invalid scales and empty inputs as in :func:`fusedloss.siglip_loss`
+    (over a process group a rank may pass 0 rows, as long as the group holds some).
     """
 
     def __init__(
@@ -261,14 +277,13 @@ def _rank_error(rank: int, world_size: int, group, name: str) -> Exception | Non
 
 
 class _TemperatureLoss(nn.Module):
-    """Shared constructor of the softmax losses with a fixed temperature (a float > 0 here;
-    pass a tensor to the functional forms to learn it)."""
+    """Shared constructor of the softmax losses with a fixed temperature (a finite float > 0
+    here; pass a tensor to the functional forms to learn it)."""
 
     def __init__(self, temperature: float, *, reduction: str = "mean",
                  filter_eps: float | str | None = "auto", backend: str = "auto") -> None:
         super().__init__()
-        if not float(temperature) > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_positive(float(temperature), "temperature")
         _check_options(reduction, filter_eps)
         self.temperature, self.reduction = float(temperature), reduction
         self.filter_eps, self.backend = filter_eps, backend
@@ -280,8 +295,9 @@ class _TemperatureLoss(nn.Module):
 class InfoNCELoss(_TemperatureLoss):
     """Module form of :func:`info_nce_loss`: ``forward(query (N, D), keys (M, D), labels=None)``.
 
-    ``temperature`` is a float > 0 here; pass a tensor to the functional form to learn it.
-    Keyword options: ``reduction``, ``filter_eps``, ``backend``, as in the functional form.
+    ``temperature`` is a finite float > 0 here (else ValueError); pass a tensor to the
+    functional form to learn it. Keyword options: ``reduction``, ``filter_eps``, ``backend``;
+    autocast and empty inputs: as in the functional form.
     """
 
     def __init__(self, temperature: float = 0.07, **options) -> None:
@@ -295,14 +311,26 @@ class InfoNCELoss(_TemperatureLoss):
 
 class NTXentLoss(_TemperatureLoss):
     """Module form of :func:`nt_xent_loss`: ``forward(features (2B, D))`` or
-    ``forward(z1 (B, D), z2 (B, D))`` (the two views, stacked for you). Keyword options:
-    ``reduction``, ``filter_eps``, ``backend``, as in the functional form."""
+    ``forward(z1 (B, D), z2 (B, D))`` (the two views, stacked for you: the same shape, and the
+    same dtype outside autocast, else an error naming ``second_view``). ``temperature`` is a
+    finite float > 0 here. Keyword options: ``reduction``, ``filter_eps``, ``backend``;
+    autocast and empty inputs: as in the functional form."""
 
     def __init__(self, temperature: float = 0.5, **options) -> None:
         super().__init__(temperature, **options)
 
     def forward(self, features, second_view=None):
         if second_view is not None:
+            # Checked before the stacking: torch.cat would promote two dtypes to the wider one
+            # and pair row i with row i + (B + B') / 2 of views of different batch sizes.
+            features, second_view, error = matched_features(features, second_view, "features",
+                                                            "second_view")
+            if error is None and second_view.shape != features.shape:
+                error = ValueError(f"features and second_view must have the same shape (B, D): "
+                                   f"row i of each is a view of sample i; got "
+                                   f"{tuple(features.shape)} and {tuple(second_view.shape)}")
+            if error is not None:
+                raise error
             features = torch.cat([features, second_view], dim=0)
         return nt_xent_loss(features, self.temperature, reduction=self.reduction,
                             filter_eps=self.filter_eps, backend=self.backend)

@@ -43,8 +43,9 @@ BAD_SHAPES = [
     pytest.param(dict(input=torch.randn(())), ValueError, "input", id="input-scalar"),
     pytest.param(dict(linear_weight=torch.randn(V * D)), ValueError,
                  r"linear_weight must be \(V, D\)", id="weight-1d"),
+    # PyTorch's K-dimensional weight (C, d1, D): the targets must then be (N, d1).
     pytest.param(dict(linear_weight=torch.randn(2, V, D)), ValueError,
-                 r"linear_weight must be \(V, D\)", id="weight-3d"),
+                 "target must have shape .* K-dimensional linear_weight", id="weight-3d"),
     pytest.param(dict(linear_weight=torch.randn(0, D)), ValueError, "linear_weight",
                  id="weight-empty-vocab"),
     pytest.param(dict(target=torch.zeros(N + 1, dtype=torch.long)), ValueError,
@@ -68,9 +69,9 @@ def test_bad_shapes(overrides, error, message):
 
 BAD_DTYPES = [
     pytest.param(dict(input=torch.zeros(N, D, dtype=torch.long)), "input", id="input-int"),
-    pytest.param(dict(input=torch.randn(N, D, dtype=torch.float64),
-                      linear_weight=torch.randn(V, D, dtype=torch.float64)),
-                 "input must be float32, bfloat16 or float16", id="input-fp64"),
+    pytest.param(dict(input=torch.randn(N, D, dtype=torch.complex64),
+                      linear_weight=torch.randn(V, D, dtype=torch.complex64)),
+                 "input must be float32, bfloat16, float16 or float64", id="input-complex"),
     pytest.param(dict(linear_weight=torch.randn(V, D, dtype=torch.bfloat16)), "linear_weight",
                  id="weight-dtype-mismatch"),
     pytest.param(dict(target=torch.zeros(N)), "target", id="target-float"),

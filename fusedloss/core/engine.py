@@ -167,6 +167,12 @@ class GradCoefficients:
     col: torch.Tensor | None = None  # c (V,), needs RowStats.col_lse
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of statistics and accumulations for operands of ``dtype``: fp32, or float64
+    for float64 operands (the torch backend's; the kernels take fp32, bf16 and fp16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def compact_rows(valid: torch.Tensor) -> Rows:
     """Compact order for a (N,) bool mask, without a host sync: valid rows first, stable."""
     index = torch.argsort((~valid).to(torch.uint8), stable=True)
@@ -571,11 +577,12 @@ def _torch_chunk_rows(v: int) -> int:
 
 
 def _torch_logits(a_rows, b32, logits: Logits, row_ids=None):
-    """(raw dots, X) for a chunk of rows (A's row ids ``row_ids`` for the diagonal mask), fp32."""
-    raw = a_rows.float() @ b32.T
+    """(raw dots, X) for a chunk of rows (A's row ids ``row_ids`` for the diagonal mask), in
+    ``b32``'s dtype (fp32; float64 for float64 operands)."""
+    raw = a_rows.to(b32.dtype) @ b32.T
     x = raw * logits.scale if logits.scale is not None else raw
     if logits.bias is not None:
-        x = x + logits.bias.float()
+        x = x + logits.bias.to(raw.dtype)
     if logits.softcap:
         x = logits.softcap * torch.tanh(x / logits.softcap)
     if logits.diag_mask:
@@ -593,15 +600,16 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
                      sigmoid) -> RowStats:
     n, v = rows.index.numel(), b.shape[0]
     n_valid = int(rows.n_valid)
-    row_max = torch.zeros(n, dtype=torch.float32, device=a.device)
+    acc = accumulation_dtype(a.dtype)
+    row_max = torch.zeros(n, dtype=acc, device=a.device)
     row_sum = torch.ones_like(row_max)
     target_logit = torch.zeros_like(row_max) if rows.target is not None else None
     wsum = torch.zeros_like(row_max) if weighted_sum else None
     sig = torch.zeros_like(row_max) if sigmoid else None
     if col_stats:  # running (max, Σ exp(X − max)) per column
-        col_max = torch.full((v,), float("-inf"), device=a.device)
-        col_sum = torch.zeros(v, device=a.device)
-    b32 = b.float()
+        col_max = torch.full((v,), float("-inf"), dtype=acc, device=a.device)
+        col_sum = torch.zeros(v, dtype=acc, device=a.device)
+    b32 = b.to(acc)
     chunk = _torch_chunk_rows(v)
     for start in range(0, n_valid, chunk):
         pos = slice(start, min(start + chunk, n_valid))
@@ -623,7 +631,7 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
             col_sum = col_sum * torch.exp(col_max - safe) + total * torch.exp(top - safe)
             col_max = new_max
         if weighted_sum:
-            wsum[pos] = (x @ col_weight) if col_weight is not None else x.sum(dim=1)
+            wsum[pos] = (x @ col_weight.to(acc)) if col_weight is not None else x.sum(dim=1)
     row_log_sum = torch.log(row_sum)
     stats = RowStats(lse=row_max + row_log_sum, max=row_max, log_sum=row_log_sum, sum=row_sum,
                      target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None,
@@ -720,7 +728,8 @@ def grads(
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
     # The kernels read coefficients by offset: a stride-0 expand (a reduction's gradient) won't do.
-    coef = GradCoefficients(*(None if c is None else c.float().contiguous() for c in (
+    acc = accumulation_dtype(a.dtype)
+    coef = GradCoefficients(*(None if c is None else c.to(acc).contiguous() for c in (
         coef.lse, coef.target, coef.uniform, coef.col)))
     pooled = None
     if backend != "torch" and not sigmoid and filter_eps is not None and stats.per_row_tiles:
@@ -1343,12 +1352,13 @@ def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
                  need_a, need_b, need_bias, need_scale, sigmoid, dtypes) -> Grads:
     v = b.shape[0]
     n_valid = int(rows.n_valid)
-    b32 = b.float()
+    acc = accumulation_dtype(a.dtype)
+    b32 = b.to(acc)
     grad_a = torch.zeros_like(a, dtype=dtypes[0]) if need_a else None
     grad_b32 = torch.zeros_like(b32) if need_b else None
-    grad_bias = torch.zeros(v, dtype=torch.float32, device=a.device) if need_bias else None
-    dscale = torch.zeros((), dtype=torch.float32, device=a.device)
-    s = logits.scale.float() if logits.scale is not None else 1.0
+    grad_bias = torch.zeros(v, dtype=acc, device=a.device) if need_bias else None
+    dscale = torch.zeros((), dtype=acc, device=a.device)
+    s = logits.scale.to(acc) if logits.scale is not None else 1.0
     chunk = _torch_chunk_rows(v)
     for start in range(0, n_valid, chunk):
         pos = slice(start, min(start + chunk, n_valid))
@@ -1368,7 +1378,7 @@ def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
             hit = torch.zeros_like(dx).scatter_(1, tgt.clamp(min=0)[:, None], 1.0)
             dx -= hit * (coef.target[pos] * (tgt >= 0))[:, None]
         if coef.uniform is not None:
-            w = col_weight.float() if col_weight is not None else 1.0
+            w = col_weight.to(acc) if col_weight is not None else 1.0
             dx -= coef.uniform[pos, None] * w
         if logits.softcap:
             dx = dx * (1 - (x / logits.softcap) ** 2)
@@ -1380,7 +1390,7 @@ def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
         if need_a:
             grad_a[idx] = (dx @ b32).to(grad_a.dtype)
         if need_b:
-            grad_b32 += dx.T @ a_rows.float()
+            grad_b32 += dx.T @ a_rows.to(acc)
     return Grads(
         a=grad_a,
         b=grad_b32.to(dtypes[1]) if need_b else None,

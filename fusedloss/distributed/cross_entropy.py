@@ -28,7 +28,12 @@ from ..core import engine
 from ..core.engine import GradCoefficients, Logits, Rows, RowStats
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..losses import cross_entropy as single
-from ..ops._common import backward_row_chunk, scratch_bytes
+from ..ops._common import (
+    autocast_operands,
+    backward_row_chunk,
+    scratch_bytes,
+    without_autocast,
+)
 from ..ops.cross_entropy import _gradient_mass
 from . import _group
 from ._group import device_code, dtype_code, exchange, float_code
@@ -49,7 +54,7 @@ def vocab_parallel_cross_entropy(
     linear_bias: Tensor | None = None,  # (V_r,) this rank's part
     weight: Tensor | None = None,  # (V_r,) this rank's part of the class weights
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss: float = 0.0,
@@ -67,8 +72,14 @@ def vocab_parallel_cross_entropy(
     other in rank order (the sum of the lower ranks' V_r). Given explicitly (on every rank), the
     shards must tile [0, V) in some order. Every other option means what it means for the
     single-GPU head, with ``linear_bias``, ``weight`` and ``vocab_order`` this shard's parts.
-    Returns on every rank the loss (and LSE) of the whole head.
+    Returns on every rank the loss (and LSE) of the whole head. Under ``torch.autocast`` the
+    operands are cast as the single-GPU head casts them; float64 input is refused (the
+    single-GPU head computes it).
     """
+    if isinstance(input, Tensor):
+        input, linear_weight, linear_bias = autocast_operands(
+            input.device, input, linear_weight, linear_bias)
+    ignore_index = -100 if ignore_index is None else ignore_index
     error, prepared = None, None
     try:
         if _group.capturing(_device(input)):
@@ -105,6 +116,9 @@ def _prepare(input, linear_weight, target, linear_bias, weight, reduction, ignor
     share."""
     single._check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                          label_smoothing, softcap, z_loss, shift)
+    if input.dtype == torch.float64:
+        raise TypeError("the vocabulary-parallel head takes float32, bfloat16 or float16 "
+                        "input, got torch.float64")
     backend = engine.resolve_backend(backend, input.device)
     eps = resolve_lm_head_filter_eps(filter_eps, input.dtype)
     eps = eps if backend == "triton" else None
@@ -165,6 +179,7 @@ class _VocabParallel(torch.autograd.Function):
     """Per-token losses, LSEs and target weights of the whole head from this rank's shard."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, a, b, target, bias, class_weight, order, group, start, v, ignore_index,
                 alpha, softcap, z_loss, eps, backend, record):
         n, v_r = a.shape[0], b.shape[0]
@@ -227,6 +242,7 @@ class _VocabParallel(torch.autograd.Function):
                 _original_order(target_weight, rows))
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_loss, grad_lse, _):
         a, b, bias, class_weight, order = ctx.saved_tensors
         (rows, owned_c, row_max, row_sum, log_sum, target_logit, target_weight, total_w, tiles,

@@ -8,6 +8,7 @@ with no host sync, so that the loss compiles into a model's graph (``torch.compi
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
@@ -16,9 +17,12 @@ from ..core import engine
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..core.vocab_order import order_by_mean_logit
 from ..ops import cross_entropy as ops
+from ..ops._common import autocast_operands
 
 Reduction = Literal["none", "mean", "sum"]
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# PyTorch's chunking options (torch >= 2.13), accepted for its signature (``check_linear_options``).
+LinearCrossEntropyOptions = getattr(torch.nn, "LinearCrossEntropyOptions", None)
 
 
 @overload
@@ -41,8 +45,9 @@ def linear_cross_entropy(
     linear_bias: torch.Tensor | None = None,  # (V,)
     weight: torch.Tensor | None = None,  # (V,) class weights
     reduction: Reduction = "mean",
-    ignore_index: int = -100,
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
+    options=None,  # torch.nn.LinearCrossEntropyOptions | None
     softcap: float | None = None,
     z_loss: float = 0.0,
     shift: bool = False,
@@ -55,22 +60,41 @@ def linear_cross_entropy(
 ):
     """Cross-entropy of a linear head without materializing the (*, V) logits.
 
-    Equals ``F.cross_entropy(F.linear(input, linear_weight, linear_bias).float(), target,
-    weight=weight, reduction=reduction, ignore_index=ignore_index,
-    label_smoothing=label_smoothing)`` (and ``torch.nn.functional.linear_cross_entropy``), with
-    these additions:
+    A drop-in for ``torch.nn.functional.linear_cross_entropy`` (torch >= 2.13): every call it
+    accepts is accepted here with the same meaning, and equals ``F.cross_entropy(F.linear(
+    input, linear_weight, linear_bias).float(), target, weight=weight, reduction=reduction,
+    ignore_index=ignore_index, label_smoothing=label_smoothing)``, with these additions:
+    any number of leading dimensions in ``input``, the options from ``softcap`` on, and a batch
+    in which every token is ignored gives 0 (PyTorch: NaN).
+
+    Under ``torch.autocast`` (CUDA or CPU) ``input``, ``linear_weight`` and ``linear_bias`` are
+    cast to the autocast dtype, as ``F.linear`` would cast them, and the loss is fp32, as
+    ``F.cross_entropy`` computes it (the logits themselves are never rounded to the autocast
+    dtype). Outside autocast, a dtype mismatch is a TypeError.
 
     Args:
-        input: (*, D) hidden states, fp32/bf16/fp16.
-        linear_weight: (V, D) classifier, same dtype as ``input``.
-        target: (*) integer class ids in [0, V), or ``ignore_index``.
-        linear_bias: optional (V,) bias.
+        input: (*, D) hidden states, fp32/bf16/fp16, or float64 (computed in float64 on the
+            torch backend).
+        linear_weight: (V, D) classifier, same dtype as ``input``; or PyTorch's K-dimensional
+            (V, d1, …, dK, D) with ``input`` (N, D): one (V, D) head per position of
+            (d1, …, dK), the loss shaped (N, d1, …, dK), each head through the core.
+        target: (*) integer class ids in [0, V), or ``ignore_index``; or class probabilities,
+            a floating (*, V) tensor (PyTorch's soft targets: ``ignore_index`` must stay None,
+            "mean" divides by the number of rows; not with ``shift``, ``softcap`` or a
+            ``process_group``).
+        linear_bias: optional (V,) bias ((V, d1, …, dK) with a K-dimensional weight).
         weight: optional (V,) class weights (PyTorch semantics: "mean" divides by the summed
             weights of the non-ignored targets).
         reduction: "none" (per-token, shape of ``target``), "mean" or "sum". A batch in which
             every token is ignored gives 0 (not NaN) and zero gradients.
-        ignore_index: targets equal to it contribute 0 and cost no work.
+        ignore_index: targets equal to it contribute 0 and cost no work; None (PyTorch's
+            default) means -100 for class indices.
         label_smoothing: α in [0, 1], PyTorch semantics.
+        options: None or a ``torch.nn.LinearCrossEntropyOptions``, accepted for PyTorch's
+            signature. Its fields choose how PyTorch chunks the logits and the dtype it
+            accumulates in; here the logits are never materialized whatever it says, statistics
+            accumulate in fp32 (float64 for float64 input), and ``retain_graph=True`` always
+            works (the backward recomputes from saved statistics), so it changes nothing.
         softcap: c > 0 soft-caps the logits, ``c·tanh(logits / c)`` (Gemma 2).
         z_loss: λ ≥ 0 adds ``λ·lse²`` per token (differentiable; PaLM's auxiliary loss). Under
             "mean" it is divided by the same denominator as the cross-entropy.
@@ -88,7 +112,8 @@ def linear_cross_entropy(
             backend is always exact.
         return_lse: also return the per-token log-sum-exp (float32; 0 at ignored tokens).
         backend: "triton" (CUDA; or the CPU under ``TRITON_INTERPRET=1``), "torch" (chunked
-            pure PyTorch, O(chunk·V) memory) or "auto" (Triton on CUDA, torch otherwise).
+            pure PyTorch, O(chunk·V) memory) or "auto" (Triton on CUDA, torch otherwise and
+            for float64 input, which "triton" refuses).
         vocab_order: column order of the Triton backend's tiles: None (default) keeps the
             natural order, "auto" sorts the vocabulary by average logit when filtering is on,
             a (V,) int64 permutation uses that order (e.g. the previous step's). Sorting helps
@@ -104,8 +129,8 @@ def linear_cross_entropy(
             the shards follow each other in rank order).
 
     Returns:
-        The loss (fp32; a scalar, or per-token for "none"), and with ``return_lse`` a tuple
-        ``(loss, lse)``.
+        The loss (fp32, float64 for float64 input; a scalar, or per-token for "none"), and with
+        ``return_lse`` a tuple ``(loss, lse)``.
 
     With many rows (from 131072 on a 128256- or 256000-row head in bf16) and a "mean" or "sum"
     loss on the Triton backend, the forward computes the gradients too, from chunks of fp32
@@ -119,6 +144,26 @@ def linear_cross_entropy(
         >>> loss = linear_cross_entropy(h, w, y, shift=True)
         >>> loss.backward()
     """
+    check_linear_options(options)
+    if isinstance(input, torch.Tensor):
+        # Under torch.autocast: the operands of the product in the autocast dtype, as F.linear
+        # would have them; the statistics and the loss stay fp32 (autocast's fp32 list).
+        input, linear_weight, linear_bias = autocast_operands(
+            input.device, input, linear_weight, linear_bias)
+    extra = dict(softcap=softcap, z_loss=z_loss, shift=shift, filter_eps=filter_eps,
+                 return_lse=return_lse, backend=backend, vocab_order=vocab_order)
+    if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() > 2:
+        if process_group is not None or vocab_start is not None:
+            raise ValueError("process_group takes a (V, D) linear_weight, not a K-dimensional "
+                             f"one of shape {tuple(linear_weight.shape)}")
+        return _k_dimensional(input, linear_weight, target, linear_bias, weight, reduction,
+                              ignore_index, label_smoothing, extra)
+    if _holds_probabilities(input, linear_weight, target):
+        if process_group is not None or vocab_start is not None:
+            raise ValueError("process_group takes class indices as target, not probabilities")
+        return _soft_targets(input, linear_weight, target, linear_bias, weight, reduction,
+                             ignore_index, label_smoothing, extra)
+    ignore_index = -100 if ignore_index is None else ignore_index
     if process_group is not None or vocab_start is not None:
         # The distributed layer sits above this one (it reuses these checks).
         from ..distributed.cross_entropy import vocab_parallel_cross_entropy
@@ -133,7 +178,7 @@ def linear_cross_entropy(
             backend=backend, vocab_order=vocab_order)
     _check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                   label_smoothing, softcap, z_loss, shift)
-    backend = engine.resolve_backend(backend, input.device)
+    backend = _resolve_backend(backend, input)
     eps = resolve_lm_head_filter_eps(filter_eps, input.dtype)  # validates on every backend
     eps = eps if backend == "triton" else None
     d = linear_weight.shape[1]
@@ -141,11 +186,12 @@ def linear_cross_entropy(
     flat_target = shifted_targets(target, shift, ignore_index)
     valid = flat_target != ignore_index
 
+    acc = engine.accumulation_dtype(input.dtype)
     if a.shape[0] == 0:
         # Nothing to compute, but keep the graph: gradients are zeros of the right shapes.
-        loss_tok = a.float().sum(dim=-1) + linear_weight[:0].float().sum()
+        loss_tok = a.to(acc).sum(dim=-1) + linear_weight[:0].to(acc).sum()
         if linear_bias is not None:
-            loss_tok = loss_tok + linear_bias[:0].float().sum()
+            loss_tok = loss_tok + linear_bias[:0].to(acc).sum()
         lse = loss_tok.detach()
     else:
         wants_grad = torch.is_grad_enabled() and any(
@@ -167,15 +213,15 @@ def linear_cross_entropy(
                 chunk)
         loss_tok, lse, *_ = ops.linear_cross_entropy(
             a, linear_weight, flat_target, linear_bias,
-            weight.float() if weight is not None else None, order, int(ignore_index),
+            weight.to(acc) if weight is not None else None, order, int(ignore_index),
             float(label_smoothing), None if softcap is None else float(softcap), float(z_loss),
             eps, backend, wants_grad,
         )
 
     def summed_weights():
         if weight is not None:
-            return torch.where(valid, weight.float()[flat_target.clamp(min=0)], 0.0).sum()
-        return valid.sum().float()
+            return torch.where(valid, weight.to(acc)[flat_target.clamp(min=0)], 0.0).sum()
+        return valid.sum().to(acc)
 
     return reduce_tokens(loss_tok, lse, target.shape, shift, reduction, summed_weights,
                          return_lse)
@@ -242,17 +288,21 @@ def _check_inputs(input, linear_weight, target, bias, weight, reduction, label_s
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"input must be float32, bfloat16 or float16, got {input.dtype}")
+        raise TypeError(f"input must be float32, bfloat16, float16 or float64, got {input.dtype}")
     if linear_weight.dtype != input.dtype:
         raise TypeError(f"linear_weight has dtype {linear_weight.dtype} but input has "
-                        f"{input.dtype}; they must match")
+                        f"{input.dtype}; they must match (under torch.autocast both are cast "
+                        f"to the autocast dtype)")
     if linear_weight.dim() != 2:
         raise ValueError(f"linear_weight must be (V, D), got shape {tuple(linear_weight.shape)}")
     if input.dim() < 1 or input.shape[-1] != linear_weight.shape[1]:
         raise ValueError(f"input must be (*, D) with D = linear_weight.shape[1] = "
                          f"{linear_weight.shape[1]}, got shape {tuple(input.shape)}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class ids, got {target.dtype}")
+        raise TypeError(f"target must hold integer class ids (shape {tuple(input.shape[:-1])}) "
+                        f"or class probabilities (shape "
+                        f"{(*input.shape[:-1], linear_weight.shape[0])}), got {target.dtype} "
+                        f"of shape {tuple(target.shape)}")
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
@@ -288,3 +338,140 @@ def check_options(reduction, label_smoothing, softcap, z_loss) -> None:
         raise ValueError(f"softcap must be None or a finite value > 0, got {softcap}")
     if not float(z_loss) >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+
+
+def check_linear_options(options) -> None:
+    """``options`` as ``torch.nn.functional.linear_cross_entropy`` takes it: None or a
+    ``torch.nn.LinearCrossEntropyOptions`` (torch >= 2.13). Its fields choose how PyTorch
+    chunks and in which dtype it accumulates; fusedloss never materializes the logits and
+    always accumulates in fp32 (float64 for float64 inputs), and its backward recomputes from
+    saved statistics, so ``retain_graph=True`` always works: the options change nothing here."""
+    if options is None:
+        return
+    if LinearCrossEntropyOptions is None or not isinstance(options, LinearCrossEntropyOptions):
+        raise TypeError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got "
+                        f"{type(options).__name__}")
+
+
+def _resolve_backend(backend: str, input: torch.Tensor) -> str:
+    """``engine.resolve_backend``, and float64 inputs on the torch backend (exact in float64;
+    the kernels take fp32, bf16 and fp16)."""
+    resolved = engine.resolve_backend(backend, input.device)
+    if input.dtype != torch.float64:
+        return resolved
+    if backend == "triton":
+        raise ValueError("backend='triton' takes float32, bfloat16 or float16 input; float64 "
+                         "input runs on backend='torch' (what backend='auto' picks for it)")
+    return "torch"
+
+
+def _holds_probabilities(input, linear_weight, target) -> bool:
+    """Whether ``target`` holds class probabilities: a floating (*, V) tensor beside (*, D)
+    input (PyTorch's rule: the target has the logits' shape)."""
+    return (isinstance(input, torch.Tensor) and isinstance(linear_weight, torch.Tensor)
+            and isinstance(target, torch.Tensor) and target.is_floating_point()
+            and linear_weight.dim() == 2
+            and target.shape == (*input.shape[:-1], linear_weight.shape[0]))
+
+
+def _soft_targets(input, linear_weight, target, bias, weight, reduction, ignore_index,
+                  label_smoothing, extra):
+    """Cross-entropy against class probabilities q (target (*, V), PyTorch's soft targets):
+
+        loss_i = Σ_c w_c q'_ic (lse_i − X_ic)
+               = lse_i · Σ_c w_c q'_ic − A_i · (q'_i W B) − q'_i W bias
+
+    with q' = (1 − α)·q + α/V and W = diag(w). The LSE comes from the core; the rest is linear
+    in the logits, so two (N, V) × (V, D) products with the target give it (and autograd its
+    gradient) without the logits. "mean" divides by the number of rows, as PyTorch does for
+    probabilities. The target is read in the accumulation dtype (a copy when it is bf16/fp16).
+    """
+    if ignore_index is not None:
+        raise ValueError("ignore_index cannot be specified when target holds class "
+                         "probabilities (as in PyTorch)")
+    for name in ("shift", "softcap"):
+        if extra[name]:
+            raise ValueError(f"{name} needs class indices as target, not class probabilities")
+    check_options(reduction, label_smoothing, extra["softcap"], extra["z_loss"])
+    v, d = linear_weight.shape
+    indices = torch.zeros(target.shape[:-1], dtype=torch.long, device=target.device)
+    _, lse = linear_cross_entropy(
+        input, linear_weight, indices, linear_bias=bias, weight=weight, reduction="none",
+        return_lse=True, **{k: extra[k] for k in ("filter_eps", "backend", "vocab_order")})
+    acc, alpha = lse.dtype, float(label_smoothing)
+    with torch.autocast(input.device.type, enabled=False):  # products in the accumulation dtype
+        q, a, b = target.reshape(-1, v).to(acc), input.reshape(-1, d).to(acc), linear_weight.to(acc)
+        w = None if weight is None else weight.to(acc)
+        wb = b if w is None else w[:, None] * b  # (V, D)
+        mass = q.sum(dim=-1) if w is None else q @ w  # Σ_c w_c q_ic
+        dot = (a * (q @ wb)).sum(dim=-1)  # Σ_c w_c q_ic <A_i, B_c>
+        if bias is not None:
+            wbias = bias.to(acc) if w is None else w * bias.to(acc)
+            dot = dot + q @ wbias
+        if alpha:
+            total_w = float(v) if w is None else w.sum()
+            mass = (1 - alpha) * mass + alpha * total_w / v
+            uniform = a @ wb.sum(dim=0) + (wbias.sum() if bias is not None else 0.0)
+            dot = (1 - alpha) * dot + (alpha / v) * uniform
+        loss_tok = mass * lse.reshape(-1) - dot
+        if extra["z_loss"]:
+            loss_tok = loss_tok + extra["z_loss"] * lse.reshape(-1) ** 2
+    return reduce_tokens(loss_tok, lse.reshape(-1), target.shape[:-1], False, reduction,
+                         lambda: torch.full((), loss_tok.shape[0], dtype=acc,
+                                            device=loss_tok.device),
+                         extra["return_lse"])
+
+
+def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore_index,
+                   label_smoothing, extra):
+    """PyTorch's K-dimensional loss: ``linear_weight`` (C, d1, …, dK, D) is one (C, D) head per
+    position k of (d1, …, dK); input (N, D); target (N, d1, …, dK) class indices or
+    (N, C, d1, …, dK) probabilities; the loss of (n, k) is the cross-entropy of input n under
+    head k. Each head runs through the core; "mean" divides by the summed weights of all
+    (n, k) (indices) or by their count (probabilities)."""
+    c, *out, d = linear_weight.shape
+    if not isinstance(input, torch.Tensor) or input.dim() != 2:
+        raise ValueError(f"a K-dimensional linear_weight {tuple(linear_weight.shape)} needs "
+                         f"input of shape (N, {d})"
+                         + (f", got {tuple(input.shape)}" if isinstance(input, torch.Tensor)
+                            else ""))
+    if extra["shift"]:
+        raise ValueError("shift=True needs a (V, D) linear_weight, not a K-dimensional one")
+    if bias is not None and tuple(bias.shape) != (c, *out):
+        raise ValueError(f"linear_bias must have shape {(c, *out)}, got {tuple(bias.shape)}")
+    n, k = input.shape[0], math.prod(out)
+    if k == 0:
+        raise ValueError(f"linear_weight {tuple(linear_weight.shape)} has no output position")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    soft = target.is_floating_point()
+    expected = (n, c, *out) if soft else (n, *out)
+    if tuple(target.shape) != expected:
+        raise ValueError(f"target must have shape {expected} for a K-dimensional "
+                         f"linear_weight, got {tuple(target.shape)}")
+    heads = linear_weight.reshape(c, k, d)
+    targets = target.reshape(n, c, k) if soft else target.reshape(n, k)
+    losses, lses = [], []
+    for j in range(k):
+        loss_j, lse_j = linear_cross_entropy(
+            input, heads[:, j], targets[..., j],
+            linear_bias=None if bias is None else bias.reshape(c, k)[:, j], weight=weight,
+            reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing,
+            **{**extra, "return_lse": True})
+        losses.append(loss_j)
+        lses.append(lse_j)
+    loss_tok = torch.stack(losses, dim=1).reshape(-1)
+    lse = torch.stack(lses, dim=1).reshape(-1)
+
+    def summed_weights():
+        if soft:
+            return torch.full((), n * k, dtype=loss_tok.dtype, device=loss_tok.device)
+        flat = target.reshape(-1)
+        valid = flat != (-100 if ignore_index is None else ignore_index)
+        if weight is None:
+            return valid.sum().to(loss_tok.dtype)
+        picked = weight.to(loss_tok.dtype)[flat.clamp(0, c - 1)]
+        return torch.where(valid, picked, 0.0).sum()
+
+    return reduce_tokens(loss_tok, lse, (n, *out), False, reduction, summed_weights,
+                         extra["return_lse"])

@@ -1,5 +1,7 @@
-"""What the ops share: their tags, the conventions of their outputs, the backward's scratch."""
+"""What the ops share: their tags, the conventions of their outputs, autocast, the backward's
+scratch."""
 
+import functools
 import os
 
 import torch
@@ -24,6 +26,38 @@ def nothing(like: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def grad_or_none(grad: Tensor, needed: bool) -> Tensor | None:
     return grad if needed else None
+
+
+# Autocast (torch.autocast): the matrix operands of every loss are cast to the autocast dtype, as
+# PyTorch's own matmuls would be, and the statistics and the loss stay fp32, as PyTorch's own
+# losses (autocast's fp32 list) compute them. The functional API casts (``autocast_operands``,
+# traceable, so the cast lands in a compiled graph too); the ops' bodies then run with autocast
+# off (``without_autocast``), so that no fp32 product inside them is silently rounded to bf16.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def autocast_operands(device: torch.device, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``tensors`` (the matrix operands of a loss: features, classifier, bias) cast to the
+    autocast dtype of ``device``'s type while autocast is on there; unchanged otherwise (a
+    dtype mismatch then stays the caller's error). Non-floating and None entries pass."""
+    if device.type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device.type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
+def without_autocast(fn):
+    """``fn`` run with autocast off on every device (an op's body, whose products and
+    statistics choose their own precision)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not any(torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES):
+            return fn(*args, **kwargs)
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def eager_function(name: str, forward, setup_context, autograd_backward,

@@ -31,6 +31,7 @@ from ._common import (
     nothing,
     row_major,
     scratch_bytes,
+    without_autocast,
 )
 
 KINDS = ("clip", "info_nce", "nt_xent", "siglip")
@@ -45,6 +46,7 @@ def contrastive(*args) -> tuple[Tensor, ...]:
     return _EagerFunction.apply(*args)
 
 
+@without_autocast
 def forward(
     a: Tensor,  # (N, D)
     b: Tensor,  # (M, D); for "nt_xent" the same tensor as a
@@ -56,15 +58,18 @@ def forward(
     backend: str,  # "triton" or "torch"
     record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
     check_target: bool,  # raise if a target is outside [0, M) (waits for the GPU)
-    check_temperature: bool,  # raise unless scale = 1/τ with τ > 0 (waits for the GPU)
 ) -> tuple[(Tensor,) * 7]:  # type: ignore[misc]  # (a schema needs the count)
     """Per-row losses (N,) fp32 (the table above), then for the backward: the row LSE parts
     (4, N) fp32 (``RowStats.packed``; zeros for "siglip"), the column LSE parts (4, M) for
     "clip" ((0,) otherwise); when the backward will filter, the gradient mass of each row
     (N,) and for "clip" of each column (M,) fp32 (``filtering.gradient_mass``; (0,) otherwise)
-    and the per-tile masses by rows and by columns ((0, 0) otherwise)."""
+    and the per-tile masses by rows and by columns ((0, 0) otherwise).
+
+    ``scale`` is used as it comes: the functional layer has made an invalid tensor scale NaN
+    (``losses/contrastive.py``), which every output then carries, without a read-back."""
     n, m = a.shape[0], b.shape[0]
-    _check_values(target, m, scale, check_target, check_temperature)
+    if check_target:
+        _check_target(target, m)
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
     filtering = _filtering(kind, filter_eps, record_tiles)
@@ -97,8 +102,7 @@ forward_op = torch.library.custom_op("fusedloss::contrastive", forward, mutates_
 
 
 @forward_op.register_fake
-def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_target,
-      check_temperature):
+def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_target):
     (n, d), m = a.shape, b.shape[0]
     clip, filtering = kind == "clip", _filtering(kind, filter_eps, record_tiles)
     tiles = col_tiles = (0, 0)
@@ -114,6 +118,7 @@ def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_
             a.new_empty(tiles, dtype=f32), a.new_empty(col_tiles, dtype=f32))
 
 
+@without_autocast
 def backward(
     grad_loss: Tensor,  # (N,)
     a: Tensor,
@@ -196,7 +201,7 @@ def _autograd_backward(ctx, grad_loss, *_, backward_fn=backward_op):
     needs = ctx.needs_input_grad[:4]  # a, b, scale, bias
     grads = backward_fn(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
     return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)),
-            *[None] * 7)
+            *[None] * 6)
 
 
 forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -225,22 +230,12 @@ def _logits(kind: str, b: Tensor, scale: Tensor, bias: Tensor | None) -> Logits:
     return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent")
 
 
-def _check_values(target: Tensor, m: int, scale: Tensor, check_target: bool,
-                  check_temperature: bool) -> None:
-    """The checks that need tensor values, in one read-back, only when asked for."""
-    checks = []
-    if check_target:
-        checks.append(((target < 0) | (target >= m)).any())
-    if check_temperature:  # τ ≤ 0 gives s = 1/τ < 0 or +inf; NaN passes and gives NaN
-        checks.append((scale < 0) | (scale == float("inf")))
-    if not checks:
-        return
-    found = torch.stack(checks).tolist()
-    if check_target and found[0]:
-        bad = int(target[(target < 0) | (target >= m)][0])
+def _check_target(target: Tensor, m: int) -> None:
+    """Raises if a target is outside [0, M): one read-back, only when asked for."""
+    out_of_range = (target < 0) | (target >= m)
+    if out_of_range.any():
+        bad = int(target[out_of_range][0])
         raise ValueError(f"labels holds {bad}, outside [0, M) = [0, {m})")
-    if check_temperature and found[-1]:
-        raise ValueError(f"temperature must be > 0, got {1.0 / float(scale)}")
 
 
 def _sparse_slabs() -> bool:

@@ -34,6 +34,7 @@ from ._common import (
     nothing,
     row_major,
     scratch_bytes,
+    without_autocast,
 )
 
 _F32 = torch.float32
@@ -48,6 +49,7 @@ def linear_cross_entropy(*args) -> tuple[Tensor, ...]:
     return _EagerFunction.apply(*args)
 
 
+@without_autocast
 def forward(
     input: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
@@ -68,7 +70,8 @@ def forward(
     in compact order, each position's target (N,) int64 (−1 past the valid ones) and class
     weight (N,) fp32, the row LSE parts (4, N) fp32 (``RowStats.packed``), the target logits
     (N,) fp32 and the per-tile masses ((0, 0) unless recorded); whether every token counts
-    (a () bool on the CPU).
+    (a () bool on the CPU). With float64 operands (the torch backend) the fp32 outputs are
+    float64.
 
     Raises ValueError for a target outside [0, V) (other than ``ignore_index``) and a
     ``vocab_order`` that is not a permutation: the one wait for the GPU of the forward.
@@ -83,6 +86,7 @@ def forward(
         target, ignore_index, class_weight, v, order_checks)
     if bad_order and bad_order[0]:
         raise ValueError("vocab_order must be a permutation of 0..V-1")
+    target_weight = target_weight.to(engine.accumulation_dtype(a.dtype))  # float64 stays
     all_valid = n_valid == n
     # The compact order is the identity when every token counts, so A is read by whole blocks.
     rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
@@ -122,14 +126,15 @@ def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, labe
     tiles = (0, 0)
     if backend == "triton" and record_tiles and filter_eps is not None:
         tiles, _ = engine.tile_stats_shapes(n, v, input.device, input.dtype, d)
-    per_row = input.new_empty(n, dtype=_F32)
+    per_row = input.new_empty(n, dtype=engine.accumulation_dtype(input.dtype))
     return (per_row, torch.empty_like(per_row), input.new_empty(n, dtype=torch.int64),
             input.new_empty((), dtype=torch.int64), input.new_empty(n, dtype=torch.int64),
-            torch.empty_like(per_row), input.new_empty((4, n), dtype=_F32),
+            torch.empty_like(per_row), input.new_empty((4, n), dtype=per_row.dtype),
             torch.empty_like(per_row), input.new_empty(tiles, dtype=_F32),
             torch.empty((), dtype=torch.bool))
 
 
+@without_autocast
 def backward(
     grad_loss: Tensor | None,  # (N,)
     grad_lse: Tensor | None,  # (N,)
@@ -167,11 +172,12 @@ def backward(
     # Upstream gradients in compact order, 0 past the valid positions (autograd passes None
     # for an output that got no gradient).
     valid = row_target >= 0
-    g = torch.zeros(n, dtype=_F32, device=a.device) if grad_loss is None else torch.where(
-        valid, grad_loss[row_index].float(), 0.0)
+    acc = engine.accumulation_dtype(a.dtype)
+    g = torch.zeros(n, dtype=acc, device=a.device) if grad_loss is None else torch.where(
+        valid, grad_loss[row_index].to(acc), 0.0)
     g_lse = 0.0
     if grad_lse is not None:
-        g_lse = torch.where(valid, grad_lse[row_index].float(), 0.0)
+        g_lse = torch.where(valid, grad_lse[row_index].to(acc), 0.0)
     alpha, lse = label_smoothing, stats.lse
     total_w = class_weight.sum() if class_weight is not None else v
     coef_lse = g * ((1 - alpha) * row_weight + alpha * total_w / v + 2 * z_loss * lse) + g_lse
@@ -323,6 +329,7 @@ def linear_cross_entropy_grad_in_forward(*args) -> Tensor:
     return _EagerGradInForward.apply(*args)[0]
 
 
+@without_autocast
 def forward_grad_in_forward(
     input: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
