@@ -79,6 +79,7 @@ def vocab_parallel_cross_entropy(
     if isinstance(input, Tensor):
         input, linear_weight, linear_bias = autocast_operands(
             input.device, input, linear_weight, linear_bias)
+    linear_bias, weight = single.dense_vectors(linear_bias, weight)
     ignore_index = -100 if ignore_index is None else ignore_index
     error, prepared = None, None
     try:

@@ -150,6 +150,7 @@ def linear_cross_entropy(
         # would have them; the statistics and the loss stay fp32 (autocast's fp32 list).
         input, linear_weight, linear_bias = autocast_operands(
             input.device, input, linear_weight, linear_bias)
+    linear_bias, weight = dense_vectors(linear_bias, weight)
     extra = dict(softcap=softcap, z_loss=z_loss, shift=shift, filter_eps=filter_eps,
                  return_lse=return_lse, backend=backend, vocab_order=vocab_order)
     if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() > 2:
@@ -351,6 +352,13 @@ def check_linear_options(options) -> None:
     if LinearCrossEntropyOptions is None or not isinstance(options, LinearCrossEntropyOptions):
         raise TypeError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got "
                         f"{type(options).__name__}")
+
+
+def dense_vectors(*vectors):
+    """Each tensor of ``vectors`` with its entries side by side (the kernels read the bias and
+    the class weights at unit stride; a strided view, such as one head's bias of a
+    K-dimensional weight, becomes a copy); other values as they are."""
+    return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in vectors)
 
 
 def _resolve_backend(backend: str, input: torch.Tensor) -> str:
