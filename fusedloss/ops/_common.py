@@ -34,16 +34,19 @@ def grad_or_none(grad: Tensor, needed: bool) -> Tensor | None:
 # traceable, so the cast lands in a compiled graph too); the ops' bodies then run with autocast
 # off (``without_autocast``), so that no fp32 product inside them is silently rounded to bf16.
 _AUTOCAST_DEVICES = ("cuda", "cpu")
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves float64
 
 
 def autocast_operands(device: torch.device, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """``tensors`` (the matrix operands of a loss: features, classifier, bias) cast to the
     autocast dtype of ``device``'s type while autocast is on there; unchanged otherwise (a
-    dtype mismatch then stays the caller's error). Non-floating and None entries pass."""
+    dtype mismatch then stays the caller's error). float64, non-floating and None entries pass,
+    as autocast passes them."""
     if device.type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device.type):
         return tensors
     dtype = torch.get_autocast_dtype(device.type)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+    return tuple(t.to(dtype) if t is not None and t.dtype in _AUTOCAST_ELIGIBLE else t
+                 for t in tensors)
 
 
 def without_autocast(fn):
