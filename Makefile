@@ -24,7 +24,8 @@
 # Other variables
 #   TRITON_INTERPRET  1 runs Triton kernels on the CPU interpreter. Default: 0 when nvidia-smi
 #                     lists a GPU, else 1.
-#   PYTEST_SELECT     test selection; default -m "not slow" under the interpreter, else all.
+#   PYTEST_SELECT     test selection, e.g. PYTEST_SELECT='-k "not contrastive"'. Default: empty,
+#                     every test (on the interpreter as on a GPU).
 #   PYTEST_ARGS       extra pytest arguments, e.g. PYTEST_ARGS="-k clip -x".
 
 PYTHON ?= python3
@@ -34,9 +35,7 @@ TORCH_VERSION ?= 2.13.0
 ifeq ($(origin TRITON_INTERPRET),undefined)
 TRITON_INTERPRET := $(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU '),0,1)
 endif
-ifeq ($(origin PYTEST_SELECT),undefined)
-PYTEST_SELECT := $(if $(filter 1,$(TRITON_INTERPRET)),-m "not slow")
-endif
+PYTEST_SELECT ?=
 PYTEST_ARGS ?=
 
 ifneq ($(strip $(VENV)),)

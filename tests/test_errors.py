@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import can_run_triton, run_on_cpu_without_interpreter
+import torch.nn.functional as F
+from helpers import assert_close_to_ref, can_run_triton, run_on_cpu_without_interpreter
 
 import fusedloss
 from fusedloss import LinearCrossEntropyLoss, linear_cross_entropy
@@ -30,8 +31,21 @@ def call(**overrides):
                                 args.pop("target"), **args)
 
 
+def assert_pytorch_loss(loss, *, shift=False, ignore_index=-100, **overrides):
+    """``loss`` is PyTorch's mean cross-entropy of ``good(**overrides)``: against the float64
+    value, no worse than PyTorch's own float32 result (the library's accuracy rule)."""
+    args = good(**overrides)
+    x, w, t = args["input"], args["linear_weight"], args["target"]
+    if shift:
+        x, t = x[..., :-1, :], t[..., 1:]
+    theirs, ref = (F.cross_entropy((x.to(dtype) @ w.to(dtype).T).reshape(-1, V), t.reshape(-1),
+                                   ignore_index=ignore_index)
+                   for dtype in (torch.float32, torch.float64))
+    assert_close_to_ref(loss, theirs, ref, name="loss")
+
+
 def test_good_arguments_work():
-    assert torch.isfinite(call())
+    assert_pytorch_loss(call())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,17 +156,22 @@ def test_target_outside_vocabulary_with_class_weights(bad):
 def test_target_equal_to_a_custom_ignore_index_is_fine():
     target = torch.zeros(N, dtype=torch.long)
     target[3] = -1
-    assert torch.isfinite(call(target=target, ignore_index=-1))
+    assert_pytorch_loss(call(target=target, ignore_index=-1), target=target, ignore_index=-1)
     with pytest.raises(ValueError, match="ignore_index=-1"):
         call(target=torch.full((N,), -100), ignore_index=-1)
 
 
 def test_shift_ignores_the_first_target():
-    """With shift the first position's target is never predicted: any value is accepted."""
-    target = torch.randint(0, V, (2, N))
-    target[:, 0] = 10 * V
-    loss = call(input=torch.randn(2, N, D), target=target, shift=True)
-    assert torch.isfinite(loss)
+    """With shift the first position's target is never predicted: any value is accepted, and
+    the loss is PyTorch's over the shifted positions, the same as with an in-range value."""
+    g = torch.Generator().manual_seed(1)
+    args = dict(input=torch.randn(2, N, D, generator=g), target=torch.randint(0, V, (2, N),
+                                                                              generator=g))
+    in_range = call(**args, shift=True)
+    args["target"][:, 0] = 10 * V
+    loss = call(**args, shift=True)
+    assert torch.equal(loss, in_range)
+    assert_pytorch_loss(loss, shift=True, **args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -957,8 +957,7 @@ def test_nan_input_gives_nan_loss(backend, dtype):
 
 
 # fp32 on peaked logits, where P = exp(X − lse) with a rounded lse used to cost 2-3× PyTorch's
-# error; and the known softcap gap (accuracy_bar, item 3), checked without its allowance (not
-# strict: GPU rounding may land either side of the bar).
+# error.
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp32_peaked_gradients_within_strict_bar(backend):
     case = Case(lead=(37,), v=123, d=16, dtype=torch.float32, regime="peaked", reduction="none")
@@ -968,13 +967,26 @@ def test_fp32_peaked_gradients_within_strict_bar(backend):
 
 
 @requires_triton
-@pytest.mark.xfail(reason="Triton's tanh 1 - 2/(exp(2y)+1) loses relative precision for small "
-                   "y: fp32 soft-capped loss error 6x PyTorch's", strict=False)
 def test_fp32_softcap_within_strict_bar():
+    """The softcap gap (accuracy_bar, item 3) held to the bar it needs, not factor 4.
+
+    Triton's tanh, 1 - 2/(exp(2y) + 1), is exact to eps32 in absolute terms only, so a capped
+    logit c·tanh(X/c) carries up to eps32·c (c = 30: many relative ulps of a logit of a few
+    units, where PyTorch's tanh is off by one). The per-token loss lse - X_y moves by up to
+    twice that, which PyTorch's error does not bound: the loss holds factor 1.5 with the floor
+    accuracy_bar derives for it (items 3 and 5), a worst case of the same rounding on any
+    device. The gradients go through P and 1 - tanh², where relative errors count, and hold
+    the library's bar with no allowance. Measured over seeds 0-7 (interpreter; H200): loss
+    errors 5-7× PyTorch's, 0.14-0.22 of this bar; gradients 1.1-1.3× PyTorch's, at most 0.86 of
+    it. Ignoring the softcap gives a loss error of 4e-4, a softcap 1% off 6-8e-6 (the loss bar
+    here is 1.4e-6), and leaving out the factor 1 - tanh² a gradient error of 2.5e-3."""
     case = Case(lead=(70,), v=300, d=48, dtype=torch.float32, softcap=30.0, reduction="none")
     problem = make_problem(case)
+    ref = run_reference(case, problem)
+    loss_floor = accuracy_bar(case, problem, "triton", ref).loss
     check_against_reference(case, run_ours(case, problem, "triton"),
-                            run_torch_same_dtype(case, problem), run_reference(case, problem))
+                            run_torch_same_dtype(case, problem), ref,
+                            Bar(factor=1.5, loss=loss_floor))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

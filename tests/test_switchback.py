@@ -427,11 +427,42 @@ def test_error_against_unquantized_within_bound(case, variant, quant_dtype):
             assert (bound <= worst * (1 + 1e-12)).all(), name
 
 
-def test_outlier_feature_hurts_rowwise_x_less_than_tensorwise():
-    # Sanity of the analysis: the bound scales with each row's absmax.
-    x, w, b, g = make_case(3, 8, 64, 8, torch.float32, 1.0, True, False)
-    ref = emulate(x, w, b, g, memory_efficient=False, weight_quantization="tensorwise")
-    assert ref.y_bound.max() < 64 * x.abs().max() * w.abs().max() / 127
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_of_different_magnitudes_keep_their_own_scales(backend, quant_dtype):
+    """X and dY are quantized row by row: rows five orders of magnitude apart each keep their
+    own absmax, so every row of Y and dX lies within the quantization bound that its own row's
+    scale gives (``quant_error_bound``; the Triton matmul adds its epilogue rounding). A tensor-wise
+    quantizer, one step a_max / 127 for the whole tensor, rounds the small rows to zero (int8)
+    or to a few subnormal steps (fp8): errors the size of those rows, far above their bound.
+    With weight_quantization="rowwise" W's rows (forward) and columns (dX) vary the same way."""
+    skip_fp8_without_hardware(backend, quant_dtype)
+    m, k, n, dtype = 6, 32, 5, torch.float32
+    gen = torch.Generator().manual_seed(0)
+    rows = 10.0 ** torch.arange(-3.0, 3.0, dtype=torch.float64)  # 1e-3 ... 1e2
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) * rows[:, None]
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64) * rows[:, None]
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64) / math.sqrt(k)
+    w = w * (10.0 ** torch.arange(-2.0, 3.0, dtype=torch.float64))[:, None]
+    w[:, ::2] *= 1e-3  # every other input feature (a column of W) a thousand times smaller
+    b = torch.randn(n, generator=gen, dtype=torch.float64)
+    x, w, b, g = (t.to(dtype=dtype, device=DEVICE) for t in (x, w, b, g))
+    eps = torch.finfo(dtype).eps
+    for wq in ("tensorwise", "rowwise"):
+        opts = dict(weight_quantization=wq, quant_dtype=quant_dtype)
+        y, dx, _, _ = run(x, w, b, g, backend=backend, **opts)
+        ref = emulate(x, w, b, g, memory_efficient=False, **opts)
+        exact_y = x.double().cpu() @ w.double().cpu().t() + b.double().cpu()
+        exact_dx = g.double().cpu() @ w.double().cpu()
+        for name, out, exact, bound, emulated, sum_abs, bias, inner in (
+            ("y", y, exact_y, ref.y_bound, ref.y, ref.y_abs, b, k),
+            ("dx", dx, exact_dx, ref.dx_bound, ref.dx, ref.dx_abs, None, n),
+        ):
+            # |out - exact| <= |out - emulated| + |emulated - exact|: the output (and, on Triton,
+            # the epilogue's) rounding plus the quantization bound of each entry's own scales.
+            tol = bound * (1 + eps) + epilogue_tol(emulated, sum_abs, bias, dtype, inner,
+                                                   quant_dtype)
+            assert_within(out, exact, tol, dtype, f"{wq} {name}")
 
 
 def test_matmul_dequantize_reference():
