@@ -1,14 +1,20 @@
 """Bad input to the contrastive losses gets a clear error that names the offending argument,
-before any work is done: ``clip_loss``, ``info_nce_loss``, ``nt_xent_loss``, ``siglip_loss``
-and their modules."""
+before any work is done: ``clip_loss``, ``info_nce_loss``, ``nt_xent_loss``, ``siglip_loss``,
+their modules and their distributed forms. The one exception is a tensor scale or
+temperature out of range, which is not read on the host: it gives NaN."""
 
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 import torch
 from helpers import can_run_triton, run_on_cpu_without_interpreter
+from workers import Raised, all_ok
 
 import fusedloss
+import fusedloss.distributed as fd
 from fusedloss import (
     ClipLoss,
     InfoNCELoss,
@@ -17,6 +23,7 @@ from fusedloss import (
     clip_loss,
     info_nce_loss,
     nt_xent_loss,
+    reference,
     siglip_loss,
 )
 
@@ -50,9 +57,19 @@ def call(loss: str, **overrides):
     return nt_xent_loss(args.pop("features"), **args)
 
 
+# The float64 references of ``call(loss)``'s defaults (temperatures: the functions' defaults).
+REFERENCES = {
+    "clip": lambda: reference.clip_loss_ref(features(), features(seed=1), 10.0),
+    "siglip": lambda: reference.siglip_loss_ref(features(), features(seed=1), 10.0, -10.0),
+    "info_nce": lambda: reference.info_nce_loss_ref(features(), features(M, seed=1),
+                                                    temperature=0.07),
+    "nt_xent": lambda: reference.nt_xent_loss_ref(features(2 * B), temperature=0.5),
+}
+
+
 @pytest.mark.parametrize("loss", ["clip", "siglip", "info_nce", "nt_xent"])
 def test_good_arguments_work(loss):
-    assert torch.isfinite(call(loss))
+    torch.testing.assert_close(call(loss).double(), REFERENCES[loss](), rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +150,32 @@ def test_zero_width(loss, name):
         call(loss, **{name: torch.zeros(rows, 0)})
 
 
+# The modules' forward arguments, by position (their errors name them as the functions do).
+MODULE_FEATURES = {
+    "clip": (lambda a, b: ClipLoss(backend="torch")(a, b, 10.0),
+             ("image_features", "text_features")),
+    "siglip": (lambda a, b: SigLipLoss(backend="torch")(a, b, 10.0, -10.0),
+               ("image_features", "text_features")),
+    "info_nce": (lambda a, b: InfoNCELoss(backend="torch")(a, b), ("query", "keys")),
+    "nt_xent": (lambda a: NTXentLoss(backend="torch")(a), ("features",)),
+    "nt_xent-two-views": (lambda a, b: NTXentLoss(backend="torch")(a, b),
+                          ("features", "second_view")),
+}
+
+
+@pytest.mark.parametrize("module", list(MODULE_FEATURES))
+@pytest.mark.parametrize("shape", [(0, D), (B, 0), (0, 0)], ids=["0-rows", "D=0", "0x0"])
+def test_module_empty_inputs(module, shape):
+    """0 rows or D = 0 in any feature argument of a module: the functions' ValueError."""
+    fn, names = MODULE_FEATURES[module]
+    for position, name in enumerate(names):
+        args = [features(2 * B if module == "nt_xent" else B) for _ in names]
+        args[position] = torch.zeros(shape)
+        message = f"{name} is empty" if shape[0] == 0 else f"{name} has width D = 0"
+        with pytest.raises(ValueError, match=message):
+            fn(*args)
+
+
 @pytest.mark.parametrize("loss, name", FEATURE_ARGS)
 def test_non_tensor_features(loss, name):
     with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
@@ -207,18 +250,153 @@ def test_integer_scalar_tensor(loss):
         call(loss, **{name: torch.tensor(2)})
 
 
-@pytest.mark.parametrize("loss", ["info_nce", "nt_xent"])
-@pytest.mark.parametrize("value", [0.0, -0.07, torch.tensor(0.0), torch.tensor([-0.5])],
-                         ids=["float-0", "float-negative", "tensor-0", "tensor-negative"])
-def test_temperature_not_positive(loss, value):
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        call(loss, temperature=value)
+SCALES = [
+    pytest.param("clip", "logit_scale", id="clip-logit_scale"),
+    pytest.param("siglip", "logit_scale", id="siglip-logit_scale"),
+    pytest.param("info_nce", "temperature", id="info_nce-temperature"),
+    pytest.param("nt_xent", "temperature", id="nt_xent-temperature"),
+]
+NOT_POSITIVE_OR_NOT_FINITE = [0.0, -0.07, 0, -2, math.nan, math.inf, -math.inf]
+NUMBER_IDS = ["0.0", "negative", "int-0", "int-negative", "nan", "inf", "-inf"]
 
 
-@pytest.mark.parametrize("loss", ["info_nce", "nt_xent"])
-def test_temperature_nan_gives_nan(loss):
-    """NaN is not ≤ 0: it passes the check and poisons the loss, as a NaN input would."""
-    assert torch.isnan(call(loss, temperature=float("nan")))
+def scale_error(name: str, value) -> str:
+    return re.escape(f"{name} must be > 0 and finite, got {float(value)}")
+
+
+@pytest.mark.parametrize("loss, name", SCALES)
+@pytest.mark.parametrize("value", NOT_POSITIVE_OR_NOT_FINITE, ids=NUMBER_IDS)
+def test_scale_or_temperature_number_not_positive_and_finite(loss, name, value):
+    with pytest.raises(ValueError, match=scale_error(name, value)):
+        call(loss, **{name: value})
+
+
+@pytest.mark.parametrize("module", ["clip", "siglip", "info_nce", "nt_xent"])
+@pytest.mark.parametrize("value", NOT_POSITIVE_OR_NOT_FINITE, ids=NUMBER_IDS)
+def test_module_scale_or_temperature_number_not_positive_and_finite(module, value):
+    x = features()
+    if module == "clip":
+        name, make = "logit_scale", lambda: ClipLoss(backend="torch")(x, x, value)
+    elif module == "siglip":
+        name, make = "logit_scale", lambda: SigLipLoss(backend="torch")(x, x, value, -10.0)
+    else:
+        cls = InfoNCELoss if module == "info_nce" else NTXentLoss
+        name, make = "temperature", lambda: cls(temperature=value)
+    with pytest.raises(ValueError, match=scale_error(name, value)):
+        make()
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_logit_bias_number_not_finite(loss, value):
+    with pytest.raises(ValueError, match=re.escape(f"logit_bias must be finite, got {value}")):
+        call(loss, logit_bias=value)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("value", [0.0, -3.0, 0], ids=["0.0", "negative", "int-0"])
+def test_logit_bias_any_finite_number(loss, value):
+    torch.testing.assert_close(call(loss, logit_bias=value).double(),
+                               REFERENCES["clip"]() if loss == "clip" else
+                               reference.siglip_loss_ref(features(), features(seed=1), 10.0,
+                                                         value), rtol=1e-5, atol=0)
+
+
+def first_features(loss: str) -> str:
+    return {"clip": "image_features", "siglip": "image_features", "info_nce": "query",
+            "nt_xent": "features"}[loss]
+
+
+def backend_params():
+    """Both backends; "triton" on CPU tensors needs the interpreter, else it is skipped."""
+    return [
+        pytest.param("torch", id="torch"),
+        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+            not can_run_triton(), reason="needs a CUDA device or TRITON_INTERPRET=1")),
+    ]
+
+
+TENSOR_VALUES = [0.0, -0.5, math.inf, -math.inf, math.nan]
+TENSOR_IDS = ["0", "negative", "inf", "-inf", "nan"]
+
+
+@pytest.mark.parametrize("loss, name", SCALES)
+@pytest.mark.parametrize("value", TENSOR_VALUES, ids=TENSOR_IDS)
+def test_tensor_scale_or_temperature_out_of_range_gives_nan(loss, name, value):
+    """Not read on the host (no wait for the device): the loss and every gradient are NaN."""
+    scalar = torch.tensor(value, requires_grad=True)
+    x = features(2 * B if loss == "nt_xent" else B).requires_grad_()
+    out = call(loss, **{name: scalar, first_features(loss): x})
+    assert torch.isnan(out)
+    out.backward()
+    assert torch.isnan(scalar.grad) and torch.isnan(x.grad).all()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("loss, name", SCALES)
+def test_tensor_scale_out_of_range_on_both_backends(loss, name, backend):
+    """The NaN also passes the Triton kernels' filtering, on each loss."""
+    scalar = torch.tensor(-0.5, requires_grad=True)
+    x = features(2 * B if loss == "nt_xent" else B).requires_grad_()
+    out = call(loss, backend=backend, **{name: scalar, first_features(loss): x})
+    out.backward()
+    assert torch.isnan(out) and torch.isnan(scalar.grad) and torch.isnan(x.grad).all()
+
+
+@pytest.mark.parametrize("module", ["clip", "siglip"])
+@pytest.mark.parametrize("value", TENSOR_VALUES, ids=TENSOR_IDS)
+def test_module_tensor_scale_out_of_range_gives_nan(module, value):
+    scalar = torch.tensor(value, requires_grad=True)
+    x = features().requires_grad_()
+    if module == "clip":
+        out = ClipLoss(backend="torch")(x, features(seed=1), scalar)
+    else:
+        out = SigLipLoss(backend="torch")(x, features(seed=1), scalar, -10.0)
+    out.backward()
+    assert torch.isnan(out) and torch.isnan(scalar.grad) and torch.isnan(x.grad).all()
+
+
+@pytest.mark.parametrize("loss, name", SCALES)
+@pytest.mark.parametrize("value", [0.07, 10.3])
+def test_tensor_scale_in_range_equals_the_number(loss, name, value):
+    """The NaN guard leaves a valid tensor value exactly as it is, gradient included."""
+    torch.testing.assert_close(call(loss, **{name: torch.tensor(value)}),
+                               call(loss, **{name: value}), rtol=0, atol=0)
+    scalar = torch.tensor(value, requires_grad=True)
+    call(loss, **{name: scalar}).backward()
+    leaf = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+    ref = {"clip": lambda: reference.clip_loss_ref(features(), features(seed=1), leaf),
+           "siglip": lambda: reference.siglip_loss_ref(features(), features(seed=1), leaf, -10.0),
+           "info_nce": lambda: reference.info_nce_loss_ref(features(), features(M, seed=1),
+                                                           temperature=leaf),
+           "nt_xent": lambda: reference.nt_xent_loss_ref(features(2 * B), temperature=leaf)}
+    ref[loss]().backward()
+    torch.testing.assert_close(scalar.grad.double(), leaf.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("loss, name", SCALES)
+def test_tensor_scale_is_not_read_on_the_host(loss, name, monkeypatch):
+    """Reading a tensor's value on the host waits for the device (a sync, which
+    tests/test_host_sync.py catches on CUDA); here, on any machine that runs the kernels: no
+    tensor value is read at all, forward or backward (the torch backend reads its row count)."""
+    scalar = torch.tensor(-0.5, requires_grad=True)
+
+    def read(self, *args):
+        raise AssertionError("a tensor value was read on the host")
+
+    for method in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, method, read)
+    out = call(loss, backend="triton", **{name: scalar})
+    out.backward()
+    monkeypatch.undo()
+    assert torch.isnan(out)
+
+
+def test_tensor_temperature_out_of_range_under_compile():
+    """The guard is traced (fullgraph): NaN under torch.compile too."""
+    fn = torch.compile(lambda z, t: nt_xent_loss(z, t), fullgraph=True, backend="aot_eager")
+    assert torch.isnan(fn(features(2 * B), torch.tensor(-0.5)))
 
 
 def test_temperature_non_scalar():
@@ -274,10 +452,15 @@ def test_nt_xent_odd_row_count(rows):
         call("nt_xent", features=features(rows))
 
 
-def test_nt_xent_module_views_of_different_batch():
-    """NTXentLoss(z1, z2) stacks the views: B + (B + 1) rows is the odd-count error."""
-    with pytest.raises(ValueError, match="odd number of rows"):
-        NTXentLoss(backend="torch")(features(B), features(B + 1))
+@pytest.mark.parametrize("rows", [B + 1, B + 2, B - 2])
+def test_nt_xent_module_views_of_different_batch(rows):
+    """NTXentLoss(z1, z2) pairs row i of z1 with row i of z2: views of different batch sizes
+    are an error (stacked, B + (B + 2) rows would pass as views of B + 1 samples)."""
+    with pytest.raises(ValueError, match=rf"features and second_view must have the same shape "
+                       rf"\(B, D\).*got \({B}, {D}\) and \({rows}, {D}\)"):
+        NTXentLoss(backend="torch")(features(B), features(rows))
+    with pytest.raises(ValueError, match="second_view must be 2-D"):
+        NTXentLoss(backend="torch")(features(B), features(B)[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,15 +481,6 @@ def test_bad_reduction(loss, reduction):
 def test_bad_backend(loss, backend):
     with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'"):
         call(loss, backend=backend)
-
-
-def backend_params():
-    """Both backends; "triton" on CPU tensors needs the interpreter, else it is skipped."""
-    return [
-        pytest.param("torch", id="torch"),
-        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-            not can_run_triton(), reason="needs a CUDA device or TRITON_INTERPRET=1")),
-    ]
 
 
 # filter_eps only matters to the Triton backend, but a bad value is a bug in the caller's code
@@ -421,3 +595,69 @@ def test_public_api():
     for name in ("clip_loss", "info_nce_loss", "nt_xent_loss", "siglip_loss", "ClipLoss",
                  "SigLipLoss", "InfoNCELoss", "NTXentLoss"):
         assert name in fusedloss.__all__ and hasattr(fusedloss, name), name
+
+
+# ---------------------------------------------------------------------------------------------
+# the distributed forms: the same rules on a ring of two gloo processes
+
+
+def _error_of(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _ring_rules(rank, world):
+    """Per (form, case): an error message, or (loss is NaN, scale grad is NaN, feature grads
+    are NaN), or the loss; the same calls on every rank."""
+    forms = {
+        "clip": lambda a, s: fd.clip_loss(a, a, s),
+        "siglip": lambda a, s: fd.siglip_loss(a, a, s, -10.0),
+        "info_nce": lambda a, s: fd.info_nce_loss(a, a, temperature=s),
+        "nt_xent": lambda a, s: fd.nt_xent_loss(a, s),
+        "module-clip": lambda a, s: ClipLoss(local_loss=True, gather_with_grad=True, rank=rank,
+                                             world_size=world)(a, a, s),
+        "module-siglip": lambda a, s: SigLipLoss(rank=rank, world_size=world)(a, a, s, -10.0),
+    }
+    scale = {"info_nce": 0.1, "nt_xent": 0.5}
+    out = {}
+    for form, fn in forms.items():
+        good = scale.get(form, 10.0)
+        x = features(4, seed=rank)
+        for value in NOT_POSITIVE_OR_NOT_FINITE:
+            out[form, f"number {value!r}"] = _error_of(fn, x, value)
+        for value in TENSOR_VALUES:
+            scalar, a = torch.tensor(value, requires_grad=True), x.clone().requires_grad_()
+            loss = fn(a, scalar)
+            loss.backward()
+            out[form, f"tensor {value!r}"] = (bool(loss.isnan()), bool(scalar.grad.isnan()),
+                                             bool(a.grad.isnan().all()))
+        out[form, "0 rows on rank 1"] = fn(x[:0] if rank == 1 else x, good).detach()
+        out[form, "0 rows on every rank"] = _error_of(fn, x[:0], good)
+        out[form, "D = 0"] = _error_of(fn, torch.zeros(4, 0), good)
+    return out
+
+
+def test_ring_scale_and_empty_rules(workers):
+    results = workers(2).run(_ring_rules)
+    for rank, out in enumerate(all_ok(results)):
+        for (form, case), got in out.items():
+            where = f"rank {rank}, {form}, {case}"
+            name = "temperature" if form in ("info_nce", "nt_xent") else "logit_scale"
+            if case.startswith("number"):
+                value = float(case.split()[1].strip("'"))
+                assert got is not None and got.startswith("ValueError"), (where, got)
+                assert re.search(scale_error(name, value), got), (where, got)
+            elif case.startswith("tensor"):
+                assert got == (True, True, True), where
+            elif case == "0 rows on rank 1":
+                assert torch.isfinite(got), where
+            elif case == "0 rows on every rank":
+                assert got is not None and "ValueError: the global batch is empty" in got, where
+            else:
+                feature = "features" if form == "nt_xent" else (
+                    "query" if form == "info_nce" else "image_features")
+                assert got == f"ValueError: {feature} has width D = 0", (where, got)
+    assert not any(isinstance(r, Raised) for r in results)

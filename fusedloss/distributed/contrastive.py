@@ -22,12 +22,19 @@ device type, and which inputs need gradients) and run the backward: the ranks ex
 facts once per call and all raise the same error when they disagree, or when one rank's
 arguments are wrong, instead of leaving the others waiting.
 
+The arguments follow the single-process rules (``fusedloss/losses/contrastive.py``): under
+``torch.autocast`` the features are cast to the autocast dtype (the dtype the ranks compare),
+the scale, temperature and bias stay fp32 scalars and the loss is fp32; a Python scale or
+temperature must be finite and > 0, a tensor one that is ≤ 0, ±inf or NaN gives NaN (its value
+is not read on the host). A rank may pass 0 rows (and InfoNCE 0 keys) as long as the group
+holds some; a width D = 0 is an error.
+
 CUDA graphs: a call made while a graph is being captured (``torch.cuda.graph``) reuses what
 the last eager call on this rank with the same arguments found in that exchange, without
 communicating, so that the ring's kernels and NCCL transfers replay without the host. Make one
 eager call with the same shapes and options on every rank before capturing. What the eager
 call reads on the host from input values cannot be read during a capture: InfoNCE with
-``labels``, NT-Xent with a tensor temperature and ``backend="torch"`` raise there.
+``labels`` and ``backend="torch"`` raise there.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import torch.distributed as dist
 
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
-from ..losses.contrastive import _as_scalar, feature_error
+from ..losses.contrastive import _as_scalar, feature_error, matched_features
+from ..ops._common import autocast_operands, without_autocast
 from . import _group, ring
 from ._group import device_code, dtype_code, exchange, float_code
 
@@ -72,8 +80,9 @@ def clip_loss(
     and ignored, as in :func:`fusedloss.clip_loss` (zero gradient).
 
     Args:
-        image_features, text_features: (b_r, D) fp32/bf16/fp16, same dtype and device.
-        logit_scale: a float or one-element tensor, the same on every rank.
+        image_features, text_features: (b_r, D) fp32/bf16/fp16, same device; the same dtype
+            outside autocast (under ``torch.autocast`` both are cast to the autocast dtype).
+        logit_scale: a float (finite, > 0) or one-element tensor, the same on every rank.
         group: the process group (default: the world).
         reduction, filter_eps, backend: as in :func:`fusedloss.clip_loss`.
     """
@@ -95,7 +104,9 @@ def siglip_loss(
 
     ``−Σ_ij log σ(z_ij · logits_ij) / B`` over the global batch; each rank returns
     ``W / B · Σ`` over its images of their terms against every text (open_clip's per-rank value
-    ``Σ / b_r`` when batches are even). Every tile is computed (no filtering).
+    ``Σ / b_r`` when batches are even). Every tile is computed (no filtering). Arguments as in
+    :func:`fusedloss.siglip_loss` (``logit_scale`` and ``logit_bias`` the same on every rank),
+    but a rank may pass 0 rows.
     """
     return pair_loss("siglip", image_features, text_features, logit_scale, logit_bias,
                      group=group, reduction="mean", filter_eps=None, backend=backend)
@@ -115,8 +126,9 @@ def info_nce_loss(
 ) -> torch.Tensor:
     """InfoNCE with the queries at home and the keys travelling: each query against every key of
     the group. ``labels`` are global key ids in [0, M) (M = Σ m_r, keys in rank order); the
-    default pairs global query i with global key i (needs M ≥ the global query count)."""
-    error = _check_pair(query, keys, "query", "keys", same_rows=False)
+    default pairs global query i with global key i (needs M ≥ the global query count).
+    ``temperature`` as in :func:`fusedloss.info_nce_loss`, the same on every rank."""
+    query, keys, error = _check_pair(query, keys, "query", "keys", same_rows=False)
     if error is None and labels is not None:
         error = _check_labels(labels, query)
     return _ring_loss("info_nce", query, keys, temperature, None, labels, group, reduction,
@@ -138,8 +150,11 @@ def nt_xent_loss(
     Each rank passes ``cat([z1_r, z2_r])``; the global batch is ``cat([z1, z2])`` with
     ``z1 = cat(z1_r over ranks)`` (likewise z2), so row i of a rank's first view pairs with its
     row i of the second view. "none" returns this rank's (2B_r,) rows in its own order.
+    ``temperature`` as in :func:`fusedloss.nt_xent_loss`, the same on every rank.
     """
     error = _check_features(features, "features")
+    if error is None:
+        (features,) = autocast_operands(features.device, features)
     if error is None and features.shape[0] % 2:
         error = ValueError(f"features must stack two views of B_r samples, (2B_r, D); got an "
                            f"odd number of rows, {features.shape[0]}")
@@ -156,14 +171,20 @@ def pair_loss(kind, image_features, text_features, logit_scale, logit_bias, *, g
               reduction, filter_eps, backend, caller_error: Exception | None = None):
     """CLIP or SigLIP on the ring; ``caller_error``: an error the caller (a module) found on
     this rank, raised on every rank at the exchange."""
-    error = caller_error or _check_pair(image_features, text_features, "image_features",
-                                        "text_features")
+    image_features, text_features, error = _check_pair(image_features, text_features,
+                                                       "image_features", "text_features")
+    error = caller_error or error
     return _ring_loss(kind, image_features, text_features, logit_scale, logit_bias, None,
                       group, reduction, filter_eps, backend, error, scale_name="logit_scale")
 
 
 class _Ring(torch.autograd.Function):
+    # Autocast off in both bodies: the features arrive cast by the functional layer, and the
+    # ring's fp32 products, statistics and accumulators must not be rounded to the autocast
+    # dtype (on the CPU a ``backward()`` called inside an autocast region runs the backward
+    # on the same thread, autocast on).
     @staticmethod
+    @without_autocast
     def forward(ctx, a, b, scale, bias, labels, layout, kind, eps, backend, needs):
         b = a if b is None else b  # NT-Xent: the rows are the columns
         loss, saved = ring.forward(layout, kind, a, b, scale, bias, labels, eps, backend,
@@ -173,6 +194,7 @@ class _Ring(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_loss):
         layout, kind, saved, eps, backend, needs = ctx.ring
         a, b, scale, bias, labels = ctx.saved_tensors
@@ -187,7 +209,7 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
     facts, scale, bias, eps, needs = {}, None, None, None, None
     if error is None and _group.capturing(device):
-        error = _capture_error(kind, labels, scale_arg, backend)
+        error = _capture_error(kind, labels, backend)
     if error is None:
         try:
             scale, bias, eps, backend, needs, facts = _options(
@@ -217,16 +239,13 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
     return total if reduction == "sum" else total / total_rows
 
 
-def _capture_error(kind, labels, scale_arg, backend) -> Exception | None:
+def _capture_error(kind, labels, backend) -> Exception | None:
     """Why this call cannot be captured in a CUDA graph (None: it can). A captured call skips
     the exchange of facts (it reuses the last eager call's, ``exchange``); what the eager call
     reads on the host from the inputs' values cannot be read during a capture."""
     if labels is not None:
         return RuntimeError(f"{kind}_loss reads the labels' range on the host, which a CUDA "
                             f"graph capture cannot do: capture it with labels=None")
-    if kind == "nt_xent" and isinstance(scale_arg, torch.Tensor):
-        return RuntimeError("nt_xent_loss checks a tensor temperature on the host, which a CUDA "
-                            "graph capture cannot do: capture it with a float temperature")
     if backend == "torch":
         return RuntimeError("backend='torch' reads on the host, which a CUDA graph capture "
                             "cannot do: capture the Triton kernels (backend 'auto' or 'triton')")
@@ -242,13 +261,10 @@ def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, sc
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     resolved = engine.resolve_backend(backend, a.device)  # raises if the kernels cannot run
     eps = resolve_filter_eps(filter_eps, a.dtype)
+    # Not read on the host: an invalid tensor scale or temperature becomes NaN (``_as_scalar``).
+    scale = _as_scalar(scale_arg, scale_name, a.device, positive=True)
     if scale_name == "temperature":
-        temperature = _as_scalar(scale_arg, scale_name, a.device, positive=True)
-        if isinstance(scale_arg, torch.Tensor) and bool(temperature <= 0):  # one host read
-            raise ValueError(f"temperature must be > 0, got {float(temperature)}")
-        scale = 1.0 / temperature
-    else:
-        scale = _as_scalar(scale_arg, scale_name, a.device)
+        scale = 1.0 / scale
     bias = None if bias_arg is None else _as_scalar(bias_arg, "logit_bias", a.device)
     grad_on = torch.is_grad_enabled()
     need_a, need_b, need_scale, need_bias = (
@@ -309,20 +325,15 @@ def _check_features(t, name: str) -> Exception | None:
     return feature_error(t, name, allow_empty=True)  # a rank may hold no rows
 
 
-def _check_pair(x, y, x_name: str, y_name: str, same_rows: bool = True) -> Exception | None:
-    error = _check_features(x, x_name) or _check_features(y, y_name)
-    if error is not None:
-        return error
-    if y.dtype != x.dtype:
-        return TypeError(f"{y_name} has dtype {y.dtype} but {x_name} has {x.dtype}; they must "
-                         f"match")
-    if y.device != x.device:
-        return ValueError(f"{y_name} is on {y.device} but {x_name} on {x.device}")
-    if y.shape[1] != x.shape[1] or (same_rows and y.shape[0] != x.shape[0]):
+def _check_pair(x, y, x_name: str, y_name: str, same_rows: bool = True):
+    """(x, y, error): ``matched_features`` (cast under autocast; 0 rows allowed), then one row
+    per pair (``same_rows``) or one width."""
+    x, y, error = matched_features(x, y, x_name, y_name, allow_empty=True)
+    if error is None and (y.shape[1] != x.shape[1] or (same_rows and y.shape[0] != x.shape[0])):
         want = "the same shape (b_r, D): one row per pair" if same_rows else "the same width D"
-        return ValueError(f"{x_name} and {y_name} must have {want}; got {tuple(x.shape)} and "
-                          f"{tuple(y.shape)}")
-    return None
+        error = ValueError(f"{x_name} and {y_name} must have {want}; got {tuple(x.shape)} and "
+                           f"{tuple(y.shape)}")
+    return x, y, error
 
 
 def _check_labels(labels, query) -> Exception | None:

@@ -4,10 +4,27 @@ CLIP, InfoNCE, SimCLR's NT-Xent and SigLIP, without the N×M similarity matrix. 
 gradients are written out in ``fusedloss/ops/contrastive.py``, whose custom ops compute them on
 the engine; this layer checks the arguments, calls the op and reduces the per-row losses, in
 traceable PyTorch with no host sync (``torch.compile`` takes it whole).
+
+Rules shared by the four losses, their modules and their distributed forms:
+
+- Autocast: under ``torch.autocast`` (CUDA or CPU) the features, the operands of the
+  similarity product, are cast to the autocast dtype, as a matmul would cast them (features of
+  two floating dtypes are then fine); ``logit_scale``, ``logit_bias`` and ``temperature`` stay
+  fp32 scalars (elementwise factors, as in open_clip) and the loss is fp32, computed from fp32
+  statistics. Outside autocast, features of different dtypes are a TypeError. float64 features
+  are refused either way (autocast does not cast float64).
+- Scale and temperature: a Python number must be finite and > 0 (``logit_bias``: finite), else
+  a ValueError names the argument. A tensor's value is not checked on the host (reading it
+  would wait for the device): a tensor scale or temperature that is ≤ 0, ±inf or NaN gives a
+  NaN loss and NaN gradients.
+- Empty inputs: every feature matrix needs at least one row and a width D ≥ 1, else a
+  ValueError names the argument (over a process group a rank may hold 0 rows, as long as the
+  group holds some).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -15,14 +32,15 @@ import torch
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
 from ..ops import contrastive as ops
+from ..ops._common import autocast_operands
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "triton", "torch"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _run(kind, a, b, scale, bias, target, filter_eps, backend, *, check_target=False,
-         check_temperature=False) -> torch.Tensor:
+def _run(kind, a, b, scale, bias, target, filter_eps, backend, *,
+         check_target=False) -> torch.Tensor:
     """Per-row losses (N,) fp32 for validated inputs (``ops.contrastive``)."""
     backend = engine.resolve_backend(backend, a.device)
     eps = resolve_filter_eps(filter_eps, a.dtype)  # validates on every backend
@@ -30,7 +48,7 @@ def _run(kind, a, b, scale, bias, target, filter_eps, backend, *, check_target=F
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, scale, bias))
     loss, *_ = ops.contrastive(a, b, scale, bias, target, kind, eps, backend, wants_grad,
-                               check_target, check_temperature)
+                               check_target)
     return loss
 
 
@@ -64,12 +82,20 @@ def clip_loss(
     together). A scalar ``logit_bias`` shifts every logit equally, which no softmax sees: the
     loss ignores it and its gradient is exactly zero (as in open_clip, up to rounding).
 
+    Under ``torch.autocast`` (CUDA or CPU) both feature matrices are cast to the autocast dtype,
+    as the matmul of open_clip's formula would cast them; ``logit_scale`` stays an fp32 scalar
+    and the loss is fp32 (open_clip's ``ClipLoss`` under autocast, without the rounding of its
+    logits to the autocast dtype).
+
     Args:
         image_features: (b, D) fp32/bf16/fp16, used as given (normalize them beforehand, as
-            open_clip's models do).
-        text_features: (b, D), same dtype and device; pair i is (image i, text i).
-        logit_scale: a float or a one-element tensor (gets its gradient).
-        logit_bias: None, a float or a one-element tensor.
+            open_clip's models do); b ≥ 1 and D ≥ 1, else ValueError.
+        text_features: (b, D), same device; same dtype outside autocast (else TypeError).
+            Pair i is (image i, text i).
+        logit_scale: a float, finite and > 0 (else ValueError), or a one-element tensor (gets
+            its gradient; not read on the host: a value ≤ 0, ±inf or NaN gives a NaN loss and
+            NaN gradients).
+        logit_bias: None, a finite float, or a one-element tensor.
         reduction: "mean" (open_clip), "sum", or "none": the (b,) vector
             ``((lse_row_i − X_ii) + (lse_col_i − X_ii)) / 2`` whose mean is the loss.
         filter_eps: safe gradient filtering: the backward may skip similarity tiles as long as
@@ -88,11 +114,12 @@ def clip_loss(
         tensor(...)
     """
     _check_reduction(reduction)
-    _check_pair(image_features, text_features, "image_features", "text_features")
-    scale = _as_scalar(logit_scale, "logit_scale", image_features.device)
-    bias = None if logit_bias is None else _as_scalar(logit_bias, "logit_bias",
-                                                      image_features.device)
-    target = torch.arange(image_features.shape[0], device=image_features.device)
+    image_features, text_features = _check_pair(image_features, text_features,
+                                                "image_features", "text_features")
+    device = image_features.device
+    scale = _as_scalar(logit_scale, "logit_scale", device, positive=True)
+    bias = None if logit_bias is None else _as_scalar(logit_bias, "logit_bias", device)
+    target = torch.arange(image_features.shape[0], device=device)
     per_pair = _run("clip", image_features, text_features, scale, None, target,
                     filter_eps, backend)
     loss = _reduce(per_pair, reduction)
@@ -113,14 +140,21 @@ def info_nce_loss(
 ) -> torch.Tensor:
     """One-directional InfoNCE (MoCo style) without the N×M logits.
 
-    Equals ``F.cross_entropy(query @ keys.T / temperature, labels, reduction=reduction)``.
+    Equals ``F.cross_entropy(query @ keys.T / temperature, labels, reduction=reduction)``;
+    under ``torch.autocast`` (CUDA or CPU) as that expression runs there, with its matmul's
+    operands cast to the autocast dtype: ``query`` and ``keys`` are cast, ``temperature``
+    stays an fp32 scalar and the loss is fp32 (the logits are not rounded to the autocast
+    dtype).
 
     Args:
-        query: (N, D) fp32/bf16/fp16.
-        keys: (M, D), same dtype and device; M may exceed N (a queue of negatives).
+        query: (N, D) fp32/bf16/fp16, N ≥ 1 and D ≥ 1 (else ValueError).
+        keys: (M, D), same device; same dtype outside autocast (else TypeError). M ≥ 1 may
+            exceed N (a queue of negatives).
         labels: (N,) integers in [0, M): the positive key of each query. Default
             ``arange(N)`` (needs M ≥ N).
-        temperature: τ > 0, a float or a one-element tensor (gets its gradient).
+        temperature: τ, a float, finite and > 0 (else ValueError), or a one-element tensor
+            (gets its gradient; not read on the host: τ ≤ 0, ±inf or NaN gives a NaN loss and
+            NaN gradients).
         reduction: "mean", "sum" or "none" ((N,) per-query losses).
         filter_eps, backend: as in :func:`clip_loss` (filtering bounds each row's lost mass).
 
@@ -134,9 +168,9 @@ def info_nce_loss(
         tensor(...)
     """
     _check_reduction(reduction)
-    _check_features(query, "query")
-    _check_features(keys, "keys")
-    _check_same(query, keys, "query", "keys")
+    query, keys, error = matched_features(query, keys, "query", "keys")
+    if error is not None:
+        raise error
     if keys.shape[1] != query.shape[1]:
         raise ValueError(f"keys must be (M, D) with D = query.shape[1] = {query.shape[1]}, "
                          f"got shape {tuple(keys.shape)}")
@@ -150,8 +184,7 @@ def info_nce_loss(
         target = _check_labels(labels, n, query.device)
     scale = 1.0 / _as_scalar(temperature, "temperature", query.device, positive=True)
     per_row = _run("info_nce", query, keys, scale, None, target, filter_eps, backend,
-                   check_target=labels is not None,
-                   check_temperature=isinstance(temperature, torch.Tensor))
+                   check_target=labels is not None)
     return _reduce(per_row, reduction)
 
 
@@ -173,10 +206,16 @@ def nt_xent_loss(
     The gradient is ``(G + Gᵀ) · Z / τ`` with G the per-logit gradient (the two views share
     the features, so both sides of the product contribute).
 
+    Under ``torch.autocast`` (CUDA or CPU) ``features`` is cast to the autocast dtype, as the
+    matmul would cast it; ``temperature`` stays an fp32 scalar and the loss is fp32.
+
     Args:
         features: (2B, D) fp32/bf16/fp16, the two views stacked (``torch.cat([z1, z2])``);
-            normalize them first for SimCLR's cosine similarity. An odd row count is an error.
-        temperature: τ > 0, a float or a one-element tensor (gets its gradient).
+            normalize them first for SimCLR's cosine similarity. B ≥ 1 and D ≥ 1; 0 or an odd
+            number of rows, or D = 0, is a ValueError.
+        temperature: τ, a float, finite and > 0 (else ValueError), or a one-element tensor
+            (gets its gradient; not read on the host: τ ≤ 0, ±inf or NaN gives a NaN loss and
+            NaN gradients).
         reduction: "mean" over all 2B rows (SimCLR), "sum" or "none" ((2B,) per-row losses).
         filter_eps, backend: as in :func:`clip_loss`.
 
@@ -188,6 +227,7 @@ def nt_xent_loss(
     """
     _check_reduction(reduction)
     _check_features(features, "features")
+    (features,) = autocast_operands(features.device, features)
     rows = features.shape[0]
     if rows % 2:
         raise ValueError(f"features must stack two views of B samples, (2B, D); got an odd "
@@ -195,8 +235,7 @@ def nt_xent_loss(
     half = rows // 2
     target = (torch.arange(rows, device=features.device) + half) % rows
     scale = 1.0 / _as_scalar(temperature, "temperature", features.device, positive=True)
-    per_row = _run("nt_xent", features, features, scale, None, target, filter_eps, backend,
-                   check_temperature=isinstance(temperature, torch.Tensor))
+    per_row = _run("nt_xent", features, features, scale, None, target, filter_eps, backend)
     return _reduce(per_row, reduction)
 
 
@@ -215,17 +254,25 @@ def siglip_loss(
 
         loss = −Σ_ij log σ(z_ij · logits_ij) / b
 
+    Under ``torch.autocast`` (CUDA or CPU) both feature matrices are cast to the autocast dtype;
+    ``logit_scale`` and ``logit_bias`` stay fp32 scalars and the loss is fp32.
+
     Args:
-        image_features, text_features: (b, D), same dtype and device, used as given.
-        logit_scale, logit_bias: floats or one-element tensors (tensors get their gradients).
+        image_features, text_features: (b, D) fp32/bf16/fp16, same device, used as given; the
+            same dtype outside autocast (else TypeError); b ≥ 1 and D ≥ 1 (else ValueError).
+        logit_scale: a float, finite and > 0 (else ValueError), or a one-element tensor (gets
+            its gradient; not read on the host: a value ≤ 0, ±inf or NaN gives a NaN loss and
+            NaN gradients).
+        logit_bias: a finite float or a one-element tensor (gets its gradient).
         backend: as in :func:`clip_loss`. Every tile is computed (no filtering).
 
     Returns:
         The fp32 scalar loss.
     """
-    _check_pair(image_features, text_features, "image_features", "text_features")
+    image_features, text_features = _check_pair(image_features, text_features,
+                                                "image_features", "text_features")
     device = image_features.device
-    scale = _as_scalar(logit_scale, "logit_scale", device)
+    scale = _as_scalar(logit_scale, "logit_scale", device, positive=True)
     bias = _as_scalar(logit_bias, "logit_bias", device)
     target = torch.arange(image_features.shape[0], device=device)
     per_row = _run("siglip", image_features, text_features, scale, bias, target, None, backend)
@@ -262,26 +309,52 @@ def feature_error(t, name: str, *, allow_empty: bool = False) -> Exception | Non
     return None
 
 
-def _check_same(x, y, x_name: str, y_name: str) -> None:
-    if y.dtype != x.dtype:
-        raise TypeError(f"{y_name} has dtype {y.dtype} but {x_name} has {x.dtype}; they must match")
+def matched_features(x, y, x_name: str, y_name: str, *, allow_empty: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, Exception | None]:
+    """Two feature matrices checked (``feature_error``) and on one device, cast to the autocast
+    dtype while ``torch.autocast`` is on there (as a matmul would cast its operands), then of
+    one dtype: ``(x, y, None)``, or the inputs and what is wrong with them. float64 is refused
+    before any cast (autocast leaves float64 alone, and the losses do not take it)."""
+    error = feature_error(x, x_name, allow_empty=allow_empty) or feature_error(
+        y, y_name, allow_empty=allow_empty)
+    if error is not None:
+        return x, y, error
     if y.device != x.device:
-        raise ValueError(f"{y_name} is on {y.device} but {x_name} on {x.device}")
+        return x, y, ValueError(f"{y_name} is on {y.device} but {x_name} on {x.device}")
+    x, y = autocast_operands(x.device, x, y)
+    if y.dtype != x.dtype:
+        return x, y, TypeError(f"{y_name} has dtype {y.dtype} but {x_name} has {x.dtype}; they "
+                               f"must match (under torch.autocast both are cast to the autocast "
+                               f"dtype)")
+    return x, y, None
 
 
-def _check_pair(x, y, x_name: str, y_name: str) -> None:
-    _check_features(x, x_name)
-    _check_features(y, y_name)
-    _check_same(x, y, x_name, y_name)
+def _check_pair(x, y, x_name: str, y_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image and text features: ``matched_features``, and one row per pair."""
+    x, y, error = matched_features(x, y, x_name, y_name)
+    if error is not None:
+        raise error
     if y.shape != x.shape:
         raise ValueError(f"{x_name} and {y_name} must have the same shape (b, D): one row per "
                          f"pair; got {tuple(x.shape)} and {tuple(y.shape)}")
+    return x, y
 
 
-def _as_scalar(value, name: str, device: torch.device, positive: bool = False) -> torch.Tensor:
+def check_positive(value: float, name: str) -> None:
+    """A Python number for a logit scale or a temperature: finite and > 0, else ValueError."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be > 0 and finite, got {value}")
+
+
+def _as_scalar(value, name: str, device: torch.device, *, positive: bool = False
+               ) -> torch.Tensor:
     """A float or one-element tensor → a 0-dim fp32 tensor on ``device`` (keeping autograd).
 
-    ``positive``: a float must be > 0 (a tensor's value is checked by the op, which reads it).
+    A Python number must be finite; with ``positive`` (a logit scale, a temperature) also > 0.
+    A tensor's value is not read (that would wait for the device); with ``positive`` one that
+    is ≤ 0, ±inf or NaN becomes NaN, gradient included, so that the loss and every gradient
+    are NaN rather than silently wrong (a negative scale flips the softmax; 1/τ for τ = ±inf is
+    0, a uniform softmax).
     """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -291,10 +364,16 @@ def _as_scalar(value, name: str, device: torch.device, positive: bool = False) -
             raise TypeError(f"{name} must be floating point, got {value.dtype}")
         if value.device != device:
             raise ValueError(f"{name} is on {value.device} but the features on {device}")
-        return value.reshape(()).float()
+        scalar = value.reshape(()).float()
+        if positive:  # × 1 where valid (exact, gradient 1), × NaN elsewhere (NaN, gradient too)
+            valid = (scalar > 0) & (scalar < math.inf)
+            scalar = scalar * torch.where(valid, 1.0, math.nan)
+        return scalar
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if positive and float(value) <= 0:  # NaN passes and gives a NaN loss
-            raise ValueError(f"{name} must be > 0, got {float(value)}")
+        if positive:
+            check_positive(float(value), name)
+        elif not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {float(value)}")
         # A fill kernel: torch.tensor(…, device=…) would copy from pageable host memory, which
         # waits for every kernel queued before it.
         return torch.full((), float(value), dtype=torch.float32, device=device)
