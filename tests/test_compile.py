@@ -589,10 +589,6 @@ VALUE_ERRORS = {
         lambda dev: (torch.randn(N, D, device=dev), torch.randn(M, D, device=dev),
                      torch.full((N,), M, dtype=torch.long, device=dev)),
         "labels"),
-    "nt-xent-negative-temperature": (
-        lambda z, t: fusedloss.nt_xent_loss(z, t),
-        lambda dev: (torch.randn(2 * N, D, device=dev), torch.full((), -0.5, device=dev)),
-        "temperature"),
 }
 
 

@@ -794,7 +794,7 @@ def test_a_call_during_a_cuda_graph_capture_reuses_the_eager_exchange(workers):
         assert "no eager call on this rank" in errors["new shapes"]
         assert "no eager call on this rank" in errors["new options"]
         assert "labels=None" in errors["labels"]
-        assert "float temperature" in errors["tensor temperature"]
+        assert errors["tensor temperature"] is None  # not read on the host: capturable
         assert "backend='torch'" in errors["torch backend"]
         assert "call it outside the capture" in errors["lm head"]
 
