@@ -162,7 +162,7 @@ def test_options_must_be_pytorchs():
 
 
 def test_float64_runs_in_float64_and_refuses_the_kernels():
-    h, w, y = _small(torch.float64)
+    h, w, y = (t.to(DEVICE) for t in _small(torch.float64))
     loss = fusedloss.linear_cross_entropy(h, w, y)
     assert loss.dtype == torch.float64
     exact = torch.nn.functional.cross_entropy(h @ w.T, y)

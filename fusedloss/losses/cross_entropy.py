@@ -364,13 +364,11 @@ def dense_vectors(*vectors):
 def _resolve_backend(backend: str, input: torch.Tensor) -> str:
     """``engine.resolve_backend``, and float64 inputs on the torch backend (exact in float64;
     the kernels take fp32, bf16 and fp16)."""
-    resolved = engine.resolve_backend(backend, input.device)
-    if input.dtype != torch.float64:
-        return resolved
-    if backend == "triton":
+    if input.dtype == torch.float64 and backend == "triton":
         raise ValueError("backend='triton' takes float32, bfloat16 or float16 input; float64 "
                          "input runs on backend='torch' (what backend='auto' picks for it)")
-    return "torch"
+    resolved = engine.resolve_backend(backend, input.device)
+    return "torch" if input.dtype == torch.float64 else resolved
 
 
 def _holds_probabilities(input, linear_weight, target) -> bool:
