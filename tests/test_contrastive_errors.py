@@ -10,7 +10,10 @@ import re
 
 import pytest
 import torch
-from helpers import can_run_triton, run_on_cpu_without_interpreter
+from helpers import (
+    run_on_cpu_without_interpreter,
+    triton_interpreter_enabled,
+)
 from workers import Raised, all_ok
 
 import fusedloss
@@ -308,13 +311,17 @@ def first_features(loss: str) -> str:
 
 
 def backend_params():
-    """Both backends; "triton" on CPU tensors needs the interpreter, else it is skipped."""
+    """Both backends; "triton" on these CPU tensors needs the interpreter, else it is skipped."""
     return [
         pytest.param("torch", id="torch"),
-        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-            not can_run_triton(), reason="needs a CUDA device or TRITON_INTERPRET=1")),
+        pytest.param("triton", id="triton", marks=requires_interpreter),
     ]
 
+
+# CPU tensors on the Triton backend: the kernels run there through the interpreter only (on a
+# GPU machine, tests/test_host_sync.py holds the CUDA calls to no host reads).
+requires_interpreter = pytest.mark.skipif(not triton_interpreter_enabled(),
+                                          reason="CPU tensors: needs TRITON_INTERPRET=1")
 
 TENSOR_VALUES = [0.0, -0.5, math.inf, -math.inf, math.nan]
 TENSOR_IDS = ["0", "negative", "inf", "-inf", "nan"]
@@ -374,7 +381,7 @@ def test_tensor_scale_in_range_equals_the_number(loss, name, value):
     torch.testing.assert_close(scalar.grad.double(), leaf.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or TRITON_INTERPRET=1")
+@requires_interpreter
 @pytest.mark.parametrize("loss, name", SCALES)
 def test_tensor_scale_is_not_read_on_the_host(loss, name, monkeypatch):
     """Reading a tensor's value on the host waits for the device (a sync, which

@@ -188,9 +188,9 @@ def test_module_takes_pytorchs_defaults():
 def test_strided_bias_and_class_weights(backend):
     """Views with a stride (one head's bias of a K-dimensional weight) give the result of
     their contiguous copies: the kernels read these vectors at unit stride."""
-    h, w, y = _small()
-    bias = torch.randn(5, 3)[:, 1]
-    class_weight = (torch.rand(5, 2) + 0.5)[:, 0]
+    h, w, y = (t.to(DEVICE) for t in _small())
+    bias = torch.randn(5, 3, device=DEVICE)[:, 1]
+    class_weight = (torch.rand(5, 2, device=DEVICE) + 0.5)[:, 0]
     got = fusedloss.linear_cross_entropy(h, w, y, linear_bias=bias, weight=class_weight,
                                          label_smoothing=0.1, backend=backend)
     want = F.cross_entropy(h @ w.T + bias, y, weight=class_weight, label_smoothing=0.1)
