@@ -195,3 +195,39 @@ def test_strided_bias_and_class_weights(backend):
                                          label_smoothing=0.1, backend=backend)
     want = F.cross_entropy(h @ w.T + bias, y, weight=class_weight, label_smoothing=0.1)
     torch.testing.assert_close(got, want)
+
+
+PROBABILITIES = torch.softmax(torch.randn(4, 5, generator=torch.Generator().manual_seed(1)), -1)
+COMPILED_FORMS = {
+    "probabilities": lambda h, w, b: (h, w, PROBABILITIES.to(h.device),
+                                      dict(linear_bias=b, label_smoothing=0.1)),
+    "k-dimensional": lambda h, w, b: (h, w.reshape(5, 1, 3).expand(5, 2, 3) * torch.tensor(
+        [1.0, -0.5], device=h.device)[None, :, None], torch.tensor([[0, 1], [4, 4], [2, -100],
+                                                                     [1, 3]], device=h.device),
+        dict(reduction="sum")),
+    "float64": lambda h, w, b: (h.double(), w.double(), torch.tensor([0, 4, 2, 1],
+                                device=h.device), dict(linear_bias=b.double())),
+    "options": lambda h, w, b: (h, w, torch.tensor([0, 4, 2, 1], device=h.device),
+                                dict(options=OPTIONS() if OPTIONS is not None else None,
+                                     ignore_index=None)),
+}
+
+
+@pytest.mark.parametrize("form", list(COMPILED_FORMS))
+def test_pytorch_forms_compile_fullgraph(form):
+    """Each of PyTorch's forms of the call traces into one graph and gives the eager result."""
+    h, w, _ = (t.to(DEVICE) for t in _small())
+    bias = torch.randn(5, device=DEVICE)
+    compiled = torch.compile(fusedloss.linear_cross_entropy, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (fusedloss.linear_cross_entropy, compiled):
+        leaves = [t.clone().requires_grad_() for t in (h, w, bias)]
+        hh, ww, target, kwargs = COMPILED_FORMS[form](*leaves)
+        loss = fn(hh, ww, target, **kwargs)
+        results.append((loss, torch.autograd.grad(loss.sum(), leaves, allow_unused=True)))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want)
+    for g_got, g_want in zip(got_grads, want_grads, strict=True):
+        assert (g_got is None) == (g_want is None)
+        if g_want is not None:
+            torch.testing.assert_close(g_got, g_want)
