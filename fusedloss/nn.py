@@ -18,7 +18,6 @@ from .losses.contrastive import (
     siglip_loss,
 )
 from .losses.cross_entropy import check_linear_options, check_options, linear_cross_entropy
-from .switchback import SwitchBackLinear  # noqa: F401  (re-exported as fusedloss.nn.SwitchBackLinear)
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -334,3 +333,13 @@ class NTXentLoss(_TemperatureLoss):
             features = torch.cat([features, second_view], dim=0)
         return nt_xent_loss(features, self.temperature, reduction=self.reduction,
                             filter_eps=self.filter_eps, backend=self.backend)
+
+
+def __getattr__(name: str):
+    # SwitchBackLinear, a companion with its own int8 kernels, is importable from here as from
+    # fusedloss.switchback, but loaded only when asked for: `import fusedloss` does not load it.
+    if name == "SwitchBackLinear":
+        from .switchback import SwitchBackLinear
+
+        return SwitchBackLinear
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,8 @@ for bit).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -1027,3 +1029,15 @@ def test_compiles_fullgraph_like_eager(options, backend):
     assert torch.equal(cy, y)
     for g, cg in zip(grads, cgrads, strict=True):
         assert torch.equal(cg, g)
+
+
+def test_import_fusedloss_leaves_the_companions_unloaded():
+    """The losses do not pay for the companions' kernels at import; fusedloss.nn still hands
+    out SwitchBackLinear on demand."""
+    code = ("import sys, fusedloss, fusedloss.nn\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('fusedloss.switchback', "
+            "'fusedloss.optim', 'fusedloss._optim_kernels', 'fusedloss.amp')))\n"
+            "assert not loaded, loaded\n"
+            "from fusedloss.nn import SwitchBackLinear\n"
+            "assert 'fusedloss.switchback' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
