@@ -3,7 +3,7 @@
 #   make test     ruff, then pytest (on a CPU machine Triton kernels run on its interpreter)
 #   make pytest   pytest only
 #   make lint     ruff check
-#   make demo     python -m fusedloss demo
+#   make demo     python examples/demo.py (with the demo extra: matplotlib, transformers)
 #   make bench    python benchmarks/run.py
 #   make clean    remove the virtual environment, caches and build outputs
 #
@@ -48,7 +48,7 @@ installed =
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 endif
 
-LINT_PATHS := fusedloss tests benchmarks
+LINT_PATHS := fusedloss tests benchmarks examples
 
 .PHONY: test pytest lint demo bench clean
 
@@ -61,7 +61,7 @@ lint: $(call installed,test)
 	$(PY) -m ruff check $(LINT_PATHS)
 
 demo: $(call installed,demo)
-	TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m fusedloss demo
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) examples/demo.py
 
 bench: $(call installed,bench)
 	$(PY) benchmarks/run.py
