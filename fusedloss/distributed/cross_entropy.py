@@ -20,13 +20,16 @@ in the backward, each O(N); no rank ever holds more than its shard's statistics.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..core import engine
-from ..core.engine import GradCoefficients, Logits, Rows, RowStats
+from ..core.engine import Logits, Rows, RowStats
 from ..core.filtering import resolve_lm_head_filter_eps
+from ..families import cross_entropy as family
 from ..losses import cross_entropy as single
 from ..ops._common import (
     autocast_operands,
@@ -34,7 +37,6 @@ from ..ops._common import (
     scratch_bytes,
     without_autocast,
 )
-from ..ops.cross_entropy import _gradient_mass
 from . import _group
 from ._group import device_code, dtype_code, exchange, float_code
 
@@ -225,11 +227,8 @@ class _VocabParallel(torch.autograd.Function):
         log_sum = torch.log(row_sum)
         lse = row_max + log_sum
         target_weight = torch.where(positions, target_weight, 0.0)
-        loss = (1 - alpha) * target_weight * ((row_max - target_logit) + log_sum)
-        if alpha > 0:
-            loss = loss + (alpha / v) * (total_w * lse - weighted_sum)
-        if z_loss:
-            loss = loss + z_loss * lse * lse
+        loss = family.token_loss((row_max - target_logit) + log_sum, lse, target_weight,
+                                 weighted_sum, total_w, v, alpha, z_loss)
         loss = torch.where(positions, loss, 0.0)
         lse = torch.where(positions, lse, 0.0)
 
@@ -256,17 +255,17 @@ class _VocabParallel(torch.autograd.Function):
         g_lse = 0.0 if grad_lse is None else torch.where(positions,
                                                          grad_lse[rows.index].float(), 0.0)
         lse = row_max + log_sum
-        coef_lse = g * ((1 - alpha) * target_weight + alpha * total_w / v + 2 * z_loss * lse) \
-            + g_lse
-        target_coef = g * (1 - alpha) * target_weight
+        row_coef = family.grad_coefficients(g, g_lse, lse, target_weight, total_w, v, alpha,
+                                            z_loss)
         stats = RowStats(lse=lse, max=row_max, log_sum=log_sum, sum=row_sum,
                          target_logit=target_logit, weighted_sum=None, tile_log_mass=tiles,
                          block_m=block[0], block_n=block[1])
         # The filter's per-row scale is a property of the whole row (the owner's target term
         # included), the same on every rank.
-        mass = _gradient_mass(stats, GradCoefficients(lse=coef_lse, target=target_coef))
-        coef = GradCoefficients(lse=coef_lse, target=torch.where(owned_c, target_coef, 0.0),
-                                uniform=g * (alpha / v) if alpha > 0 else None)
+        mass = family.gradient_mass(stats, row_coef)
+        # The target term on the shard that owns the target only.
+        coef = dataclasses.replace(row_coef,
+                                   target=torch.where(owned_c, row_coef.target, 0.0))
         grads = engine.grads(
             a, b, Logits(bias=bias, softcap=softcap, col_order=order), rows, stats, coef,
             col_weight=class_weight, filter_eps=eps, filter_scale=(mass, None),

@@ -1,20 +1,9 @@
 """Linear cross-entropy (the "cut cross-entropy" LM head) as two custom ops over the engine.
 
-With A = input rows, B = linear_weight, X = softcap(A Bᵀ + bias), lse_i = log Σ_j exp(X_ij),
-y = target, w = class weights (1 without ``weight``), W = Σ_j w_j, α = label_smoothing,
-λ = z_loss, the per-token loss of a non-ignored token is
-
-    loss_i = (1−α)·w_{y_i}·(lse_i − X_{i,y_i}) + (α/V)·(W·lse_i − Σ_j w_j X_ij) + λ·lse_i²
-
-(exactly ``F.cross_entropy(logits, y, weight, label_smoothing=α, reduction="none")`` plus the
-z-loss). Its gradient with respect to the logits is r_i·P_ij − t_i·[j=y_i] − u_i·w_j with
-
-    r_i = g_i·((1−α)·w_{y_i} + α·W/V + 2λ·lse_i) + g^lse_i
-    t_i = g_i·(1−α)·w_{y_i}
-    u_i = g_i·α/V
-
-which is what the core's backward takes. Ignored tokens are dropped from the compact row order,
-so they cost no work, and give a loss of exactly 0.
+The loss and its gradient coefficients are ``fusedloss/families/cross_entropy.py``'s (which
+the vocabulary-parallel head calls too); these ops feed them the engine's statistics. Ignored
+tokens are dropped from the compact row order, so they cost no work, and give a loss of
+exactly 0.
 
 ``fusedloss::linear_cross_entropy`` returns the per-token losses and LSEs with the statistics
 the backward reads (the compact row order, the row LSE parts, the target logits, the per-tile
@@ -25,7 +14,8 @@ import torch
 from torch import Tensor
 
 from ..core import chunked_logits, engine
-from ..core.engine import GradCoefficients, Logits, Rows, RowStats
+from ..core.engine import Logits, Rows, RowStats
+from ..families import cross_entropy as family
 from ._common import (
     CUDAGRAPH_UNSAFE,
     backward_row_chunk,
@@ -92,19 +82,15 @@ def forward(
     rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
                 identity=all_valid)
 
-    alpha = label_smoothing
     stats = engine.row_stats(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows,
-        col_weight=class_weight, weighted_sum=alpha > 0,
+        col_weight=class_weight, weighted_sum=label_smoothing > 0,
         record_tiles=record_tiles and filter_eps is not None, backend=backend,
     )
     lse = stats.lse
-    loss = (1 - alpha) * target_weight * stats.lse_minus(stats.target_logit)
-    if alpha > 0:
-        total_w = class_weight.sum() if class_weight is not None else v
-        loss = loss + (alpha / v) * (total_w * lse - stats.weighted_sum)
-    if z_loss:
-        loss = loss + z_loss * lse * lse
+    total_w = class_weight.sum() if class_weight is not None else v
+    loss = family.token_loss(stats.lse_minus(stats.target_logit), lse, target_weight,
+                             stats.weighted_sum, total_w, v, label_smoothing, z_loss)
     loss = torch.where(_valid_positions(rows, n), loss, 0.0)
 
     packed_rows, _ = stats.packed()
@@ -178,18 +164,13 @@ def backward(
     g_lse = 0.0
     if grad_lse is not None:
         g_lse = torch.where(valid, grad_lse[row_index].to(acc), 0.0)
-    alpha, lse = label_smoothing, stats.lse
     total_w = class_weight.sum() if class_weight is not None else v
-    coef_lse = g * ((1 - alpha) * row_weight + alpha * total_w / v + 2 * z_loss * lse) + g_lse
-    coef = GradCoefficients(
-        lse=coef_lse,
-        target=g * (1 - alpha) * row_weight,
-        uniform=g * (alpha / v) if alpha > 0 else None,
-    )
+    coef = family.grad_coefficients(g, g_lse, stats.lse, row_weight, total_w, v,
+                                    label_smoothing, z_loss)
     grads = engine.grads(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows, stats, coef,
         col_weight=class_weight, filter_eps=filter_eps,
-        filter_scale=(_gradient_mass(stats, coef), None),
+        filter_scale=(family.gradient_mass(stats, coef), None),
         need_a=need_input, need_b=need_weight, need_bias=bias is not None and need_bias,
         scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), backend=backend,
     )
@@ -267,17 +248,6 @@ def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v:
     # Clamped: an out-of-range target must not index out of bounds before it is reported.
     picked = class_weight[compact_target.clamp(0, v - 1)]
     return compact_target, torch.where(compact_target >= 0, picked, 0.0)
-
-
-def _gradient_mass(stats: RowStats, coef: GradCoefficients) -> Tensor:
-    """Each row's gradient mass relative to its softmax mass (the filter's per-row scale).
-
-    The tile part of a row's gradient, r·P − t·e_y, has L1 mass r·((1 − P_y) + |P_y − t/r|).
-    """
-    p_target = torch.exp(-stats.lse_minus(stats.target_logit))
-    ratio = torch.where(coef.lse != 0, coef.target / torch.where(coef.lse != 0, coef.lse, 1.0),
-                        1.0)
-    return torch.clamp((1 - p_target) + (p_target - ratio).abs(), max=1.0)
 
 
 def _valid_positions(rows: Rows, n: int) -> Tensor:
