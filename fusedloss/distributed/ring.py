@@ -44,8 +44,9 @@ import torch
 from torch import Tensor
 
 from ..core import engine
-from ..core.engine import GradCoefficients, Logits, Rows, RowStats
+from ..core.engine import GradCoefficients, Rows, RowStats
 from ..core.filtering import gradient_mass
+from ..families import contrastive as family
 from ..ops._common import scratch_bytes
 from ._group import Layout, Shift
 
@@ -107,7 +108,8 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
         tiles, part_cols = None, None
         if n and m_s:
             stats = engine.row_stats(
-                a, held, _logits(kind, held, scale, bias, s == layout.rank), rows_of(s, m_s),
+                a, held, family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
+                rows_of(s, m_s),
                 col_stats=clip, sigmoid=siglip, record_tiles=filtering, backend=backend)
             if siglip:
                 sig_sum += stats.sigmoid_sum
@@ -145,17 +147,15 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
                   last_block=held)
     if siglip:
         return sig_sum, saved
-    row_margin = (run_max - target_logit) + torch.log(run_sum)
-    loss = row_margin
+    row_margin, col_margin = (run_max - target_logit) + torch.log(run_sum), None
     if clip:
         saved.col_max, saved.col_sum = cols[0], cols[1]
         col_margin = (cols[0] - target_logit) + torch.log(cols[1])
-        loss = 0.5 * (row_margin + col_margin)
         if filtering:
             saved.col_mass = gradient_mass(col_margin)
     if filtering:
         saved.row_mass = gradient_mass(row_margin)
-    return loss, saved
+    return family.row_loss(kind, row_margin, col_margin), saved
 
 
 def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
@@ -238,7 +238,8 @@ def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
             coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
                                  layout.col_offset(s), m_s)
             grads = engine.grads(
-                a, held, _logits(kind, held, scale, bias, home), rows, stats, coef,
+                a, held, family.logits(kind, held, scale, bias, own_columns=home), rows,
+                stats, coef,
                 filter_eps=filter_eps, need_a=need_a, need_b=need_b,
                 need_bias=bias is not None and need_bias, need_scale=need_scale,
                 sigmoid=siglip, filter_scale=(saved.row_mass, col_mass),
@@ -366,24 +367,17 @@ class _RowsOf:
                     all_valid=True)
 
 
-def _logits(kind: str, held: Tensor, scale: Tensor, bias: Tensor | None, home: bool) -> Logits:
-    column_bias = bias.expand(held.shape[0]).contiguous() if bias is not None else None
-    # NT-Xent leaves out each row's similarity with itself: in the home block only.
-    return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent" and home)
-
-
 def _coefficients(kind: str, g: Tensor, half_g: Tensor | None, rows: Rows,
                   held_cols: Tensor | None, labels: Tensor | None, offset: int,
                   m_s: int) -> GradCoefficients:
-    """dX = r·P + c·Q − t·onehot(target) for this block (the table in ops/contrastive.py)."""
-    if kind == "siglip":
-        return GradCoefficients(lse=g)
-    if kind == "clip":
-        return GradCoefficients(lse=half_g, col=held_cols[2],
-                                target=g if rows.target is not None else None)
+    """The table's coefficients (``families/contrastive.py``) for the held block: the target
+    term where a row's target lies in it; CLIP's column term from the block's own ½g."""
     if kind == "info_nce":
-        return GradCoefficients(lse=g, target=torch.where(_in_block(labels, offset, m_s), g, 0.0))
-    return GradCoefficients(lse=g, target=g if rows.target is not None else None)
+        target_g = torch.where(_in_block(labels, offset, m_s), g, 0.0)
+    else:
+        target_g = g if rows.target is not None else None
+    return family.grad_coefficients(kind, g, target_g, half_g=half_g,
+                                    col_half_g=held_cols[2] if kind == "clip" else None)
 
 
 def _in_block(labels: Tensor, offset: int, m: int) -> Tensor:

@@ -2,18 +2,9 @@
 
 Every loss here is a cheap function of row statistics (and for CLIP column statistics) of
 X = s · A Bᵀ (+ bias), which the core computes tile by tile: no N×M similarity matrix exists
-in the forward or the backward. With P = row softmax, Q = column softmax of X:
-
-    kind       A, B             per-row loss                   dX (per unit upstream g)
-    clip       I, T             ½(l_i − X_ii) + ½(k_i − X_ii)  ½g_i P_ij + ½g_j Q_ij − g_i[i=j]
-    info_nce   Q, K             l_i − X_{i,y_i}                g_i (P_ij − [j=y_i])
-    nt_xent    Z, Z (X_ii out)  l_i − X_{i,i±B}                g_i (P_ij − [j=i±B])
-    siglip     I, T (+ bias)    Σ_j softplus(−z_ij X_ij)       −g_i z_ij σ(−z_ij X_ij)
-
-(l_i row LSE, k_j column LSE, z = +1 at the target and −1 elsewhere; for NT-Xent the same
-tensor is passed as A and B, and autograd adds dA and dB). The core turns dX into
-dA = s·dX·B, dB = s·dXᵀ·A and ds = Σ dX ⊙ A Bᵀ without storing dX beyond a bounded scratch.
-Both CLIP directions come from one pass: each tile feeds the row and the column statistics.
+in the forward or the backward. The losses' table (per-row loss, gradient coefficients, the
+logits) is ``fusedloss/families/contrastive.py``'s, which the ring calls too. Both CLIP
+directions come from one pass: each tile feeds the row and the column statistics.
 """
 
 import os
@@ -22,8 +13,9 @@ import torch
 from torch import Tensor
 
 from ..core import engine
-from ..core.engine import GradCoefficients, Logits, Rows, RowStats
+from ..core.engine import Rows, RowStats
 from ..core.filtering import gradient_mass
+from ..families import contrastive as family
 from ._common import (
     CUDAGRAPH_UNSAFE,
     eager_function,
@@ -34,7 +26,7 @@ from ._common import (
     without_autocast,
 )
 
-KINDS = ("clip", "info_nce", "nt_xent", "siglip")
+KINDS = family.KINDS
 
 
 def contrastive(*args) -> tuple[Tensor, ...]:
@@ -74,7 +66,7 @@ def forward(
     b = a if kind == "nt_xent" else row_major(b)
     filtering = _filtering(kind, filter_eps, record_tiles)
     stats = engine.row_stats(
-        a, b, _logits(kind, b, scale, bias), _rows(target),
+        a, b, family.logits(kind, b, scale, bias), _rows(target),
         col_stats=kind == "clip", sigmoid=kind == "siglip", record_tiles=filtering,
         backend=backend,
     )
@@ -83,12 +75,12 @@ def forward(
         loss = stats.sigmoid_sum
         packed_rows, packed_cols = torch.zeros((4, n), dtype=torch.float32, device=a.device), None
     else:
-        row_margin = loss = stats.lse_minus(stats.target_logit)
+        row_margin, col_margin = stats.lse_minus(stats.target_logit), None
         if kind == "clip":
             col_margin = stats.col_lse_minus(stats.target_logit)
-            loss = 0.5 * (row_margin + col_margin)
             # Each direction's own gradient mass bounds its skipped mass.
             col_mass = gradient_mass(col_margin) if filtering else col_mass
+        loss = family.row_loss(kind, row_margin, col_margin)
         row_mass = gradient_mass(row_margin) if filtering else row_mass
         packed_rows, packed_cols = stats.packed()
     tiles, col_tiles = (t if t is not None else nothing(a, (0, 0))
@@ -152,17 +144,11 @@ def backward(
         row_stats, col_stats if clip else None, None, *given[:2],
         engine.forward_block(a.device, a.dtype, d, col_stats=clip, sigmoid=siglip))
     g = grad_loss.float().contiguous()  # a reduction hands us a stride-0 expand
-    if clip:
-        half = 0.5 * g
-        coef = GradCoefficients(lse=half, col=half, target=g)
-    elif siglip:
-        coef = GradCoefficients(lse=g)
-    else:
-        coef = GradCoefficients(lse=g, target=g)
+    coef = family.grad_coefficients(kind, g, g)
     sparse = _sparse_slabs()
     split = not sparse and bias is None and _split_accumulator(a)
     grads = engine.grads(
-        a, b, _logits(kind, b, scale, bias), _rows(target), stats, coef,
+        a, b, family.logits(kind, b, scale, bias), _rows(target), stats, coef,
         filter_eps=filter_eps, need_a=need_a, need_b=need_b,
         need_bias=bias is not None and need_bias, need_scale=need_scale,
         sigmoid=siglip, filter_scale=(given[2], given[3]),
@@ -222,12 +208,6 @@ def _rows(target: Tensor) -> Rows:
     return Rows(index=torch.arange(n, device=target.device),
                 n_valid=torch.full((), n, dtype=torch.int64, device=target.device),
                 target=target, identity=True, all_valid=True)
-
-
-def _logits(kind: str, b: Tensor, scale: Tensor, bias: Tensor | None) -> Logits:
-    # A scalar bias becomes a per-column one: (M,) floats, and its gradient is their sum.
-    column_bias = bias.expand(b.shape[0]).contiguous() if bias is not None else None
-    return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent")
 
 
 def _check_target(target: Tensor, m: int) -> None:
