@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
-from ..losses.contrastive import _as_scalar, feature_error, matched_features
+from ..losses.contrastive import as_scalar, feature_error, matched_features
 from ..ops._common import autocast_operands, without_autocast
 from . import _group, ring
 from ._group import device_code, dtype_code, exchange, float_code
@@ -261,11 +261,11 @@ def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, sc
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     resolved = engine.resolve_backend(backend, a.device)  # raises if the kernels cannot run
     eps = resolve_filter_eps(filter_eps, a.dtype)
-    # Not read on the host: an invalid tensor scale or temperature becomes NaN (``_as_scalar``).
-    scale = _as_scalar(scale_arg, scale_name, a.device, positive=True)
+    # Not read on the host: an invalid tensor scale or temperature becomes NaN (``as_scalar``).
+    scale = as_scalar(scale_arg, scale_name, a.device, positive=True)
     if scale_name == "temperature":
         scale = 1.0 / scale
-    bias = None if bias_arg is None else _as_scalar(bias_arg, "logit_bias", a.device)
+    bias = None if bias_arg is None else as_scalar(bias_arg, "logit_bias", a.device)
     grad_on = torch.is_grad_enabled()
     need_a, need_b, need_scale, need_bias = (
         grad_on and t is not None and t.requires_grad for t in (a, b, scale, bias))

@@ -117,7 +117,7 @@ def _prepare(input, linear_weight, target, linear_bias, weight, reduction, ignor
              label_smoothing, softcap, z_loss, shift, filter_eps, backend, vocab_order):
     """This rank's checks and inputs (as the single-GPU head's), and the facts every rank must
     share."""
-    single._check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
+    single.check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                          label_smoothing, softcap, z_loss, shift)
     if input.dtype == torch.float64:
         raise TypeError("the vocabulary-parallel head takes float32, bfloat16 or float16 "
@@ -131,7 +131,7 @@ def _prepare(input, linear_weight, target, linear_bias, weight, reduction, ignor
     valid = flat_target != ignore_index
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
-    order = single._resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
+    order = single.resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
                                         backend, wants_grad)
     needs = [t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)]
     facts = {

@@ -117,8 +117,8 @@ def clip_loss(
     image_features, text_features = _check_pair(image_features, text_features,
                                                 "image_features", "text_features")
     device = image_features.device
-    scale = _as_scalar(logit_scale, "logit_scale", device, positive=True)
-    bias = None if logit_bias is None else _as_scalar(logit_bias, "logit_bias", device)
+    scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
+    bias = None if logit_bias is None else as_scalar(logit_bias, "logit_bias", device)
     target = torch.arange(image_features.shape[0], device=device)
     per_pair = _run("clip", image_features, text_features, scale, None, target,
                     filter_eps, backend)
@@ -182,7 +182,7 @@ def info_nce_loss(
         target = torch.arange(n, device=query.device)
     else:
         target = _check_labels(labels, n, query.device)
-    scale = 1.0 / _as_scalar(temperature, "temperature", query.device, positive=True)
+    scale = 1.0 / as_scalar(temperature, "temperature", query.device, positive=True)
     per_row = _run("info_nce", query, keys, scale, None, target, filter_eps, backend,
                    check_target=labels is not None)
     return _reduce(per_row, reduction)
@@ -234,7 +234,7 @@ def nt_xent_loss(
                          f"number of rows, {rows}")
     half = rows // 2
     target = (torch.arange(rows, device=features.device) + half) % rows
-    scale = 1.0 / _as_scalar(temperature, "temperature", features.device, positive=True)
+    scale = 1.0 / as_scalar(temperature, "temperature", features.device, positive=True)
     per_row = _run("nt_xent", features, features, scale, None, target, filter_eps, backend)
     return _reduce(per_row, reduction)
 
@@ -272,8 +272,8 @@ def siglip_loss(
     image_features, text_features = _check_pair(image_features, text_features,
                                                 "image_features", "text_features")
     device = image_features.device
-    scale = _as_scalar(logit_scale, "logit_scale", device, positive=True)
-    bias = _as_scalar(logit_bias, "logit_bias", device)
+    scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
+    bias = as_scalar(logit_bias, "logit_bias", device)
     target = torch.arange(image_features.shape[0], device=device)
     per_row = _run("siglip", image_features, text_features, scale, bias, target, None, backend)
     return per_row.sum() / image_features.shape[0]
@@ -346,7 +346,7 @@ def check_positive(value: float, name: str) -> None:
         raise ValueError(f"{name} must be > 0 and finite, got {value}")
 
 
-def _as_scalar(value, name: str, device: torch.device, *, positive: bool = False
+def as_scalar(value, name: str, device: torch.device, *, positive: bool = False
                ) -> torch.Tensor:
     """A float or one-element tensor → a 0-dim fp32 tensor on ``device`` (keeping autograd).
 

@@ -177,7 +177,7 @@ def linear_cross_entropy(
             ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
             z_loss=z_loss, shift=shift, filter_eps=filter_eps, return_lse=return_lse,
             backend=backend, vocab_order=vocab_order)
-    _check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
+    check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                   label_smoothing, softcap, z_loss, shift)
     backend = _resolve_backend(backend, input)
     eps = resolve_lm_head_filter_eps(filter_eps, input.dtype)  # validates on every backend
@@ -197,7 +197,7 @@ def linear_cross_entropy(
     else:
         wants_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
-        order = _resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
+        order = resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
                                      backend, wants_grad)
         chunk = None
         if (backend == "triton" and wants_grad and reduction != "none" and not return_lse
@@ -257,7 +257,7 @@ def shifted_targets(target: torch.Tensor, shift: bool, ignore_index: int) -> tor
     return target.reshape(-1).long()
 
 
-def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend, wants_grad):
+def resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend, wants_grad):
     """Validates ``vocab_order`` on every backend (that it is a permutation is checked by the
     op, which reads its values); returns the column order the kernels use."""
     v = b.shape[0]
@@ -282,7 +282,7 @@ def _resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend, wants_gra
     return vocab_order
 
 
-def _check_inputs(input, linear_weight, target, bias, weight, reduction, label_smoothing,
+def check_inputs(input, linear_weight, target, bias, weight, reduction, label_smoothing,
                   softcap, z_loss, shift) -> None:
     """Clear errors, naming the argument, for every misuse we can detect up front."""
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
