@@ -31,6 +31,7 @@ Contrastive losses (CLIP, SigLIP, SimCLR) take pairs of L2-normalized feature ma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -50,18 +51,29 @@ def _check_regime(regime: str, regimes: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class LMHeadShape:
-    """A language-model head: vocabulary size V and hidden size D."""
+    """A language-model head: vocabulary size V, hidden size D, and the logit soft-cap s of
+    its model (``s·tanh(z/s)`` before the softmax, Gemma 2's ``final_logit_softcapping``)."""
 
     name: str
     vocab_size: int  # V
     hidden_size: int  # D
+    softcap: float | None = None
+
+    @property
+    def label(self) -> str:
+        """``gemma2-2b (256000, 2304, softcap 30)``: the name, (V, D) and the soft-cap."""
+        softcap = f", softcap {self.softcap:g}" if self.softcap else ""
+        return f"{self.name} ({self.vocab_size}, {self.hidden_size}{softcap})"
 
 
 LM_HEAD_SHAPES: dict[str, LMHeadShape] = {
     shape.name: shape
     for shape in (
-        LMHeadShape("gemma2-2b", 256_000, 2304),
+        LMHeadShape("llama3-1b", 128_256, 2048),  # Llama 3.2 1B
         LMHeadShape("llama3-8b", 128_256, 4096),
+        LMHeadShape("qwen2.5-1.5b", 151_936, 1536),
+        LMHeadShape("qwen2.5-7b", 151_936, 3584),
+        LMHeadShape("gemma2-2b", 256_000, 2304, softcap=30.0),
         LMHeadShape("phi3.5", 32_064, 3072),
     )
 }
@@ -74,11 +86,12 @@ QUICK_N = 128
 
 
 def quick_shape(shape: LMHeadShape) -> LMHeadShape:
-    """The small stand-in for ``shape`` used by ``--quick`` (same name, smaller V and D)."""
-    return LMHeadShape(
-        shape.name,
-        max(2, shape.vocab_size // QUICK_VOCAB_DIVISOR),
-        max(2, shape.hidden_size // QUICK_HIDDEN_DIVISOR),
+    """The small stand-in for ``shape`` used by ``--quick`` (same name and soft-cap, smaller
+    V and D)."""
+    return dataclasses.replace(
+        shape,
+        vocab_size=max(2, shape.vocab_size // QUICK_VOCAB_DIVISOR),
+        hidden_size=max(2, shape.hidden_size // QUICK_HIDDEN_DIVISOR),
     )
 
 

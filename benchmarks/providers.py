@@ -1,7 +1,8 @@
 """Implementations compared by the benchmarks: ours and the peers', behind one interface.
 
 A provider turns into a loss function ``loss(E, C, y) -> scalar`` (mean reduction) once
-per case; the suite times ``loss(E, C, y)`` (forward) or ``torch.autograd.grad(loss, (E, C))``
+per case, for the case's logit soft-cap s (``s·tanh(z/s)`` on the logits z, or None); the
+suite times ``loss(E, C, y)`` (forward) or ``torch.autograd.grad(loss, (E, C))``
 (forward+backward) itself, so every provider is measured the same way. A provider whose
 package or API is missing raises :class:`Unavailable` from ``build`` and the suite skips
 it with that note.
@@ -18,6 +19,7 @@ arguments (:data:`CONTRASTIVE_SIGNATURES`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import socket
@@ -58,12 +60,14 @@ class LMHeadProvider:
         version = self.version() if self.is_peer else None
         return f"{self.label} {version}" if version else self.label
 
-    def build(self, device: torch.device) -> LossFn:
-        """Import what is needed and return the loss function (raise Unavailable)."""
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
+        """Import what is needed and return the loss function for logits soft-capped at
+        ``softcap`` (raise Unavailable)."""
         raise NotImplementedError
 
     def describe(self) -> str:
-        """The exact call being measured, for the results file."""
+        """The exact call being measured, for the results file (``s``: the head's soft-cap,
+        None for heads without one)."""
         return ""
 
 
@@ -94,7 +98,7 @@ class FusedLossProvider(LMHeadProvider):
         self.label = ("fusedloss (exact)" if exact else "fusedloss (filtered)" if filtered else
                       "fusedloss (compiled)" if compiled else "fusedloss")
 
-    def build(self, device: torch.device) -> LossFn:
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
         fusedloss = _import("fusedloss", self)
         linear_cross_entropy = getattr(fusedloss, "linear_cross_entropy", None)
         if linear_cross_entropy is None:
@@ -107,14 +111,14 @@ class FusedLossProvider(LMHeadProvider):
             extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
             if resolve is not None:
                 extra["filter_eps"] = resolve("auto", e.dtype)
-            return linear_cross_entropy(e, c, y, backend="triton", **extra)
+            return linear_cross_entropy(e, c, y, backend="triton", softcap=softcap, **extra)
 
         return _compiled(loss) if self.compiled else loss
 
     def describe(self) -> str:
         extra = (", filter_eps=None" if self.exact else
                  ", filter_eps=<the filter rule's bound for the dtype>" if self.filtered else "")
-        call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton"{extra})'
+        call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton", softcap=s{extra})'
         return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
 
 
@@ -130,20 +134,27 @@ def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
 # ----------------------------------------------------------------------------- torch
 
 
-def torch_eager_loss(e: Tensor, c: Tensor, y: Tensor) -> Tensor:
-    """The plain PyTorch LM head: bf16 logits, upcast, cross-entropy (mean)."""
-    return F.cross_entropy(F.linear(e, c).float(), y)
+def torch_eager_loss(e: Tensor, c: Tensor, y: Tensor, softcap: float | None = None) -> Tensor:
+    """The plain PyTorch LM head: bf16 logits, upcast, soft-capped (``softcap`` s:
+    ``s·tanh(z/s)``, in fp32), cross-entropy (mean)."""
+    logits = F.linear(e, c).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, y)
+
+
+TORCH_EAGER_CALL = "F.cross_entropy(cap(F.linear(E, C).float()), y), cap(z) = s·tanh(z/s) or z"
 
 
 class TorchEagerProvider(LMHeadProvider):
     key = "torch-eager"
     label = "torch eager"
 
-    def build(self, device: torch.device) -> LossFn:
-        return torch_eager_loss
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
+        return functools.partial(torch_eager_loss, softcap=softcap)
 
     def describe(self) -> str:
-        return "F.cross_entropy(F.linear(E, C).float(), y)"
+        return TORCH_EAGER_CALL
 
 
 class TorchCompileProvider(LMHeadProvider):
@@ -156,16 +167,16 @@ class TorchCompileProvider(LMHeadProvider):
     key = "torch-compile"
     label = "torch.compile"
 
-    def build(self, device: torch.device) -> LossFn:
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
         # Each case has new static shapes; start from an empty cache so old graphs and
         # automatic-dynamic decisions from earlier cases cannot leak in.
         import torch._dynamo
 
         torch._dynamo.reset()
-        return torch.compile(torch_eager_loss, dynamic=False)
+        return torch.compile(functools.partial(torch_eager_loss, softcap=softcap), dynamic=False)
 
     def describe(self) -> str:
-        return "torch.compile(F.cross_entropy(F.linear(E, C).float(), y), dynamic=False)"
+        return f"torch.compile({TORCH_EAGER_CALL}, dynamic=False)"
 
 
 def chunked_options(options_class: type) -> Any:
@@ -187,7 +198,8 @@ def chunked_options(options_class: type) -> Any:
 
 
 class TorchChunkedProvider(LMHeadProvider):
-    """``F.linear_cross_entropy(E, C, y, options=LinearCrossEntropyOptions(…))``, torch ≥ 2.13."""
+    """``F.linear_cross_entropy(E, C, y, options=LinearCrossEntropyOptions(…))``, torch ≥ 2.13;
+    it has no soft-cap, so a soft-capped head is unavailable to it."""
 
     key = "torch-chunked"
     label = "torch chunked"
@@ -195,7 +207,9 @@ class TorchChunkedProvider(LMHeadProvider):
     def __init__(self) -> None:
         self.options: Any = None
 
-    def build(self, device: torch.device) -> LossFn:
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
+        if softcap is not None:
+            raise Unavailable(f"F.linear_cross_entropy has no softcap (this head's: {softcap:g})")
         function = getattr(F, "linear_cross_entropy", None)
         options_class = getattr(torch.nn, "LinearCrossEntropyOptions", None)
         if function is None or options_class is None:
@@ -231,29 +245,27 @@ class CutCrossEntropyProvider(LMHeadProvider):
         base = f"cut-cross-entropy {version}" if version else "cut-cross-entropy"
         return f"{base}, no filter" if self.no_filter else base
 
-    def build(self, device: torch.device) -> LossFn:
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
         module = _import("cut_cross_entropy", self)
         function = getattr(module, "linear_cross_entropy", None)
         if function is None:
             raise Unavailable("cut_cross_entropy has no linear_cross_entropy")
-        if not self.no_filter:
-            return lambda e, c, y: function(e, c, y)
-        if "filter_eps" not in inspect.signature(function).parameters:
-            raise Unavailable("this cut_cross_entropy has no filter_eps argument")
-        return lambda e, c, y: function(e, c, y, filter_eps=None)
+        extra: dict[str, Any] = {"softcap": softcap}
+        if self.no_filter:
+            if "filter_eps" not in inspect.signature(function).parameters:
+                raise Unavailable("this cut_cross_entropy has no filter_eps argument")
+            extra["filter_eps"] = None
+        return lambda e, c, y: function(e, c, y, **extra)
 
     def describe(self) -> str:
         extra = ", filter_eps=None" if self.no_filter else ""
-        return f"cut_cross_entropy.linear_cross_entropy(E, C, y{extra})"
+        return f"cut_cross_entropy.linear_cross_entropy(E, C, y, softcap=s{extra})"
 
 
 class LigerProvider(LMHeadProvider):
-    """liger-kernel's fused linear cross-entropy (gradients computed inside the forward).
-
-    Uses ``LigerFusedLinearCrossEntropyLoss`` (``forward(lin_weight, _input, target)`` in
-    0.8.x; the argument order is read from its signature), else the functional
-    ``liger_fused_linear_cross_entropy(input, weight, target)``.
-    """
+    """liger-kernel's fused linear cross-entropy (gradients computed inside the forward):
+    ``LigerFusedLinearCrossEntropyLoss(reduction="mean", softcap=s)``, whose
+    ``forward(lin_weight, _input, target)`` (0.8.x) takes the classifier first."""
 
     key = "liger"
     label = "liger-kernel FLCE"
@@ -261,56 +273,20 @@ class LigerProvider(LMHeadProvider):
     is_peer = True
     install_hint = "pip install liger-kernel==0.8.5 --no-deps"
 
-    def __init__(self) -> None:
-        self.call = ""
-
     def display_name(self) -> str:
         version = self.version()
         return f"liger-kernel {version} FLCE" if version else self.label
 
-    def build(self, device: torch.device) -> LossFn:
-        _import("liger_kernel", self)  # a missing package gives one clear note
-        errors = []
-        try:
-            return self._build_module()
-        except Unavailable as error:
-            errors.append(str(error))
-        try:
-            return self._build_functional()
-        except Unavailable as error:
-            errors.append(str(error))
-        raise Unavailable("; ".join(errors))
-
-    def _build_module(self) -> LossFn:
+    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
         module = _import("liger_kernel.transformers.fused_linear_cross_entropy", self)
         loss_class = getattr(module, "LigerFusedLinearCrossEntropyLoss", None)
         if loss_class is None:
             raise Unavailable("liger_kernel has no LigerFusedLinearCrossEntropyLoss")
-        loss_module = loss_class(reduction="mean")
-        names = list(inspect.signature(loss_module.forward).parameters)
-        weight_first = bool(names) and names[0] in ("lin_weight", "weight", "linear_weight")
-        self.call = "LigerFusedLinearCrossEntropyLoss(reduction='mean')" + (
-            "(C, E, y)" if weight_first else "(E, C, y)"
-        )
-        if weight_first:
-            return lambda e, c, y: _loss_only(loss_module(c, e, y))
-        return lambda e, c, y: _loss_only(loss_module(e, c, y))
-
-    def _build_functional(self) -> LossFn:
-        module = _import("liger_kernel.transformers.functional", self)
-        function = getattr(module, "liger_fused_linear_cross_entropy", None)
-        if function is None:
-            raise Unavailable("liger_kernel has no liger_fused_linear_cross_entropy")
-        self.call = "liger_fused_linear_cross_entropy(E, C, y, reduction='mean')"
-        return lambda e, c, y: _loss_only(function(e, c, y, reduction="mean"))
+        loss_module = loss_class(reduction="mean", softcap=softcap)
+        return lambda e, c, y: loss_module(c, e, y)  # the loss alone: no return_* flag set
 
     def describe(self) -> str:
-        return self.call
-
-
-def _loss_only(output: Any) -> Tensor:
-    """Liger may return a named tuple with the loss and extras."""
-    return output if isinstance(output, Tensor) else output.loss
+        return "LigerFusedLinearCrossEntropyLoss(reduction='mean', softcap=s)(C, E, y)"
 
 
 # ----------------------------------------------------------------------------- registry

@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,18 +77,20 @@ def test_quick_shapes_are_small_and_keep_names():
 # ----------------------------------------------------------------------------- reference, errors
 
 
-@pytest.mark.parametrize("rows_per_chunk", [1, 7, 0])
-def test_reference_float64_matches_autograd(rows_per_chunk):
+@pytest.mark.parametrize(("rows_per_chunk", "softcap"), [(1, None), (7, None), (0, None), (7, 3.0)])
+def test_reference_float64_matches_autograd(rows_per_chunk, softcap):
     hidden, classifier, labels = inputs.make_lm_head_inputs(23, 97, 16, "peaked", seed=1)
-    ref = lm_head.reference_float64(hidden, classifier, labels, True, rows_per_chunk)
+    ref = lm_head.reference_float64(hidden, classifier, labels, True, rows_per_chunk, softcap)
     e = hidden.double().requires_grad_(True)
     c = classifier.double().requires_grad_(True)
-    loss = F.cross_entropy(e @ c.T, labels)
+    logits = e @ c.T
+    loss = F.cross_entropy(logits if softcap is None else softcap * torch.tanh(logits / softcap),
+                           labels)
     grad_e, grad_c = torch.autograd.grad(loss, (e, c))
     assert ref.loss == pytest.approx(float(loss.detach()), rel=1e-12)
     assert torch.allclose(ref.grad_hidden, grad_e, rtol=1e-10, atol=1e-14)
     assert torch.allclose(ref.grad_classifier, grad_c, rtol=1e-10, atol=1e-14)
-    no_grads = lm_head.reference_float64(hidden, classifier, labels, False)
+    no_grads = lm_head.reference_float64(hidden, classifier, labels, False, softcap=softcap)
     assert no_grads.grad_hidden is None and no_grads.loss == pytest.approx(ref.loss)
 
 
@@ -108,6 +111,17 @@ def test_case_floors_follow_design_formulas():
     assert floors["forward"] == pytest.approx(13.4, abs=0.05)  # docs/design.md: 9.7 TFLOP ≈ 13.4 ms
     assert floors["backward_unskipped"] == pytest.approx(3 * floors["forward"])
     assert case.floor_ms(723.0) == pytest.approx(4 * floors["forward"])
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 5])
+def test_products_yardstick_runs_whole_or_in_chunks(rows_per_chunk):
+    hidden, classifier, _ = inputs.make_lm_head_inputs(23, 97, 16, "flat")
+    timing = common.TimingSettings(warmup_ms=0.0, rep_ms=1.0)
+    for with_backward in (True, False):
+        products = lm_head.time_products(hidden, classifier, with_backward, timing, rows_per_chunk)
+        assert products.ms > 0 and not products.note
+        assert products.method == ("whole" if rows_per_chunk is None else "5 chunks of 5 rows")
+    assert lm_head.products_chunk_rows(10**6, 256000, True, 2, torch.device("cpu")) == 10**6
 
 
 # ----------------------------------------------------------------------------- targets
@@ -285,7 +299,72 @@ def test_missing_peer_reports_unavailable(monkeypatch):
             provider.build(torch.device("cpu"))
 
 
+def test_every_provider_applies_the_heads_softcap(monkeypatch):
+    """Each provider's build passes the shape's soft-cap on (fakes stand in for fusedloss and the
+    peers; torch's own providers are compared with the float64 reference); torch chunked, which
+    has none, declines a soft-capped head."""
+    seen = []
+
+    def record(name, softcap):
+        seen.append((name, softcap))
+        return torch.zeros(())
+
+    class FakeLiger:
+        def __init__(self, reduction, softcap):
+            record("liger", softcap)
+
+        def __call__(self, c, e, y):
+            return torch.zeros(())
+
+    fakes = {
+        "cut_cross_entropy": SimpleNamespace(
+            linear_cross_entropy=lambda e, c, y, softcap=None, filter_eps="high": record(
+                "cce", softcap)),
+        "liger_kernel.transformers.fused_linear_cross_entropy": SimpleNamespace(
+            LigerFusedLinearCrossEntropyLoss=FakeLiger),
+    }
+    real_import = importlib.import_module
+    monkeypatch.setattr(providers.importlib, "import_module",
+                        lambda name, *args: fakes.get(name) or real_import(name, *args))
+    monkeypatch.setattr(fusedloss, "linear_cross_entropy",
+                        lambda e, c, y, softcap=None, **kw: record("fusedloss", softcap))
+    monkeypatch.setattr(torch, "compile", lambda function, **kw: function)
+
+    shape = inputs.quick_shape(inputs.LM_HEAD_SHAPES["gemma2-2b"])
+    assert shape.softcap == 30.0 and inputs.LM_HEAD_SHAPES["llama3-8b"].softcap is None
+    hidden, classifier, labels = inputs.make_lm_head_inputs(
+        32, shape.vocab_size, shape.hidden_size, "peaked")
+    capped = lm_head.reference_float64(hidden, classifier, labels, False, softcap=30.0).loss
+    plain = lm_head.reference_float64(hidden, classifier, labels, False).loss
+    assert abs(capped - plain) > 5e-3
+    for key, provider in providers.lm_head_providers().items():
+        if key == "torch-chunked":
+            with pytest.raises(providers.Unavailable, match="softcap"):
+                provider.build(torch.device("cpu"), 30.0)
+            continue
+        loss = float(provider.build(torch.device("cpu"), 30.0)(hidden, classifier, labels))
+        if key.startswith("torch"):
+            assert loss == pytest.approx(capped, abs=1e-3), key
+    assert sorted(seen) == sorted([("fusedloss", 30.0)] * 4 + [("cce", 30.0)] * 2
+                                  + [("liger", 30.0)])
+
+
 # ----------------------------------------------------------------------------- files, CLI
+
+
+def _run_info(n=(8192,), providers_run=("fusedloss", "torch-compile")):
+    return lm_head.RunInfo(
+        environment=common.collect_environment("cpu"),
+        matmul={"size": 8192, "dtype": "bf16", "ms": 1.52, "tflops": 723.0},
+        n=list(n),
+        dtype="bf16",
+        seed=0,
+        quick=False,
+        timing=common.TimingSettings(),
+        providers=list(providers_run),
+        peer_versions={"liger-kernel": None},
+        notes=["liger-kernel skipped"],
+    )
 
 
 def test_results_files_written(tmp_path):
@@ -294,19 +373,10 @@ def test_results_files_written(tmp_path):
         _result("fusedloss", ms=30.0, mib=1.0, err=(1e-3, 2e-3)),
         _result("torch-compile", ms=46.6, mib=4000.0),
     )
+    case_result.products = lm_head.Products(ms=20.0, rows_per_chunk=8192, method="whole")
+    case_result.results["fusedloss"].times_products = 1.5
     outcomes = lm_head.evaluate_targets([case_result])
-    info = lm_head.RunInfo(
-        environment=common.collect_environment("cpu"),
-        matmul={"size": 8192, "dtype": "bf16", "ms": 1.52, "tflops": 723.0},
-        n=8192,
-        dtype="bf16",
-        seed=0,
-        quick=False,
-        timing=common.TimingSettings(),
-        providers=["fusedloss", "torch-compile"],
-        peer_versions={"liger-kernel": None},
-        notes=["liger-kernel skipped"],
-    )
+    info = _run_info()
     stem = common.results_stem("lm_head", "2026-11-22", "nvidia-h100-80gb-hbm3", "subset A")
     assert stem == "lm_head_2026-11-22_nvidia-h100-80gb-hbm3_subset-a"
     md_path, json_path = common.write_results(
@@ -316,13 +386,47 @@ def test_results_files_written(tmp_path):
         lm_head.results_json(info, [case_result], outcomes),
     )
     markdown = md_path.read_text(encoding="utf-8")
-    for text in ("723 TFLOP/s", "max_memory_allocated", "float64", "## Targets", "✓"):
+    for text in ("723 TFLOP/s", "max_memory_allocated", "float64", "## Targets", "✓",
+                 "softcap 30", "| 30.0 / 1.0 (1.50×) |", "fwd+bwd: products"):
         assert text in markdown
     data = json.loads(json_path.read_text(encoding="utf-8"))
     assert data["cases"][0]["results"][0]["ms"] == 30.0
+    assert data["cases"][0]["products"]["ms"] == 20.0 and data["cases"][0]["softcap"] == 30.0
+    assert data["cases"][0]["results"][0]["times_products"] == 1.5
     assert {t["status"] for t in data["targets"]} >= {common.PASS}
     assert common.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert common.json_safe({"x": [math.inf, 1.0]}) == {"x": ["inf", 1.0]}
+
+
+def test_plot_script_draws_the_suites_results(tmp_path):
+    """``python -m benchmarks.plot_lm_head RESULTS.json --out F.svg`` on results in the suite's
+    format: one panel per head and mode, the products floor, the run in the title."""
+    pytest.importorskip("matplotlib")
+    (plot_lm_head,) = import_benchmarks("plot_lm_head")
+    case_results = []
+    for shape in ("llama3-1b", "gemma2-2b"):
+        for mode in lm_head.MODES:
+            for n in (4096, 16384, 65536):
+                ms = n / 1000
+                case_result = _case_result(
+                    lm_head.Case(inputs.LM_HEAD_SHAPES[shape], "flat", mode, n),
+                    _result("fusedloss", ms=ms, mib=1.0), _result("torch-compile", ms=2 * ms),
+                    _result("liger", status=common.NOT_INSTALLED))
+                case_result.products = lm_head.Products(ms=0.8 * ms, rows_per_chunk=n,
+                                                        method="whole")
+                case_results.append(case_result)
+    payload = common.json_safe(lm_head.results_json(_run_info(n=(4096, 16384, 65536)),
+                                                    case_results, []))
+    results = tmp_path / "lm_head.json"
+    results.write_text(json.dumps(payload), encoding="utf-8")
+    out = tmp_path / "docs" / "speed.svg"
+    assert plot_lm_head.main([str(results), "--out", str(out)]) == 0
+    svg = out.read_text(encoding="utf-8")
+    assert svg.lstrip().startswith("<?xml") and "</svg>" in svg
+    for text in ("gemma2-2b (V 256000, D 2304, softcap 30)", "forward only", "torch-compile",
+                 "products", "CPU"):
+        assert text in svg, text
+    assert "liger" not in svg  # not installed: no line, no legend entry
 
 
 def test_cli_rejects_unknown_names():
@@ -333,12 +437,29 @@ def test_cli_rejects_unknown_names():
 
 
 def test_case_selection():
-    assert [c.key for c in lm_head.select_cases(None, None, None, 8192, False)] == [
-        " ".join(triple) for triple in lm_head.DEFAULT_CASES
-    ]
-    cases = lm_head.select_cases(["phi3.5"], None, ["fwd", "fwd+bwd"], 64, True)
-    assert [c.key for c in cases] == ["phi3.5 peaked fwd", "phi3.5 peaked fwd+bwd"]
+    default = lm_head.select_cases(None, None, None, [8192], False)
+    assert sorted(c.key for c in default) == sorted(
+        f"{shape} {regime} N=8192 {mode}" for shape, regime, mode in lm_head.DEFAULT_CASES)
+    cases = lm_head.select_cases(["phi3.5"], None, ["fwd", "fwd+bwd"], [64], True)
+    assert [c.key for c in cases] == ["phi3.5 peaked N=64 fwd", "phi3.5 peaked N=64 fwd+bwd"]
     assert cases[0].shape == inputs.quick_shape(inputs.LM_HEAD_SHAPES["phi3.5"])
+
+
+def test_n_list_gives_a_case_per_token_count():
+    parser = run_module.build_parser()
+    args = parser.parse_args(["lm-head", "--shapes", "llama3-1b,qwen2.5-7b", "--modes",
+                              "fwd+bwd,fwd", "--n", "4096,16384,65536,4096"])
+    assert args.n == [4096, 16384, 65536]
+    cases = lm_head.select_cases(args.shapes, args.regimes, args.modes, args.n, False)
+    assert len(cases) == 2 * 2 * 3 == len({c.key for c in cases})
+    assert [c.key for c in cases[:3]] == [
+        "llama3-1b peaked N=4096 fwd+bwd", "llama3-1b peaked N=4096 fwd",
+        "llama3-1b peaked N=16384 fwd+bwd"]
+    assert cases[-1].shape == inputs.LMHeadShape("qwen2.5-7b", 151_936, 3584)
+    assert parser.parse_args(["lm-head", "--n", "8192"]).n == [8192]
+    for bad in ("0", "4k", ",", "4096,-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["lm-head", "--n", bad])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
@@ -354,23 +475,41 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     code = run_module.main([*options.split(), "--out", str(tmp_path)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert printed.rstrip().splitlines()[-1].startswith("phi3.5 flat fwd ")  # table last
+    assert printed.rstrip().splitlines()[-1].startswith("phi3.5 flat N=64 fwd ")  # table last
     data, markdown = read_results(tmp_path, "lm_head_*")
     assert [c["case"] for c in data["cases"]] == [
-        "phi3.5 peaked fwd+bwd",
-        "phi3.5 peaked fwd",
-        "phi3.5 flat fwd+bwd",
-        "phi3.5 flat fwd",
+        "phi3.5 peaked N=64 fwd+bwd", "phi3.5 peaked N=64 fwd",
+        "phi3.5 flat N=64 fwd+bwd", "phi3.5 flat N=64 fwd",
     ]
     for case in data["cases"]:
         (eager,) = case["results"]
         assert eager["status"] == "ok" and eager["ms"] > 0
         assert eager["loss_error"] < 1e-2
+        assert case["products"]["ms"] > 0 and case["products"]["method"] == "whole"
+        assert eager["times_products"] == pytest.approx(eager["ms"] / case["products"]["ms"])
         if case["mode"] == "fwd+bwd":
             assert eager["ratio_hidden"] == pytest.approx(1.0)  # the yardstick itself
             assert 0 < case["torch_bf16_error"]["dE"] < 2e-2
     assert data["cases"][0]["reference_loss"] < 0.5 * math.log(data["cases"][0]["vocab_size"])
     assert "--quick run" in markdown
+
+
+def test_quick_run_at_several_n_applies_the_softcap(tmp_path):
+    """A case per N; gemma2-2b's soft-cap reaches the suite's float64 reference and torch eager."""
+    options = ("--quick --providers torch-eager --shapes gemma2-2b --modes fwd --n 32,16 "
+               "--matmul-size 64 --rep-ms 1 --warmup-ms 0")
+    assert run_module.main([*options.split(), "--out", str(tmp_path)]) == 0
+    data, _ = read_results(tmp_path, "lm_head_*")
+    assert data["settings"]["n"] == [32, 16]
+    assert [c["case"] for c in data["cases"]] == ["gemma2-2b peaked N=32 fwd",
+                                                  "gemma2-2b peaked N=16 fwd"]
+    case = data["cases"][0]
+    (eager,) = case["results"]
+    assert case["softcap"] == 30.0 and eager["status"] == "ok"
+    assert eager["loss"] == pytest.approx(case["reference_loss"], abs=1e-3)
+    plain = lm_head.reference_float64(*inputs.make_lm_head_inputs(
+        32, case["vocab_size"], case["hidden_size"], "peaked"), False).loss
+    assert abs(eager["loss"] - plain) > 5e-3
 
 
 @requires_cuda
@@ -398,13 +537,10 @@ def test_results_record_the_fusedloss_variables(monkeypatch):
 
 
 @pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or Triton's interpreter")
-def test_check_records_the_tiles_filtering_skipped(monkeypatch):
+def test_check_records_the_tiles_filtering_skipped():
     """The lm-head suite's check call reports the share of the backward's tiles that fusedloss's
     filter skipped (None for a provider without that backward, 0 with filtering off)."""
     from benchmarks.inputs import LMHeadShape
-
-    # the engine's backward, which records tiles (not the gradient computed in the forward)
-    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -422,8 +558,10 @@ def test_check_records_the_tiles_filtering_skipped(monkeypatch):
         backend = "torch" if name == "torch" else "triton"
 
         def forward(backend=backend, eps=eps):
+            # per-token losses, then the mean: the engine's backward, which records tiles (a
+            # reduced loss takes the training path, which filters nothing)
             return fusedloss.linear_cross_entropy(hidden, classifier, labels, backend=backend,
-                                                  filter_eps=eps)
+                                                  filter_eps=eps, reduction="none").mean()
 
         lm_head._check(result, forward, (hidden, classifier), case, reference,
                        lm_head.Yardstick())

@@ -332,28 +332,24 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
     from fusedloss.core import engine
 
     monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "16")
-    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
     table = {"lce-triton-row-blocks": (
         # more rows than one block of the backward's tiles (16 here, 128 or more on a GPU)
         partial(_lm, lead=(600,) if ON_GPU else (48,), v=VT, d=DT, bias=True, ignore=-100),
-        lambda h, w, y, b: LCE(h, w, y, linear_bias=b, label_smoothing=0.1,
-                               backend="triton"))}
+        # per-token losses: the engine's backward (a reduced loss takes the training path)
+        lambda h, w, y, b: LCE(h, w, y, linear_bias=b, label_smoothing=0.1, reduction="none",
+                               backend="triton").sum())}
     with engine.recording_backward_tiles() as record:
         assert _check_compiled(table, "lce-triton-row-blocks", device, "aot_eager") == 1
     assert len(record) > 2  # two backward calls, compiled and eager, in blocks
 
 
-@pytest.mark.parametrize("setting", ["1", "0"], ids=["in-forward", "engine"])
-def test_triton_gradient_in_forward_compiled_matches_eager(device, requires_triton, monkeypatch,
-                                                           setting):
-    """The LM head's gradient computed in the forward (``FUSEDLOSS_GRAD_IN_FORWARD=1``, in
-    chunks of 16 rows) and the engine's backward (``=0``): compiled with fullgraph=True each
-    gives eager's loss and gradients under "mean" and "sum", and only the first took the
-    in-forward op."""
-    from fusedloss.core import chunked_logits
+def test_triton_training_path_compiled_matches_eager(device, requires_triton, monkeypatch):
+    """The LM head's training path (``core.chunked_logits``, in chunks of 16 rows): compiled
+    with fullgraph=True it gives eager's loss and gradients under "mean" and "sum", and the
+    path ran in each call."""
+    from fusedloss.core import chunked_logits, config
 
-    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", setting)
-    monkeypatch.setenv("FUSEDLOSS_CHUNK_ROWS", "16")
+    monkeypatch.setattr(config, "lm_head_chunk_rows", lambda n, v, element_size: 16)
     calls = []
     original = chunked_logits.loss_and_grads
     monkeypatch.setattr(chunked_logits, "loss_and_grads",
@@ -367,7 +363,7 @@ def test_triton_gradient_in_forward_compiled_matches_eager(device, requires_trit
     for name in table:
         assert _check_compiled(table, name, device, "aot_eager") == 1
         counters.clear()
-    assert len(calls) == (4 if setting == "1" else 0)  # compiled and eager, two reductions
+    assert len(calls) == 4  # compiled and eager, two reductions
 
 
 # ---------------------------------------------------------------------------------------------

@@ -625,14 +625,13 @@ def test_lm_head_auto_is_exact(rule, monkeypatch):
 
 
 @requires_triton
-def test_lm_head_auto_skips_no_tile_where_a_float_does(monkeypatch):
+def test_lm_head_auto_skips_no_tile_where_a_float_does():
     """Logits X = E (C = I) whose rows split their mass between the target and its neighbour
     y ^ 1 (both in the first tile; P_y ≈ ½, so each row's budget is the whole ε) over a
     background ~20 nats below: filter_eps = 2⁻⁶ skips the background tiles (the recorded
     count drops below the total), while "auto" computes every tile and its gradients equal
-    filter_eps=None's bit for bit. (The engine's backward, which records tiles: a problem this
-    small would otherwise take the gradient in the forward, which filters nothing.)"""
-    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
+    filter_eps=None's bit for bit. (Per-token losses: the engine's backward, which records
+    tiles; a reduced loss takes the training path, which filters nothing.)"""
     tile = 16 if config.interpreting() else 128  # the widest forward or backward tile here
     n, v = 2 * tile, 4 * tile
     device = torch.device(DEVICE)
@@ -649,7 +648,7 @@ def test_lm_head_auto_skips_no_tile_where_a_float_does(monkeypatch):
         leaves = [t.clone().to(DEVICE).requires_grad_() for t in (e, c)]
         with engine.recording_backward_tiles() as record:
             fusedloss.linear_cross_entropy(*leaves, y.to(DEVICE), filter_eps=filter_eps,
-                                           backend="triton").backward()
+                                           reduction="none", backend="triton").sum().backward()
         (computed, total), = [r.tolist() for r in record]
         return computed, total, [t.grad for t in leaves]
 

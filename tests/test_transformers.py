@@ -339,13 +339,15 @@ def test_bf16_model():
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_triton_backend(model_type, triton_available):
-    """The kernels (Triton's interpreter on the CPU) through the integration, default
-    options (filter_eps="auto": exact in fp32)."""
+    """The kernels (on the GPU, or Triton's interpreter on the CPU) through the integration,
+    default options (filter_eps="auto": exact in fp32)."""
     if not triton_available:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    ref = make_model(model_type).train()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device
+    ref = make_model(model_type).train().to(device)
     fused = apply_fusedloss(copy.deepcopy(ref), backend="triton")
-    assert_same(ref, fused, batch(b=2, t=8), rtol=1e-4, atol=1e-5)
+    inputs = {k: t.to(device) for k, t in batch(b=2, t=8).items()}
+    assert_same(ref, fused, inputs, rtol=1e-4, atol=1e-5)
 
 
 def test_auto_class(tmp_path):

@@ -1,15 +1,19 @@
 """Suite ``lm-head``: linear cross-entropy of an LM head, ours against torch and the peers.
 
-For every case (shape × regime × mode) and provider, one run records:
+For every case (shape × regime × N × mode) and provider, one run records:
 
 - a correctness check (untimed; it is also the warm-up that compiles ``torch.compile``):
   loss against a float64 reference, gradients' relative L2 errors (forward+backward), and
   for fusedloss's Triton backward the share of its tiles that filtering skipped in that call;
 - peak device memory above inputs and gradient buffers (:data:`MEMORY_DEFINITION`);
-- the median time of ``do_bench`` (forward, or forward+backward w.r.t. E and C).
+- the median time of ``do_bench`` (forward, or forward+backward w.r.t. E and C), and its
+  ratio to the case's "products": the cuBLAS products an exact method cannot avoid, timed
+  the same way (:func:`time_products`, :data:`PRODUCTS_DEFINITION`).
 
-The float64 reference is computed a block of rows at a time on the benchmark device
-(:func:`reference_float64`); torch eager in the benchmark dtype is the accuracy yardstick.
+Every provider, the float64 reference and the yardsticks apply the head's logit soft-cap
+(``LMHeadShape.softcap``: gemma2's 30). The float64 reference is computed a block of rows at
+a time on the benchmark device (:func:`reference_float64`); torch eager in the benchmark
+dtype is the accuracy yardstick.
 """
 
 from __future__ import annotations
@@ -79,15 +83,25 @@ MEMORY_DEFINITION = (
     "anyway) or forward only `loss(E, C, y)` with E and C requiring grad as in training "
     "(gradient bytes = 0; whatever the forward saves or precomputes for the backward counts). "
     "Inputs E, C, y are allocated before the call; the caching allocator is emptied and the "
-    "peak counter reset right before it. MB = 2^20 bytes."
+    "peak counter reset right before it. MB = MiB = 2^20 bytes."
+)
+PRODUCTS_CHUNK_ROWS = 16384
+PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
+PRODUCTS_DEFINITION = (
+    "the cuBLAS products an exact method computes at least, timed as the providers are: "
+    "forward+backward Z = E @ C.T (bf16 (N, V) out), dE = G @ C and dC = G.T @ E with a "
+    "random bf16 (N, V) G in place of the softmax gradient; forward only Z = E @ C.T. Whole, "
+    f"unless Z and G would take more than {PRODUCTS_MEMORY_SHARE:.0%} of the free device "
+    f"memory: then on chunks of {PRODUCTS_CHUNK_ROWS} rows in one timed call (Z and dE per "
+    "chunk, dC accumulated with addmm_ into one (V, D) buffer). '× products' = a provider's "
+    "ms ÷ the products' ms."
 )
 ERROR_DEFINITION = (
     "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of dE and dC from forward+backward of the mean "
-    "loss, against a float64 reference of the same (bf16-rounded) inputs computed on the "
-    "benchmark device a block of ≤1024 rows at a time (logits, softmax and dE per block; dC "
-    "accumulated in float64), never the full N×V in float64. 'err ratio' = a method's error ÷ "
-    "torch eager's error in the input dtype (F.cross_entropy(F.linear(E, C).float(), y)), "
-    "given as dE / dC."
+    "loss, against a float64 reference of the same (bf16-rounded) inputs and soft-cap, computed "
+    "on the benchmark device a block of ≤1024 rows at a time (logits, softmax and dE per block; "
+    "dC accumulated in float64), never the full N×V in float64. 'err ratio' = a method's error "
+    "÷ torch eager's error in the input dtype (the torch-eager provider), given as dE / dC."
 )
 
 FUSEDLOSS = "fusedloss"
@@ -101,6 +115,9 @@ LIGER = "liger"
 
 # ----------------------------------------------------------------------------- cases
 
+# The cost floors of docs/design.md: FLOPs per N·V·D, divided by the matmul rate R.
+FLOORS = {"forward": 2, "backward_unskipped": 6, "forward_backward_unskipped": 8}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -111,15 +128,12 @@ class Case:
 
     @property
     def key(self) -> str:
-        return f"{self.shape.name} {self.regime} {self.mode}"
+        return f"{self.shape.name} {self.regime} N={self.n} {self.mode}"
 
     @property
     def label(self) -> str:
         mode = ", forward only" if self.mode == "fwd" else ""
-        return (
-            f"{self.shape.name} ({self.shape.vocab_size}, {self.shape.hidden_size}) "
-            f"{self.regime}{mode}"
-        )
+        return f"{self.shape.label} {self.regime}, N {self.n}{mode}"
 
     @property
     def with_backward(self) -> bool:
@@ -128,12 +142,7 @@ class Case:
     def floors_ms(self, tflops: float) -> dict[str, float]:
         """Cost floors of docs/design.md at a matmul rate of ``tflops``: 2NVD/R, 6NVD/R, 8NVD/R."""
         nvd = self.n * self.shape.vocab_size * self.shape.hidden_size
-        to_ms = 1e3 / (tflops * 1e12)
-        return {
-            "forward": 2 * nvd * to_ms,
-            "backward_unskipped": 6 * nvd * to_ms,
-            "forward_backward_unskipped": 8 * nvd * to_ms,
-        }
+        return {floor: flops * nvd * 1e3 / (tflops * 1e12) for floor, flops in FLOORS.items()}
 
     def floor_ms(self, tflops: float) -> float:
         """The floor this case's time is compared with (no skipping for fwd+bwd)."""
@@ -145,16 +154,17 @@ def select_cases(
     shapes: Sequence[str] | None,
     regimes: Sequence[str] | None,
     modes: Sequence[str] | None,
-    n: int,
+    ns: Sequence[int],
     quick: bool,
     trained_lm: str | None = None,
 ) -> list[Case]:
-    """The default case list, or the product of the chosen shapes × regimes × modes.
+    """The default cases, or the product of the chosen shapes × regimes × modes; each at
+    every N of ``ns``, in the order they run (shape, regime, N, then mode).
 
     An axis left unchosen while another is chosen defaults to: every shape, "peaked",
-    "fwd+bwd". The "trained" regime is one case per mode at the trained model's own head
-    (``trained_lm``: its file or directory, else ``$FUSEDLOSS_TRAINED_LM``), its first
-    min(n, N) rows, whatever the shapes chosen.
+    "fwd+bwd". The "trained" regime is one case per N and mode at the trained model's own
+    head (``trained_lm``: its file or directory, else ``$FUSEDLOSS_TRAINED_LM``), its first
+    min(n, rows) rows, whatever the shapes chosen.
     """
     if shapes is None and regimes is None and modes is None:
         triples = list(DEFAULT_CASES)
@@ -165,17 +175,20 @@ def select_cases(
             for r in (regimes or ["peaked"])
             for m in (modes or ["fwd+bwd"])
         ]
-    cases = []
+    cases = {}  # (shape, regime, N) → its cases, so that a group's cases stay together
     for shape_name, regime, mode in triples:
         if regime == TRAINED_REGIME:
-            continue  # its shape is the trained model's: one case per mode, below
+            continue  # its shape is the trained model's: below
         shape = LM_HEAD_SHAPES[shape_name]
-        cases.append(Case(quick_shape(shape) if quick else shape, regime, mode, n))
+        for n in ns:
+            cases.setdefault((shape_name, regime, n), []).append(
+                Case(quick_shape(shape) if quick else shape, regime, mode, n))
     if TRAINED_REGIME in (regimes or ()):
-        shape = trained_shape(trained_lm)
-        rows = min(n, trained_rows(trained_lm))
-        cases += [Case(shape, TRAINED_REGIME, m, rows) for m in (modes or ["fwd+bwd"])]
-    return cases
+        shape, rows = trained_shape(trained_lm), trained_rows(trained_lm)
+        for n in dict.fromkeys(min(n, rows) for n in ns):
+            cases[shape.name, TRAINED_REGIME, n] = [
+                Case(shape, TRAINED_REGIME, m, n) for m in (modes or ["fwd+bwd"])]
+    return [case for group in cases.values() for case in group]
 
 
 # ----------------------------------------------------------------------------- reference
@@ -189,13 +202,20 @@ class Reference:
 
 
 def reference_float64(
-    hidden: Tensor, classifier: Tensor, labels: Tensor, with_grads: bool, rows_per_chunk: int = 0
+    hidden: Tensor,
+    classifier: Tensor,
+    labels: Tensor,
+    with_grads: bool,
+    rows_per_chunk: int = 0,
+    softcap: float | None = None,
 ) -> Reference:
-    """Mean cross-entropy of ``hidden @ classifier.T`` and its gradients, in float64.
+    """Mean cross-entropy of ``hidden @ classifier.T`` (soft-capped: ``s·tanh(z/s)`` for
+    ``softcap`` s) and its gradients, in float64.
 
     Works a block of rows at a time so that at most ``rows × V`` float64 logits exist
-    (default: ≤1024 rows and ≤2 GiB of logits): logits → log-sum-exp → softmax − one-hot
-    in place → dE of the block, dC accumulated over blocks.
+    (default: ≤1024 rows and ≤2 GiB of logits; twice that with a soft-cap, whose slope
+    1 − tanh² is kept): logits → log-sum-exp → softmax − one-hot in place (× the slope) →
+    dE of the block, dC accumulated over blocks.
     """
     n, _ = hidden.shape
     vocab = classifier.shape[0]
@@ -210,6 +230,11 @@ def reference_float64(
         block = hidden[start:stop].detach().to(torch.float64)
         block_labels = labels[start:stop]
         logits = block @ classifier64.T
+        slope = None
+        if softcap is not None:
+            slope = torch.tanh(logits.div_(softcap))
+            torch.mul(slope, softcap, out=logits)
+            slope.square_().neg_().add_(1.0)  # d cap(z) / dz = 1 − tanh²(z/s)
         lse = torch.logsumexp(logits, dim=1)
         total += (lse - logits.gather(1, block_labels[:, None]).squeeze(1)).sum()
         if with_grads:
@@ -217,9 +242,11 @@ def reference_float64(
             rows = torch.arange(stop - start, device=hidden.device)
             probabilities[rows, block_labels] -= 1.0
             probabilities /= n
+            if slope is not None:
+                probabilities *= slope
             grad_hidden[start:stop] = probabilities @ classifier64
             grad_classifier.addmm_(probabilities.T, block)
-        del logits, lse, block
+        del logits, lse, block, slope
     return Reference(float(total) / n, grad_hidden, grad_classifier)
 
 
@@ -233,10 +260,14 @@ class Yardstick:
 
 
 def measure_yardstick(
-    hidden: Tensor, classifier: Tensor, labels: Tensor, reference: Reference
+    hidden: Tensor,
+    classifier: Tensor,
+    labels: Tensor,
+    reference: Reference,
+    softcap: float | None = None,
 ) -> Yardstick:
     try:
-        loss = torch_eager_loss(hidden, classifier, labels)
+        loss = torch_eager_loss(hidden, classifier, labels, softcap)
         grad_hidden, grad_classifier = torch.autograd.grad(loss, (hidden, classifier))
         del loss
         return Yardstick(
@@ -245,6 +276,86 @@ def measure_yardstick(
         )
     except Exception as error:  # an OOM here must not end the run
         return Yardstick(note=f"torch eager yardstick unavailable: {common.describe_error(error)}")
+
+
+# ----------------------------------------------------------------------------- products
+
+
+@dataclass
+class Products:
+    """The products yardstick of one case (:data:`PRODUCTS_DEFINITION`)."""
+
+    ms: float | None = None
+    rows_per_chunk: int | None = None  # N when timed whole
+    method: str = ""  # "whole" or "16 chunks of 16384 rows"
+    note: str = ""  # why it is missing
+
+
+def products_chunk_rows(
+    n: int, vocab: int, with_backward: bool, element_size: int, device: torch.device
+) -> int:
+    """Rows per chunk of the products: N while the (N, V) Z (and G) take at most
+    :data:`PRODUCTS_MEMORY_SHARE` of the free device memory, else :data:`PRODUCTS_CHUNK_ROWS`."""
+    if n <= PRODUCTS_CHUNK_ROWS or not common.uses_cuda(device):
+        return n
+    needed = (2 if with_backward else 1) * n * vocab * element_size
+    free, _ = torch.cuda.mem_get_info(device)
+    return n if needed <= PRODUCTS_MEMORY_SHARE * free else PRODUCTS_CHUNK_ROWS
+
+
+def products_function(
+    hidden: Tensor, classifier: Tensor, with_backward: bool, rows_per_chunk: int
+) -> Callable[[], None]:
+    """One call = the products of :data:`PRODUCTS_DEFINITION` over all N rows, taken
+    ``rows_per_chunk`` rows at a time; the output buffers and G are allocated here, once."""
+    e, c = hidden.detach(), classifier.detach()
+    n, vocab = e.shape[0], c.shape[0]
+    rows = min(n, rows_per_chunk)
+    z = e.new_empty(rows, vocab)
+    if with_backward:
+        generator = torch.Generator(device=e.device).manual_seed(0)
+        g = e.new_empty(rows, vocab).normal_(generator=generator)  # no zeros: a dense gradient
+        grad_hidden, grad_classifier = torch.empty_like(e), torch.empty_like(c)
+
+    def products() -> None:
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            e_chunk = e[start:stop]
+            torch.mm(e_chunk, c.T, out=z[: stop - start])
+            if with_backward:
+                g_chunk = g[: stop - start]
+                torch.mm(g_chunk, c, out=grad_hidden[start:stop])
+                if start == 0:
+                    torch.mm(g_chunk.T, e_chunk, out=grad_classifier)
+                else:
+                    grad_classifier.addmm_(g_chunk.T, e_chunk)
+
+    return products
+
+
+def time_products(
+    hidden: Tensor,
+    classifier: Tensor,
+    with_backward: bool,
+    timing: TimingSettings,
+    rows_per_chunk: int | None = None,
+) -> Products:
+    """Median ms of :func:`products_function` (``rows_per_chunk`` default:
+    :func:`products_chunk_rows`); an error (out of memory) leaves ``ms`` None with a note."""
+    n, device = hidden.shape[0], hidden.device
+    rows = rows_per_chunk or products_chunk_rows(
+        n, classifier.shape[0], with_backward, hidden.element_size(), device)
+    chunks = -(-n // rows)
+    result = Products(
+        rows_per_chunk=rows, method="whole" if chunks == 1 else f"{chunks} chunks of {rows} rows")
+    try:
+        result.ms = common.median_ms(
+            products_function(hidden, classifier, with_backward, rows), device, timing)
+    except Exception as error:  # an OOM here must not end the run
+        result.note = f"products not timed: {common.describe_error(error)}"
+    if common.uses_cuda(device):
+        torch.cuda.empty_cache()  # G and the outputs, freed with the function, leave the cache
+    return result
 
 
 # ----------------------------------------------------------------------------- results
@@ -262,6 +373,7 @@ class ProviderResult(common.ProviderResultBase):
     ratio_hidden: float | None = None  # err_hidden ÷ torch-bf16's
     ratio_classifier: float | None = None
     times_floor: float | None = None  # ms ÷ the case's floor
+    times_products: float | None = None  # ms ÷ the case's products
     tiles_skipped: float | None = None  # fusedloss's Triton backward: share of tiles skipped
 
 
@@ -272,6 +384,7 @@ class CaseResult:
     reference_loss: float | None
     yardstick: Yardstick
     results: dict[str, ProviderResult] = field(default_factory=dict)
+    products: Products = field(default_factory=Products)
 
 
 def run_provider(
@@ -282,13 +395,14 @@ def run_provider(
     yardstick: Yardstick,
     timing: TimingSettings,
     floor_ms: float | None,
+    products_ms: float | None = None,
 ) -> ProviderResult:
     """Check, measure memory, and time one provider on one case."""
     hidden, classifier, labels = inputs
     device = hidden.device
     result = ProviderResult(provider.key, provider.display_name())
     try:
-        loss_fn = provider.build(device)
+        loss_fn = provider.build(device, case.shape.softcap)
     except Unavailable as error:
         result.status = NOT_INSTALLED if provider.is_peer else UNAVAILABLE
         result.note = str(error)
@@ -297,6 +411,12 @@ def run_provider(
 
     def forward() -> Tensor:
         return loss_fn(hidden, classifier, labels)
+
+    def forward_only() -> Tensor:
+        # evaluation: no autograd graph (a loss that forms its gradient in the forward when
+        # gradients are wanted must not do so here)
+        with torch.no_grad():
+            return forward()
 
     def forward_backward() -> tuple[Tensor, ...]:
         return torch.autograd.grad(loss_fn(hidden, classifier, labels), (hidden, classifier))
@@ -308,11 +428,13 @@ def run_provider(
             gradient_bytes = (hidden.numel() + classifier.numel()) * hidden.element_size()
             result.peak_extra_mib = common.peak_extra_mib(forward_backward, device, gradient_bytes)
         else:
-            result.peak_extra_mib = common.peak_extra_mib(forward, device)
-        timed = forward_backward if case.with_backward else forward
+            result.peak_extra_mib = common.peak_extra_mib(forward_only, device)
+        timed = forward_backward if case.with_backward else forward_only
         result.ms = common.median_ms(timed, device, timing)
         if floor_ms:
             result.times_floor = result.ms / floor_ms
+        if products_ms:
+            result.times_products = result.ms / products_ms
     return result
 
 
@@ -368,9 +490,9 @@ def run_cases(
 ) -> list[CaseResult]:
     """Run every provider on every case; cases sharing inputs share one reference."""
     case_results: list[CaseResult] = []
-    groups: dict[tuple[str, str], list[Case]] = {}
+    groups: dict[tuple[str, str, int], list[Case]] = {}
     for case in cases:
-        groups.setdefault((case.shape.name, case.regime), []).append(case)
+        groups.setdefault((case.shape.name, case.regime, case.n), []).append(case)
     for group in groups.values():
         first = group[0]
         if first.regime == TRAINED_REGIME:
@@ -378,25 +500,22 @@ def run_cases(
                 trained_lm, device=device, dtype=dtype, n=first.n)
         else:
             hidden, classifier, labels = make_lm_head_inputs(
-                first.n,
-                first.shape.vocab_size,
-                first.shape.hidden_size,
-                first.regime,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-            )
+                first.n, first.shape.vocab_size, first.shape.hidden_size, first.regime,
+                dtype=dtype, device=device, seed=seed)
         hidden.requires_grad_(True)
         classifier.requires_grad_(True)
         with_grads = any(case.with_backward for case in group)
-        reference = reference_float64(hidden, classifier, labels, with_grads)
+        softcap = first.shape.softcap
+        reference = reference_float64(hidden, classifier, labels, with_grads, softcap=softcap)
         yardstick = (
-            measure_yardstick(hidden, classifier, labels, reference) if with_grads else Yardstick()
+            measure_yardstick(hidden, classifier, labels, reference, softcap)
+            if with_grads
+            else Yardstick()
         )
         common.release_memory(device)
         log(
-            f"[{first.shape.name} {first.regime}] V={first.shape.vocab_size} "
-            f"D={first.shape.hidden_size} N={first.n}: reference loss {reference.loss:.4f} "
+            f"[{first.shape.label} {first.regime}, N {first.n}]: reference loss "
+            f"{reference.loss:.4f} "
             f"(log V = {math.log(first.shape.vocab_size):.2f}); torch bf16 error dE "
             f"{common.format_error(yardstick.err_hidden)}, dC "
             f"{common.format_error(yardstick.err_classifier)} {yardstick.note}".rstrip()
@@ -407,7 +526,11 @@ def run_cases(
                 case.floors_ms(tflops),
                 reference.loss,
                 yardstick if case.with_backward else Yardstick(),
+                products=time_products(hidden, classifier, case.with_backward, timing),
             )
+            products = case_result.products
+            log(f"  {case.key:<34} {'products (' + products.method + ')':<34} "
+                f"{common.format_ms(products.ms)} ms {products.note}".rstrip())
             for provider in providers:
                 outcome = run_provider(
                     provider,
@@ -417,10 +540,11 @@ def run_cases(
                     case_result.yardstick,
                     timing,
                     case.floor_ms(tflops),
+                    products.ms,
                 )
                 case_result.results[provider.key] = outcome
                 progress = common.progress_line(outcome, _figures_text)
-                log(f"  {case.key:<28} {outcome.label:<34} {progress}")
+                log(f"  {case.key:<34} {outcome.label:<34} {progress}")
             case_results.append(case_result)
         del hidden, classifier, labels, reference
         common.release_memory(device)
@@ -429,7 +553,8 @@ def run_cases(
 
 def _figures_text(result: ProviderResult) -> str:
     text = (
-        f"{common.format_ms(result.ms)} ms, {common.format_mib(result.peak_extra_mib)} MB, "
+        f"{common.format_ms(result.ms)} ms ({common.format_ratio(result.times_products)}× "
+        f"products), {common.format_mib(result.peak_extra_mib)} MiB, "
         f"loss err {result.loss_error:.1e}"
     )
     if result.err_hidden is not None:
@@ -569,9 +694,10 @@ def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome[T
 
 @dataclass(kw_only=True)
 class RunInfo(common.RunInfoBase):
-    """Everything about a run that is not a per-case figure: the shared settings, then N."""
+    """Everything about a run that is not a per-case figure: the shared settings, then the
+    token counts N."""
 
-    n: int
+    n: list[int]
 
 
 def _error_cell(result: ProviderResult | None) -> str:
@@ -604,7 +730,7 @@ def render_markdown(
         ]
     header_rows = [
         *common.environment_rows(env, info.peer_versions),
-        ("N, dtype, seed", f"{info.n} tokens, {info.dtype}, seed {info.seed}"),
+        ("N, dtype, seed", f"{', '.join(map(str, info.n))} tokens, {info.dtype}, seed {info.seed}"),
         common.matmul_row(info.matmul),
         (
             "timing",
@@ -613,6 +739,7 @@ def render_markdown(
             if common.uses_cuda(env["device"])
             else common.WALL_CLOCK_TIMING,
         ),
+        ("products", PRODUCTS_DEFINITION),
         ("memory", MEMORY_DEFINITION),
         ("gradient error", ERROR_DEFINITION),
         (
@@ -628,15 +755,12 @@ def render_markdown(
     lines += [
         "## Time and memory",
         "",
-        "Median ms / peak MB above inputs and gradient buffers, forward+backward unless marked.",
+        "Median ms / peak MiB above inputs and gradient buffers (× products), forward+backward "
+        "and forward only side by side; 'products' is the ms of the cuBLAS products alone.",
+        "",
+        _time_table(case_results, columns),
         "",
     ]
-    rows = [
-        [cr.case.label]
-        + [common.time_and_memory_cell(cr.results.get(key), "") for key, _ in columns]
-        for cr in case_results
-    ]
-    lines += [common.markdown_table(["case (V, D)"] + [lbl for _, lbl in columns], rows), ""]
 
     backward_cases = [cr for cr in case_results if cr.case.with_backward]
     if backward_cases:
@@ -670,16 +794,14 @@ def render_markdown(
         "",
     ]
     rows = [
-        [
-            cr.case.label,
-            common.format_ms(cr.floors_ms["forward"]),
-            common.format_ms(cr.floors_ms["backward_unskipped"]),
-            common.format_ms(cr.floors_ms["forward_backward_unskipped"]),
-            common.fastest_cell(cr.results.values()),
-        ]
+        [cr.case.label]
+        + [common.format_ms(cr.floors_ms[floor]) for floor in FLOORS]
+        + [f"{common.format_ms(cr.products.ms)} ({cr.products.method})",
+           common.fastest_cell(cr.results.values())]
         for cr in case_results
     ]
-    headers = ["case (V, D)", "fwd 2NVD/R", "bwd 6NVD/R", "fwd+bwd 8NVD/R", "fastest measured"]
+    headers = ["case (V, D)", "fwd 2NVD/R", "bwd 6NVD/R", "fwd+bwd 8NVD/R", "products (timed)",
+               "fastest measured"]
     lines += [common.markdown_table(headers, rows), ""]
 
     lines += common.targets_section(
@@ -687,49 +809,50 @@ def render_markdown(
     )
 
     lines += ["## All figures", ""]
-    rows = []
-    for cr in case_results:
-        for result in cr.results.values():
-            rows.append(
-                [
-                    cr.case.key,
-                    result.label,
-                    result.status,
-                    common.format_ms(result.ms),
-                    common.format_ratio(result.times_floor),
-                    common.format_mib(result.peak_extra_mib),
-                    *common.loss_cells(result),
-                    common.format_error(result.err_hidden),
-                    common.format_error(result.err_classifier),
-                    _ratio_cell(result),
-                    _skipped_cell(result),
-                    result.note,
-                ]
-            )
-    headers = [
-        "case",
-        "provider",
-        "status",
-        "ms",
-        "× floor",
-        "MB",
-        "loss",
-        "|loss − ref|",
-        "dE err",
-        "dC err",
-        "err ratio dE / dC",
-        "tiles skipped",
-        "note",
-    ]
-    lines += [common.markdown_table(headers, rows), ""]
-    ref_rows = [
-        [cr.case.key, f"{cr.reference_loss:.5f}"]
+    rows = [
+        [cr.case.key, result.label, result.status, common.format_ms(result.ms),
+         common.format_ratio(result.times_products), common.format_ratio(result.times_floor),
+         common.format_mib(result.peak_extra_mib), *common.loss_cells(result),
+         common.format_error(result.err_hidden), common.format_error(result.err_classifier),
+         _ratio_cell(result), _skipped_cell(result), result.note]
         for cr in case_results
-        if cr.reference_loss is not None
+        for result in cr.results.values()
     ]
+    headers = ["case", "provider", "status", "ms", "× products", "× floor", "MiB", "loss",
+               "|loss − ref|", "dE err", "dC err", "err ratio dE / dC", "tiles skipped", "note"]
+    lines += [common.markdown_table(headers, rows), ""]
+    ref_rows = [[cr.case.key, f"{cr.reference_loss:.5f}"]
+                for cr in case_results if cr.reference_loss is not None]
     lines += [common.markdown_table(["case", "float64 reference loss"], ref_rows), ""]
     lines += common.closing_sections(info.calls, info.notes)
     return "\n".join(lines)
+
+
+def _time_table(case_results: Sequence[CaseResult], columns: Sequence[tuple[str, str]]) -> str:
+    """One row per head, regime and N; per mode, the products' ms then every provider's
+    ``ms / MiB (×products)``."""
+    rows: dict[tuple[str, str, int], dict[str, CaseResult]] = {}
+    for cr in case_results:
+        rows.setdefault((cr.case.shape.label, cr.case.regime, cr.case.n), {})[cr.case.mode] = cr
+    modes = [mode for mode in MODES if any(cr.case.mode == mode for cr in case_results)]
+
+    def cell(result: ProviderResult | None) -> str:
+        text = common.time_and_memory_cell(result, "")
+        if result is not None and result.times_products is not None:
+            text += f" ({result.times_products:.2f}×)"
+        return text
+
+    body = []
+    for (head, regime, n), by_mode in rows.items():
+        row = [head, regime, str(n)]
+        for mode in modes:
+            cr = by_mode.get(mode)
+            row.append(common.format_ms(cr.products.ms) if cr else "")
+            row += [cell(cr.results.get(key) if cr else None) for key, _ in columns]
+        body.append(row)
+    labels = ["products", *(label for _, label in columns)]
+    headers = ["head (V, D)", "regime", "N"] + [f"{m}: {lbl}" for m in modes for lbl in labels]
+    return common.markdown_table(headers, body)
 
 
 def _skipped_cell(result: ProviderResult) -> str:
@@ -744,18 +867,15 @@ def results_json(
         "suite": NAME,
         "environment": info.environment,
         "settings": {
-            "n": info.n,
-            "dtype": info.dtype,
-            "seed": info.seed,
-            "quick": info.quick,
-            "warmup_ms": info.timing.warmup_ms,
-            "rep_ms": info.timing.rep_ms,
+            "n": info.n, "dtype": info.dtype, "seed": info.seed, "quick": info.quick,
+            "warmup_ms": info.timing.warmup_ms, "rep_ms": info.timing.rep_ms,
             "providers": info.providers,
         },
         "matmul": info.matmul,
         "peer_versions": info.peer_versions,
         "definitions": {
             "memory": MEMORY_DEFINITION,
+            "products": PRODUCTS_DEFINITION,
             "gradient_error": ERROR_DEFINITION,
             "floors": "forward 2NVD/R, backward unskipped 6NVD/R, forward+backward 8NVD/R",
             "check": f"|loss − ref| ≤ {LOSS_TOLERANCE}·max(1, |ref|) and dE, dC relative "
@@ -763,20 +883,14 @@ def results_json(
         },
         "cases": [
             {
-                "case": cr.case.key,
-                "shape": cr.case.shape.name,
-                "vocab_size": cr.case.shape.vocab_size,
-                "hidden_size": cr.case.shape.hidden_size,
-                "n": cr.case.n,
-                "regime": cr.case.regime,
-                "mode": cr.case.mode,
-                "floors_ms": cr.floors_ms,
+                "case": cr.case.key, "shape": cr.case.shape.name,
+                "vocab_size": cr.case.shape.vocab_size, "hidden_size": cr.case.shape.hidden_size,
+                "softcap": cr.case.shape.softcap, "n": cr.case.n, "regime": cr.case.regime,
+                "mode": cr.case.mode, "floors_ms": cr.floors_ms, "products": asdict(cr.products),
                 "reference_loss": cr.reference_loss,
-                "torch_bf16_error": {
-                    "dE": cr.yardstick.err_hidden,
-                    "dC": cr.yardstick.err_classifier,
-                    "note": cr.yardstick.note,
-                },
+                "torch_bf16_error": {"dE": cr.yardstick.err_hidden,
+                                     "dC": cr.yardstick.err_classifier,
+                                     "note": cr.yardstick.note},
                 "results": [asdict(r) for r in cr.results.values()],
             }
             for cr in case_results
@@ -790,29 +904,27 @@ def results_json(
 def short_tables(
     case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
 ) -> str:
-    """The terminal summary: targets, then one line per case and provider."""
+    """The terminal summary: targets, then per case a line for the products and one per
+    provider (ms, peak MiB, × products, × floor, ...)."""
     parts = []
     if outcomes:
-        rows = [
-            [o.status, o.target.case_key, o.target.provider, o.target.description, o.measured]
-            for o in outcomes
-        ]
-        parts += [
-            "targets",
-            common.text_table(["", "case", "provider", "target", "measured"], rows),
-            "",
-        ]
-    rows = [
-        [
-            *common.summary_cells(cr.case.key, result),
-            _ratio_cell(result),
-            _skipped_cell(result),
-            (PASS if result.status == OK else FAIL) if result.measured else "",
-        ]
-        for cr in case_results
-        for result in cr.results.values()
-    ]
-    headers = [*common.SUMMARY_HEADERS, "err ratio dE/dC", "skipped", "check"]
+        rows = [[o.status, o.target.case_key, o.target.provider, o.target.description, o.measured]
+                for o in outcomes]
+        parts += ["targets", common.text_table(["", "case", "provider", "target", "measured"],
+                                               rows), ""]
+    rows = []
+    for cr in case_results:
+        products = f"products ({cr.products.method})"
+        rows.append([cr.case.key, products, common.format_ms(cr.products.ms), "", "1.00", "",
+                     "", "", ""])
+        for result in cr.results.values():
+            case_key, label, ms, mib, times_floor = common.summary_cells(cr.case.key, result)
+            rows.append([
+                case_key, label, ms, mib, common.format_ratio(result.times_products), times_floor,
+                _ratio_cell(result), _skipped_cell(result),
+                (PASS if result.status == OK else FAIL) if result.measured else ""])
+    headers = ["case", "provider", "ms", "MiB", "× products", "× floor", "err ratio dE/dC",
+               "skipped", "check"]
     parts += [common.text_table(headers, rows)]
     return "\n".join(parts)
 
@@ -820,45 +932,39 @@ def short_tables(
 # ----------------------------------------------------------------------------- command line
 
 
+def token_counts(text: str) -> list[int]:
+    """``--n``: a comma list of positive token counts, e.g. ``4096,16384``."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers (4096,16384), got {text!r}")
+    return list(dict.fromkeys(counts))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     provider_keys = list(lm_head_providers())
+    parser.add_argument("--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)),
+                        help=f"comma list of {', '.join(LM_HEAD_SHAPES)}")
     parser.add_argument(
-        "--shapes",
-        type=common.comma_list(list(LM_HEAD_SHAPES)),
-        help=f"comma list of {', '.join(LM_HEAD_SHAPES)}",
-    )
-    parser.add_argument(
-        "--regimes",
-        type=common.comma_list([*REGIMES, TRAINED_REGIME]),
+        "--regimes", type=common.comma_list([*REGIMES, TRAINED_REGIME]),
         help="comma list of peaked, flat, trained (default with --shapes/--modes: peaked); "
         "trained: the hidden states, head and targets of a small GPT trained on real text, "
-        "made by `python -m benchmarks.trained_lm --out DIR` (see --trained-lm)",
-    )
-    parser.add_argument(
-        "--trained-lm", default=None,
-        help=f"the trained regime's directory or file (default ${TRAINED_LM_ENV})",
-    )
-    parser.add_argument(
-        "--modes",
-        type=common.comma_list(MODES),
-        help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)",
-    )
-    parser.add_argument(
-        "--providers",
-        type=common.comma_list(provider_keys),
-        default=provider_keys,
-        help=f"comma list of {', '.join(provider_keys)} (default: all)",
-    )
-    parser.add_argument(
-        "--n",
-        type=int,
-        default=None,
-        help=f"tokens N (default {DEFAULT_N}; {QUICK_N} with --quick)",
-    )
+        "made by `python -m benchmarks.trained_lm --out DIR` (see --trained-lm)")
+    parser.add_argument("--trained-lm", default=None, help="the trained regime's directory or "
+                        f"file (default ${TRAINED_LM_ENV})")
+    parser.add_argument("--modes", type=common.comma_list(MODES), help="comma list of fwd+bwd, "
+                        "fwd (default with --shapes/--regimes: fwd+bwd)")
+    parser.add_argument("--providers", type=common.comma_list(provider_keys),
+                        default=provider_keys,
+                        help=f"comma list of {', '.join(provider_keys)} (default: all)")
+    parser.add_argument("--n", type=token_counts, default=None,
+                        help="comma list of token counts N, e.g. 4096,16384 (default "
+                        f"{DEFAULT_N}; {QUICK_N} with --quick)")
     common.add_dtype_seed_arguments(parser)
     common.add_quick_device_timing_arguments(
-        parser, "tiny shapes and short timing: a smoke test that also runs on CPU"
-    )
+        parser, "tiny shapes and short timing: a smoke test that also runs on CPU")
     common.add_matmul_output_arguments(parser)
 
 
@@ -868,7 +974,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         log("the lm-head suite needs a CUDA device at full size; use --quick for a CPU smoke run")
         return 2
     quick = bool(args.quick)
-    n = args.n or (QUICK_N if quick else DEFAULT_N)
+    ns = args.n or [QUICK_N if quick else DEFAULT_N]
     dtype = common.parse_dtype(args.dtype)
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
     notes: list[str] = [common.QUICK_NOTE] if quick else []
@@ -878,28 +984,21 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     all_providers = lm_head_providers()
     providers = [all_providers[key] for key in args.providers]
     try:
-        cases = select_cases(args.shapes, args.regimes, args.modes, n, quick, args.trained_lm)
+        cases = select_cases(args.shapes, args.regimes, args.modes, ns, quick, args.trained_lm)
     except FileNotFoundError as error:
         log(str(error))
         return 2
     environment = common.collect_environment(device)
     log(
         f"lm-head on {environment['device_name']}: torch {environment['torch']}, "
-        f"triton {environment['triton']}, N={n}, {common.dtype_name(dtype)}"
+        f"triton {environment['triton']}, N={','.join(map(str, ns))}, "
+        f"{common.dtype_name(dtype)}, {len(cases)} cases"
     )
     matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, log)
 
     case_results = run_cases(
-        cases,
-        providers,
-        device=device,
-        dtype=dtype,
-        seed=args.seed,
-        timing=timing,
-        tflops=matmul["tflops"],
-        log=log,
-        trained_lm=args.trained_lm,
-    )
+        cases, providers, device=device, dtype=dtype, seed=args.seed, timing=timing,
+        tflops=matmul["tflops"], log=log, trained_lm=args.trained_lm)
     outcomes = evaluate_targets(case_results)
 
     calls: dict[str, str] = {}
@@ -911,36 +1010,22 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         if cr.yardstick.note:
             notes.append(f"{cr.case.key}: {cr.yardstick.note}")
     info = RunInfo(
-        environment=environment,
-        matmul=matmul,
-        n=n,
-        dtype=common.dtype_name(dtype),
-        seed=args.seed,
-        quick=quick,
-        timing=timing,
-        providers=list(args.providers),
-        peer_versions={
-            name: common.package_version(name) for name in ("cut-cross-entropy", "liger-kernel")
-        },
-        calls=calls,
-        notes=notes,
-    )
+        environment=environment, matmul=matmul, n=ns, dtype=common.dtype_name(dtype),
+        seed=args.seed, quick=quick, timing=timing, providers=list(args.providers),
+        peer_versions={name: common.package_version(name)
+                       for name in ("cut-cross-entropy", "liger-kernel")},
+        calls=calls, notes=notes)
     common.report_results(
-        args.out,
-        RESULTS_PREFIX,
-        args.tag,
-        info,
+        args.out, RESULTS_PREFIX, args.tag, info,
         markdown=render_markdown(info, case_results, outcomes),
         payload=results_json(info, case_results, outcomes),
-        tables=short_tables(case_results, outcomes),
-        log=log,
-    )
+        tables=short_tables(case_results, outcomes), log=log)
     return 0
 
 
 SUITE = Suite(
     name=NAME,
-    help="linear cross-entropy of an LM head (gemma2-2b, llama3-8b, phi3.5 shapes)",
+    help="linear cross-entropy of an LM head (llama3, qwen2.5, gemma2, phi3.5 shapes)",
     add_arguments=add_arguments,
     run=run,
 )

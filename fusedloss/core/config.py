@@ -37,6 +37,22 @@ class TileConfig:
         return self.gemm_stages or self.num_stages
 
 
+# The LM head's training path (``core.chunked_logits``) holds one chunk of logits, rows × V in
+# the input dtype, of at most this many bytes: 4096 rows of a 128256-row head in bf16, 2048 of a
+# 256000-row one.
+LM_HEAD_CHUNK_BYTES = 2**30
+
+
+def lm_head_chunk_rows(n: int, v: int, element_size: int) -> int:
+    """Rows per chunk of the LM head's training path for N rows of a V-row head: all N when
+    they fit in ``LM_HEAD_CHUNK_BYTES``, else the most that do, rounded down to a multiple of
+    128 (at least 1)."""
+    rows = LM_HEAD_CHUNK_BYTES // (element_size * v)
+    if rows >= n:
+        return n
+    return max(1, rows // 128 * 128 if rows >= 128 else rows)
+
+
 @functools.cache
 def interpreting() -> bool:
     """True when Triton kernels run through Triton's CPU interpreter. Read once: Triton itself

@@ -199,19 +199,15 @@ def linear_cross_entropy(
             t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
         order = resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
                                      backend, wants_grad)
-        chunk = None
         if (backend == "triton" and wants_grad and reduction != "none" and not return_lse
                 and eps is None and order is None):
-            chunk = ops.grad_in_forward_chunk(a, linear_weight.shape[0])
-        if chunk is not None:
-            # Many rows: the gradient in the forward, from chunks of held logits.
-            return ops.linear_cross_entropy_grad_in_forward(
+            # Training: three products per chunk of rows, the gradient formed in the forward.
+            return ops.linear_cross_entropy_chunked(
                 a, linear_weight, flat_target, linear_bias,
                 weight.float() if weight is not None else None, int(ignore_index),
                 float(label_smoothing), None if softcap is None else float(softcap),
                 float(z_loss), reduction == "mean", input.requires_grad,
-                linear_weight.requires_grad, linear_bias is not None and linear_bias.requires_grad,
-                chunk)
+                linear_weight.requires_grad, linear_bias is not None and linear_bias.requires_grad)
         loss_tok, lse, *_ = ops.linear_cross_entropy(
             a, linear_weight, flat_target, linear_bias,
             weight.to(acc) if weight is not None else None, order, int(ignore_index),

@@ -10,6 +10,8 @@ validates arguments, shapes the inputs and reduces the per-row losses around the
 plain traceable PyTorch.
 
     fusedloss::linear_cross_entropy / _backward    (ops/cross_entropy.py)
+    fusedloss::linear_cross_entropy_chunked        (the LM head's training path: a reduced
+                                                    loss, its gradients formed in the forward)
     fusedloss::contrastive / _backward             (ops/contrastive.py: CLIP, InfoNCE, NT-Xent,
                                                     SigLIP)
 

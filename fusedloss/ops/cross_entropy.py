@@ -8,6 +8,10 @@ exactly 0.
 ``fusedloss::linear_cross_entropy`` returns the per-token losses and LSEs with the statistics
 the backward reads (the compact row order, the row LSE parts, the target logits, the per-tile
 masses); ``fusedloss::linear_cross_entropy_backward`` takes them with the upstream gradients.
+
+``fusedloss::linear_cross_entropy_chunked`` is the training path of a reduced loss: three
+matrix products per chunk of rows (``core.chunked_logits``), the gradients formed in the
+forward and scaled by the loss's upstream gradient in the backward.
 """
 
 import torch
@@ -262,45 +266,20 @@ def _to_original_order(values: Tensor, rows: Rows) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The gradient in the forward (``core.chunked_logits``): many rows, a reduced loss.
+# The training path (``core.chunked_logits``): a reduced loss whose gradient the forward forms.
 
 
-def grad_in_forward_chunk(input: Tensor, v: int) -> int | None:
-    """Rows per chunk when a reduced loss of ``input``'s rows (N, D) on a V-row head computes
-    its gradient in the forward (``core.chunked_logits``), else None. The path may hold what
-    the engine's backward would: its dX scratch (``scratch_bytes``), its fp32 dA accumulator
-    (one block of rows, ``backward_row_chunk``) and, beyond one block, an fp32 dB
-    (``chunked_logits.chunk_rows`` turns that into a chunk). In bf16 that is every step of a
-    128256- or 256000-row head from 131072 rows on (32 × 4096 tokens; 4096- and 1792-row
-    chunks at D = 2048 / 2304), and small problems, whose logits fit in the engine's 64 MiB
-    scratch. ``FUSEDLOSS_GRAD_IN_FORWARD`` = 1 / 0 forces it on / off;
-    ``FUSEDLOSS_CHUNK_ROWS`` sets the rows where it is taken."""
-    n, d = input.shape
-    forced = chunked_logits.forced()
-    if forced is False:
-        return None
-    block = backward_row_chunk(input) or n
-    budget = ((scratch_bytes(input) or 2**26) + 4 * min(n, block) * d
-              + (4 * v * d if n > block else 0))
-    rows = chunked_logits.chunk_rows(n, v, d, budget)
-    if rows is None:
-        if not forced:
-            return None
-        rows = min(n, chunked_logits.MIN_CHUNK_ROWS)
-    return chunked_logits.rows_override() or rows
-
-
-def linear_cross_entropy_grad_in_forward(*args) -> Tensor:
-    """The reduced loss (() fp32) of ``forward_grad_in_forward``'s arguments, with its autograd:
-    the gradients are computed in the forward and scaled by the loss's upstream gradient in
-    the backward."""
+def linear_cross_entropy_chunked(*args) -> Tensor:
+    """The reduced loss (() fp32) of ``forward_chunked``'s arguments, with its autograd: the
+    gradients are computed in the forward and scaled by the loss's upstream gradient in the
+    backward."""
     if torch.compiler.is_compiling():
-        return grad_in_forward_op(*args)[0]
-    return _EagerGradInForward.apply(*args)[0]
+        return chunked_op(*args)[0]
+    return _EagerChunked.apply(*args)[0]
 
 
 @without_autocast
-def forward_grad_in_forward(
+def forward_chunked(
     input: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
     target: Tensor,  # (N,) int64: class ids in [0, V), or ignore_index
@@ -314,35 +293,54 @@ def forward_grad_in_forward(
     need_input: bool,
     need_weight: bool,
     need_bias: bool,
-    chunk_rows: int,  # rows per chunk of logits (``grad_in_forward_chunk``)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(the loss () fp32, d input (N, D), d weight (V, D) fp32, d bias (V,) fp32) for an
     upstream gradient of 1; each gradient an empty tensor when not asked for. "mean" divides
     by the valid tokens' count or summed class weights (a batch with none gives 0).
 
-    Raises ValueError for a target outside [0, V) other than ``ignore_index``."""
+    Raises ValueError for a target outside [0, V) other than ``ignore_index``, once the work
+    is queued (such rows compute NaN, never out of bounds), so that the one wait for the GPU
+    leaves it busy."""
     a, b = row_major(input), row_major(weight)
-    rows, compact_target, target_weight, n_valid, _ = _checked_rows(
-        target, ignore_index, class_weight, b.shape[0])
-    denom = target_weight.sum() if mean else torch.ones((), device=a.device)
-    coef = 1.0 / torch.where(denom == 0, 1.0, denom)
+    v = b.shape[0]
+    if mean:
+        valid = target != ignore_index
+        if class_weight is None:
+            denom = valid.sum().float()
+        else:
+            denom = torch.where(valid, class_weight[target.clamp(0, v - 1)], 0.0).sum()
+        coef = 1.0 / torch.where(denom == 0, 1.0, denom)
+    else:
+        coef = torch.ones((), dtype=_F32, device=a.device)
+    # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.
     loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
-        a, b, bias, rows.index, n_valid, compact_target, target_weight, class_weight, coef,
-        label_smoothing, softcap, z_loss, need_input, need_weight,
-        bias is not None and need_bias, chunk_rows)
+        a, b, None if bias is None else bias.to(a.dtype), target, ignore_index, class_weight,
+        coef, label_smoothing, softcap, z_loss, need_input, need_weight,
+        bias is not None and need_bias)
+    _check_targets(target, ignore_index, v)
     return (loss, grad_a if need_input else nothing(a, (0,)),
             grad_b if need_weight else nothing(a, (0,)),
             grad_bias if grad_bias is not None else nothing(a, (0,)))
 
 
-grad_in_forward_op = torch.library.custom_op(
-    "fusedloss::linear_cross_entropy_grad_in_forward", forward_grad_in_forward, mutates_args=(),
+def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
+    """Raises ValueError for a target outside [0, V) other than ``ignore_index`` (one read of a
+    GPU value; the kernel itself turns such a row into NaN)."""
+    out_of_range = (target != ignore_index) & ((target < 0) | (target >= v))
+    if out_of_range.any():
+        bad = int(target[out_of_range][0])
+        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")
+
+
+chunked_op = torch.library.custom_op(
+    "fusedloss::linear_cross_entropy_chunked", forward_chunked, mutates_args=(),
     tags=CUDAGRAPH_UNSAFE)
 
 
-@grad_in_forward_op.register_fake
+@chunked_op.register_fake
 def _(input, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-      mean, need_input, need_weight, need_bias, chunk_rows):
+      mean, need_input, need_weight, need_bias):
     return (input.new_empty((), dtype=_F32),
             torch.empty_like(input) if need_input else nothing(input, (0,)),
             weight.new_empty(weight.shape, dtype=_F32) if need_weight else nothing(input, (0,)),
@@ -350,7 +348,7 @@ def _(input, weight, target, bias, class_weight, ignore_index, label_smoothing, 
             else nothing(input, (0,)))
 
 
-def _grad_in_forward_setup_context(ctx, inputs, output):
+def _chunked_setup_context(ctx, inputs, output):
     input, weight, _, bias = inputs[:4]
     _, *grads = output
     ctx.mark_non_differentiable(*grads)
@@ -359,9 +357,9 @@ def _grad_in_forward_setup_context(ctx, inputs, output):
     ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
 
 
-def _grad_in_forward_backward(ctx, grad_loss, *_, backward_fn=None):
+def _chunked_backward(ctx, grad_loss, *_, backward_fn=None):
     need_input, need_weight, _, need_bias = ctx.needs_input_grad[:4]
-    nones = [None] * 10
+    nones = [None] * 9
     if grad_loss is None:
         return (None, None, None, None, *nones)
     grad_input, grad_weight, grad_bias = ctx.saved_tensors
@@ -373,20 +371,26 @@ def _grad_in_forward_backward(ctx, grad_loss, *_, backward_fn=None):
 
 def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """grad · scale in fp32, rounded once to ``dtype`` (a bf16 product would round the scale
-    first); in pieces of 2²⁶ elements in eager mode, so that no fp32 copy of a bf16 dA is held."""
-    if grad.dtype == _F32 or torch.compiler.is_compiling():
-        return (grad.float() * scale).to(dtype)
-    out = torch.empty_like(grad, dtype=dtype)
-    flat, flat_out = grad.view(-1), out.view(-1)
-    step = 1 << 26
-    for i in range(0, flat.numel(), step):
-        flat_out[i:i + step] = flat[i:i + step].float() * scale
-    return out
+    first): one Triton pass (``chunked_logits.scaled``), called directly on plain tensors in
+    eager mode and through its op wherever the call is traced."""
+    if torch.compiler.is_compiling() or type(grad) is not Tensor or type(scale) is not Tensor:
+        return scaled_op(grad, scale, dtype)
+    return _scale(grad, scale, dtype)
 
 
-grad_in_forward_op.register_autograd(_grad_in_forward_backward,
-                                     setup_context=_grad_in_forward_setup_context)
+def _scale(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return chunked_logits.scaled(grad.contiguous(), scale.float(), dtype)
 
-_EagerGradInForward = eager_function("_EagerGradInForward", forward_grad_in_forward,
-                                     _grad_in_forward_setup_context, _grad_in_forward_backward,
-                                     None)
+
+scaled_op = torch.library.custom_op("fusedloss::scaled_gradient", _scale, mutates_args=())
+
+
+@scaled_op.register_fake
+def _(grad, scale, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
+chunked_op.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
+
+_EagerChunked = eager_function("_EagerChunked", forward_chunked, _chunked_setup_context,
+                               _chunked_backward, None)
