@@ -706,12 +706,17 @@ def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, monke
 
 def _linear_ce_grads(logits, target, rule, eps, monkeypatch, **options):
     """(dE, dC) of mean linear cross-entropy with E = logits (fp32) and C = I, so that X = E
-    exactly and dE is the logit gradient G itself; the filter under ``rule``."""
+    exactly and dE is the logit gradient G itself; the filter under ``rule``. Per-token losses
+    averaged here: the engine's backward for every ``eps`` (a reduced loss without filtering
+    would take the training path)."""
     monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", rule)
     e = logits.float().to(DEVICE).requires_grad_()
     c = torch.eye(logits.shape[1], device=DEVICE).requires_grad_()
-    fusedloss.linear_cross_entropy(e, c, target.to(DEVICE), filter_eps=eps, backend="triton",
-                                   **options).backward()
+    target = target.to(DEVICE)
+    losses = fusedloss.linear_cross_entropy(e, c, target, filter_eps=eps, backend="triton",
+                                            reduction="none", **options)
+    valid = target != options.get("ignore_index", -100)
+    (losses.sum() / valid.sum()).backward()
     return e.grad.cpu().double(), c.grad.cpu().double()
 
 

@@ -211,7 +211,10 @@ def test_reductions_are_consistent(backend):
     pytest.param(replace(BF16, filter_eps=None, bias=True), id="bf16-exact"),
 ])
 def test_vocab_order_does_not_change_the_result(case):
-    """Any column order gives the natural order's result up to the summation order."""
+    """Any column order gives the natural order's result up to the summation order (per-token
+    losses: the engine, where the order applies; a reduced loss without it would take the
+    training path, whose logits are rounded to the input dtype)."""
+    case = replace(case, reduction="none")
     problem = make_problem(case)
     natural = run_ours(case, problem, "triton", vocab_order=None)
     g = torch.Generator().manual_seed(5)
@@ -272,8 +275,10 @@ def test_filter_eps_filters(monkeypatch, regime):
     use_small_tiles(monkeypatch)
     case = replace(BF16, regime=regime, classes=16, **FILTER_SHAPE)
     problem = make_problem(case)
-    exact = run_ours(replace(case, filter_eps=None), problem, "triton")
-    huge = run_ours(replace(case, filter_eps=1000.0), problem, "triton")
+    # per-token losses: the engine with and without filtering (a reduced loss without it
+    # would take the training path)
+    exact = run_ours(replace(case, filter_eps=None, reduction="none"), problem, "triton")
+    huge = run_ours(replace(case, filter_eps=1000.0, reduction="none"), problem, "triton")
     for name in exact.grads:  # same path, same rounding: any change is a skipped tile
         assert rel_err(huge.grads[name], exact.grads[name]) > 1e-3, (
             f"filter_eps=1000 left grad {name} unchanged: no tile was skipped")
