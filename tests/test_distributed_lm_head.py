@@ -42,8 +42,8 @@ def _problem(case):
 def _options(case, bias, class_weight):
     opts = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"],
                 z_loss=case["z_loss"], softcap=case["softcap"], shift=case["shift"],
-                return_lse=True, backend=case["backend"], ignore_index=IGNORE,
-                filter_eps=None)
+                return_lse=case.get("return_lse", True), backend=case["backend"],
+                ignore_index=IGNORE, filter_eps=None)
     if case["bias"]:
         opts["linear_bias"] = bias
     if case["class_weight"]:
@@ -52,11 +52,12 @@ def _options(case, bias, class_weight):
 
 
 def _upstream(loss, lse):
-    """A backward through both outputs, with uneven weights on the per-token values."""
+    """A backward through both outputs, with uneven weights on the per-token values (without
+    the LSE: the loss scaled, so that its upstream gradient is not 1)."""
     if loss.dim():
         w = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view(loss.shape)
-        return (loss * w).sum() + 0.1 * (lse * w).sum()
-    return loss + 0.1 * lse.sum()
+        return (loss * w).sum() + (0.0 if lse is None else 0.1 * (lse * w).sum())
+    return 0.75 * loss if lse is None else loss + 0.1 * lse.sum()
 
 
 def _shard_case(rank, world, case, device="cpu"):
@@ -70,21 +71,28 @@ def _shard_case(rank, world, case, device="cpu"):
     w = weight[lo:hi].clone().requires_grad_()
     b = bias[lo:hi].clone().requires_grad_()
     opts = _options(case, b, class_weight[lo:hi])
-    if case.get("vocab_order") == "permuted":  # this shard's tiles in another order
+    if case.get("vocab_order") == "permuted" or (case.get("vocab_order") == "rank 1"
+                                                  and rank == 1):  # the shard's tiles reordered
         g = torch.Generator().manual_seed(case["seed"] + rank)
         opts["vocab_order"] = torch.randperm(hi - lo, generator=g).to(dev)
-    loss, lse = fusedloss.linear_cross_entropy(
+    loss, lse = _with_lse(case, fusedloss.linear_cross_entropy(
         h, w, target, process_group=dist.group.WORLD,
-        vocab_start=lo if case.get("starts") else None, **opts)
+        vocab_start=lo if case.get("starts") else None, **opts))
     _upstream(loss, lse).backward()
     return tuple(None if t is None else t.detach().cpu() for t in (
         loss, lse, h.grad, w.grad, b.grad if case["bias"] else None))
 
 
+def _with_lse(case, out):
+    """(loss, lse) of a call, lse None where the case asks for the loss alone."""
+    return out if case.get("return_lse", True) else (out, None)
+
+
 def _check(case, results):
     hidden, weight, bias, class_weight, target = _problem(case)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    loss, lse = fusedloss.linear_cross_entropy(h, w, target, **_options(case, b, class_weight))
+    loss, lse = _with_lse(case, fusedloss.linear_cross_entropy(
+        h, w, target, **_options(case, b, class_weight)))
     _upstream(loss, lse).backward()
     world = len(case["shards"])
     starts = case.get("starts") or [sum(case["shards"][:r]) for r in range(world)]
@@ -93,7 +101,8 @@ def _check(case, results):
     for r, (r_loss, r_lse, r_dh, r_dw, r_db) in enumerate(results):
         lo, hi = starts[r], starts[r] + case["shards"][r]
         torch.testing.assert_close(r_loss, loss.detach(), **value_tol)
-        torch.testing.assert_close(r_lse, lse.detach(), **value_tol)
+        if lse is not None:
+            torch.testing.assert_close(r_lse, lse.detach(), **value_tol)
         for name, got, want in (("d input", r_dh, h.grad), ("d weight", r_dw, w.grad[lo:hi]),
                                 ("d bias", r_db, b.grad[lo:hi] if case["bias"] else None)):
             if want is None:
@@ -152,6 +161,102 @@ def test_explicit_vocab_start(workers):
                 bias=True, class_weight=True, ignored=0.2, backend="torch", seed=3)
     results = all_ok(workers(2).run(_shard_case, case))
     _check(case, results)
+
+
+# ---------------------------------------------------------------------------------------------
+# the training path: a reduced loss with gradients on the Triton backend
+
+
+def _training_case(rank, world, case, device="cpu"):
+    """``_shard_case`` in chunks of ``case["chunk"]`` rows (None: the policy's), counting the
+    calls of the training path's row-statistics launcher (one per chunk)."""
+    from fusedloss.core import chunked_logits, config
+
+    calls = []
+    original, policy = chunked_logits.shard_row_stats, config.lm_head_chunk_rows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    chunked_logits.shard_row_stats = counted
+    if case["chunk"] is not None:
+        config.lm_head_chunk_rows = lambda n, v, element_size: case["chunk"]
+    try:
+        results = _shard_case(rank, world, case, device)
+        return len(calls), results
+    finally:
+        chunked_logits.shard_row_stats, config.lm_head_chunk_rows = original, policy
+
+
+_TRAINING = dict(backend="triton", return_lse=False, ignored=0.3, vocab_order=None)
+TRAINING_CASES = [
+    # rank 0 holds the last rows; a target held by every rank in turn, shifted, weighted
+    dict(_TRAINING, shards=[5, 9], starts=[9, 0], tokens=(2, 8), d=6, dtype="fp32",
+         reduction="mean", label_smoothing=0.1, z_loss=1e-2, softcap=None, shift=True,
+         bias=True, class_weight=True, seed=1, chunk=7),
+    dict(_TRAINING, shards=[4, 1, 7], tokens=(3, 5), d=5, dtype="bf16", reduction="sum",
+         label_smoothing=0.0, z_loss=1e-2, softcap=3.0, shift=False, bias=True,
+         class_weight=False, seed=2, chunk=7),
+    dict(_TRAINING, shards=[6, 3], tokens=(2, 5), d=4, dtype="bf16", reduction="mean",
+         label_smoothing=0.1, z_loss=0.0, softcap=3.0, shift=True, bias=False,
+         class_weight=True, seed=3, chunk=None),
+    dict(_TRAINING, shards=[3, 5, 2, 4], tokens=(1, 9), d=3, dtype="fp32", reduction="sum",
+         label_smoothing=0.1, z_loss=0.0, softcap=None, shift=False, bias=False,
+         class_weight=True, seed=4, chunk=4),
+    # every token ignored: a loss of 0 and zero gradients
+    dict(_TRAINING, shards=[3, 4], tokens=(2, 3), d=4, dtype="fp32", reduction="mean",
+         label_smoothing=0.1, z_loss=1e-2, softcap=None, shift=False, bias=True,
+         class_weight=False, seed=5, chunk=4, ignored=1.0),
+]
+
+
+def _training_id(case):
+    return (f"K{len(case['shards'])}-{case['dtype']}-{case['reduction']}"
+            f"-chunk{case['chunk']}-seed{case['seed']}")
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernels need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", [pytest.param(c, id=_training_id(c)) for c in TRAINING_CASES])
+def test_training_path_equals_whole_head(workers, case):
+    """A reduced loss with gradients takes the training path on every rank, in chunks of rows
+    (one row-statistics launch per chunk), and gives the single-process head's loss and
+    gradients (dE on every rank, each rank's dC and dbias shard), the backward scaled by the
+    loss's upstream gradient."""
+    results = all_ok(workers(len(case["shards"])).run(_training_case, case))
+    n = case["tokens"][0] * case["tokens"][1]
+    chunks = -(-n // (case["chunk"] or n))
+    assert [calls for calls, _ in results] == [chunks] * len(results)
+    _check(case, [result for _, result in results])
+
+
+@pytest.mark.skipif(NCCL_WORLD < 2, reason="needs two or more CUDA GPUs")
+@pytest.mark.parametrize("case", [pytest.param(c, id=_training_id(c)) for c in TRAINING_CASES
+                                  if len(c["shards"]) <= NCCL_WORLD])
+def test_training_path_on_nccl_equals_whole_head(nccl_workers, case):
+    """The same over NCCL, one process per GPU; the reference: one process on the CPU with the
+    torch backend."""
+    results = all_ok(nccl_workers(len(case["shards"])).run(_training_case, case, "cuda"))
+    n = case["tokens"][0] * case["tokens"][1]
+    assert [calls for calls, _ in results] == [-(-n // (case["chunk"] or n))] * len(results)
+    _check(dict(case, backend="torch"), [result for _, result in results])
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernels need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("change", ["return_lse", "none", "vocab_order on rank 1"])
+def test_training_path_only_where_every_rank_can(workers, change):
+    """The per-token loss, the LSE, or a vocab_order on one rank only: the engine on every rank
+    (the two paths' collectives differ), with the same results."""
+    case = dict(TRAINING_CASES[1], chunk=7)
+    if change == "return_lse":
+        case["return_lse"] = True
+    elif change == "none":
+        case["reduction"] = "none"
+    else:
+        case["vocab_order"] = "rank 1"
+    results = all_ok(workers(len(case["shards"])).run(_training_case, case))
+    assert [calls for calls, _ in results] == [0] * len(results)
+    _check(case, [result for _, result in results])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -340,14 +340,24 @@ def test_bf16_model():
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_triton_backend(model_type, triton_available):
     """The kernels (on the GPU, or Triton's interpreter on the CPU) through the integration,
-    default options (filter_eps="auto": exact in fp32)."""
+    default options (filter_eps="auto": exact in fp32): a training step takes the LM head's
+    training path (core.chunked_logits)."""
     if not triton_available:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from fusedloss.core import chunked_logits
+
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device
     ref = make_model(model_type).train().to(device)
     fused = apply_fusedloss(copy.deepcopy(ref), backend="triton")
     inputs = {k: t.to(device) for k, t in batch(b=2, t=8).items()}
-    assert_same(ref, fused, inputs, rtol=1e-4, atol=1e-5)
+    calls = []
+    original = chunked_logits.loss_and_grads
+    chunked_logits.loss_and_grads = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        assert_same(ref, fused, inputs, rtol=1e-4, atol=1e-5)
+    finally:
+        chunked_logits.loss_and_grads = original
+    assert calls == [1]  # a training step takes the LM head's training path
 
 
 def test_auto_class(tmp_path):
