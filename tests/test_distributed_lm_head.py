@@ -191,7 +191,7 @@ def _training_case(rank, world, case, device="cpu"):
 
 _TRAINING = dict(backend="triton", return_lse=False, ignored=0.3, vocab_order=None)
 TRAINING_CASES = [
-    # rank 0 holds the last rows; a target held by every rank in turn, shifted, weighted
+    # rank 0 holds the last rows (vocab_start given)
     dict(_TRAINING, shards=[5, 9], starts=[9, 0], tokens=(2, 8), d=6, dtype="fp32",
          reduction="mean", label_smoothing=0.1, z_loss=1e-2, softcap=None, shift=True,
          bias=True, class_weight=True, seed=1, chunk=7),
@@ -257,6 +257,25 @@ def test_training_path_only_where_every_rank_can(workers, change):
     results = all_ok(workers(len(case["shards"])).run(_training_case, case))
     assert [calls for calls, _ in results] == [0] * len(results)
     _check(case, [result for _, result in results])
+
+
+def _out_of_range_training(rank, world):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 3, 4, generator=g).requires_grad_()
+    w = torch.randn(5, 4, generator=g).requires_grad_()
+    y = torch.randint(0, 5 * world, (2, 3), generator=g)
+    y[1, 2] = -3
+    return fusedloss.linear_cross_entropy(h, w, y, process_group=dist.group.WORLD,
+                                          backend="triton")
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernels need TRITON_INTERPRET=1")
+def test_training_path_out_of_range_target_raises_on_every_rank(workers):
+    """The training path raises once its work is queued (no read-back before it), on every
+    rank."""
+    for rank, r in enumerate(workers(2).run(_out_of_range_training)):
+        assert isinstance(r, Raised), f"rank {rank} did not raise"
+        assert "target holds -3, outside [0, V) = [0, 10)" in r.message, (rank, r.message)
 
 
 # ---------------------------------------------------------------------------------------------

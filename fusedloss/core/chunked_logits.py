@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .engine import addmm_f32_, mm_f32
+from .engine import GradCoefficients, addmm_f32_, mm_f32
 from .logits import div, exp, log, mul_rn, tanh
 
 # The row kernel's launch: BLOCK_V entries of a row per step, on ROW_WARPS warps; pass 1 keeps
@@ -235,3 +235,165 @@ def _scale_kernel(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     inside = offs < n
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (x * tl.load(scale_ptr)).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary-parallel head's training path (``distributed.cross_entropy``): each rank holds
+# the columns [start, start + V_r) of a chunk's logits. ``shard_row_stats`` gives the ranks'
+# partial row statistics, which they combine (all-reduces); ``shard_softmax_grad_`` writes G
+# over the shard's columns from the combined ones.
+
+
+def shard_row_stats(
+    z: torch.Tensor,  # (R, V_r) this shard's logits before the softcap, input dtype, row-major
+    target: torch.Tensor,  # (R,) int64: global class ids, or ignore_index
+    start: int,  # the global id of the shard's first column
+    ignore_index: int,
+    class_weight: torch.Tensor | None,  # (V_r,) fp32: the shard's class weights
+    label_smoothing: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """(4, R) fp32 over the shard's columns of X = softcap(Z): each row's max m and
+    Σ_j exp(X_j − m), its target logit X_y where the shard holds y (else 0), and Σ_j w_j X_j
+    (0 without label smoothing). An ignored row reads nothing and gets (0, 1, 0, 0) on every
+    shard."""
+    rows, v_r = z.shape
+    stats = torch.empty((4, rows), dtype=torch.float32, device=z.device)
+    block_v = 16 if config.interpreting() else ROW_BLOCK
+    _shard_row_stats_kernel[(rows,)](
+        z, z.stride(0), target, _or_dummy(class_weight, z), stats, rows, v_r, start,
+        ignore_index, float(softcap or 0.0),
+        HAS_CLASS_WEIGHT=class_weight is not None, SMOOTHING=label_smoothing > 0,
+        SOFTCAP=softcap is not None, PRECISE=config.precise_math(z.dtype),
+        ROUND=not config.interpreting(), BLOCK_V=block_v, GROUP=ROW_GROUP,
+        num_warps=ROW_WARPS if block_v >= 2048 else 1,
+    )
+    return stats
+
+
+def shard_softmax_grad_(
+    z: torch.Tensor,  # (R, V_r) as for ``shard_row_stats``; G is written over it
+    target: torch.Tensor,  # (R,) int64: global class ids, or ignore_index
+    start: int,
+    ignore_index: int,
+    class_weight: torch.Tensor | None,  # (V_r,) fp32
+    row_max: torch.Tensor,  # (R,) fp32: M, the max of X over every shard
+    row_sum: torch.Tensor,  # (R,) fp32: S, Σ over every shard of exp(X − M)
+    coef: GradCoefficients,  # (R,) fp32 each: r, t, u (None without label smoothing)
+    softcap: float | None,
+) -> None:
+    """G = dloss/dZ = ((r/S)·exp(X − M) − t·[j = y] − u·w_j) · (1 − (X/c)²) over the shard's
+    columns, in place (the coefficients of ``families.cross_entropy``; the target term only on
+    the shard that holds y); an ignored row gets G = 0 without reading Z."""
+    rows, v_r = z.shape
+    smoothing = coef.uniform is not None
+    block_v = 16 if config.interpreting() else ROW_BLOCK
+    _shard_softmax_grad_kernel[(rows,)](
+        z, z.stride(0), target, _or_dummy(class_weight, z),
+        row_max, coef.lse / row_sum, coef.target, _or_dummy(coef.uniform, z),
+        v_r, start, ignore_index, float(softcap or 0.0),
+        HAS_CLASS_WEIGHT=class_weight is not None, SMOOTHING=smoothing,
+        SOFTCAP=softcap is not None, PRECISE=config.precise_math(z.dtype),
+        ROUND=not config.interpreting(), BLOCK_V=block_v,
+        num_warps=ROW_WARPS if block_v >= 2048 else 1,
+    )
+
+
+def _or_dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else torch.empty(1, dtype=torch.float32, device=like.device)
+
+
+@triton.jit
+def _shard_row_stats_kernel(
+    z_ptr, stride_z,  # (R, V) the shard's logits before the softcap, input dtype
+    target_ptr,  # (R,) int64 global class ids
+    class_weight_ptr,  # (V,) fp32 (if HAS_CLASS_WEIGHT)
+    stats_ptr,  # (4, R) fp32 out: max, Σ exp(X − max), X_y (0 unless held here), Σ_j w_j X_j
+    R, V, start, ignore_index, softcap,
+    HAS_CLASS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr, ROUND: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr,
+):
+    """One row's partial statistics over a shard of V columns: the first pass of
+    ``_softmax_grad_rows_kernel``, with the target's column y − start."""
+    row = tl.program_id(0)
+    base = z_ptr + row.to(tl.int64) * stride_z
+    offs = tl.arange(0, BLOCK_V)
+    y = tl.load(target_ptr + row)
+    if y == ignore_index:
+        tl.store(stats_ptr + row, 0.0)
+        tl.store(stats_ptr + R + row, 1.0)
+        tl.store(stats_ptr + 2 * R + row, 0.0)
+        tl.store(stats_ptr + 3 * R + row, 0.0)
+    else:
+        y_local = y - start  # a column of this shard only where it holds the target
+        m_grp = tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32)
+        s_grp = tl.zeros([BLOCK_V // GROUP], tl.float32)
+        ws_lane = tl.zeros([BLOCK_V], tl.float32)
+        xy_lane = tl.zeros([BLOCK_V], tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            in_row = cols < V
+            x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
+            xy_lane += tl.where(cols == y_local, x, 0.0)  # X is 0 outside the row
+            if SMOOTHING:
+                if HAS_CLASS_WEIGHT:
+                    w = tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
+                    ws_lane += tl.where(in_row, w * x, 0.0)
+                else:
+                    ws_lane += tl.where(in_row, x, 0.0)
+            x = tl.where(in_row, x, float("-inf"))
+            x2 = tl.reshape(x, [BLOCK_V // GROUP, GROUP])
+            m_new = tl.maximum(m_grp, tl.max(x2, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_grp = (s_grp * exp(m_grp - m_safe, PRECISE)
+                     + tl.sum(exp(x2 - m_safe[:, None], PRECISE), axis=1))
+            m_grp = m_new
+        m = tl.max(m_grp, axis=0)
+        m_row = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(stats_ptr + row, m_row)
+        tl.store(stats_ptr + R + row, tl.sum(s_grp * exp(m_grp - m_row, PRECISE), axis=0))
+        tl.store(stats_ptr + 2 * R + row, tl.sum(xy_lane, axis=0))
+        tl.store(stats_ptr + 3 * R + row, tl.sum(ws_lane, axis=0))
+
+
+@triton.jit
+def _shard_softmax_grad_kernel(
+    z_ptr, stride_z,  # (R, V) the shard's logits before the softcap; G is written over them
+    target_ptr,  # (R,) int64 global class ids
+    class_weight_ptr,  # (V,) fp32 (if HAS_CLASS_WEIGHT and SMOOTHING)
+    row_max_ptr, prob_scale_ptr,  # (R,) fp32 each: M and r / S over every shard
+    target_coef_ptr, uniform_coef_ptr,  # (R,) fp32 each: t, u (if SMOOTHING)
+    V, start, ignore_index, softcap,
+    HAS_CLASS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr, ROUND: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One row's gradient over a shard of V columns: the second pass of
+    ``_softmax_grad_rows_kernel``, from statistics combined over the shards."""
+    row = tl.program_id(0)
+    base = z_ptr + row.to(tl.int64) * stride_z
+    offs = tl.arange(0, BLOCK_V)
+    y = tl.load(target_ptr + row)
+    if y == ignore_index:
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            tl.store(base + cols, tl.zeros([BLOCK_V], z_ptr.dtype.element_ty), mask=cols < V)
+    else:
+        y_local = y - start
+        m = tl.load(row_max_ptr + row)
+        p_scale = tl.load(prob_scale_ptr + row)
+        t = tl.load(target_coef_ptr + row)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            in_row = cols < V
+            x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
+            grad = p_scale * exp(x - m, PRECISE) - tl.where(cols == y_local, t, 0.0)
+            if SMOOTHING:
+                u = tl.load(uniform_coef_ptr + row)
+                if HAS_CLASS_WEIGHT:
+                    grad -= u * tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
+                else:
+                    grad -= u
+            if SOFTCAP:
+                capped = div(x, softcap, PRECISE)
+                grad = grad * (1.0 - capped * capped)
+            tl.store(base + cols, grad.to(z_ptr.dtype.element_ty), mask=in_row)

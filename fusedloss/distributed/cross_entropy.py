@@ -16,6 +16,21 @@ weight. Backward: each rank forms dX on its shard's columns from the global stat
 rank's E receives the full ∂L/∂E (what Megatron's copy-to-tensor-parallel region gives its input:
 add no all-reduce of your own). Two collectives in the forward (max, then one packed sum), one
 in the backward, each O(N); no rank ever holds more than its shard's statistics.
+
+The training path (a reduced loss with gradients on the Triton backend, no ``return_lse``, no
+filtering, no ``vocab_order``: ``_loss_and_grads``) is the single-GPU head's
+(``core.chunked_logits``) with the same combine between its two row kernels. Per chunk of rows:
+
+    Z_r = A_c C_rᵀ + bias_r          cuBLAS, in the input dtype (R × V_r)
+    (max, Σ exp), X_y, Σ_j w_j X_j   one Triton program per row over the shard's columns,
+                                     combined over the shards as above (2 all-reduces, O(R))
+    G_r = dloss/dZ_r                 from the combined statistics, written over Z_r
+    dA_c = Σ_r G_r C_r               fp32, all-reduced (O(R·D)), rounded once
+    dC_r += G_rᵀ A_c                 local, fp32
+
+so the forward forms the gradients and the backward multiplies them by the loss's upstream
+gradient (which must then be the same on every rank, as it is when each rank backpropagates the
+loss it returned).
 """
 
 from __future__ import annotations
@@ -26,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..core import engine
-from ..core.engine import Logits, Rows, RowStats
+from ..core import chunked_logits, config, engine
+from ..core.engine import Logits, Rows, RowStats, addmm_f32_, mm_f32
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..families import cross_entropy as family
 from ..losses import cross_entropy as single
@@ -76,7 +91,10 @@ def vocab_parallel_cross_entropy(
     single-GPU head, with ``linear_bias``, ``weight`` and ``vocab_order`` this shard's parts.
     Returns on every rank the loss (and LSE) of the whole head. Under ``torch.autocast`` the
     operands are cast as the single-GPU head casts them; float64 input is refused (the
-    single-GPU head computes it).
+    single-GPU head computes it). A reduced loss with gradients on the Triton backend (without
+    ``return_lse``, filtering or ``vocab_order``, on every rank) takes the training path of the
+    module doc: its forward forms the gradients, which the backward scales by the loss's
+    upstream gradient, to be the same on every rank.
     """
     if isinstance(input, Tensor):
         input, linear_weight, linear_bias = autocast_operands(
@@ -97,11 +115,20 @@ def vocab_parallel_cross_entropy(
     n = a.shape[0] if error is None else 0
     v_r = linear_weight.shape[0] if error is None else 0
     start = -1 if vocab_start is None else int(vocab_start)
-    layout, per_rank = exchange(group, n, v_r, facts or {}, _device(input), error=error,
-                                extra=(start,))
-    starts, v = _shard_starts(layout, [row[0] for row in per_rank])
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+    trains = (error is None and backend == "triton" and wants_grad and reduction != "none"
+              and not return_lse and eps is None and order is None and n > 0)
+    layout, per_rank = exchange(group, n, v_r, facts or {}, _device(input), error=error,
+                                extra=(start, int(trains)))
+    starts, v = _shard_starts(layout, [row[0] for row in per_rank])
+    if all(row[1] for row in per_rank):  # one path on every rank: their collectives differ
+        return _VocabParallelTraining.apply(
+            a, linear_weight, flat_target, linear_bias,
+            weight.float() if weight is not None else None, layout.group, starts[layout.rank],
+            v, _HeadOptions(int(ignore_index), float(label_smoothing),
+                            None if softcap is None else float(softcap), float(z_loss)),
+            reduction == "mean")
     loss_tok, lse, target_weight = _VocabParallel.apply(
         a, linear_weight, flat_target, linear_bias,
         weight.float() if weight is not None else None, order, layout.group,
@@ -199,31 +226,24 @@ class _VocabParallel(torch.autograd.Function):
         local = torch.where(positions, local, -1)
         any_bad, all_valid = torch.stack((out_of_range.any(), valid.all())).tolist()
         if any_bad:  # the same targets on every rank: every rank raises
-            bad = int(target[out_of_range][0])
-            raise ValueError(f"target holds {bad}, outside [0, V) = [0, {v}) (V: every "
-                             f"rank's shard) and not ignore_index={ignore_index}")
+            raise _out_of_range(target, out_of_range, v, ignore_index)
         rows = Rows(index=rows.index, n_valid=rows.n_valid, target=local,
                     identity=bool(all_valid))
         logits = Logits(bias=bias, softcap=softcap, col_order=order)
         stats = engine.row_stats(a, b, logits, rows, col_weight=class_weight,
                                  weighted_sum=alpha > 0,
                                  record_tiles=record and eps is not None, backend=backend)
-        # Combine over the shards: the max first, then every sum in one all-reduce.
-        row_max = stats.max.clone()
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         own_weight = (class_weight[local.clamp(min=0)] if class_weight is not None
                       else torch.ones(n, dtype=_F32, device=dev))
         sums = torch.stack((
-            stats.sum * torch.exp(stats.max - row_max),
             torch.where(owned_c, stats.target_logit, 0.0),
             stats.weighted_sum if alpha > 0 else torch.zeros(n, dtype=_F32, device=dev),
             torch.where(owned_c, own_weight, 0.0),
         ))
-        total_w = class_weight.sum() if class_weight is not None else torch.zeros((), device=dev)
-        packed = torch.cat((sums.reshape(-1), total_w.reshape(1).float()))
-        dist.all_reduce(packed, group=group)
-        row_sum, target_logit, weighted_sum, target_weight = packed[:-1].view(4, n)
-        total_w = packed[-1] if class_weight is not None else float(v)
+        row_max, row_sum, (target_logit, weighted_sum, target_weight), totals = _combine_shards(
+            group, stats.max, stats.sum, sums,
+            class_weight.sum().reshape(1) if class_weight is not None else None)
+        total_w = totals[0] if class_weight is not None else float(v)
         log_sum = torch.log(row_sum)
         lse = row_max + log_sum
         target_weight = torch.where(positions, target_weight, 0.0)
@@ -285,3 +305,152 @@ def _original_order(values: Tensor, rows: Rows) -> Tensor:
     out = torch.empty_like(values)
     out[rows.index] = values
     return out
+
+
+def _combine_shards(group, local_max: Tensor, local_sum: Tensor, sums: Tensor,
+                    totals: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The shards' row statistics combined: (M, S, sums, totals) with M = max_r max_r,i
+    (all-reduce max) and S = Σ_r sum_r,i · exp(max_r,i − M), ``sums`` (k, R) and ``totals``
+    (m,) (each rank's parts) summed over the ranks in one all-reduce; ``totals`` None when not
+    given."""
+    row_max = local_max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    k, rows = sums.shape
+    pieces = [local_sum * torch.exp(local_max - row_max), sums.reshape(-1)]
+    if totals is not None:
+        pieces.append(totals.float())
+    packed = torch.cat(pieces)
+    dist.all_reduce(packed, group=group)
+    end = (k + 1) * rows
+    return (row_max, packed[:rows], packed[rows:end].view(k, rows),
+            packed[end:] if totals is not None else None)
+
+
+def _out_of_range(target: Tensor, out_of_range: Tensor, v: int, ignore_index: int) -> ValueError:
+    bad = int(target[out_of_range][0])
+    return ValueError(f"target holds {bad}, outside [0, V) = [0, {v}) (V: every rank's shard) "
+                      f"and not ignore_index={ignore_index}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The training path: three products per chunk of rows, the gradients formed in the forward.
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadOptions:
+    """The loss's options, as the row kernels and ``families.cross_entropy`` take them."""
+
+    ignore_index: int
+    label_smoothing: float
+    softcap: float | None
+    z_loss: float
+
+
+class _VocabParallelTraining(torch.autograd.Function):
+    """The reduced loss of the whole head (() fp32) with this rank's gradients formed in the
+    forward (``_loss_and_grads``); the backward multiplies them by the loss's upstream
+    gradient (fp32, one rounding to each parameter's dtype)."""
+
+    @staticmethod
+    @without_autocast
+    def forward(ctx, a, b, target, bias, class_weight, group, start, v, options, mean):
+        need_a, need_b, _, need_bias = ctx.needs_input_grad[:4]
+        loss, *grads = _loss_and_grads(a, b, target, bias, class_weight, group, start, v,
+                                       options, mean, need_a, need_b, need_bias)
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
+        ctx.set_materialize_grads(False)
+        return loss
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, grad_loss):
+        if grad_loss is None:
+            return (None,) * 10
+        scale = grad_loss.float()
+        grad_a, grad_b, grad_bias = (
+            None if g is None else chunked_logits.scaled(g, scale, dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True))
+        return grad_a, grad_b, None, grad_bias, *(None,) * 6
+
+
+def _loss_and_grads(
+    a: Tensor,  # (N, D)
+    b: Tensor,  # (V_r, D) this rank's rows of the classifier
+    target: Tensor,  # (N,) int64 global class ids, or ignore_index
+    bias: Tensor | None,  # (V_r,)
+    class_weight: Tensor | None,  # (V_r,) fp32
+    group, start: int, v: int, options: _HeadOptions, mean: bool,
+    need_a: bool, need_b: bool, need_bias: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(the loss of the whole head () fp32 for an upstream gradient of 1, dA (N, D) in a's
+    dtype summed over the shards, dB (V_r, D) fp32, dbias (V_r,) fp32; each gradient None when
+    not needed), in chunks of rows (``config.lm_head_chunk_rows`` of the shard). Every row is
+    computed, an ignored one giving loss 0 and G = 0, so nothing is read back before the work
+    is queued; raises ValueError afterwards for a target outside [0, V)."""
+    (n, d), v_r, dev = a.shape, b.shape[0], a.device
+    alpha, softcap, z_loss = options.label_smoothing, options.softcap, options.z_loss
+    valid = target != options.ignore_index
+    owned = valid & (target >= start) & (target < start + v_r)
+    # w_y on the shard that holds y, 0 on the others: each chunk's sums carry it to every rank
+    if class_weight is None:
+        own_weight = owned.float()
+        total_w, denominator, totals = float(v), valid.sum().float(), None
+    else:
+        own_weight = torch.where(owned, class_weight[torch.where(owned, target - start, 0)], 0.0)
+        # W and "mean"'s denominator Σ_i w_{y_i}: summed over the shards with the first chunk's
+        totals = torch.stack((class_weight.sum(), own_weight.sum()))
+    chunk = min(n, config.lm_head_chunk_rows(n, v_r, a.element_size()))
+    losses = torch.empty(n, dtype=_F32, device=dev)
+    grad_a = torch.empty_like(a) if need_a else None
+    # dA's fp32 part of each chunk, summed over the shards (fp32 input: dA itself)
+    grad_a_part = (torch.empty((chunk, d), dtype=_F32, device=dev)
+                   if need_a and a.dtype != _F32 else None)
+    grad_b = torch.empty((v_r, d), dtype=_F32, device=dev) if need_b else None
+    grad_bias = torch.zeros(v_r, dtype=_F32, device=dev) if need_bias else None
+    bias = None if bias is None else bias.to(a.dtype)  # F.linear's logits, as the op forms them
+    buffer = torch.empty((chunk, v_r), dtype=a.dtype, device=dev)
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        a_c, y_c, z = a[r0:r1], target[r0:r1], buffer[: r1 - r0]
+        if bias is None:
+            torch.mm(a_c, b.T, out=z)
+        else:
+            torch.addmm(bias, a_c, b.T, out=z)
+        stats = chunked_logits.shard_row_stats(z, y_c, start, options.ignore_index,
+                                               class_weight, alpha, softcap)
+        row_max, row_sum, (target_logit, weighted_sum, target_weight), call_totals = (
+            _combine_shards(group, stats[0], stats[1],
+                            torch.cat((stats[2:], own_weight[None, r0:r1])),
+                            totals if r0 == 0 else None))
+        if r0 == 0:
+            if class_weight is not None:
+                total_w, denominator = call_totals
+            scale = (1.0 / torch.where(denominator == 0, 1.0, denominator) if mean
+                     else torch.ones((), dtype=_F32, device=dev))
+        log_sum = torch.log(row_sum)
+        lse = row_max + log_sum
+        losses[r0:r1] = torch.where(valid[r0:r1], family.token_loss(
+            (row_max - target_logit) + log_sum, lse, target_weight, weighted_sum, total_w, v,
+            alpha, z_loss), 0.0)
+        coef = family.grad_coefficients(torch.where(valid[r0:r1], scale, 0.0), 0.0, lse,
+                                        target_weight, total_w, v, alpha, z_loss)
+        chunked_logits.shard_softmax_grad_(z, y_c, start, options.ignore_index, class_weight,
+                                           row_max, row_sum, coef, softcap)
+        if need_a:
+            part = grad_a[r0:r1] if grad_a_part is None else grad_a_part[: r1 - r0]
+            mm_f32(z, b, out=part)
+            dist.all_reduce(part, group=group)  # fp32: Σ over the shards, rounded once
+            if grad_a_part is not None:
+                grad_a[r0:r1] = part
+        if need_b:
+            if r0 == 0:
+                mm_f32(z.T, a_c, out=grad_b)
+            else:
+                addmm_f32_(grad_b, z.T, a_c)
+        if need_bias:
+            grad_bias += z.sum(dim=0, dtype=_F32)
+    out_of_range = valid & ((target < 0) | (target >= v))
+    if out_of_range.any():  # the same targets on every rank: every rank raises
+        raise _out_of_range(target, out_of_range, v, options.ignore_index)
+    return losses.sum() * scale, grad_a, grad_b, grad_bias
