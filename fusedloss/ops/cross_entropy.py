@@ -298,39 +298,28 @@ def forward_chunked(
     upstream gradient of 1; each gradient an empty tensor when not asked for. "mean" divides
     by the valid tokens' count or summed class weights (a batch with none gives 0).
 
-    Raises ValueError for a target outside [0, V) other than ``ignore_index``, once the work
-    is queued (such rows compute NaN, never out of bounds), so that the one wait for the GPU
-    leaves it busy."""
+    Raises ValueError for a target outside [0, V) other than ``ignore_index``: the one wait for
+    the GPU, which also reads how many tokens count, so that the ignored ones (a masked prompt)
+    cost no work."""
     a, b = row_major(input), row_major(weight)
     v = b.shape[0]
+    rows, compact_target, target_weight, n_valid, _ = _checked_rows(
+        target, ignore_index, class_weight, v)
     if mean:
-        valid = target != ignore_index
-        if class_weight is None:
-            denom = valid.sum().float()
-        else:
-            denom = torch.where(valid, class_weight[target.clamp(0, v - 1)], 0.0).sum()
+        denom = target_weight.sum()
         coef = 1.0 / torch.where(denom == 0, 1.0, denom)
     else:
         coef = torch.ones((), dtype=_F32, device=a.device)
+    every_row = n_valid == a.shape[0]  # the compact order is then 0..N-1
     # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.
     loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), target, ignore_index, class_weight,
-        coef, label_smoothing, softcap, z_loss, need_input, need_weight,
-        bias is not None and need_bias)
-    _check_targets(target, ignore_index, v)
+        a, b, None if bias is None else bias.to(a.dtype), compact_target, ignore_index,
+        class_weight, coef, label_smoothing, softcap, z_loss, need_input, need_weight,
+        bias is not None and need_bias, row_index=None if every_row else rows.index,
+        n_rows=n_valid)
     return (loss, grad_a if need_input else nothing(a, (0,)),
             grad_b if need_weight else nothing(a, (0,)),
             grad_bias if grad_bias is not None else nothing(a, (0,)))
-
-
-def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
-    """Raises ValueError for a target outside [0, V) other than ``ignore_index`` (one read of a
-    GPU value; the kernel itself turns such a row into NaN)."""
-    out_of_range = (target != ignore_index) & ((target < 0) | (target >= v))
-    if out_of_range.any():
-        bad = int(target[out_of_range][0])
-        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
-                         f"ignore_index={ignore_index}")
 
 
 chunked_op = torch.library.custom_op(
