@@ -326,12 +326,13 @@ def test_triton_backend_compiled_matches_eager(name, device, requires_triton):
 
 def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_triton,
                                                               monkeypatch):
-    """The LM head's backward in blocks of rows (``FUSEDLOSS_BACKWARD_ROWS``) runs inside the
-    op: compiled with fullgraph=True it gives eager's loss and gradients, and each backward
-    ran in more than one block (one record per block)."""
+    """The LM head's engine backward in blocks of rows (``ops._common.backward_row_chunk``, 16
+    rows here) runs inside the op: compiled with fullgraph=True it gives eager's loss and
+    gradients, and each backward ran in more than one block (one record per block)."""
     from fusedloss.core import engine
+    from fusedloss.ops import cross_entropy as ops
 
-    monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "16")
+    monkeypatch.setattr(ops, "backward_row_chunk", lambda a: 16)
     table = {"lce-triton-row-blocks": (
         # more rows than one block of the backward's tiles (16 here, 128 or more on a GPU)
         partial(_lm, lead=(600,) if ON_GPU else (48,), v=VT, d=DT, bias=True, ignore=-100),

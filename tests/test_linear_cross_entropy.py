@@ -1096,23 +1096,13 @@ def test_confident_tokens_lose_exactly_zero(backend, dtype, softcap):
     assert (loss == 0).all(), f"confident tokens: max loss {loss.max().item():.3e}, expected 0"
 
 
-def test_backward_row_chunk_rule_and_override(monkeypatch):
-    """Rows per backward block: what a 1 GiB scratch of 4096-column slabs holds, none when the
-    scratch is set by hand, FUSEDLOSS_BACKWARD_ROWS when given (0: one block), a bad value
-    refused by name."""
+def test_backward_row_chunk_rule(monkeypatch):
+    """Rows per engine backward block: what a 1 GiB scratch of 4096-column slabs holds, none
+    when the scratch is set by hand."""
     from fusedloss.ops._common import backward_row_chunk
 
-    for name in ("FUSEDLOSS_SCRATCH_MB", "FUSEDLOSS_BACKWARD_ROWS"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB", raising=False)
     bf16, fp32 = torch.empty(1, 8, dtype=torch.bfloat16), torch.empty(1, 8)
     assert backward_row_chunk(bf16) == 131072 and backward_row_chunk(fp32) == 65536
     monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "64")
     assert backward_row_chunk(bf16) is None
-    monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "4096")
-    assert backward_row_chunk(bf16) == 4096
-    monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", "0")
-    assert backward_row_chunk(bf16) is None
-    for bad in ("-1", "many"):
-        monkeypatch.setenv("FUSEDLOSS_BACKWARD_ROWS", bad)
-        with pytest.raises(ValueError, match="FUSEDLOSS_BACKWARD_ROWS"):
-            backward_row_chunk(bf16)

@@ -126,23 +126,15 @@ def scratch_bytes(a: Tensor, split: bool = False, wide: bool = False) -> int | N
 
 
 def backward_row_chunk(a: Tensor) -> int | None:
-    """Compact rows per block of the LM heads' backward (``engine.grads``' ``row_chunk``): as
-    many as a 1 GiB dX scratch of 4096-column slabs holds (131072 bf16 rows); None when
+    """Compact rows per block of the LM heads' engine backward (``engine.grads``' ``row_chunk``;
+    per-token losses, ``return_lse`` and filtering take it, a reduced loss the training path):
+    as many as a 1 GiB dX scratch of 4096-column slabs holds (131072 bf16 rows); None when
     ``FUSEDLOSS_SCRATCH_MB`` sets the scratch. In one block, more rows would narrow the slabs
     (``scratch_bytes`` caps the scratch at 1 GiB), and every slab reads and writes the fp32 dA
     accumulator of all rows, 8·N·D bytes: at N = 581632 (a training step of 142 × 4096 tokens),
     D = 2048 and V = 128256, 144 slabs of 896 columns move ~1.4 TB, in blocks of 131072 rows
     with 32 slabs each ~0.3 TB (arithmetic; not yet timed), and the accumulator shrinks from
-    4.8 to 1.1 GB. dB then adds the blocks' parts in an fp32 (V, D) buffer.
-    ``FUSEDLOSS_BACKWARD_ROWS`` overrides (for measurements; 0: one block whatever N)."""
-    if spec := os.environ.get("FUSEDLOSS_BACKWARD_ROWS"):
-        try:
-            rows = int(spec)
-        except ValueError:
-            rows = -1
-        if rows < 0:
-            raise ValueError(f"FUSEDLOSS_BACKWARD_ROWS must be an integer ≥ 0, got {spec!r}")
-        return rows or None
+    4.8 to 1.1 GB. dB then adds the blocks' parts in an fp32 (V, D) buffer."""
     if "FUSEDLOSS_SCRATCH_MB" in os.environ:
         return None
     return SCRATCH_CAP_BYTES // (WIDE_SLAB_COLUMNS * a.element_size())
