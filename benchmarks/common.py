@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -517,10 +518,14 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
 
 
 def fusedloss_environment() -> dict[str, str]:
-    """The ``FUSEDLOSS_*`` environment variables set for the run (filtering rule, TMA, ...):
-    they change what the kernels do, so a result records them."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FUSEDLOSS_")
-            and k != "FUSEDLOSS_HYPOTHESIS_PROFILE"}
+    """The library's tuning fields the run changed from their defaults
+    (``fusedloss.core.config.Tuning``: filtering rule, TMA, ...; set through ``FUSEDLOSS_*``
+    variables): they change what the kernels do, so a result records them."""
+    from fusedloss.core import config
+
+    tuning, default = config.tuning(), config.Tuning()
+    return {f.name: str(getattr(tuning, f.name)) for f in dataclasses.fields(tuning)
+            if getattr(tuning, f.name) != getattr(default, f.name)}
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -655,7 +660,7 @@ def environment_rows(
             f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}",
         ),
         ("peers", peers),
-        *([("FUSEDLOSS_* variables", ", ".join(f"{k}={v}" for k, v in settings.items()))]
+        *([("fusedloss tuning", ", ".join(f"{k}={v}" for k, v in settings.items()))]
           if (settings := env.get("fusedloss_environment")) else []),
         ("date", env["timestamp"]),
     ]

@@ -1,4 +1,4 @@
-"""Launch-shape sweep of StableAdamW's fused step (``FUSEDLOSS_OPTIM_CONFIG``).
+"""Launch-shape sweep of StableAdamW's fused step (``core.config.Tuning.optim_config``).
 
     python -m benchmarks.optim_sweep --configs 32768,16,264,4096 16384,8,264,4096 ...
 
@@ -14,7 +14,6 @@ to ``--out``/optim_sweep_<date>_<gpu>[_<tag>].json. Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
+    from fusedloss.core import config
     from fusedloss.optim import StableAdamW
 
     device = torch.device("cuda")
@@ -46,12 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     before = adamw_ms()
     rows = []
     for spec in args.configs:
-        os.environ["FUSEDLOSS_OPTIM_CONFIG"] = spec
-        ms = bench(StableAdamW(params, **HYPER).step)
+        with config.tuned(optim_config=spec):
+            ms = bench(StableAdamW(params, **HYPER).step)
         rows.append({"config": spec, "ms": ms, "vs_fused_adamw": ms / before})
         print(f"{spec:22s} {ms:.3f} ms  {ms / before:.2f}× fused AdamW", flush=True)
         torch.cuda.empty_cache()
-    os.environ.pop("FUSEDLOSS_OPTIM_CONFIG")
     default = bench(StableAdamW(params, **HYPER).step)
     after = adamw_ms()
     print(f"default {default:.3f} ms; fused AdamW {before:.3f} / {after:.3f} ms")

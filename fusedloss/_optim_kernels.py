@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import struct
 from dataclasses import dataclass, field
 
@@ -114,23 +113,25 @@ def fused_config(device: torch.device) -> FusedConfig:
     8192 / 16 warps 1.12, 16384 / 8 / 4096 0.86 (1.22×); bigger blocks without the loop spill
     registers (16384 / 4 warps: 7.7 ms). What the loop buys is fewer programs: each one pays a
     ticket, a few dependent table loads and, in pass 2, a wait, before its first byte moves.
-    ``FUSEDLOSS_OPTIM_CONFIG="block,num_warps,lag[,sub_block]"`` overrides it on CUDA (for
-    tuning; powers of two, reduce_block stays 512)."""
+    ``core.config.Tuning.optim_config`` ("block,num_warps,lag[,sub_block]", from
+    ``FUSEDLOSS_OPTIM_CONFIG``) overrides it on CUDA (for tuning; powers of two, reduce_block
+    stays 512)."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    if spec := os.environ.get("FUSEDLOSS_OPTIM_CONFIG"):
+    if spec := config.tuning().optim_config:
         try:
             block, num_warps, lag, *sub = (int(x) for x in spec.split(","))
         except ValueError:
-            raise ValueError(f"FUSEDLOSS_OPTIM_CONFIG must be 'block,num_warps,lag[,sub_block]' "
-                             f"(integers), got {spec!r}") from None
+            raise ValueError(f"optim_config (FUSEDLOSS_OPTIM_CONFIG) must be "
+                             f"'block,num_warps,lag[,sub_block]' (integers), "
+                             f"got {spec!r}") from None
         sub_block = sub[0] if sub else block
         if (block < 512 or block & (block - 1) or num_warps not in (1, 2, 4, 8, 16, 32)
                 or lag < 0 or len(sub) > 1 or sub_block < 512 or sub_block & (sub_block - 1)
                 or sub_block > block):
-            raise ValueError(f"FUSEDLOSS_OPTIM_CONFIG: block and sub_block must be powers of two "
-                             f"≥ 512, sub_block ≤ block, num_warps 1–32 (a power of two), "
-                             f"lag ≥ 0; got {spec!r}")
+            raise ValueError(f"optim_config (FUSEDLOSS_OPTIM_CONFIG): block and sub_block must "
+                             f"be powers of two ≥ 512, sub_block ≤ block, num_warps 1–32 "
+                             f"(a power of two), lag ≥ 0; got {spec!r}")
         return FusedConfig(block=block, reduce_block=512, num_warps=num_warps, lag=lag,
                            sub_block=sub_block)
     return FusedConfig(block=32768, reduce_block=512, num_warps=16, lag=2 * config.sm_count(device),

@@ -61,6 +61,20 @@ def triton_available() -> bool:
 
 
 @pytest.fixture
+def tune(monkeypatch):
+    """``tune(**fields)``: the library's tuning (``fusedloss.core.config.Tuning``) with these
+    fields for the rest of the test."""
+    import dataclasses
+
+    from fusedloss.core import config
+
+    def apply(**changes):
+        monkeypatch.setattr(config, "_TUNING", dataclasses.replace(config.tuning(), **changes))
+
+    return apply
+
+
+@pytest.fixture
 def requires_triton() -> None:
     """Skip the requesting test when Triton kernels cannot run here."""
     if not can_run_triton():

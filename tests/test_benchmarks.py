@@ -11,7 +11,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -194,7 +193,7 @@ def test_targets_apply_per_case():
     assert ("fusedloss-filtered", "error", 1.0, ()) in with_filtered
 
 
-def test_filtered_provider_passes_the_rules_bound(monkeypatch):
+def test_filtered_provider_passes_the_rules_bound(monkeypatch, tune):
     """``fusedloss-filtered`` calls with the filter rule's bound for E's dtype, ``fusedloss``
     with the API's default (exact for the LM head)."""
     calls = []
@@ -203,7 +202,7 @@ def test_filtered_provider_passes_the_rules_bound(monkeypatch):
     x = torch.zeros(2, 4, dtype=torch.bfloat16)
     for key in ("fusedloss-filtered", "fusedloss", "fusedloss-exact"):
         providers.lm_head_providers()[key].build(torch.device("cpu"))(x, x, None)
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "pooled")
+    tune(filter_rule="pooled")
     providers.lm_head_providers()["fusedloss-filtered"].build(torch.device("cpu"))(x, x, None)
     assert calls == [2.0**-12, "default", None, 2.0**-10]
 
@@ -522,18 +521,16 @@ def test_quick_run_times_with_do_bench_on_cuda(tmp_path):
     assert eager["ms"] > 0 and eager["peak_extra_mib"] is not None and eager["peak_extra_mib"] > 0
 
 
-def test_results_record_the_fusedloss_variables(monkeypatch):
-    """A run under e.g. FUSEDLOSS_FILTER_RULE=pooled says so in its settings table."""
-    for name in [k for k in os.environ if k.startswith("FUSEDLOSS_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "pooled")
-    env = common.collect_environment("cpu")
-    assert env["fusedloss_environment"] == {"FUSEDLOSS_FILTER_RULE": "pooled"}
-    rows = dict(common.environment_rows(env, {}))
-    assert rows["FUSEDLOSS_* variables"] == "FUSEDLOSS_FILTER_RULE=pooled"
-    monkeypatch.delenv("FUSEDLOSS_FILTER_RULE")
-    assert "FUSEDLOSS_* variables" not in dict(
+def test_results_record_the_fusedloss_tuning(tune):
+    """A run under a changed tuning (e.g. FUSEDLOSS_FILTER_RULE=pooled) says so in its
+    settings table; the defaults say nothing."""
+    assert "fusedloss tuning" not in dict(
         common.environment_rows(common.collect_environment("cpu"), {}))
+    tune(filter_rule="pooled")
+    env = common.collect_environment("cpu")
+    assert env["fusedloss_environment"] == {"filter_rule": "pooled"}
+    rows = dict(common.environment_rows(env, {}))
+    assert rows["fusedloss tuning"] == "filter_rule=pooled"
 
 
 @pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or Triton's interpreter")

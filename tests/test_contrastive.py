@@ -914,19 +914,18 @@ def test_backend_option_selects_the_engine(monkeypatch, loss):
 
 
 # Several slabs on either machine: the interpreter's tiles are 16 columns wide, a GPU's 128.
-_SLAB_ENV = {"FUSEDLOSS_SCRATCH_MB": "0.004" if not ON_GPU else "0.5"}
+_SLABS = {"scratch_mb": 0.004 if not ON_GPU else 0.5}  # many slabs
 
 
 @requires_triton
-@pytest.mark.parametrize("split", ["0", "1"])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("loss", ["clip", "info_nce", "nt_xent"])
-def test_split_accumulator(monkeypatch, loss, split):
-    """FUSEDLOSS_SPLIT_ACCUMULATOR: dA summed over many slabs as a bf16 pair meets the bar as
+def test_split_accumulator(monkeypatch, tune, loss, split):
+    """Tuning.split_accumulator: dA summed over many slabs as a bf16 pair meets the bar as
     the fp32 accumulator does, and the split kernel runs exactly when asked for."""
     from fusedloss.core import lse_backward
 
-    for name, value in {**_SLAB_ENV, "FUSEDLOSS_SPLIT_ACCUMULATOR": split}.items():
-        monkeypatch.setenv(name, value)
+    tune(**_SLABS, split_accumulator=split)
     kernel, used = lse_backward._accumulate_split_kernel, []
 
     class Spy:  # every launch through the JIT passes here (at least one per compiled variant)
@@ -943,18 +942,18 @@ def test_split_accumulator(monkeypatch, loss, split):
                 dtype=torch.bfloat16, scale=1 / 0.07, regime="correlated",
                 keys=n + 37 if loss == "info_nce" else None)
     check_case(case, "triton")
-    assert bool(used) == (split == "1")
+    assert bool(used) == split
 
 
 @requires_triton
 @pytest.mark.parametrize("loss", ["clip", "info_nce"])
-def test_recompute_groups_cover_every_tile(monkeypatch, loss):
+def test_recompute_groups_cover_every_tile(monkeypatch, tune, loss):
     """The recompute's programs sweep the tiles in groups of row blocks
     (``engine.RECOMPUTE_GROUP_BYTES``): groups of one and of three row blocks (a shorter last
     group) give the same gradients, bit for bit, as one group over every row block, over
     slabs of several tiles — a tile mapped twice or never would change them."""
     # Slabs of three tiles (16 columns) on the interpreter, two (128 columns) on a GPU.
-    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "0.16" if ON_GPU else "0.0075")
+    tune(scratch_mb=0.16 if ON_GPU else 0.0075)
     n = 300 if ON_GPU else 70  # five row blocks of 64 or 16
     case = Case(loss=loss, n=n, d=64 if ON_GPU else 16, dtype=torch.bfloat16, scale=1 / 0.07,
                 regime="correlated", keys=n + 37 if loss == "info_nce" else None)
@@ -975,17 +974,16 @@ def test_recompute_groups_cover_every_tile(monkeypatch, loss):
 
 
 @requires_cuda
-def test_split_accumulator_halves_the_accumulator(monkeypatch):
+def test_split_accumulator_halves_the_accumulator(tune):
     """The split pair takes 2·N·D bytes where the fp32 accumulator took 4·N·D."""
     n, d = 4096, 256
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, y = (F.normalize(torch.randn(n, d, device="cuda", generator=gen), dim=1)
             .bfloat16().requires_grad_() for _ in range(2))
-    for name, value in _SLAB_ENV.items():
-        monkeypatch.setenv(name, value)
+    tune(**_SLABS)
     peaks = {}
-    for split in ("0", "1"):
-        monkeypatch.setenv("FUSEDLOSS_SPLIT_ACCUMULATOR", split)
+    for split in (False, True):
+        tune(split_accumulator=split)
         x.grad = y.grad = None
         loss = fusedloss.clip_loss(x, y, 1 / 0.07)
         torch.cuda.synchronize()
@@ -994,11 +992,11 @@ def test_split_accumulator_halves_the_accumulator(monkeypatch):
         loss.backward()
         torch.cuda.synchronize()
         peaks[split] = torch.cuda.max_memory_allocated() - base
-    assert peaks["1"] <= peaks["0"] - 0.9 * 2 * n * d, peaks
+    assert peaks[True] <= peaks[False] - 0.9 * 2 * n * d, peaks
 
 
 # Every slab through the block-sparse path (which the contrastive losses take only on request).
-SPARSE = {"FUSEDLOSS_DENSE_SLAB_FRACTION": "2", "FUSEDLOSS_SPARSE_SLABS": "1"}
+SPARSE = {"dense_slab_fraction": 2.0, "sparse_slabs": True}
 
 
 def filter_case(loss: str, **changes) -> Case:
@@ -1017,15 +1015,14 @@ def filter_case(loss: str, **changes) -> Case:
 
 
 @requires_triton
-@pytest.mark.parametrize("env", [pytest.param({}, id="defaults"),
-                                 pytest.param(SPARSE, id="sparse")])
+@pytest.mark.parametrize("tuning", [pytest.param({}, id="defaults"),
+                                    pytest.param(SPARSE, id="sparse")])
 @pytest.mark.parametrize("loss", WITH_REDUCTION)
-def test_filter_eps(monkeypatch, loss, env):
+def test_filter_eps(tune, loss, tuning):
     """filter_eps is wired in: a large eps (0.5) moves the gradients measurably, None computes
     every tile (the reference within rounding), "auto" meets the bar; the forward never
     filters. For fp32 "auto" is exact: it equals None bit for bit."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    tune(**tuning)
     case = filter_case(loss)
     problem = make_problem(case)
     exact = run_ours(case, problem, "triton")

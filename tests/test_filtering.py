@@ -600,20 +600,19 @@ def test_pooled_triton_rule_agrees_with_torch_rows_then_columns(seed, n_valid, s
      ("pooled", torch.float16, 2.0**-13), ("pooled", torch.float32, None)],
     ids=["block-bf16", "pooled-bf16", "pooled-fp16", "pooled-fp32"],
 )
-def test_resolve_filter_eps_auto_follows_the_rule(rule, dtype, expected, monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", rule)
+def test_resolve_filter_eps_auto_follows_the_rule(rule, dtype, expected, tune):
+    tune(filter_rule=rule)
     assert resolve_filter_eps("auto", dtype) == expected
     assert resolve_filter_eps(1e-3, dtype) == 1e-3  # an explicit value is the user's
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "per-row")
     with pytest.raises(ValueError, match="FUSEDLOSS_FILTER_RULE"):
-        resolve_filter_eps("auto", dtype)
+        config.Tuning.from_environment({"FUSEDLOSS_FILTER_RULE": "per-row"})
 
 
 @pytest.mark.parametrize("rule", ["block", "pooled"])
-def test_lm_head_auto_is_exact(rule, monkeypatch):
+def test_lm_head_auto_is_exact(rule, tune):
     """The LM heads' "auto" computes every tile, under either rule and in every dtype; None and
     floats mean what they mean elsewhere, and bad values are refused by name."""
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", rule)
+    tune(filter_rule=rule)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert resolve_lm_head_filter_eps("auto", dtype) is None
         assert resolve_lm_head_filter_eps(None, dtype) is None
@@ -662,7 +661,7 @@ def test_lm_head_auto_skips_no_tile_where_a_float_does():
 
 @requires_triton
 @pytest.mark.parametrize("n_valid", [37, 20], ids=["all-valid", "some-ignored"])
-def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, monkeypatch):
+def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, tune):
     """Under FUSEDLOSS_FILTER_RULE=pooled the forward records each valid row's tile log-mass
     and each column's log-mass per row block (with column statistics); unset, the block maxima
     of today."""
@@ -679,7 +678,7 @@ def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, monke
         return engine.row_stats(a.to(device), b.to(device), engine.Logits(), rows,
                                 col_stats=True, record_tiles=True, backend="triton")
 
-    monkeypatch.delenv("FUSEDLOSS_FILTER_RULE", raising=False)
+    tune(filter_rule="block")
     stats = record()
     assert not stats.per_row_tiles
     bm, bn = stats.block_m, stats.block_n
@@ -687,7 +686,7 @@ def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, monke
     block_stat, _ = tile_statistics(logits, n_valid, bm, bn)
     torch.testing.assert_close(stats.tile_log_mass.cpu(), block_stat, rtol=1e-5, atol=1e-5)
 
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "pooled")
+    tune(filter_rule="pooled")
     stats = record()
     assert stats.per_row_tiles
     shapes = engine.tile_stats_shapes(n, v, torch.device(device), a.dtype, d, col_stats=True)
@@ -704,12 +703,12 @@ def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, monke
                                rtol=1e-5, atol=1e-5)
 
 
-def _linear_ce_grads(logits, target, rule, eps, monkeypatch, **options):
+def _linear_ce_grads(logits, target, rule, eps, tune, **options):
     """(dE, dC) of mean linear cross-entropy with E = logits (fp32) and C = I, so that X = E
     exactly and dE is the logit gradient G itself; the filter under ``rule``. Per-token losses
     averaged here: the engine's backward for every ``eps`` (a reduced loss without filtering
     would take the training path)."""
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", rule)
+    tune(filter_rule=rule)
     e = logits.float().to(DEVICE).requires_grad_()
     c = torch.eye(logits.shape[1], device=DEVICE).requires_grad_()
     target = target.to(DEVICE)
@@ -724,7 +723,7 @@ def _linear_ce_grads(logits, target, rule, eps, monkeypatch, **options):
 @small_tiles
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "ignore_index": 40}],
                          ids=["plain", "smoothing-ignored"])
-def test_linear_cross_entropy_pooled_rule_end_to_end(options, monkeypatch):
+def test_linear_cross_entropy_pooled_rule_end_to_end(options, tune):
     """linear_cross_entropy under FUSEDLOSS_FILTER_RULE=pooled: on rows of mixed confidence
     the block rule skips nothing without label smoothing (its result is the exact call's, bit
     for bit; with smoothing its per-row budget is the smoothed one) while the pooled rule skips
@@ -742,11 +741,11 @@ def test_linear_cross_entropy_pooled_rule_end_to_end(options, monkeypatch):
         ignore_index=options.get("ignore_index", -100)).backward()
     truth = x.grad
 
-    exact = _linear_ce_grads(logits, target, "block", None, monkeypatch, **options)
+    exact = _linear_ce_grads(logits, target, "block", None, tune, **options)
     if not options:
-        block = _linear_ce_grads(logits, target, "block", eps, monkeypatch)
+        block = _linear_ce_grads(logits, target, "block", eps, tune)
         assert all(torch.equal(f, g) for f, g in zip(block, exact, strict=True))
-    pooled = _linear_ce_grads(logits, target, "pooled", eps, monkeypatch, **options)
+    pooled = _linear_ce_grads(logits, target, "pooled", eps, tune, **options)
     assert not torch.equal(pooled[0], exact[0]), "the pooled rule should skip some tiles"
 
     rounding = (exact[0] - truth).norm()
@@ -762,7 +761,7 @@ def test_linear_cross_entropy_pooled_rule_end_to_end(options, monkeypatch):
 @requires_triton
 @small_tiles
 @pytest.mark.parametrize("runner_ups", ["all-odd-rows", "first-block"])
-def test_clip_loss_pooled_rule_filters_both_directions(runner_ups, monkeypatch):
+def test_clip_loss_pooled_rule_filters_both_directions(runner_ups, tune):
     """CLIP under the pooled rule (rows and columns, ε/√2 each), with T = I so that X = s·I_feat
     and dI = s·G. Pairs on the diagonal at 8 over a background near −12, runner-ups at
     (i, i ^ 1) for odd rows i: of every block ("all-odd-rows"), where both directions afford
@@ -782,7 +781,7 @@ def test_clip_loss_pooled_rule_filters_both_directions(runner_ups, monkeypatch):
     truth = x.grad
 
     def grad(rule, filter_eps):
-        monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", rule)
+        tune(filter_rule=rule)
         img = (logits / s).float().to(DEVICE).requires_grad_()
         txt = torch.eye(b, device=DEVICE)
         fusedloss.clip_loss(img, txt, s, filter_eps=filter_eps, backend="triton").backward()

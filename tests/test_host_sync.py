@@ -62,11 +62,11 @@ def test_backward_queues_without_waiting(name):
 
 
 @requires_cuda
-def test_sparse_slabs_wait_once(monkeypatch):
+def test_sparse_slabs_wait_once(monkeypatch, tune):
     """FUSEDLOSS_SPARSE_SLABS=1 lets a slab take the sparse path: the live counts are read back,
     by one wait on an event recorded behind them (the first slab's recompute is queued after
     it, so the GPU keeps working), never by a sync of the whole stream."""
-    monkeypatch.setenv("FUSEDLOSS_SPARSE_SLABS", "1")
+    tune(sparse_slabs=True)
     x, y = _features()
     CALLS["clip"](x, y).backward()
     torch.cuda.synchronize()
@@ -90,10 +90,10 @@ def test_sparse_slabs_wait_once(monkeypatch):
 
 @pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("sparse", ["0", "1"])
-def test_backward_reads_back_only_for_sparse_slabs(monkeypatch, sparse):
+def test_backward_reads_back_only_for_sparse_slabs(monkeypatch, tune, sparse):
     """The engine's one read-back (the live counts) happens only when sparse slabs may be
     taken: the same check as above, on any machine that runs the kernels (a spy on .tolist)."""
-    monkeypatch.setenv("FUSEDLOSS_SPARSE_SLABS", sparse)
+    tune(sparse_slabs=sparse == "1")
     x, y = _features("cuda" if torch.cuda.is_available() else "cpu", 37, 16, torch.float32)
     loss = fusedloss.clip_loss(x, y, 1 / 0.07, backend="triton")
     reads = []

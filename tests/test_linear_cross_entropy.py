@@ -636,13 +636,13 @@ def test_torch_named_shapes(case):
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7])
-def test_torch_backend_chunking_does_not_change_results(monkeypatch, chunk_rows):
-    """Several row chunks (FUSEDLOSS_TORCH_CHUNK_ELEMENTS) give the one-chunk result."""
+def test_torch_backend_chunking_does_not_change_results(tune, chunk_rows):
+    """Several row chunks (``Tuning.torch_chunk_elements``) give the one-chunk result."""
     case = Case(lead=(3, 12), v=123, d=16, dtype=torch.bfloat16, regime="peaked", shift=True,
                 ignore="some", bias=True, label_smoothing=0.1, z_loss=1e-3, return_lse=True,
                 reduction="none")
     one_chunk = check_case(case, "torch")
-    monkeypatch.setenv("FUSEDLOSS_TORCH_CHUNK_ELEMENTS", str(chunk_rows * case.v))
+    tune(torch_chunk_elements=chunk_rows * case.v)
     chunked = check_case(case, "torch")
     torch.testing.assert_close(chunked.loss, one_chunk.loss, rtol=0, atol=0)
     for name in one_chunk.grads:
@@ -651,13 +651,11 @@ def test_torch_backend_chunking_does_not_change_results(monkeypatch, chunk_rows)
 
 ENGINE_SETTINGS = [
     pytest.param({}, id="defaults"),
-    pytest.param({"FUSEDLOSS_SCRATCH_MB": "0.001"}, id="one-tile-slabs"),
-    pytest.param({"FUSEDLOSS_DENSE_SLAB_FRACTION": "2"}, id="sparse"),
-    pytest.param({"FUSEDLOSS_DENSE_SLAB_FRACTION": "0"}, id="dense"),
-    pytest.param({"FUSEDLOSS_SCRATCH_MB": "0.001", "FUSEDLOSS_DENSE_SLAB_FRACTION": "2"},
-                 id="one-tile-slabs-sparse"),
-    pytest.param({"FUSEDLOSS_SCRATCH_MB": "0.001", "FUSEDLOSS_DENSE_SLAB_FRACTION": "0"},
-                 id="one-tile-slabs-dense"),
+    pytest.param({"scratch_mb": 0.001}, id="one-tile-slabs"),
+    pytest.param({"dense_slab_fraction": 2.0}, id="sparse"),
+    pytest.param({"dense_slab_fraction": 0.0}, id="dense"),
+    pytest.param({"scratch_mb": 0.001, "dense_slab_fraction": 2.0}, id="one-tile-slabs-sparse"),
+    pytest.param({"scratch_mb": 0.001, "dense_slab_fraction": 0.0}, id="one-tile-slabs-dense"),
 ]
 _ENGINE_N = 1031 if ON_GPU else 37
 _ENGINE_V = 5003 if ON_GPU else 300
@@ -675,12 +673,11 @@ ENGINE_CASES = [dataclasses.replace(c, reduction="none") for c in [
 
 @requires_triton
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ENGINE_CASES])
-@pytest.mark.parametrize("env", ENGINE_SETTINGS)
-def test_engine_settings_meet_the_bar(monkeypatch, env, case):
+@pytest.mark.parametrize("tuning", ENGINE_SETTINGS)
+def test_engine_settings_meet_the_bar(tune, tuning, case):
     """Slab size and the dense/sparse switch are performance knobs: every setting meets the
     bar, with filtering on."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    tune(**tuning)
     check_case(case, "triton")
 
 
@@ -695,17 +692,17 @@ AGREEMENT_CASES = [dataclasses.replace(c, reduction="none") for c in [
 
 @requires_triton
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in AGREEMENT_CASES])
-def test_dense_and_sparse_paths_agree(monkeypatch, case):
+def test_dense_and_sparse_paths_agree(tune, case):
     """The dense (cuBLAS) and block-sparse (Triton) slab paths compute the same live tiles.
 
     With one column tile per slab and filtering on (sharp logits, or a large filter_eps), many
     (row block, slab) pairs hold no live tile at all; both paths must count them as zero.
     """
     problem = make_problem(case)
-    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "0.001")
+    tune(scratch_mb=0.001)
     results = {}
-    for path, fraction in [("sparse", "2"), ("dense", "0")]:
-        monkeypatch.setenv("FUSEDLOSS_DENSE_SLAB_FRACTION", fraction)
+    for path, fraction in [("sparse", 2.0), ("dense", 0.0)]:
+        tune(dense_slab_fraction=fraction)
         results[path] = run_ours(case, problem, "triton")
     ref = run_reference(case, problem)
     # Same tiles, different summation order and rounding: a few ulps of the gradient apart
@@ -734,7 +731,7 @@ ROW_CHUNK_CASES = [
 @requires_triton
 @pytest.mark.parametrize("order", [False, True], ids=["natural", "permuted"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ROW_CHUNK_CASES])
-def test_backward_in_row_chunks_equals_one_call(monkeypatch, case, order):
+def test_backward_in_row_chunks_equals_one_call(monkeypatch, tune, case, order):
     """Beyond ``backward_row_chunk`` rows the backward runs in blocks of rows (engine
     ``row_chunk``): the loss equals the one-call backward's bit for bit, every gradient (d
     weight and d bias: the blocks' fp32 parts added, rounded once) within a rounding of the
@@ -748,7 +745,7 @@ def test_backward_in_row_chunks_equals_one_call(monkeypatch, case, order):
     case = dataclasses.replace(case, reduction="none")
     # Blocks of rows need the block rule's statistics: under the pooled rule (per-row tile
     # statistics) the backward runs in one call by design (engine.grads).
-    monkeypatch.setenv("FUSEDLOSS_FILTER_RULE", "block")
+    tune(filter_rule="block")
     problem = make_problem(case)
     extra = {}
     if order:
@@ -866,8 +863,8 @@ def test_training_path_agrees_with_engine(case):
         assert rel_err(leaf.grad, expected) <= tol, name
 
 
-def test_training_path_chunk_policy(monkeypatch):
-    """Rows per chunk follow from one budget of logit bytes (``config.LM_HEAD_CHUNK_BYTES``),
+def test_training_path_chunk_policy(tune):
+    """Rows per chunk follow from one budget of logit bytes (``Tuning.lm_head_chunk_bytes``),
     whatever N: all N when they fit, else the most that do in multiples of 128."""
     from fusedloss.core import config
 
@@ -875,7 +872,7 @@ def test_training_path_chunk_policy(monkeypatch):
     assert rows(4096, 128256, 2) == 4096 and rows(1 << 20, 128256, 2) == 4096
     assert rows(65536, 256000, 2) == 2048 and rows(65536, 151936, 2) == 3456
     assert rows(65536, 128256, 4) == 2048 and rows(37, 123, 2) == 37
-    monkeypatch.setattr(config, "LM_HEAD_CHUNK_BYTES", 2 * 100 * 10)
+    tune(lm_head_chunk_bytes=2 * 100 * 10)
     assert rows(1000, 10, 2) == 100 and rows(50, 10, 2) == 50
     assert rows(1000, 10, 4) == 50 and rows(1000, 10**6, 4) == 1
 
@@ -1096,13 +1093,13 @@ def test_confident_tokens_lose_exactly_zero(backend, dtype, softcap):
     assert (loss == 0).all(), f"confident tokens: max loss {loss.max().item():.3e}, expected 0"
 
 
-def test_backward_row_chunk_rule(monkeypatch):
+def test_backward_row_chunk_rule(tune):
     """Rows per engine backward block: what a 1 GiB scratch of 4096-column slabs holds, none
     when the scratch is set by hand."""
     from fusedloss.ops._common import backward_row_chunk
 
-    monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB", raising=False)
+    tune(scratch_mb=None)
     bf16, fp32 = torch.empty(1, 8, dtype=torch.bfloat16), torch.empty(1, 8)
     assert backward_row_chunk(bf16) == 131072 and backward_row_chunk(fp32) == 65536
-    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "64")
+    tune(scratch_mb=64.0)
     assert backward_row_chunk(bf16) is None

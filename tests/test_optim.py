@@ -743,22 +743,22 @@ def test_step_replays_in_a_cuda_graph(fused):
         assert torch.equal(p, q)
 
 
-def test_fused_config_override(monkeypatch):
-    """FUSEDLOSS_OPTIM_CONFIG sets the fused step's launch shape on CUDA (for tuning), and a
-    malformed value is an error naming the variable."""
+def test_fused_config_override(tune):
+    """``Tuning.optim_config`` (``FUSEDLOSS_OPTIM_CONFIG``) sets the fused step's launch shape
+    on CUDA (for tuning), and a malformed value is an error naming the variable."""
     from fusedloss import _optim_kernels
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setenv("FUSEDLOSS_OPTIM_CONFIG", "8192,4,528")
+    tune(optim_config="8192,4,528")
     cfg = _optim_kernels.fused_config(cuda)
     assert (cfg.block, cfg.num_warps, cfg.lag, cfg.reduce_block) == (8192, 4, 528, 512)
     assert cfg.step == 8192  # without a sub-block, the whole block at once
-    monkeypatch.setenv("FUSEDLOSS_OPTIM_CONFIG", "32768,16,264,4096")
+    tune(optim_config="32768,16,264,4096")
     cfg = _optim_kernels.fused_config(cuda)
     assert (cfg.block, cfg.num_warps, cfg.lag, cfg.step) == (32768, 16, 264, 4096)
     assert _optim_kernels.fused_config(torch.device("cpu")) == _optim_kernels.INTERPRETER_CONFIG
     for bad in ("4096,8", "4096,8,x", "3000,8,10", "4096,3,10", "4096,8,-1", "4096,8,10,8192",
                 "4096,8,10,1000", "4096,8,10,256", "4096,8,10,512,1"):
-        monkeypatch.setenv("FUSEDLOSS_OPTIM_CONFIG", bad)
+        tune(optim_config=bad)
         with pytest.raises(ValueError, match="FUSEDLOSS_OPTIM_CONFIG"):
             _optim_kernels.fused_config(cuda)

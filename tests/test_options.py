@@ -25,6 +25,7 @@ from test_linear_cross_entropy import (
 import fusedloss
 import fusedloss.nn
 from fusedloss import LinearCrossEntropyLoss, linear_cross_entropy
+from fusedloss.core import config
 
 # One moderate problem: several 16×16 tiles with ragged edges on the interpreter.
 BASE = Case(lead=(37,), v=123, d=16, dtype=torch.float32, regime="peaked")
@@ -247,22 +248,22 @@ def test_invalid_vocab_order_raises():
                  vocab_order=torch.zeros(case.v, dtype=torch.long, device=DEVICE))
 
 
-SPARSE = {"FUSEDLOSS_DENSE_SLAB_FRACTION": "2"}  # every slab through the block-sparse path
+SPARSE = {"dense_slab_fraction": 2.0}  # every slab through the block-sparse path
 # Several column tiles per row block: the interpreter's tiles are 16 wide, a GPU's 128-256.
 FILTER_SHAPE = dict(lead=(512,), v=5003) if ON_GPU else dict(lead=(64,), v=300)
 
 
-def use_small_tiles(monkeypatch) -> None:
+def use_small_tiles(tune) -> None:
     """On a GPU, tiles of 32 × 32 as the interpreter's 16 × 16: the filter's bound takes each
     row block's most confident row, and a block of 128 peaked rows always holds one whose
     gradient mass (1 − P_y) is below fp32's resolution, which keeps every tile of the block."""
-    monkeypatch.setenv("FUSEDLOSS_FORWARD_TILE", "32,32,32,0,4,2")
-    monkeypatch.setenv("FUSEDLOSS_BACKWARD_TILE", "32,32,32,32,4,2")
+    tune(forward_tile=config.TileConfig(32, 32, 32, 0, num_warps=4, num_stages=2),
+         backward_tile=config.TileConfig(32, 32, 32, 32, num_warps=4, num_stages=2))
 
 
 @requires_triton
 @pytest.mark.parametrize("regime", ["peaked", "flat"])
-def test_filter_eps_filters(monkeypatch, regime):
+def test_filter_eps_filters(tune, regime):
     """A huge eps skips tiles (the gradients move), "auto" keeps them within the bar.
 
     Through the block-sparse path: the default engine sends a slab with ≥ 25% live tiles
@@ -271,8 +272,8 @@ def test_filter_eps_filters(monkeypatch, regime):
     over its smallest lse, and each block's most confident row). eps = 1000 does skip; on sharp
     logits it would change nothing measurable: no mass to drop.
     """
-    monkeypatch.setenv(*next(iter(SPARSE.items())))
-    use_small_tiles(monkeypatch)
+    tune(**SPARSE)
+    use_small_tiles(tune)
     case = replace(BF16, regime=regime, classes=16, **FILTER_SHAPE)
     problem = make_problem(case)
     # per-token losses: the engine with and without filtering (a reduced loss without it
@@ -288,11 +289,11 @@ def test_filter_eps_filters(monkeypatch, regime):
 
 @requires_triton
 @pytest.mark.parametrize("order", ["auto", None, "permutation"])
-def test_filtering_keeps_unlikely_targets(monkeypatch, order):
+def test_filtering_keeps_unlikely_targets(tune, order):
     """A target the model finds unlikely sits in a tile with no mass: only its one-hot term
     keeps that tile live (mark_targets_live, through the column order). Dropping it would lose
     the −1 of dX_{i,y}: the largest gradient entry of the row."""
-    monkeypatch.setenv(*next(iter(SPARSE.items())))
+    tune(**SPARSE)
     case = replace(BF16, regime="sharp", filter_eps=0.5, **FILTER_SHAPE)
     problem = make_problem(case)
     # Targets other than the labels the hidden states point at: unlikely classes.
@@ -310,14 +311,13 @@ def test_filtering_keeps_unlikely_targets(monkeypatch, order):
 
 @requires_triton
 @pytest.mark.parametrize("eps", [2.0**-10, 2.0**-6, 0.25])
-@pytest.mark.parametrize("env", [pytest.param({}, id="defaults"),
-                                 pytest.param(SPARSE, id="sparse")])
-def test_filter_eps_bounds_the_gradient_change(monkeypatch, env, eps):
+@pytest.mark.parametrize("tuning", [pytest.param({}, id="defaults"),
+                                    pytest.param(SPARSE, id="sparse")])
+def test_filter_eps_bounds_the_gradient_change(tune, tuning, eps):
     """filter_eps is a proven bound: each row loses ≤ eps of its softmax mass, so with unit
     coefficients (reduction="sum", no options) ‖ΔdA_i‖ ≤ eps · max_j ‖B_j‖ and
     ‖ΔdB‖ ≤ eps · Σ_i ‖A_i‖ against the unfiltered gradients."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    tune(**tuning)
     case = replace(BASE, regime="sharp", reduction="sum", bias=True, **FILTER_SHAPE)
     problem = make_problem(case)
     exact = run_ours(replace(case, filter_eps=None), problem, "triton")
@@ -371,16 +371,16 @@ def _forward_backward(fn, problem):
 
 
 @pytest.mark.parametrize("option", MODULE_OPTIONS)
-def test_module_forwards_every_option(monkeypatch, option):
+def test_module_forwards_every_option(tune, option):
     """Module(option) equals the functional call with that option, bit for bit, and differs
     from the call without it."""
-    monkeypatch.setenv(*next(iter(SPARSE.items())))
+    tune(**SPARSE)
     case = replace(BF16, lead=(2, 32), bias=True, v=300, classes=16)
     if "filter_eps" in option:
         # Flat logits: every row's gradient mass is ~1, so a huge eps skips tiles that "auto"
         # keeps, whatever the block size (a confident row would keep its whole block).
         case = replace(case, regime="flat")
-        use_small_tiles(monkeypatch)
+        use_small_tiles(tune)
     problem = _module_inputs(case)
     option = dict(option)
     if option.get("weight") == "class-weight":
@@ -457,14 +457,14 @@ def test_module_vocab_order_every(monkeypatch, every):
         check_case(replace(case, seed=3), "triton", vocab_order=computed[0])
 
 
-def test_backward_scratch_rule(monkeypatch):
+def test_backward_scratch_rule(tune, monkeypatch):
     """The dX scratch per slab: 64 MiB up to 16384 rows (44 MiB with the split accumulator),
-    4096 columns beyond, capped at 1 GiB; FUSEDLOSS_SCRATCH_MB hands the choice to the engine.
+    4096 columns beyond, capped at 1 GiB; ``Tuning.scratch_mb`` hands the choice to the engine.
     The LM head passes it to the engine (a fixed 64 MiB made slabs 32 Mi / N columns wide)."""
     from fusedloss.core import engine
     from fusedloss.ops._common import scratch_bytes
 
-    monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB", raising=False)
+    tune(scratch_mb=None)
 
     def rows(n):
         return torch.empty((n, 8), dtype=torch.bfloat16, device="meta")
@@ -477,9 +477,9 @@ def test_backward_scratch_rule(monkeypatch):
     assert scratch_bytes(rows(16384), wide=True) == 16384 * 4096 * 2
     assert scratch_bytes(rows(4096), wide=True) == 2**26
     assert scratch_bytes(rows(1 << 20), wide=True) == 2**30
-    monkeypatch.setenv("FUSEDLOSS_SCRATCH_MB", "32")
-    assert scratch_bytes(rows(40000)) is None  # the engine reads the variable itself
-    monkeypatch.delenv("FUSEDLOSS_SCRATCH_MB")
+    tune(scratch_mb=32.0)
+    assert scratch_bytes(rows(40000)) is None  # the engine reads the tuning itself
+    tune(scratch_mb=None)
 
     seen = []
     real = engine.grads

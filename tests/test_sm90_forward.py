@@ -4,7 +4,7 @@ Triton kernel it replaces there and against float64.
 Gluon kernels do not run under Triton's interpreter: these tests need an sm90 GPU (H100,
 H200) and skip elsewhere. On such a GPU every contrastive test with column statistics runs
 through this kernel as well; here it is compared with the Triton kernel
-(``FUSEDLOSS_GLUON=0``) on odd shapes, both paths of its column sums (one reference per tile,
+(``Tuning.gluon`` off) on odd shapes, both paths of its column sums (one reference per tile,
 and each column's own max on wide tiles), the per-tile records of both filtering rules, and
 NaN inputs.
 """
@@ -41,12 +41,12 @@ def _stats(a, b, scale, bias=None, n_valid=None, rule="block", record=True):
                             tile_rule=rule)
 
 
-def _both(monkeypatch, *args, **kw):
-    monkeypatch.setenv("FUSEDLOSS_GLUON", "1")
+def _both(tune, *args, **kw):
+    tune(gluon=True)
     hopper = _stats(*args, **kw)
-    monkeypatch.setenv("FUSEDLOSS_GLUON", "0")
+    tune(gluon=False)
     triton = _stats(*args, **kw)
-    monkeypatch.delenv("FUSEDLOSS_GLUON")
+    tune(gluon=True)
     return hopper, triton
 
 
@@ -63,12 +63,12 @@ CASES = [
 
 @pytest.mark.parametrize("rule", ["block", "pooled"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}")
-def test_matches_triton_kernel_and_float64(monkeypatch, case, rule):
+def test_matches_triton_kernel_and_float64(tune, case, rule):
     n, v, d, n_valid, with_bias, dtype, scale, same = case
     a = _features(n, d, dtype, n)
     b = a.clone() if same else _features(v, d, dtype, v + 1)
     bias = torch.randn(v, device=DEV) if with_bias else None
-    hopper, triton = _both(monkeypatch, a, b, scale, bias, n_valid, rule)
+    hopper, triton = _both(tune, a, b, scale, bias, n_valid, rule)
     assert (hopper.block_m, hopper.block_n) == (64, 128)
     assert (triton.block_m, triton.block_n) == (128, 128)
 
@@ -109,11 +109,11 @@ def test_matches_triton_kernel_and_float64(monkeypatch, case, rule):
         assert (err <= 2e-6 * expect[finite].abs() + 1e-5).all(), err.max()
 
 
-def test_nan_rows_give_nan(monkeypatch):
+def test_nan_rows_give_nan(tune):
     a = _features(700, 256, torch.bfloat16, 1)
     b = _features(900, 256, torch.bfloat16, 2)
     a[5, 3] = float("nan")
-    monkeypatch.setenv("FUSEDLOSS_GLUON", "1")
+    tune(gluon=True)
     stats = _stats(a, b, 20.0)
     assert stats.block_m == 64
     assert stats.lse[5].isnan()
@@ -138,11 +138,11 @@ def test_other_calls_keep_the_triton_kernel(why):
         assert engine._sm90_operand(a, b, plain, rows, True, False, False) is not None
 
 
-def test_env_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_GLUON", "0")
+def test_gluon_switch_turns_it_off(tune):
+    tune(gluon=False)
     assert not config.gluon_enabled(DEV)
     assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=True) == (128, 128)
-    monkeypatch.setenv("FUSEDLOSS_GLUON", "1")
+    tune(gluon=True)
     assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=True) == (64, 128)
     # Row statistics alone (InfoNCE, NT-Xent) keep the Triton kernel's tile.
     assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=False) == (128, 128)

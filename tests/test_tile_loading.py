@@ -29,7 +29,7 @@ def _rows(n: int, identity: bool | None = None) -> engine.Rows:
 
 @requires_triton
 @pytest.mark.skipif(not _tma_capable(), reason="TMA needs a Hopper GPU or the interpreter")
-def test_descriptors_where_tma_can_read(monkeypatch):
+def test_descriptors_where_tma_can_read(tune):
     a = torch.randn(40, 32, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(50, 32, device=DEVICE, dtype=torch.bfloat16)
     a_desc, b_desc, a_rows = engine.tile_descriptors(a, b, engine.Logits(), _rows(40),
@@ -42,7 +42,7 @@ def test_descriptors_where_tma_can_read(monkeypatch):
     assert not rows.is_identity()
     a_desc, _, a_rows = engine.tile_descriptors(a, b, engine.Logits(), rows, 16, 16, 16)
     assert a_desc is not None and torch.equal(a_rows, a.flip(0))
-    monkeypatch.setenv("FUSEDLOSS_TMA", "0")
+    tune(tma=False)
     assert engine.tile_descriptors(a, b, engine.Logits(), _rows(40), 16, 16, 16) == NO_TMA
 
 
@@ -90,11 +90,11 @@ def _clip(dtype):
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("run", [_lm_head, _clip], ids=["lm-head", "clip"])
-def test_tma_and_pointer_paths_agree(monkeypatch, run, dtype):
+def test_tma_and_pointer_paths_agree(tune, run, dtype):
     """The same dots in the same order over D: the two load paths agree to the last bit under
     the interpreter, and to a few ulps on a GPU (where the compiler may pick other MMAs)."""
     with_tma = run(dtype)
-    monkeypatch.setenv("FUSEDLOSS_TMA", "0")
+    tune(tma=False)
     with_pointers = run(dtype)
     for ours, theirs in zip(with_tma, with_pointers, strict=True):
         if config.interpreting():

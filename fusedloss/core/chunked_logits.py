@@ -19,7 +19,7 @@ first) only the valid rows are computed, so ignored tokens (a masked prompt) cos
 without one, every row, an ignored one (``ignore_index``) giving a loss of 0 and G = 0.
 
 Extra memory beside the inputs: the chunk of logits (e·R·V bytes for e-byte inputs, at most
-``config.LM_HEAD_CHUNK_BYTES``), the fp32 dB accumulator (4·V·D) and dbias (4·V), dA (e·N·D,
+``config.Tuning.lm_head_chunk_bytes``), the fp32 dB accumulator (4·V·D) and dbias (4·V), dA (e·N·D,
 the gradient itself) and 4·N bytes of per-row losses.
 
 Accuracy: the logits are those of ``F.linear`` in the input dtype (the bias, cast to it, added

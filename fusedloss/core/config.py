@@ -1,14 +1,19 @@
-"""Block sizes and launch parameters of the linear-log-sum-exp kernels.
+"""The one tuning place: block sizes, launch parameters and path selection of the kernels.
 
-Configs are frozen per (device architecture, dtype, width D): no autotuning runs unless the
-environment variable ``FUSEDLOSS_AUTOTUNE=1`` asks for it (see :func:`autotune_enabled`).
-Under Triton's CPU interpreter, small blocks keep the tests fast.
+Configs are frozen per (device architecture, dtype, width D). Every knob beyond them is a field
+of :class:`Tuning`, read once from the ``FUSEDLOSS_*`` environment variables at import (the
+only place the library reads its environment, besides Triton's ``TRITON_INTERPRET``) and
+overridden in a block with :func:`tuned`. Under Triton's CPU interpreter, small blocks keep the
+tests fast.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,17 +42,110 @@ class TileConfig:
         return self.gemm_stages or self.num_stages
 
 
-# The LM head's training path (``core.chunked_logits``) holds one chunk of logits, rows × V in
-# the input dtype, of at most this many bytes: 4096 rows of a 128256-row head in bf16, 2048 of a
-# 256000-row one.
-LM_HEAD_CHUNK_BYTES = 2**30
+FILTER_RULES = ("block", "pooled")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every knob of the kernels that is not an argument: for measurements, fallbacks and tests.
+
+    The defaults are the measured choices; :meth:`from_environment` reads the
+    ``FUSEDLOSS_<FIELD>`` variables (once, at import), :func:`tuned` overrides fields in a block.
+    """
+
+    # Operand tiles through TMA descriptors (off: pointer loads, for comparison or a fallback).
+    tma: bool = True
+    # The Hopper Gluon kernels where they apply (off: the Triton kernels).
+    gluon: bool = True
+    # Triton's autotuner over the tile configs (off: the frozen configs below).
+    autotune: bool = False
+    # The backward's tile-skipping rule (``filtering.py``): "block", a bound on each row's lost
+    # softmax mass from per-block statistics, or "pooled", a bound on the relative L2 error of
+    # the call's logit gradient from per-row tile masses (N·V/BN more floats from the forward).
+    filter_rule: str = "block"
+    # Tiles of the forward, backward and split-accumulator kernels, replacing the frozen ones.
+    forward_tile: TileConfig | None = None
+    backward_tile: TileConfig | None = None
+    split_tile: TileConfig | None = None
+    # The backward's dX scratch per slab in MiB (None: ``ops._common.scratch_bytes``' rule).
+    scratch_mb: float | None = None
+    # A slab whose live fraction reaches this goes through cuBLAS as a dense matrix.
+    dense_slab_fraction: float = 0.25
+    # The contrastive backward may send a slab with few live tiles through the sparse kernels
+    # (one read of the live counts per call).
+    sparse_slabs: bool = False
+    # The contrastive dA as a bf16 pair over the slabs (None: ``ops.contrastive``'s rule).
+    split_accumulator: bool | None = None
+    # Elements of logits per chunk of the torch backend.
+    torch_chunk_elements: int = 1 << 24
+    # The LM head's training path (``core.chunked_logits``) holds one chunk of logits, rows × V
+    # in the input dtype, of at most this many bytes: 4096 rows of a 128256-row head in bf16,
+    # 2048 of a 256000-row one.
+    lm_head_chunk_bytes: int = 2**30
+    # StableAdamW's fused step launch, "block,num_warps,lag[,sub_block]" (None: frozen).
+    optim_config: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.filter_rule not in FILTER_RULES:
+            raise ValueError(f"filter_rule (FUSEDLOSS_FILTER_RULE) must be one of "
+                             f"{FILTER_RULES}, got {self.filter_rule!r}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> Tuning:
+        """The tuning the ``FUSEDLOSS_*`` variables of ``environ`` set (the defaults for the
+        rest); ValueError naming the variable for a value it cannot read."""
+        fields = {}
+        for field in dataclasses.fields(cls):
+            name = f"FUSEDLOSS_{field.name.upper()}"
+            spec = environ.get(name)
+            if spec is None or spec == "":
+                continue
+            try:
+                fields[field.name] = _parse(field.name, spec)
+            except ValueError:
+                raise ValueError(f"{name}: cannot read {spec!r} as {field.type}") from None
+        return cls(**fields)
+
+
+def _parse(field: str, spec: str):
+    if field in ("tma", "gluon", "autotune", "sparse_slabs", "split_accumulator"):
+        if spec not in ("0", "1"):
+            raise ValueError(spec)
+        return spec == "1"
+    if field.endswith("_tile"):
+        return TileConfig(*(int(x) for x in spec.split(",")))
+    if field in ("scratch_mb", "dense_slab_fraction"):
+        return float(spec)
+    if field in ("torch_chunk_elements", "lm_head_chunk_bytes"):
+        return int(spec)
+    return spec  # filter_rule, optim_config: checked where they are read
+
+
+_TUNING = Tuning.from_environment(os.environ)
+
+
+def tuning() -> Tuning:
+    """The tuning in effect."""
+    return _TUNING
+
+
+@contextlib.contextmanager
+def tuned(**changes) -> Iterator[Tuning]:
+    """The tuning with ``changes`` (fields of :class:`Tuning`) within the block."""
+    global _TUNING
+    saved = _TUNING
+    _TUNING = dataclasses.replace(saved, **changes)
+    try:
+        yield _TUNING
+    finally:
+        _TUNING = saved
 
 
 def lm_head_chunk_rows(n: int, v: int, element_size: int) -> int:
     """Rows per chunk of the LM head's training path for N rows of a V-row head: all N when
-    they fit in ``LM_HEAD_CHUNK_BYTES``, else the most that do, rounded down to a multiple of
+    they fit in ``Tuning.lm_head_chunk_bytes``, else the most that do, rounded down to a multiple of
     128 (at least 1)."""
-    rows = LM_HEAD_CHUNK_BYTES // (element_size * v)
+    rows = tuning().lm_head_chunk_bytes // (element_size * v)
     if rows >= n:
         return n
     return max(1, rows // 128 * 128 if rows >= 128 else rows)
@@ -70,33 +168,22 @@ def precise_math(dtype: torch.dtype) -> bool:
 
 
 def tma_enabled() -> bool:
-    """Whether kernels may read operand tiles through TMA descriptors (``FUSEDLOSS_TMA=0``
-    turns it off, for comparison or as a fallback)."""
-    return os.environ.get("FUSEDLOSS_TMA", "1") != "0"
-
-
-FILTER_RULES = ("block", "pooled")
+    """Whether kernels may read operand tiles through TMA descriptors (``Tuning.tma``)."""
+    return tuning().tma
 
 
 def filter_rule() -> str:
-    """The backward's tile-skipping rule, ``FUSEDLOSS_FILTER_RULE`` (``filtering.py``):
-    "block" (default), a bound on each row's lost softmax mass from per-block statistics, or
-    "pooled", a bound on the relative L2 error of the call's logit gradient from per-row tile
-    masses (N·V/BN more floats from the forward). Read when the forward records its statistics
-    and when ``filter_eps="auto"`` is resolved; the backward applies the rule whose statistics
-    it was handed."""
-    rule = os.environ.get("FUSEDLOSS_FILTER_RULE", "") or "block"
-    if rule not in FILTER_RULES:
-        raise ValueError(f"FUSEDLOSS_FILTER_RULE must be one of {FILTER_RULES}, got {rule!r}")
-    return rule
+    """The backward's tile-skipping rule (``Tuning.filter_rule``). Read when the forward
+    records its statistics and when ``filter_eps="auto"`` is resolved; the backward applies the
+    rule whose statistics it was handed."""
+    return tuning().filter_rule
 
 
 def gluon_enabled(device: torch.device) -> bool:
     """Whether the Hopper (sm90) Gluon kernels may run on ``device`` (``lse_forward_sm90``):
     a compute capability 9.x GPU, not the interpreter, a Triton with Gluon's Hopper ops, and
-    ``FUSEDLOSS_GLUON`` not "0" (which keeps the Triton kernels, for comparison or as a
-    fallback)."""
-    if (device.type != "cuda" or interpreting() or os.environ.get("FUSEDLOSS_GLUON", "1") == "0"
+    ``Tuning.gluon`` (off keeps the Triton kernels, for comparison or as a fallback)."""
+    if (device.type != "cuda" or interpreting() or not tuning().gluon
             or capability(device)[0] != 9):
         return False
     return _gluon_importable()
@@ -112,7 +199,7 @@ def _gluon_importable() -> bool:
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("FUSEDLOSS_AUTOTUNE", "0") == "1"
+    return tuning().autotune
 
 
 _INTERPRETER = TileConfig(block_m=16, block_n=16, block_k=16, block_d=16, num_warps=1, num_stages=1)
@@ -138,19 +225,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _override(name: str) -> TileConfig | None:
-    """A tile from the environment, "block_m,block_n,block_k,block_d,num_warps,num_stages"."""
-    spec = os.environ.get(name)
-    return TileConfig(*(int(x) for x in spec.split(","))) if spec else None
-
-
 def forward_config(device: torch.device, dtype: torch.dtype, d: int, *,
                    sigmoid: bool = False, col_stats: bool = True) -> TileConfig:
     """Tile of the forward (row statistics) kernel; ``sigmoid``: the pairwise sigmoid loss;
     ``col_stats``: column statistics from the same pass (CLIP)."""
     if device.type != "cuda":
         return _INTERPRETER
-    if (tile := _override("FUSEDLOSS_FORWARD_TILE")) is not None:
+    if (tile := tuning().forward_tile) is not None:
         return tile
     major, _ = capability(device)
     if dtype == torch.float32:
@@ -193,7 +274,7 @@ def backward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileCon
     """
     if device.type != "cuda":
         return _INTERPRETER
-    if (tile := _override("FUSEDLOSS_BACKWARD_TILE")) is not None:
+    if (tile := tuning().backward_tile) is not None:
         return tile
     major, _ = capability(device)
     if dtype == torch.float32:
@@ -221,7 +302,7 @@ def split_accumulate_config(device: torch.device, d: int) -> TileConfig:
     """
     if device.type != "cuda":
         return _INTERPRETER
-    if (tile := _override("FUSEDLOSS_SPLIT_TILE")) is not None:
+    if (tile := tuning().split_tile) is not None:
         return tile
     if d >= 256:
         return TileConfig(128, 0, 64, 256, num_warps=8, num_stages=4)

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -573,7 +572,7 @@ def _combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor):
 
 
 def _torch_chunk_rows(v: int) -> int:
-    return max(1, int(os.environ.get("FUSEDLOSS_TORCH_CHUNK_ELEMENTS", 1 << 24)) // max(1, v))
+    return max(1, config.tuning().torch_chunk_elements // max(1, v))
 
 
 def _torch_logits(a_rows, b32, logits: Logits, row_ids=None):
@@ -926,7 +925,7 @@ def _over(weight: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 def _scratch_tiles(n_rb: int, n_ct: int, tile_bytes: int, budget: int | None = None) -> int:
     """Column tiles per slab: the dX scratch of one slab stays under the budget."""
     if budget is None:
-        budget = float(os.environ.get("FUSEDLOSS_SCRATCH_MB", 64)) * 2**20
+        budget = (config.tuning().scratch_mb or 64) * 2**20
     return max(1, min(n_ct, int(budget // max(1, n_rb * tile_bytes))))
 
 
@@ -938,7 +937,7 @@ RECOMPUTE_GROUP_BYTES = 24 * 2**20
 
 def _dense_slab_fraction() -> float:
     """A slab whose live fraction reaches this goes through cuBLAS as a dense matrix."""
-    return float(os.environ.get("FUSEDLOSS_DENSE_SLAB_FRACTION", 0.25))
+    return config.tuning().dense_slab_fraction
 
 
 def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,

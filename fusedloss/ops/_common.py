@@ -2,10 +2,11 @@
 scratch."""
 
 import functools
-import os
 
 import torch
 from torch import Tensor
+
+from ..core import config
 
 # The ops may wait for the GPU (a read-back), which a CUDA graph cannot capture: Inductor's
 # CUDA graphs ("reduce-overhead") leave ops with this tag outside the graph.
@@ -98,7 +99,7 @@ def scratch_bytes(a: Tensor, split: bool = False, wide: bool = False) -> int | N
     rank's rows are often 16384 or fewer, each block paying the host's per-slab launches
     (measured on 4 × H200, 2026-11-26, CLIP ring, B = 65536, c = 512, 16384 rows per rank:
     128 MiB against 64 MiB took the step from 17.2–17.7 to 15.8–16.1 ms, its compute alone
-    from 14.8 to 12.6). ``FUSEDLOSS_SCRATCH_MB`` overrides. The LM heads and the
+    from 14.8 to 12.6). ``Tuning.scratch_mb`` overrides. The LM heads and the
     contrastive losses share it: beyond 16384 rows a fixed 64 MiB would leave slabs of
     32 Mi / N columns (256 at N = 131072), each paying the read-modify-write of the fp32 dA.
 
@@ -115,7 +116,7 @@ def scratch_bytes(a: Tensor, split: bool = False, wide: bool = False) -> int | N
     2048 took b = 65536 from 49.7–49.9 to 47.9 ms and b = 131072, c = 768 from 267–268 to
     258–259 ms (8192 columns: no further gain).
     """
-    if "FUSEDLOSS_SCRATCH_MB" in os.environ:
+    if config.tuning().scratch_mb is not None:
         return None
     n = a.shape[0]
     wide_bytes = int(min(SCRATCH_CAP_BYTES, n * WIDE_SLAB_COLUMNS * a.element_size()))
@@ -129,12 +130,12 @@ def backward_row_chunk(a: Tensor) -> int | None:
     """Compact rows per block of the LM heads' engine backward (``engine.grads``' ``row_chunk``;
     per-token losses, ``return_lse`` and filtering take it, a reduced loss the training path):
     as many as a 1 GiB dX scratch of 4096-column slabs holds (131072 bf16 rows); None when
-    ``FUSEDLOSS_SCRATCH_MB`` sets the scratch. In one block, more rows would narrow the slabs
+    ``Tuning.scratch_mb`` sets the scratch. In one block, more rows would narrow the slabs
     (``scratch_bytes`` caps the scratch at 1 GiB), and every slab reads and writes the fp32 dA
     accumulator of all rows, 8·N·D bytes: at N = 581632 (a training step of 142 × 4096 tokens),
     D = 2048 and V = 128256, 144 slabs of 896 columns move ~1.4 TB, in blocks of 131072 rows
     with 32 slabs each ~0.3 TB (arithmetic; not yet timed), and the accumulator shrinks from
     4.8 to 1.1 GB. dB then adds the blocks' parts in an fp32 (V, D) buffer."""
-    if "FUSEDLOSS_SCRATCH_MB" in os.environ:
+    if config.tuning().scratch_mb is not None:
         return None
     return SCRATCH_CAP_BYTES // (WIDE_SLAB_COLUMNS * a.element_size())

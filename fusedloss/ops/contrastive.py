@@ -7,12 +7,10 @@ logits) is ``fusedloss/families/contrastive.py``'s, which the ring calls too. Bo
 directions come from one pass: each tile feeds the row and the column statistics.
 """
 
-import os
-
 import torch
 from torch import Tensor
 
-from ..core import engine
+from ..core import config, engine
 from ..core.engine import Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -220,13 +218,13 @@ def _check_target(target: Tensor, m: int) -> None:
 
 def _sparse_slabs() -> bool:
     """Whether the backward may send a slab with few live tiles through the sparse matmul
-    kernels (``FUSEDLOSS_SPARSE_SLABS=1``). That choice needs the live counts on the host, one
+    kernels (``Tuning.sparse_slabs``). That choice needs the live counts on the host, one
     wait for the GPU per call. By default every slab takes the dense path and the backward never
     waits: on the measured inputs the filter keeps every tile (docs/results.md), and at
     b ≤ 16384 the wait, which leaves the GPU idle while the host issues the slabs, costs more
     than the sparse path could save.
     """
-    return os.environ.get("FUSEDLOSS_SPARSE_SLABS", "0") == "1"
+    return config.tuning().sparse_slabs
 
 
 def _split_accumulator(a: Tensor) -> bool:
@@ -235,10 +233,10 @@ def _split_accumulator(a: Tensor) -> bool:
     features up to 16384 rows, where it lets a step fit in 64 MiB (see ``scratch_bytes``).
     Beyond, cuBLAS's addmm is faster than the split kernel (H100, 2026-11-22: 0.42 against
     0.59 ms per slab at N = 65536, K = 4096, D = 512) and the memory is far below inf-cl's.
-    ``FUSEDLOSS_SPLIT_ACCUMULATOR=0`` or ``1`` overrides.
+    ``Tuning.split_accumulator`` overrides.
     """
-    if (setting := os.environ.get("FUSEDLOSS_SPLIT_ACCUMULATOR")) is not None:
-        return setting == "1"
+    if (setting := config.tuning().split_accumulator) is not None:
+        return setting
     return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
 
 
