@@ -493,3 +493,26 @@ def test_backward_scratch_rule(tune, monkeypatch):
     c = torch.randn(7, 4, requires_grad=True)
     linear_cross_entropy(e, c, torch.randint(0, 7, (20000,)), backend="torch").backward()
     assert seen == [20000 * 4096 * 4]
+
+
+def test_tuning_reads_the_environment_and_tuned_restores():
+    """``config.Tuning.from_environment`` reads each FUSEDLOSS_<FIELD> variable as its field's
+    type (unset and empty: the default) and names the variable it cannot read; ``tuned``
+    changes fields within its block only."""
+    tuning = config.Tuning.from_environment({
+        "FUSEDLOSS_TMA": "0", "FUSEDLOSS_SPLIT_ACCUMULATOR": "1", "FUSEDLOSS_SCRATCH_MB": "0.5",
+        "FUSEDLOSS_FORWARD_TILE": "32,32,32,0,4,2", "FUSEDLOSS_LM_HEAD_CHUNK_BYTES": "4096",
+        "FUSEDLOSS_FILTER_RULE": "pooled", "FUSEDLOSS_GLUON": "", "FUSEDLOSS_OTHER": "x"})
+    assert tuning == config.Tuning(
+        tma=False, split_accumulator=True, scratch_mb=0.5, lm_head_chunk_bytes=4096,
+        forward_tile=config.TileConfig(32, 32, 32, 0, num_warps=4, num_stages=2),
+        filter_rule="pooled")
+    for name, bad in [("FUSEDLOSS_TMA", "yes"), ("FUSEDLOSS_SCRATCH_MB", "lots"),
+                      ("FUSEDLOSS_BACKWARD_TILE", "32,x"), ("FUSEDLOSS_FILTER_RULE", "rows")]:
+        with pytest.raises(ValueError, match=name):
+            config.Tuning.from_environment({name: bad})
+    before = config.tuning()
+    with config.tuned(scratch_mb=1.0, tma=False) as inside:
+        assert config.tuning() is inside and inside.scratch_mb == 1.0 and not inside.tma
+        assert config.tma_enabled() is False
+    assert config.tuning() is before
