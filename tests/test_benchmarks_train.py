@@ -65,6 +65,18 @@ def test_gemma2_keeps_its_softcaps_and_quick_configs_are_tiny():
     assert quick_gemma.final_logit_softcapping == 30.0
 
 
+def test_layers_replace_the_models_depth_only():
+    """``--layers``: the real vocabulary and width with that many decoder layers."""
+    for spec in train.MODEL_SPECS.values():
+        config = train.build_config(spec, quick=False, layers=4)
+        full = train.build_config(spec, quick=False)
+        assert config.num_hidden_layers == 4 != full.num_hidden_layers
+        assert (config.vocab_size, config.hidden_size) == (full.vocab_size, full.hidden_size)
+    args = train.argparse.ArgumentParser()
+    train.add_arguments(args)
+    assert train.settings_from(args.parse_args(["--quick", "--layers", "1"])).layers == 1
+
+
 def test_same_seed_same_model_and_batches():
     spec = train.MODEL_SPECS["qwen2.5-1.5b"]
     a = train.build_model(spec, quick=True, seed=3, device=CPU)

@@ -209,27 +209,31 @@ QUICK_SIZES = dict(
 )
 
 
-def config_kwargs(spec: ModelSpec, quick: bool) -> dict[str, Any]:
-    """The keyword arguments of ``AutoConfig.for_model(spec.model_type, ...)``."""
+def config_kwargs(spec: ModelSpec, quick: bool, layers: int | None = None) -> dict[str, Any]:
+    """The keyword arguments of ``AutoConfig.for_model(spec.model_type, ...)``; ``layers``:
+    that many decoder layers instead of the model's (the real vocabulary and width kept)."""
     kwargs = dict(spec.config)
     if quick:
         kwargs.update({k: v for k, v in QUICK_SIZES.items() if k in kwargs or k == "head_dim"})
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
     kwargs["use_cache"] = False
     return kwargs
 
 
-def build_config(spec: ModelSpec, quick: bool) -> Any:
+def build_config(spec: ModelSpec, quick: bool, layers: int | None = None) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(spec.model_type, **config_kwargs(spec, quick))
+    return AutoConfig.for_model(spec.model_type, **config_kwargs(spec, quick, layers))
 
 
-def build_model(spec: ModelSpec, quick: bool, seed: int, device: torch.device) -> Any:
+def build_model(spec: ModelSpec, quick: bool, seed: int, device: torch.device,
+                layers: int | None = None) -> Any:
     """The model with random weights from ``seed`` (the same for every method), bf16, on the
     device, in training mode with (non-reentrant) gradient checkpointing."""
     from transformers import AutoModelForCausalLM
 
-    config = build_config(spec, quick)
+    config = build_config(spec, quick, layers)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -489,6 +493,7 @@ class Settings:
     lr: float
     seed: int
     quick: bool
+    layers: int | None  # decoder layers instead of the model's
     find_max_batch: bool
     max_batch_limit: int
     sweep_steps: int
@@ -614,7 +619,7 @@ def run_method(
     trainer = None
     try:
         with module_patches_undone(family):
-            model = build_model(spec, settings.quick, settings.seed, device)
+            model = build_model(spec, settings.quick, settings.seed, device, settings.layers)
             try:
                 call, result.call = prepare_method(method, model, spec, device)
             except Unavailable as error:
@@ -998,6 +1003,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"untimed steps first (default {DEFAULT_WARMUP}; {QUICK_WARMUP} "
                         "with --quick); their losses count")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers instead of each model's (real vocabulary and width)")
     parser.add_argument("--find-max-batch", action="store_true",
                         help="also grow the batch until out of memory (then bisect)")
     parser.add_argument("--max-batch-limit", type=int, default=None,
@@ -1030,6 +1037,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         lr=args.lr,
         seed=args.seed,
         quick=quick,
+        layers=args.layers,
         find_max_batch=bool(args.find_max_batch),
         max_batch_limit=pick(args.max_batch_limit, DEFAULT_MAX_BATCH_LIMIT, QUICK_MAX_BATCH_LIMIT),
         sweep_steps=max(1, args.sweep_steps),
@@ -1054,12 +1062,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     calls: dict[str, str] = {}
     for name in args.models:
         spec = MODEL_SPECS[name]
-        config = build_config(spec, settings.quick)
+        config = build_config(spec, settings.quick, settings.layers)
         models[name] = {
             "title": spec.title, "source": spec.source, "model_type": spec.model_type,
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "layers": config.num_hidden_layers, "parameters": 0,
-            "attn_implementation": "—", "config": config_kwargs(spec, settings.quick),
+            "attn_implementation": "—",
+            "config": config_kwargs(spec, settings.quick, settings.layers),
         }
         log(f"{spec.title} ({'quick: ' if settings.quick else ''}V {config.vocab_size}, "
             f"hidden {config.hidden_size}, {config.num_hidden_layers} layers)")
@@ -1078,7 +1087,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         for result in model_results:
             common.note_problem(notes, name, result)
         results[name] = model_results
-        models[name].update(_model_facts(spec, settings.quick))
+        models[name].update(_model_facts(spec, settings.quick, settings.layers))
     outcomes = [o for name, rs in results.items() for o in evaluate_targets(name, rs)]
     info = RunInfo(
         environment=environment, settings=settings, methods=list(args.methods),
@@ -1099,12 +1108,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     return 0
 
 
-def _model_facts(spec: ModelSpec, quick: bool) -> dict[str, Any]:
+def _model_facts(spec: ModelSpec, quick: bool, layers: int | None = None) -> dict[str, Any]:
     """Parameter count and attention implementation, from a model on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(build_config(spec, quick), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(build_config(spec, quick, layers),
+                                                 dtype=torch.bfloat16)
     facts = {"parameters": parameter_count(model),
              "attn_implementation": str(model.config._attn_implementation)}
     del model
