@@ -132,10 +132,12 @@ def linear_cross_entropy(
         The loss (fp32, float64 for float64 input; a scalar, or per-token for "none"), and with
         ``return_lse`` a tuple ``(loss, lse)``.
 
-    With many rows (from 131072 on a 128256- or 256000-row head in bf16) and a "mean" or "sum"
-    loss on the Triton backend, the forward computes the gradients too, from chunks of fp32
-    logits, and the backward scales them (three matmul passes instead of four, never more
-    memory than the backward would hold; docs/design.md, "The gradient in the forward").
+    A "mean" or "sum" loss with gradients on the Triton backend (no ``return_lse``, no explicit
+    ``filter_eps`` or ``vocab_order``) takes the training path: per chunk of rows the logits in
+    the input dtype by cuBLAS, the softmax gradient formed over them, then the two gradient
+    products; the backward scales the gradients (three matmul passes; memory: one chunk of at
+    most 1 GiB of logits and an fp32 dB; docs/design.md, "The LM head's training path"). Other
+    calls run on the fused engine, which never holds logits.
 
     Example:
         >>> h = torch.randn(4, 16, 64, requires_grad=True)
