@@ -107,15 +107,22 @@ def loss_and_grads(
                 grad_a.index_copy_(0, index, torch.mm(z, b))
             else:
                 torch.mm(z, b, out=grad_a[r0:r1])
-        if need_b:
-            if r0 == 0:
-                mm_f32(z.T, a_c, out=grad_b)
-            else:
-                addmm_f32_(grad_b, z.T, a_c)
-        if need_bias:
-            grad_bias += z.sum(dim=0, dtype=torch.float32)
+        add_weight_grads(grad_b, grad_bias, z, a_c, first=r0 == 0)
     loss = losses.sum() * coef
     return loss, grad_a, grad_b, grad_bias
+
+
+def add_weight_grads(grad_b: torch.Tensor | None, grad_bias: torch.Tensor | None,
+                     g: torch.Tensor, a_c: torch.Tensor, first: bool) -> None:
+    """One chunk's part of the weight gradients, in fp32: dB (+)= Gᵀ A_c (the first chunk
+    writes it) and dbias += Σ_rows G; None skips either."""
+    if grad_b is not None:
+        if first:
+            mm_f32(g.T, a_c, out=grad_b)
+        else:
+            addmm_f32_(grad_b, g.T, a_c)
+    if grad_bias is not None:
+        grad_bias += g.sum(dim=0, dtype=torch.float32)
 
 
 @triton.jit
@@ -135,51 +142,21 @@ def _softmax_grad_rows_kernel(
     (1−α)·w_y·(lse − X_y) + (α/V)·(W·lse − Σ_j w_j X_j) + λ·lse²; then, over Z, the gradient
     dloss/dZ = (r·P − t·[j = y] − u·w_j) · (1 − (X/c)²) with r, t, u as in
     ``families.cross_entropy`` (upstream gradient ``coef``). An ignored row gets loss 0 and
-    G = 0; a target outside [0, V) gives NaN. Each lane reads and writes the same entries in
-    both passes, so G may overwrite Z without a barrier."""
+    G = 0; a target outside [0, V) gives NaN."""
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride_z
-    offs = tl.arange(0, BLOCK_V)
     y = tl.load(target_ptr + row)
     if y == ignore_index:
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            tl.store(base + cols, tl.zeros([BLOCK_V], z_ptr.dtype.element_ty), mask=cols < V)
+        _write_zeros(base, V, BLOCK_V)
         tl.store(loss_ptr + row, 0.0)
     else:
-        # Pass 1 keeps one running (max, Σ exp) per GROUP adjacent entries of a lane block
-        # (held by one thread): one rescaling exponential per GROUP entries, not per entry.
-        m_grp = tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32)
-        s_grp = tl.zeros([BLOCK_V // GROUP], tl.float32)
-        ws_lane = tl.zeros([BLOCK_V], tl.float32)
-        xy_lane = tl.zeros([BLOCK_V], tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            in_row = cols < V
-            x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
-            x = tl.where(in_row, x, float("-inf"))
-            x2 = tl.reshape(x, [BLOCK_V // GROUP, GROUP])
-            m_new = tl.maximum(m_grp, tl.max(x2, axis=1))
-            # a group that has seen only -inf keeps its sum at 0 (no inf - inf)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s_grp = (s_grp * exp(m_grp - m_safe, PRECISE)
-                     + tl.sum(exp(x2 - m_safe[:, None], PRECISE), axis=1))
-            m_grp = m_new
-            xy_lane += tl.where(cols == y, x, 0.0)
-            if SMOOTHING:
-                if HAS_CLASS_WEIGHT:
-                    w = tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
-                    ws_lane += tl.where(in_row, w * x, 0.0)
-                else:
-                    ws_lane += tl.where(in_row, x, 0.0)
+        m_row, s, x_y, ws = _row_statistics(
+            base, class_weight_ptr, y, V, softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP,
+            PRECISE, ROUND, BLOCK_V, GROUP)
         # lse = m + log s, kept apart where it meets a logit: X − m is exact near the max,
         # where m + log s would be rounded at the magnitude of m
-        m = tl.max(m_grp, axis=0)
-        m_row = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(s_grp * exp(m_grp - m_row, PRECISE), axis=0)
         log_s = log(s, PRECISE)
         lse = m_row + log_s
-        x_y = tl.sum(xy_lane, axis=0)
 
         in_range = (y >= 0) & (y < V)
         w_y = 1.0
@@ -191,28 +168,86 @@ def _softmax_grad_rows_kernel(
         g = tl.load(coef_ptr)
         loss = (1 - alpha) * w_y * ((m_row - x_y) + log_s) + z_loss * lse * lse + bad
         if SMOOTHING:
-            loss += (alpha / V) * (total_w * lse - tl.sum(ws_lane, axis=0))
+            loss += (alpha / V) * (total_w * lse - ws)
         tl.store(loss_ptr + row, loss)
 
         # r·P = (r / s) · exp(X − m)
         r = div(g * ((1 - alpha) * w_y + alpha * total_w / V + 2 * z_loss * lse), s, PRECISE)
-        r += bad
-        t = g * (1 - alpha) * w_y
-        u = g * alpha / V
-        for w0 in range(0, V, BLOCK_V):
-            cols = w0 + offs
-            in_row = cols < V
-            x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
-            grad = r * exp(x - m_row, PRECISE) - tl.where(cols == y, t, 0.0)
-            if SMOOTHING:
-                if HAS_CLASS_WEIGHT:
-                    grad -= u * tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
-                else:
-                    grad -= u
-            if SOFTCAP:
-                capped = div(x, softcap, PRECISE)
-                grad = grad * (1.0 - capped * capped)
-            tl.store(base + cols, grad.to(z_ptr.dtype.element_ty), mask=in_row)
+        _write_gradient(base, class_weight_ptr, y, V, m_row, r + bad, g * (1 - alpha) * w_y,
+                        g * alpha / V, softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP, PRECISE,
+                        ROUND, BLOCK_V)
+
+
+@triton.jit
+def _write_zeros(base, V, BLOCK_V: tl.constexpr):
+    """G = 0 over an ignored row."""
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        tl.store(base + cols, tl.zeros([BLOCK_V], base.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def _row_statistics(base, class_weight_ptr, y_col, V, softcap, HAS_CLASS_WEIGHT: tl.constexpr,
+                    SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, PRECISE: tl.constexpr,
+                    ROUND: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr):
+    """The first pass over a row of V columns of X = softcap(Z): (m, Σ_j exp(X_j − m), X at
+    column ``y_col`` (0 when the row has no such column), Σ_j w_j X_j (0 without label
+    smoothing)). One running (max, Σ exp) per GROUP adjacent entries of a lane block (held by
+    one thread): one rescaling exponential per GROUP entries, not per entry."""
+    offs = tl.arange(0, BLOCK_V)
+    m_grp = tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32)
+    s_grp = tl.zeros([BLOCK_V // GROUP], tl.float32)
+    ws_lane = tl.zeros([BLOCK_V], tl.float32)
+    xy_lane = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        in_row = cols < V
+        x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
+        xy_lane += tl.where(cols == y_col, x, 0.0)  # X is 0 outside the row
+        if SMOOTHING:
+            if HAS_CLASS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
+                ws_lane += tl.where(in_row, w * x, 0.0)
+            else:
+                ws_lane += tl.where(in_row, x, 0.0)
+        x = tl.where(in_row, x, float("-inf"))
+        x2 = tl.reshape(x, [BLOCK_V // GROUP, GROUP])
+        m_new = tl.maximum(m_grp, tl.max(x2, axis=1))
+        # a group that has seen only -inf keeps its sum at 0 (no inf - inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_grp = (s_grp * exp(m_grp - m_safe, PRECISE)
+                 + tl.sum(exp(x2 - m_safe[:, None], PRECISE), axis=1))
+        m_grp = m_new
+    m = tl.max(m_grp, axis=0)
+    m_row = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_grp * exp(m_grp - m_row, PRECISE), axis=0)
+    return m_row, s, tl.sum(xy_lane, axis=0), tl.sum(ws_lane, axis=0)
+
+
+@triton.jit
+def _write_gradient(base, class_weight_ptr, y_col, V, m, p_scale, t, u, softcap,
+                    HAS_CLASS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PRECISE: tl.constexpr, ROUND: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    """The second pass: G = (p_scale·exp(X − m) − t·[j = y_col] − u·w_j) · (1 − (X/c)²) over
+    the row's V columns, written over Z. Each lane reads and writes the entries it read in the
+    first pass, so G may overwrite Z without a barrier."""
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        in_row = cols < V
+        x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
+        grad = p_scale * exp(x - m, PRECISE) - tl.where(cols == y_col, t, 0.0)
+        if SMOOTHING:
+            if HAS_CLASS_WEIGHT:
+                grad -= u * tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
+            else:
+                grad -= u
+        if SOFTCAP:
+            capped = div(x, softcap, PRECISE)
+            grad = grad * (1.0 - capped * capped)
+        tl.store(base + cols, grad.to(base.dtype.element_ty), mask=in_row)
 
 
 @triton.jit
@@ -330,7 +365,6 @@ def _shard_row_stats_kernel(
     ``_softmax_grad_rows_kernel``, with the target's column y − start."""
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride_z
-    offs = tl.arange(0, BLOCK_V)
     y = tl.load(target_ptr + row)
     if y == ignore_index:
         tl.store(stats_ptr + row, 0.0)
@@ -338,35 +372,14 @@ def _shard_row_stats_kernel(
         tl.store(stats_ptr + 2 * R + row, 0.0)
         tl.store(stats_ptr + 3 * R + row, 0.0)
     else:
-        y_local = y - start  # a column of this shard only where it holds the target
-        m_grp = tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32)
-        s_grp = tl.zeros([BLOCK_V // GROUP], tl.float32)
-        ws_lane = tl.zeros([BLOCK_V], tl.float32)
-        xy_lane = tl.zeros([BLOCK_V], tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            in_row = cols < V
-            x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
-            xy_lane += tl.where(cols == y_local, x, 0.0)  # X is 0 outside the row
-            if SMOOTHING:
-                if HAS_CLASS_WEIGHT:
-                    w = tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
-                    ws_lane += tl.where(in_row, w * x, 0.0)
-                else:
-                    ws_lane += tl.where(in_row, x, 0.0)
-            x = tl.where(in_row, x, float("-inf"))
-            x2 = tl.reshape(x, [BLOCK_V // GROUP, GROUP])
-            m_new = tl.maximum(m_grp, tl.max(x2, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s_grp = (s_grp * exp(m_grp - m_safe, PRECISE)
-                     + tl.sum(exp(x2 - m_safe[:, None], PRECISE), axis=1))
-            m_grp = m_new
-        m = tl.max(m_grp, axis=0)
-        m_row = tl.where(m == float("-inf"), 0.0, m)
+        # the target's column: one of this shard only where it holds the target
+        m_row, row_sum, x_y, ws = _row_statistics(
+            base, class_weight_ptr, y - start, V, softcap, HAS_CLASS_WEIGHT, SMOOTHING,
+            SOFTCAP, PRECISE, ROUND, BLOCK_V, GROUP)
         tl.store(stats_ptr + row, m_row)
-        tl.store(stats_ptr + R + row, tl.sum(s_grp * exp(m_grp - m_row, PRECISE), axis=0))
-        tl.store(stats_ptr + 2 * R + row, tl.sum(xy_lane, axis=0))
-        tl.store(stats_ptr + 3 * R + row, tl.sum(ws_lane, axis=0))
+        tl.store(stats_ptr + R + row, row_sum)
+        tl.store(stats_ptr + 2 * R + row, x_y)
+        tl.store(stats_ptr + 3 * R + row, ws)
 
 
 @triton.jit
@@ -384,29 +397,13 @@ def _shard_softmax_grad_kernel(
     ``_softmax_grad_rows_kernel``, from statistics combined over the shards."""
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride_z
-    offs = tl.arange(0, BLOCK_V)
     y = tl.load(target_ptr + row)
     if y == ignore_index:
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            tl.store(base + cols, tl.zeros([BLOCK_V], z_ptr.dtype.element_ty), mask=cols < V)
+        _write_zeros(base, V, BLOCK_V)
     else:
-        y_local = y - start
-        m = tl.load(row_max_ptr + row)
-        p_scale = tl.load(prob_scale_ptr + row)
-        t = tl.load(target_coef_ptr + row)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            in_row = cols < V
-            x = _logit(base, cols, in_row, softcap, SOFTCAP, PRECISE, ROUND)
-            grad = p_scale * exp(x - m, PRECISE) - tl.where(cols == y_local, t, 0.0)
-            if SMOOTHING:
-                u = tl.load(uniform_coef_ptr + row)
-                if HAS_CLASS_WEIGHT:
-                    grad -= u * tl.load(class_weight_ptr + cols, mask=in_row, other=0.0)
-                else:
-                    grad -= u
-            if SOFTCAP:
-                capped = div(x, softcap, PRECISE)
-                grad = grad * (1.0 - capped * capped)
-            tl.store(base + cols, grad.to(z_ptr.dtype.element_ty), mask=in_row)
+        u = 0.0
+        if SMOOTHING:
+            u = tl.load(uniform_coef_ptr + row)
+        _write_gradient(base, class_weight_ptr, y - start, V, tl.load(row_max_ptr + row),
+                        tl.load(prob_scale_ptr + row), tl.load(target_coef_ptr + row), u,
+                        softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP, PRECISE, ROUND, BLOCK_V)

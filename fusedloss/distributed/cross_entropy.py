@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core import chunked_logits, config, engine
-from ..core.engine import Logits, Rows, RowStats, addmm_f32_, mm_f32
+from ..core.engine import Logits, Rows, RowStats, mm_f32
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..families import cross_entropy as family
 from ..losses import cross_entropy as single
@@ -443,13 +443,7 @@ def _loss_and_grads(
             dist.all_reduce(part, group=group)  # fp32: Σ over the shards, rounded once
             if grad_a_part is not None:
                 grad_a[r0:r1] = part
-        if need_b:
-            if r0 == 0:
-                mm_f32(z.T, a_c, out=grad_b)
-            else:
-                addmm_f32_(grad_b, z.T, a_c)
-        if need_bias:
-            grad_bias += z.sum(dim=0, dtype=_F32)
+        chunked_logits.add_weight_grads(grad_b, grad_bias, z, a_c, first=r0 == 0)
     out_of_range = valid & ((target < 0) | (target >= v))
     if out_of_range.any():  # the same targets on every rank: every rank raises
         raise _out_of_range(target, out_of_range, v, options.ignore_index)
