@@ -1,4 +1,5 @@
-"""The contrastive losses never wait for the GPU (docs/design.md, "Host synchronization").
+"""The contrastive losses and the LM head's training path never wait for the GPU
+(docs/design.md, "Host synchronization").
 
 A host sync in the middle of a call leaves the GPU idle while the host issues the rest of the
 call's small operations one by one; at b = 16384 that cost more than the kernels. CUDA only:
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import can_run_triton, requires_cuda
+from helpers import DEVICE, can_run_triton, requires_cuda, requires_triton
 
 import fusedloss
 
@@ -59,6 +60,59 @@ def test_backward_queues_without_waiting(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad.float()).all()
+
+
+READ_BACKS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+@requires_triton
+@pytest.mark.parametrize("check_values", [False, True])
+def test_lm_head_training_path_reads_nothing_back(monkeypatch, tune, check_values):
+    """On any device: the training path's forward and backward never turn a tensor into a
+    host value (the calls that would wait for a GPU), unless ``Tuning.check_values`` asks for
+    the target check."""
+    tune(check_values=check_values)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 16, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(100, 16, generator=g).to(DEVICE).requires_grad_()
+    target = torch.randint(0, 100, (30,), generator=g).to(DEVICE)
+    target[::7] = -100
+    weight = torch.rand(100, generator=g).to(DEVICE)
+    reads = []
+    for name in READ_BACKS:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: (
+            reads.append(_n), _f(self, *a, **k))[1])
+    loss = fusedloss.linear_cross_entropy(x, w, target, weight=weight, label_smoothing=0.1,
+                                          backend="triton")
+    loss.backward()
+    monkeypatch.undo()
+    assert (reads != []) == check_values, reads
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+
+
+@requires_cuda
+def test_lm_head_training_step_queues_without_waiting():
+    """The LM head's training path (a reduced loss with gradients): its forward and backward
+    read nothing back to the host, ignored tokens and class weights included."""
+    x, _ = _features(rows=300, width=64)
+    w = (torch.randn(1000, 64, device="cuda") / 8).bfloat16().requires_grad_()
+    target = torch.randint(0, 1000, (300,), device="cuda")
+    target[::7] = -100
+    weight = torch.rand(1000, device="cuda")
+
+    def step():
+        fusedloss.linear_cross_entropy(x, w, target, weight=weight, label_smoothing=0.1,
+                                       backend="triton").backward()
+
+    step()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad.float()).all() and torch.isfinite(w.grad.float()).all()
 
 
 @requires_cuda

@@ -878,6 +878,33 @@ def test_training_path_chunk_policy(tune):
 
 
 @requires_triton
+@pytest.mark.parametrize("class_weight", [False, True], ids=["plain", "class-weight"])
+@pytest.mark.parametrize("bad", [-5, 10**6])
+def test_training_path_bad_target_gives_nan(tune, class_weight, bad):
+    """The training path reads nothing back to the host, so a target outside [0, V) cannot
+    raise there: the loss is NaN, and so is every gradient that row reaches (its dA row, all
+    of dB), the other rows' dA staying finite. ``Tuning.check_values`` raises the named error
+    instead."""
+    n, v, d = 9, 37, 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(v, d, generator=g).to(DEVICE).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    target[4], target[6] = bad, -100
+    weight = torch.rand(v, generator=g).to(DEVICE) if class_weight else None
+    with _chunked_path(4) as calls:
+        loss = fusedloss.linear_cross_entropy(x, w, target, weight=weight, backend="triton")
+        loss.backward()
+    assert len(calls) == 1
+    assert torch.isnan(loss)
+    assert torch.isnan(x.grad[4]).all() and torch.isfinite(x.grad[torch.arange(n) != 4]).all()
+    assert torch.isnan(w.grad).all()
+    tune(check_values=True)
+    with pytest.raises(ValueError, match=rf"target holds {bad}, outside \[0, {v}\)"):
+        fusedloss.linear_cross_entropy(x, w, target, weight=weight, backend="triton")
+
+
+@requires_triton
 def test_training_path_is_deterministic():
     """Two calls on the same inputs give the same loss and gradients bit for bit (no atomics:
     each row's statistics in one program, dB summed chunk after chunk), in chunks of 7 rows."""

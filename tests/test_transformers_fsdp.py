@@ -58,13 +58,18 @@ def _shard(model, layout: str, raf: bool):
             or (layout == "fsdp1-head" and m is head))
         return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True,
                                         device_id=torch.device("cpu"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # on CPU ranks even where a GPU is present (fully_shard's default mesh takes the accelerator)
+    shard = functools.partial(fully_shard, reshard_after_forward=raf,
+                              mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=raf)
+        shard(layer)
     if layout == "fsdp2-head":
-        fully_shard(model.lm_head, reshard_after_forward=raf)
+        shard(model.lm_head)
     elif layout == "fsdp2-tied-group":  # a tied head must share its unit with the embedding
-        fully_shard([model.model.embed_tokens, model.lm_head], reshard_after_forward=raf)
-    fully_shard(model, reshard_after_forward=raf)
+        shard([model.model.embed_tokens, model.lm_head])
+    shard(model)
     return model
 
 

@@ -14,9 +14,9 @@ loss's upstream gradient), so the forward computes it. Per chunk of R rows
                                    writes it)
 
 three matmul passes in all, the least an exact gradient needs; the backward multiplies by the
-upstream gradient, rounding dB once. Given a compact row order (``row_index``, valid rows
-first) only the valid rows are computed, so ignored tokens (a masked prompt) cost no work;
-without one, every row, an ignored one (``ignore_index``) giving a loss of 0 and G = 0.
+upstream gradient, rounding dB once. Every row is computed, an ignored one (``ignore_index``)
+giving a loss of 0 and G = 0: nothing is read back to the host (no count of the valid rows),
+so the CPU runs ahead of the GPU and the path can be captured in a CUDA graph.
 
 Extra memory beside the inputs: the chunk of logits (e·R·V bytes for e-byte inputs, at most
 ``config.Tuning.lm_head_chunk_bytes``), the fp32 dB accumulator (4·V·D) and dbias (4·V), dA (e·N·D,
@@ -55,25 +55,20 @@ def loss_and_grads(
     need_b: bool,
     need_bias: bool,
     chunk: int | None = None,  # rows per chunk; None: ``config.lm_head_chunk_rows``
-    row_index: torch.Tensor | None = None,  # (N,) int64 compact order: position p is row
-    n_rows: int | None = None,  # row_index[p]; only positions p < n_rows are computed
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(Σ over the rows of coef · loss_i (() fp32), dA (N, D) in a's dtype, dB (V, D) fp32,
     dbias (V,) fp32) of the loss ``ops.cross_entropy`` describes, each gradient None when not
-    needed (dB stays fp32 so that the backward's scale rounds it once). With ``row_index``,
-    ``target`` is in compact order and only its first ``n_rows`` positions are computed (the
-    other rows get dA = 0: ignored tokens cost no work); without, every row, an ignored one
-    giving a loss of 0 and dA = 0. A target outside [0, V) that is not ``ignore_index`` gives
-    NaN."""
+    needed (dB stays fp32 so that the backward's scale rounds it once). Every row is computed,
+    an ignored one giving a loss of 0 and a zero gradient row; a target outside [0, V) that is
+    not ``ignore_index`` gives NaN (its loss and every gradient). Nothing is read back to the
+    host."""
     n, d = a.shape
     v = b.shape[0]
     device = a.device
-    compact = row_index is not None
-    rows = n_rows if compact else n
-    chunk = max(1, min(rows, chunk or config.lm_head_chunk_rows(rows, v, a.element_size())))
-    losses = torch.zeros(max(rows, 1), dtype=torch.float32, device=device)
-    grad_a = (torch.zeros_like(a) if compact else torch.empty_like(a)) if need_a else None
-    grad_b = (torch.zeros((v, d), dtype=torch.float32, device=device) if rows == 0
+    chunk = max(1, min(n, chunk or config.lm_head_chunk_rows(n, v, a.element_size())))
+    losses = torch.zeros(max(n, 1), dtype=torch.float32, device=device)
+    grad_a = torch.empty_like(a) if need_a else None
+    grad_b = (torch.zeros((v, d), dtype=torch.float32, device=device) if n == 0
               else torch.empty((v, d), dtype=torch.float32, device=device)) if need_b else None
     grad_bias = torch.zeros(v, dtype=torch.float32, device=device) if need_bias else None
     if class_weight is None:  # W = V (a fill, not a copy from the host: no wait)
@@ -83,10 +78,9 @@ def loss_and_grads(
     buffer = torch.empty((chunk, v), dtype=a.dtype, device=device)
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     block_v = 16 if config.interpreting() else ROW_BLOCK
-    for r0 in range(0, rows, chunk):
-        r1 = min(r0 + chunk, rows)
-        index = row_index[r0:r1] if compact else None
-        a_c = a.index_select(0, index) if compact else a[r0:r1]
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        a_c = a[r0:r1]
         z = buffer[: r1 - r0]
         if bias is None:
             torch.mm(a_c, b.T, out=z)
@@ -103,10 +97,7 @@ def loss_and_grads(
             BLOCK_V=block_v, GROUP=ROW_GROUP, num_warps=ROW_WARPS if block_v >= 2048 else 1,
         )
         if need_a:
-            if compact:
-                grad_a.index_copy_(0, index, torch.mm(z, b))
-            else:
-                torch.mm(z, b, out=grad_a[r0:r1])
+            torch.mm(z, b, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, z, a_c, first=r0 == 0)
     loss = losses.sum() * coef
     return loss, grad_a, grad_b, grad_bias

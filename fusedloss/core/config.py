@@ -82,6 +82,11 @@ class Tuning:
     # in the input dtype, of at most this many bytes: 4096 rows of a 128256-row head in bf16,
     # 2048 of a 256000-row one.
     lm_head_chunk_bytes: int = 2**30
+    # Read argument values back to the host so that a bad one raises a named error: a wait for
+    # the GPU per call, not under CUDA graphs (a debugging aid). Off, the paths that read
+    # nothing back give NaN for such rows (the LM head's training path: a target outside
+    # [0, V)).
+    check_values: bool = False
     # StableAdamW's fused step launch, "block,num_warps,lag[,sub_block]" (None: frozen).
     optim_config: str | None = None
 
@@ -108,7 +113,8 @@ class Tuning:
 
 
 def _parse(field: str, spec: str):
-    if field in ("tma", "gluon", "autotune", "sparse_slabs", "split_accumulator"):
+    if field in ("tma", "gluon", "autotune", "sparse_slabs", "split_accumulator",
+                 "check_values"):
         if spec not in ("0", "1"):
             raise ValueError(spec)
         return spec == "1"

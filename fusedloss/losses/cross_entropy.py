@@ -87,8 +87,9 @@ def linear_cross_entropy(
             weights of the non-ignored targets).
         reduction: "none" (per-token, shape of ``target``), "mean" or "sum". A batch in which
             every token is ignored gives 0 (not NaN) and zero gradients.
-        ignore_index: targets equal to it contribute 0 and cost no work; None (PyTorch's
-            default) means -100 for class indices.
+        ignore_index: targets equal to it contribute 0; None (PyTorch's default) means -100
+            for class indices. The training path (a reduced loss with gradients) computes
+            their rows, so that it never waits for the GPU; the other paths skip them.
         label_smoothing: α in [0, 1], PyTorch semantics.
         options: None or a ``torch.nn.LinearCrossEntropyOptions``, accepted for PyTorch's
             signature. Its fields choose how PyTorch chunks the logits and the dtype it
@@ -136,8 +137,11 @@ def linear_cross_entropy(
     ``filter_eps`` or ``vocab_order``) takes the training path: per chunk of rows the logits in
     the input dtype by cuBLAS, the softmax gradient formed over them, then the two gradient
     products; the backward scales the gradients (three matmul passes; memory: one chunk of at
-    most 1 GiB of logits and an fp32 dB; docs/design.md, "The LM head's training path"). Other
-    calls run on the fused engine, which never holds logits.
+    most 1 GiB of logits and an fp32 dB; docs/design.md, "The LM head's training path"). It
+    never waits for the GPU, so a target outside [0, V) there makes the loss and gradients NaN
+    (``fusedloss.core.config.tuned(check_values=True)`` raises the ValueError instead, at one
+    wait per call). Other calls run on the fused engine, which never holds logits, and raise
+    that ValueError.
 
     Example:
         >>> h = torch.randn(4, 16, 64, requires_grad=True)

@@ -11,13 +11,14 @@ masses); ``fusedloss::linear_cross_entropy_backward`` takes them with the upstre
 
 ``fusedloss::linear_cross_entropy_chunked`` is the training path of a reduced loss: three
 matrix products per chunk of rows (``core.chunked_logits``), the gradients formed in the
-forward and scaled by the loss's upstream gradient in the backward.
+forward and scaled by the loss's upstream gradient in the backward. It reads nothing back to
+the host, so it computes every row, the ignored ones included.
 """
 
 import torch
 from torch import Tensor
 
-from ..core import chunked_logits, engine
+from ..core import chunked_logits, config, engine
 from ..core.engine import Logits, Rows, RowStats
 from ..families import cross_entropy as family
 from ._common import (
@@ -237,10 +238,17 @@ def _checked_rows(target: Tensor, ignore_index: int, class_weight: Tensor | None
     any_out_of_range, n_valid, *checked = torch.stack(
         [out_of_range.any(), rows.n_valid, *device_checks]).tolist()
     if any_out_of_range:
+        _check_targets(target, ignore_index, v)
+    return rows, compact_target, target_weight, int(n_valid), checked
+
+
+def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
+    """ValueError for a target outside [0, V) other than ``ignore_index`` (a read-back)."""
+    out_of_range = (target != ignore_index) & ((target < 0) | (target >= v))
+    if out_of_range.any():
         bad = int(target[out_of_range][0])
         raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
                          f"ignore_index={ignore_index}")
-    return rows, compact_target, target_weight, int(n_valid), checked
 
 
 def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v: int):
@@ -298,33 +306,35 @@ def forward_chunked(
     upstream gradient of 1; each gradient an empty tensor when not asked for. "mean" divides
     by the valid tokens' count or summed class weights (a batch with none gives 0).
 
-    Raises ValueError for a target outside [0, V) other than ``ignore_index``: the one wait for
-    the GPU, which also reads how many tokens count, so that the ignored ones (a masked prompt)
-    cost no work."""
+    Reads nothing back to the host: the CPU runs ahead and the op can be captured in a CUDA
+    graph. Every row is computed (an ignored one gives loss 0 and a zero gradient row); a
+    target outside [0, V) other than ``ignore_index`` makes the loss and the gradients NaN,
+    or, with ``Tuning.check_values``, raises ValueError (one wait for the GPU)."""
     a, b = row_major(input), row_major(weight)
     v = b.shape[0]
-    rows, compact_target, target_weight, n_valid, _ = _checked_rows(
-        target, ignore_index, class_weight, v)
+    if config.tuning().check_values:
+        _check_targets(target, ignore_index, v)
     if mean:
-        denom = target_weight.sum()
+        valid = target != ignore_index
+        if class_weight is None:
+            denom = valid.sum(dtype=_F32)
+        else:  # clamped: an out-of-range target must not index out of bounds (its loss is NaN)
+            denom = torch.where(valid, class_weight[target.clamp(0, v - 1)], 0.0).sum()
         coef = 1.0 / torch.where(denom == 0, 1.0, denom)
     else:
         coef = torch.ones((), dtype=_F32, device=a.device)
-    every_row = n_valid == a.shape[0]  # the compact order is then 0..N-1
     # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.
     loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), compact_target, ignore_index,
-        class_weight, coef, label_smoothing, softcap, z_loss, need_input, need_weight,
-        bias is not None and need_bias, row_index=None if every_row else rows.index,
-        n_rows=n_valid)
+        a, b, None if bias is None else bias.to(a.dtype), target, ignore_index, class_weight,
+        coef, label_smoothing, softcap, z_loss, need_input, need_weight,
+        bias is not None and need_bias)
     return (loss, grad_a if need_input else nothing(a, (0,)),
             grad_b if need_weight else nothing(a, (0,)),
             grad_bias if grad_bias is not None else nothing(a, (0,)))
 
 
 chunked_op = torch.library.custom_op(
-    "fusedloss::linear_cross_entropy_chunked", forward_chunked, mutates_args=(),
-    tags=CUDAGRAPH_UNSAFE)
+    "fusedloss::linear_cross_entropy_chunked", forward_chunked, mutates_args=())
 
 
 @chunked_op.register_fake
