@@ -27,6 +27,9 @@
 #   PYTEST_SELECT     test selection, e.g. PYTEST_SELECT='-k "not contrastive"'. Default: empty,
 #                     every test (on the interpreter as on a GPU).
 #   PYTEST_ARGS       extra pytest arguments, e.g. PYTEST_ARGS="-k clip -x".
+#   PYTEST_WORKERS    pytest-xdist worker processes. Default: auto, one per CPU core (two on
+#                     a 2-core machine: 6.6 minutes of tests instead of 9.3); 0 runs every
+#                     test in the pytest process itself.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -37,6 +40,7 @@ TRITON_INTERPRET := $(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU '),0,1)
 endif
 PYTEST_SELECT ?=
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= auto
 
 ifneq ($(strip $(VENV)),)
 PY := $(VENV)/bin/python
@@ -55,7 +59,8 @@ LINT_PATHS := fusedloss tests benchmarks examples
 test: lint pytest
 
 pytest: $(call installed,test)
-	TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q $(PYTEST_SELECT) $(PYTEST_ARGS)
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -n $(PYTEST_WORKERS) \
+		$(PYTEST_SELECT) $(PYTEST_ARGS)
 
 lint: $(call installed,test)
 	$(PY) -m ruff check $(LINT_PATHS)
