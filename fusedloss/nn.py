@@ -7,7 +7,6 @@ from torch import nn
 
 from .core.filtering import resolve_lm_head_filter_eps
 from .core.vocab_order import order_by_mean_logit
-from .distributed._group import group_rank_world, mean_over_ranks, sum_grad_over_ranks
 from .distributed.contrastive import pair_loss
 from .losses.contrastive import (
     check_positive,
@@ -18,6 +17,7 @@ from .losses.contrastive import (
     siglip_loss,
 )
 from .losses.cross_entropy import check_linear_options, check_options, linear_cross_entropy
+from .ops._group import group_rank_world, mean_over_ranks, sum_grad_over_ranks
 
 
 class LinearCrossEntropyLoss(nn.Module):

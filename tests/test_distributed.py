@@ -729,7 +729,7 @@ class _PretendCapturing:
     can be), and any all-gather fail: a captured call must not communicate its facts."""
 
     def __enter__(self):
-        import fusedloss.distributed._group as group_module
+        import fusedloss.ops._group as group_module
 
         self.saved = [(group_module, "capturing", group_module.capturing),
                       (dist, "all_gather", dist.all_gather)]

@@ -277,7 +277,7 @@ def _scale_kernel(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
-# The vocabulary-parallel head's training path (``distributed.cross_entropy``): each rank holds
+# The vocabulary-parallel head's training path (``ops.vocab_parallel``): each rank holds
 # the columns [start, start + V_r) of a chunk's logits. ``shard_row_stats`` gives the ranks'
 # partial row statistics, which they combine (all-reduces); ``shard_softmax_grad_`` writes G
 # over the shard's columns from the combined ones.

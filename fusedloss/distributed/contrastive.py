@@ -47,9 +47,10 @@ import torch.distributed as dist
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
 from ..losses.contrastive import as_scalar, feature_error, matched_features
+from ..ops import _group
 from ..ops._common import autocast_operands, without_autocast
-from . import _group, ring
-from ._group import device_code, dtype_code, exchange, float_code
+from ..ops._group import device_code, dtype_code, exchange, float_code
+from . import ring
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "triton", "torch"]

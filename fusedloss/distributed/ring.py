@@ -48,7 +48,7 @@ from ..core.engine import GradCoefficients, Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
 from ..ops._common import scratch_bytes
-from ._group import Layout, Shift
+from ..ops._group import Layout, Shift
 
 _F32 = torch.float32
 # Filtering over the ring keeps each step's per-tile statistics until the backward: about

@@ -16,8 +16,10 @@ import torch
 from ..core import engine
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..core.vocab_order import order_by_mean_logit
+from ..ops import _group, vocab_parallel
 from ..ops import cross_entropy as ops
 from ..ops._common import autocast_operands
+from ..ops._group import device_code, dtype_code, exchange, float_code
 
 Reduction = Literal["none", "mean", "sum"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -172,17 +174,11 @@ def linear_cross_entropy(
                              ignore_index, label_smoothing, extra)
     ignore_index = -100 if ignore_index is None else ignore_index
     if process_group is not None or vocab_start is not None:
-        # The distributed layer sits above this one (it reuses these checks).
-        from ..distributed.cross_entropy import vocab_parallel_cross_entropy
-
         if process_group is None:
             raise ValueError("vocab_start is only meaningful with a process_group")
-        return vocab_parallel_cross_entropy(
-            input, linear_weight, target, group=process_group, vocab_start=vocab_start,
-            linear_bias=linear_bias, weight=weight, reduction=reduction,
-            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-            z_loss=z_loss, shift=shift, filter_eps=filter_eps, return_lse=return_lse,
-            backend=backend, vocab_order=vocab_order)
+        return _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction,
+                               ignore_index, label_smoothing, extra,
+                               (process_group, vocab_start))
     check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
                   label_smoothing, softcap, z_loss, shift)
     backend = _resolve_backend(backend, input)
@@ -483,3 +479,126 @@ def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore
 
     return reduce_tokens(loss_tok, lse, (n, *out), False, reduction, summed_weights,
                          extra["return_lse"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary-parallel head (``process_group``; fusedloss/distributed/cross_entropy.py has
+# its layout and math, ``ops.vocab_parallel`` its autograd Functions).
+
+_REDUCTIONS = ("none", "mean", "sum")
+_BACKENDS = ("auto", "triton", "torch")
+
+
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
+def _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                    label_smoothing, extra, shard):
+    """The loss of the whole head from this rank's rows of it, ``shard`` = (process group,
+    vocab_start or None): this rank's checks, one exchange of facts that checks the ranks
+    agree (every rank raises the same error), then one of ``ops.vocab_parallel``'s Functions,
+    the same on every rank."""
+    group, vocab_start = shard
+    error, prepared = None, None
+    try:
+        if _group.capturing(_device(input)):
+            raise RuntimeError("vocab_parallel_cross_entropy reads values on the host, which a "
+                               "CUDA graph capture cannot do: call it outside the capture")
+        prepared = _prepare_shard(input, linear_weight, target, linear_bias, weight, reduction,
+                                  ignore_index, label_smoothing, extra)
+    except (TypeError, ValueError, RuntimeError) as e:
+        error = e
+    a, flat_target, valid, backend, eps, order, facts = prepared or (None,) * 7
+    n = a.shape[0] if error is None else 0
+    v_r = linear_weight.shape[0] if error is None else 0
+    start = -1 if vocab_start is None else int(vocab_start)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+    trains = (error is None and backend == "triton" and wants_grad and reduction != "none"
+              and not extra["return_lse"] and eps is None and order is None and n > 0)
+    layout, per_rank = exchange(group, n, v_r, facts or {}, _device(input), error=error,
+                                extra=(start, int(trains)))
+    starts, v = _shard_starts(layout, [row[0] for row in per_rank])
+    class_weight = weight.float() if weight is not None else None
+    softcap = None if extra["softcap"] is None else float(extra["softcap"])
+    if all(row[1] for row in per_rank):  # one path on every rank: their collectives differ
+        options = vocab_parallel.HeadOptions(int(ignore_index), float(label_smoothing), softcap,
+                                             float(extra["z_loss"]))
+        return vocab_parallel.VocabParallelTraining.apply(
+            a, linear_weight, flat_target, linear_bias, class_weight, layout.group,
+            starts[layout.rank], v, options, reduction == "mean")
+    loss_tok, lse, target_weight = vocab_parallel.VocabParallel.apply(
+        a, linear_weight, flat_target, linear_bias, class_weight, order, layout.group,
+        starts[layout.rank], v, int(ignore_index), float(label_smoothing), softcap,
+        float(extra["z_loss"]), eps, backend, wants_grad)
+    # (with class weights, each token's w_y comes from the shard that owns its target)
+    return reduce_tokens(
+        loss_tok, lse, target.shape, extra["shift"], reduction,
+        lambda: target_weight.sum() if weight is not None else valid.sum().float(),
+        extra["return_lse"])
+
+
+def _prepare_shard(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                   label_smoothing, extra):
+    """This rank's checks and inputs (as the single-GPU head's), and the facts every rank must
+    share."""
+    softcap, z_loss, shift = extra["softcap"], extra["z_loss"], extra["shift"]
+    check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
+                 label_smoothing, softcap, z_loss, shift)
+    if input.dtype == torch.float64:
+        raise TypeError("the vocabulary-parallel head takes float32, bfloat16 or float16 "
+                        "input, got torch.float64")
+    backend = engine.resolve_backend(extra["backend"], input.device)
+    eps = resolve_lm_head_filter_eps(extra["filter_eps"], input.dtype)
+    eps = eps if backend == "triton" else None
+    d = linear_weight.shape[1]
+    a = input.reshape(-1, d)
+    flat_target = shifted_targets(target, shift, ignore_index)
+    valid = flat_target != ignore_index
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+    order = resolve_vocab_order(extra["vocab_order"], a, linear_weight, linear_bias, valid, eps,
+                                backend, wants_grad)
+    needs = [t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)]
+    facts = {
+        "the input dtype": (dtype_code(input.dtype), str(input.dtype)),
+        "the hidden size D": (d, str(d)),
+        "the number of tokens": (a.shape[0], str(a.shape[0])),
+        "the device type": (device_code(input.device), input.device.type),
+        "reduction": (_REDUCTIONS.index(reduction), repr(reduction)),
+        "ignore_index": (int(ignore_index), str(ignore_index)),
+        "label_smoothing": (float_code(label_smoothing), str(label_smoothing)),
+        "softcap": (float_code(softcap), str(softcap)),
+        "z_loss": (float_code(z_loss), str(z_loss)),
+        "shift": (int(bool(shift)), str(shift)),
+        "filter_eps": (float_code(eps), str(eps)),
+        "backend": (_BACKENDS.index(backend), repr(backend)),
+        "whether linear_bias is given": (int(linear_bias is not None),
+                                         str(linear_bias is not None)),
+        "whether weight is given": (int(weight is not None), str(weight is not None)),
+        "which inputs require grad (input, linear_weight, linear_bias)": (
+            sum(int(x) << i for i, x in enumerate(needs)), str(needs)),
+    }
+    return a, flat_target, valid, backend, eps, order, facts
+
+
+def _device(t) -> torch.device:
+    return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+
+
+def _shard_starts(layout, given: list[int]) -> tuple[list[int], int]:
+    """Each rank's first global class id, and V."""
+    v = sum(layout.cols)
+    if all(s < 0 for s in given):
+        return [layout.col_offset(r) for r in range(layout.world)], v
+    if any(s < 0 for s in given):
+        raise ValueError(f"vocab_start must be given on every rank or on none; the ranks "
+                         f"passed {[None if s < 0 else s for s in given]}")
+    spans = sorted(zip(given, layout.cols, strict=True))
+    end = 0
+    for s, size in spans:
+        if s != end:
+            raise ValueError(f"the shards must tile [0, V) = [0, {v}): the ranks' (vocab_start, "
+                             f"V_r) are {list(zip(given, layout.cols, strict=True))}")
+        end = s + size
+    return given, v
+
+

@@ -1,5 +1,6 @@
-"""What the distributed losses need from torch.distributed: the group's layout, one exchange of
-per-rank facts that also checks the ranks agree, and the ring's neighbour-to-neighbour shifts.
+"""What the distributed losses (the vocabulary-parallel head, the ring) need from
+torch.distributed: the group's layout, one exchange of per-rank facts that also checks the
+ranks agree, and the ring's neighbour-to-neighbour shifts.
 
 Every check here raises the same error on every rank (each rank sees every rank's facts), so a
 disagreement never leaves some ranks waiting for the others. A rank that dies mid-call leaves
