@@ -27,6 +27,8 @@ in the product's epilogue; one rounding), the logits a materialized loss reads; 
 and sum is fp32, G is rounded once to the input dtype, the products accumulate in fp32.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -40,31 +42,49 @@ from .logits import div, exp, log, mul_rn, tanh
 ROW_BLOCK, ROW_WARPS, ROW_GROUP = 2048, 8, 8
 
 
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """The options that define the cross-entropy loss (``families.cross_entropy``), as the row
+    kernels take them."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0  # α
+    softcap: float | None = None  # c: X = c·tanh(Z / c)
+    z_loss: float = 0.0  # λ
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """Which gradients to form."""
+
+    a: bool = True
+    b: bool = True
+    bias: bool = False
+
+
 def loss_and_grads(
     a: torch.Tensor,  # (N, D) row-major
     b: torch.Tensor,  # (V, D) row-major
     bias: torch.Tensor | None,  # (V,), cast to a's dtype
-    target: torch.Tensor,  # (N,) int64: class ids in [0, V), or ignore_index
-    ignore_index: int,
+    target: torch.Tensor,  # (N,) int64: class ids in [0, V), or options.ignore_index
     class_weight: torch.Tensor | None,  # (V,) fp32
     coef: torch.Tensor,  # () fp32: each row's upstream gradient (1 for "sum", 1/count "mean")
-    label_smoothing: float,
-    softcap: float | None,
-    z_loss: float,
-    need_a: bool,
-    need_b: bool,
-    need_bias: bool,
+    options: LossOptions,
+    needs: Needs,
     chunk: int | None = None,  # rows per chunk; None: ``config.lm_head_chunk_rows``
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(Σ over the rows of coef · loss_i (() fp32), dA (N, D) in a's dtype, dB (V, D) fp32,
     dbias (V,) fp32) of the loss ``ops.cross_entropy`` describes, each gradient None when not
-    needed (dB stays fp32 so that the backward's scale rounds it once). Every row is computed,
+    in ``needs`` (dB stays fp32 so that the backward's scale rounds it once; dbias only with a
+    ``bias``). Every row is computed,
     an ignored one giving a loss of 0 and a zero gradient row; a target outside [0, V) that is
     not ``ignore_index`` gives NaN (its loss and every gradient). Nothing is read back to the
     host."""
     n, d = a.shape
     v = b.shape[0]
     device = a.device
+    label_smoothing, softcap = options.label_smoothing, options.softcap
+    need_a, need_b, need_bias = needs.a, needs.b, needs.bias and bias is not None
     chunk = max(1, min(n, chunk or config.lm_head_chunk_rows(n, v, a.element_size())))
     losses = torch.zeros(max(n, 1), dtype=torch.float32, device=device)
     grad_a = torch.empty_like(a) if need_a else None
@@ -89,8 +109,8 @@ def loss_and_grads(
         _softmax_grad_rows_kernel[(r1 - r0,)](
             z, z.stride(0), target[r0:r1],
             class_weight if class_weight is not None else dummy, total_w, coef.reshape(1),
-            losses[r0:r1], v, ignore_index,
-            float(label_smoothing), float(z_loss), float(softcap or 0.0),
+            losses[r0:r1], v, options.ignore_index,
+            float(label_smoothing), float(options.z_loss), float(softcap or 0.0),
             HAS_CLASS_WEIGHT=class_weight is not None,
             SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None,
             PRECISE=config.precise_math(a.dtype), ROUND=not config.interpreting(),
@@ -287,22 +307,21 @@ def shard_row_stats(
     z: torch.Tensor,  # (R, V_r) this shard's logits before the softcap, input dtype, row-major
     target: torch.Tensor,  # (R,) int64: global class ids, or ignore_index
     start: int,  # the global id of the shard's first column
-    ignore_index: int,
     class_weight: torch.Tensor | None,  # (V_r,) fp32: the shard's class weights
-    label_smoothing: float,
-    softcap: float | None,
+    options: LossOptions,
 ) -> torch.Tensor:
     """(4, R) fp32 over the shard's columns of X = softcap(Z): each row's max m and
     Σ_j exp(X_j − m), its target logit X_y where the shard holds y (else 0), and Σ_j w_j X_j
     (0 without label smoothing). An ignored row reads nothing and gets (0, 1, 0, 0) on every
     shard."""
     rows, v_r = z.shape
+    softcap = options.softcap
     stats = torch.empty((4, rows), dtype=torch.float32, device=z.device)
     block_v = 16 if config.interpreting() else ROW_BLOCK
     _shard_row_stats_kernel[(rows,)](
         z, z.stride(0), target, _or_dummy(class_weight, z), stats, rows, v_r, start,
-        ignore_index, float(softcap or 0.0),
-        HAS_CLASS_WEIGHT=class_weight is not None, SMOOTHING=label_smoothing > 0,
+        options.ignore_index, float(softcap or 0.0),
+        HAS_CLASS_WEIGHT=class_weight is not None, SMOOTHING=options.label_smoothing > 0,
         SOFTCAP=softcap is not None, PRECISE=config.precise_math(z.dtype),
         ROUND=not config.interpreting(), BLOCK_V=block_v, GROUP=ROW_GROUP,
         num_warps=ROW_WARPS if block_v >= 2048 else 1,
@@ -314,23 +333,23 @@ def shard_softmax_grad_(
     z: torch.Tensor,  # (R, V_r) as for ``shard_row_stats``; G is written over it
     target: torch.Tensor,  # (R,) int64: global class ids, or ignore_index
     start: int,
-    ignore_index: int,
     class_weight: torch.Tensor | None,  # (V_r,) fp32
     row_max: torch.Tensor,  # (R,) fp32: M, the max of X over every shard
     row_sum: torch.Tensor,  # (R,) fp32: S, Σ over every shard of exp(X − M)
     coef: GradCoefficients,  # (R,) fp32 each: r, t, u (None without label smoothing)
-    softcap: float | None,
+    options: LossOptions,
 ) -> None:
     """G = dloss/dZ = ((r/S)·exp(X − M) − t·[j = y] − u·w_j) · (1 − (X/c)²) over the shard's
     columns, in place (the coefficients of ``families.cross_entropy``; the target term only on
     the shard that holds y); an ignored row gets G = 0 without reading Z."""
     rows, v_r = z.shape
+    softcap = options.softcap
     smoothing = coef.uniform is not None
     block_v = 16 if config.interpreting() else ROW_BLOCK
     _shard_softmax_grad_kernel[(rows,)](
         z, z.stride(0), target, _or_dummy(class_weight, z),
         row_max, coef.lse / row_sum, coef.target, _or_dummy(coef.uniform, z),
-        v_r, start, ignore_index, float(softcap or 0.0),
+        v_r, start, options.ignore_index, float(softcap or 0.0),
         HAS_CLASS_WEIGHT=class_weight is not None, SMOOTHING=smoothing,
         SOFTCAP=softcap is not None, PRECISE=config.precise_math(z.dtype),
         ROUND=not config.interpreting(), BLOCK_V=block_v,

@@ -14,6 +14,7 @@ from typing import Literal, overload
 import torch
 
 from ..core import engine
+from ..core.chunked_logits import LossOptions
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..core.vocab_order import order_by_mean_logit
 from ..ops import _group, vocab_parallel
@@ -518,17 +519,17 @@ def _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction
                                 extra=(start, int(trains)))
     starts, v = _shard_starts(layout, [row[0] for row in per_rank])
     class_weight = weight.float() if weight is not None else None
-    softcap = None if extra["softcap"] is None else float(extra["softcap"])
+    shard = vocab_parallel.Shard(layout.group, starts[layout.rank], v)
+    options = LossOptions(int(ignore_index), float(label_smoothing),
+                          None if extra["softcap"] is None else float(extra["softcap"]),
+                          float(extra["z_loss"]))
     if all(row[1] for row in per_rank):  # one path on every rank: their collectives differ
-        options = vocab_parallel.HeadOptions(int(ignore_index), float(label_smoothing), softcap,
-                                             float(extra["z_loss"]))
         return vocab_parallel.VocabParallelTraining.apply(
-            a, linear_weight, flat_target, linear_bias, class_weight, layout.group,
-            starts[layout.rank], v, options, reduction == "mean")
+            a, linear_weight, flat_target, linear_bias, class_weight, shard, options,
+            reduction == "mean")
     loss_tok, lse, target_weight = vocab_parallel.VocabParallel.apply(
-        a, linear_weight, flat_target, linear_bias, class_weight, order, layout.group,
-        starts[layout.rank], v, int(ignore_index), float(label_smoothing), softcap,
-        float(extra["z_loss"]), eps, backend, wants_grad)
+        a, linear_weight, flat_target, linear_bias, class_weight, order, shard, options,
+        eps if wants_grad else None, backend)
     # (with class weights, each token's w_y comes from the shard that owns its target)
     return reduce_tokens(
         loss_tok, lse, target.shape, extra["shift"], reduction,

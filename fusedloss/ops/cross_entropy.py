@@ -325,9 +325,9 @@ def forward_chunked(
         coef = torch.ones((), dtype=_F32, device=a.device)
     # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.
     loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), target, ignore_index, class_weight,
-        coef, label_smoothing, softcap, z_loss, need_input, need_weight,
-        bias is not None and need_bias)
+        a, b, None if bias is None else bias.to(a.dtype), target, class_weight, coef,
+        chunked_logits.LossOptions(ignore_index, label_smoothing, softcap, z_loss),
+        chunked_logits.Needs(need_input, need_weight, need_bias))
     return (loss, grad_a if need_input else nothing(a, (0,)),
             grad_b if need_weight else nothing(a, (0,)),
             grad_bias if grad_bias is not None else nothing(a, (0,)))

@@ -30,14 +30,28 @@ from ._common import backward_row_chunk, scratch_bytes, without_autocast
 _F32 = torch.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This rank's part of the head: its rows [start, start + V_r) of the V-row classifier,
+    sharded over ``group``."""
+
+    group: dist.ProcessGroup | None
+    start: int
+    v: int
+
+
 class VocabParallel(torch.autograd.Function):
     """Per-token losses, LSEs and target weights of the whole head from this rank's shard."""
 
     @staticmethod
     @without_autocast
-    def forward(ctx, a, b, target, bias, class_weight, order, group, start, v, ignore_index,
-                alpha, softcap, z_loss, eps, backend, record):
+    def forward(ctx, a, b, target, bias, class_weight, order, shard, options, eps, backend):
+        """``eps``: the backward's filter (None: exact); the forward records the tile masses
+        it reads only with one."""
         n, v_r = a.shape[0], b.shape[0]
+        group, start, v = shard.group, shard.start, shard.v
+        ignore_index, alpha = options.ignore_index, options.label_smoothing
+        softcap, z_loss = options.softcap, options.z_loss
         dev = a.device
         valid = target != ignore_index
         owned = valid & (target >= start) & (target < start + v_r)
@@ -57,7 +71,7 @@ class VocabParallel(torch.autograd.Function):
         logits = Logits(bias=bias, softcap=softcap, col_order=order)
         stats = engine.row_stats(a, b, logits, rows, col_weight=class_weight,
                                  weighted_sum=alpha > 0,
-                                 record_tiles=record and eps is not None, backend=backend)
+                                 record_tiles=eps is not None, backend=backend)
         own_weight = (class_weight[local.clamp(min=0)] if class_weight is not None
                       else torch.ones(n, dtype=_F32, device=dev))
         sums = torch.stack((
@@ -123,7 +137,7 @@ class VocabParallel(torch.autograd.Function):
             dist.all_reduce(grad_a, group=group)  # fp32: Σ over the shards, rounded once
             grad_a = grad_a.to(a.dtype)
         grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else None
-        return (grad_a, grads.b if need_b else None, None, grad_bias, *[None] * 12)
+        return (grad_a, grads.b if need_b else None, None, grad_bias, *[None] * 6)
 
 
 def _original_order(values: Tensor, rows: Rows) -> Tensor:
@@ -161,16 +175,6 @@ def _out_of_range(target: Tensor, out_of_range: Tensor, v: int, ignore_index: in
 # The training path: three products per chunk of rows, the gradients formed in the forward.
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadOptions:
-    """The loss's options, as the row kernels and ``families.cross_entropy`` take them."""
-
-    ignore_index: int
-    label_smoothing: float
-    softcap: float | None
-    z_loss: float
-
-
 class VocabParallelTraining(torch.autograd.Function):
     """The reduced loss of the whole head (() fp32) with this rank's gradients formed in the
     forward (``_loss_and_grads``); the backward multiplies them by the loss's upstream
@@ -178,10 +182,10 @@ class VocabParallelTraining(torch.autograd.Function):
 
     @staticmethod
     @without_autocast
-    def forward(ctx, a, b, target, bias, class_weight, group, start, v, options, mean):
+    def forward(ctx, a, b, target, bias, class_weight, shard, options, mean):
         need_a, need_b, _, need_bias = ctx.needs_input_grad[:4]
-        loss, *grads = _loss_and_grads(a, b, target, bias, class_weight, group, start, v,
-                                       options, mean, need_a, need_b, need_bias)
+        loss, *grads = _loss_and_grads(a, b, target, bias, class_weight, shard, options, mean,
+                                       chunked_logits.Needs(need_a, need_b, need_bias))
         ctx.save_for_backward(*grads)
         ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
         ctx.set_materialize_grads(False)
@@ -191,12 +195,12 @@ class VocabParallelTraining(torch.autograd.Function):
     @without_autocast
     def backward(ctx, grad_loss):
         if grad_loss is None:
-            return (None,) * 10
+            return (None,) * 8
         scale = grad_loss.float()
         grad_a, grad_b, grad_bias = (
             None if g is None else chunked_logits.scaled(g, scale, dtype)
             for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True))
-        return grad_a, grad_b, None, grad_bias, *(None,) * 6
+        return grad_a, grad_b, None, grad_bias, *(None,) * 4
 
 
 def _loss_and_grads(
@@ -205,8 +209,10 @@ def _loss_and_grads(
     target: Tensor,  # (N,) int64 global class ids, or ignore_index
     bias: Tensor | None,  # (V_r,)
     class_weight: Tensor | None,  # (V_r,) fp32
-    group, start: int, v: int, options: HeadOptions, mean: bool,
-    need_a: bool, need_b: bool, need_bias: bool,
+    shard: Shard,
+    options: chunked_logits.LossOptions,
+    mean: bool,  # reduction "mean" (else "sum")
+    needs: chunked_logits.Needs,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """(the loss of the whole head () fp32 for an upstream gradient of 1, dA (N, D) in a's
     dtype summed over the shards, dB (V_r, D) fp32, dbias (V_r,) fp32; each gradient None when
@@ -214,7 +220,9 @@ def _loss_and_grads(
     computed, an ignored one giving loss 0 and G = 0, so nothing is read back before the work
     is queued; raises ValueError afterwards for a target outside [0, V)."""
     (n, d), v_r, dev = a.shape, b.shape[0], a.device
-    alpha, softcap, z_loss = options.label_smoothing, options.softcap, options.z_loss
+    group, start, v = shard.group, shard.start, shard.v
+    need_a, need_b, need_bias = needs.a, needs.b, needs.bias and bias is not None
+    alpha, z_loss = options.label_smoothing, options.z_loss
     valid = target != options.ignore_index
     owned = valid & (target >= start) & (target < start + v_r)
     # w_y on the shard that holds y, 0 on the others: each chunk's sums carry it to every rank
@@ -242,8 +250,7 @@ def _loss_and_grads(
             torch.mm(a_c, b.T, out=z)
         else:
             torch.addmm(bias, a_c, b.T, out=z)
-        stats = chunked_logits.shard_row_stats(z, y_c, start, options.ignore_index,
-                                               class_weight, alpha, softcap)
+        stats = chunked_logits.shard_row_stats(z, y_c, start, class_weight, options)
         row_max, row_sum, (target_logit, weighted_sum, target_weight), call_totals = (
             _combine_shards(group, stats[0], stats[1],
                             torch.cat((stats[2:], own_weight[None, r0:r1])),
@@ -260,8 +267,8 @@ def _loss_and_grads(
             alpha, z_loss), 0.0)
         coef = family.grad_coefficients(torch.where(valid[r0:r1], scale, 0.0), 0.0, lse,
                                         target_weight, total_w, v, alpha, z_loss)
-        chunked_logits.shard_softmax_grad_(z, y_c, start, options.ignore_index, class_weight,
-                                           row_max, row_sum, coef, softcap)
+        chunked_logits.shard_softmax_grad_(z, y_c, start, class_weight, row_max, row_sum, coef,
+                                           options)
         if need_a:
             part = grad_a[r0:r1] if grad_a_part is None else grad_a_part[: r1 - r0]
             mm_f32(z, b, out=part)
