@@ -16,8 +16,9 @@ from .losses.contrastive import (
     nt_xent_loss,
     siglip_loss,
 )
-from .losses.cross_entropy import check_linear_options, check_options, linear_cross_entropy
+from .losses.cross_entropy import check_linear_options, linear_cross_entropy
 from .ops._group import group_rank_world, mean_over_ranks, sum_grad_over_ranks
+from .options import CrossEntropyOptions
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -56,7 +57,7 @@ class LinearCrossEntropyLoss(nn.Module):
         vocab_start: int | None = None,
     ) -> None:
         super().__init__()
-        check_options(reduction, label_smoothing, softcap, z_loss)
+        CrossEntropyOptions(reduction, ignore_index, label_smoothing, softcap, z_loss).check()
         check_linear_options(options)
         resolve_lm_head_filter_eps(filter_eps, torch.bfloat16)  # raises on a bad value
         if vocab_order_every is not None and (

@@ -14,13 +14,13 @@ from typing import Literal, overload
 import torch
 
 from ..core import engine
-from ..core.chunked_logits import LossOptions
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..core.vocab_order import order_by_mean_logit
 from ..ops import _group, vocab_parallel
 from ..ops import cross_entropy as ops
 from ..ops._common import autocast_operands
 from ..ops._group import device_code, dtype_code, exchange, float_code
+from ..options import REDUCTIONS, CrossEntropyOptions
 
 Reduction = Literal["none", "mean", "sum"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -160,34 +160,38 @@ def linear_cross_entropy(
         input, linear_weight, linear_bias = autocast_operands(
             input.device, input, linear_weight, linear_bias)
     linear_bias, weight = dense_vectors(linear_bias, weight)
-    extra = dict(softcap=softcap, z_loss=z_loss, shift=shift, filter_eps=filter_eps,
-                 return_lse=return_lse, backend=backend, vocab_order=vocab_order)
+    opts = CrossEntropyOptions(reduction, ignore_index, label_smoothing, softcap, z_loss, shift,
+                               filter_eps, return_lse, backend)
     if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() > 2:
         if process_group is not None or vocab_start is not None:
             raise ValueError("process_group takes a (V, D) linear_weight, not a K-dimensional "
                              f"one of shape {tuple(linear_weight.shape)}")
-        return _k_dimensional(input, linear_weight, target, linear_bias, weight, reduction,
-                              ignore_index, label_smoothing, extra)
+        return _k_dimensional(input, linear_weight, target, linear_bias, weight, vocab_order,
+                              opts)
     if _holds_probabilities(input, linear_weight, target):
         if process_group is not None or vocab_start is not None:
             raise ValueError("process_group takes class indices as target, not probabilities")
-        return _soft_targets(input, linear_weight, target, linear_bias, weight, reduction,
-                             ignore_index, label_smoothing, extra)
-    ignore_index = -100 if ignore_index is None else ignore_index
+        return _soft_targets(input, linear_weight, target, linear_bias, weight, vocab_order,
+                             opts)
     if process_group is not None or vocab_start is not None:
         if process_group is None:
             raise ValueError("vocab_start is only meaningful with a process_group")
-        return _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction,
-                               ignore_index, label_smoothing, extra,
-                               (process_group, vocab_start))
-    check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
-                  label_smoothing, softcap, z_loss, shift)
-    backend = _resolve_backend(backend, input)
-    eps = resolve_lm_head_filter_eps(filter_eps, input.dtype)  # validates on every backend
+        return _vocab_parallel(input, linear_weight, target, linear_bias, weight, vocab_order,
+                               opts, (process_group, vocab_start))
+    return _class_indices(input, linear_weight, target, linear_bias, weight, vocab_order, opts)
+
+
+def _class_indices(input, linear_weight, target, linear_bias, weight, vocab_order,
+                   opts: CrossEntropyOptions):
+    """The loss of (*, D) input under a (V, D) head against class ids, on one process."""
+    check_inputs(input, linear_weight, target, linear_bias, weight, opts)
+    reduction, ignore_index = opts.reduction, opts.index_to_ignore
+    backend = _resolve_backend(opts.backend, input)
+    eps = resolve_lm_head_filter_eps(opts.filter_eps, input.dtype)  # checked on every backend
     eps = eps if backend == "triton" else None
     d = linear_weight.shape[1]
     a = input.reshape(-1, d)
-    flat_target = shifted_targets(target, shift, ignore_index)
+    flat_target = shifted_targets(target, opts.shift, ignore_index)
     valid = flat_target != ignore_index
 
     acc = engine.accumulation_dtype(input.dtype)
@@ -202,20 +206,20 @@ def linear_cross_entropy(
             t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
         order = resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
                                      backend, wants_grad)
-        if (backend == "triton" and wants_grad and reduction != "none" and not return_lse
+        loss = opts.loss()
+        if (backend == "triton" and wants_grad and reduction != "none" and not opts.return_lse
                 and eps is None and order is None):
             # Training: three products per chunk of rows, the gradient formed in the forward.
             return ops.linear_cross_entropy_chunked(
                 a, linear_weight, flat_target, linear_bias,
-                weight.float() if weight is not None else None, int(ignore_index),
-                float(label_smoothing), None if softcap is None else float(softcap),
-                float(z_loss), reduction == "mean", input.requires_grad,
-                linear_weight.requires_grad, linear_bias is not None and linear_bias.requires_grad)
+                weight.float() if weight is not None else None, loss.ignore_index,
+                loss.label_smoothing, loss.softcap, loss.z_loss, reduction == "mean",
+                input.requires_grad, linear_weight.requires_grad,
+                linear_bias is not None and linear_bias.requires_grad)
         loss_tok, lse, *_ = ops.linear_cross_entropy(
             a, linear_weight, flat_target, linear_bias,
-            weight.to(acc) if weight is not None else None, order, int(ignore_index),
-            float(label_smoothing), None if softcap is None else float(softcap), float(z_loss),
-            eps, backend, wants_grad,
+            weight.to(acc) if weight is not None else None, order, loss.ignore_index,
+            loss.label_smoothing, loss.softcap, loss.z_loss, eps, backend, wants_grad,
         )
 
     def summed_weights():
@@ -223,17 +227,18 @@ def linear_cross_entropy(
             return torch.where(valid, weight.to(acc)[flat_target.clamp(min=0)], 0.0).sum()
         return valid.sum().to(acc)
 
-    return reduce_tokens(loss_tok, lse, target.shape, shift, reduction, summed_weights,
-                         return_lse)
+    return reduce_tokens(loss_tok, lse, target.shape, opts, summed_weights)
 
 
 def reduce_tokens(loss_tok: torch.Tensor, lse: torch.Tensor, token_shape: torch.Size,
-                  shift: bool, reduction: str, summed_weights, return_lse: bool):
-    """The per-token outputs (N,) in the targets' shape (without the shifted-out positions),
-    reduced; "mean" divides by ``summed_weights()`` (the valid tokens' count or class
-    weights; a batch with none gives 0)."""
+                  opts: CrossEntropyOptions, summed_weights):
+    """The per-token outputs (N,) in the targets' shape (without the shifted-out positions
+    with ``opts.shift``), reduced as ``opts.reduction`` says, with the LSE if
+    ``opts.return_lse``; "mean" divides by ``summed_weights()`` (the valid tokens' count or
+    class weights; a batch with none gives 0)."""
+    reduction = opts.reduction
     loss_tok, lse = loss_tok.view(token_shape), lse.view(token_shape)
-    if shift:
+    if opts.shift:
         loss_tok, lse = loss_tok[..., :-1], lse[..., :-1]
     if reduction == "none":
         loss = loss_tok
@@ -242,7 +247,7 @@ def reduce_tokens(loss_tok: torch.Tensor, lse: torch.Tensor, token_shape: torch.
     else:
         denom = summed_weights()
         loss = loss_tok.sum() / torch.where(denom == 0, 1.0, denom)
-    return (loss, lse) if return_lse else loss
+    return (loss, lse) if opts.return_lse else loss
 
 
 def shifted_targets(target: torch.Tensor, shift: bool, ignore_index: int) -> torch.Tensor:
@@ -281,8 +286,7 @@ def resolve_vocab_order(vocab_order, a, b, bias, valid, eps, backend, wants_grad
     return vocab_order
 
 
-def check_inputs(input, linear_weight, target, bias, weight, reduction, label_smoothing,
-                  softcap, z_loss, shift) -> None:
+def check_inputs(input, linear_weight, target, bias, weight, opts: CrossEntropyOptions) -> None:
     """Clear errors, naming the argument, for every misuse we can detect up front."""
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
@@ -306,7 +310,7 @@ def check_inputs(input, linear_weight, target, bias, weight, reduction, label_sm
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
-    if shift and input.dim() < 2:
+    if opts.shift and input.dim() < 2:
         raise ValueError("shift=True needs input of shape (*, T, D) with a time dimension")
     if linear_weight.shape[0] == 0:
         raise ValueError("linear_weight must have at least one row (V >= 1)")
@@ -325,19 +329,7 @@ def check_inputs(input, linear_weight, target, bias, weight, reduction, label_sm
     if len({dev for _, dev in devices}) > 1:
         listed = ", ".join(f"{n} on {dev}" for n, dev in sorted(devices, key=str))
         raise ValueError(f"all tensors must be on one device: {listed}")
-    check_options(reduction, label_smoothing, softcap, z_loss)
-
-
-def check_options(reduction, label_smoothing, softcap, z_loss) -> None:
-    """The options that need no tensor (shared with ``LinearCrossEntropyLoss``)."""
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not 0.0 < float(softcap) < float("inf"):
-        raise ValueError(f"softcap must be None or a finite value > 0, got {softcap}")
-    if not float(z_loss) >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    opts.check()
 
 
 def check_linear_options(options) -> None:
@@ -379,8 +371,8 @@ def _holds_probabilities(input, linear_weight, target) -> bool:
             and target.shape == (*input.shape[:-1], linear_weight.shape[0]))
 
 
-def _soft_targets(input, linear_weight, target, bias, weight, reduction, ignore_index,
-                  label_smoothing, extra):
+def _soft_targets(input, linear_weight, target, bias, weight, vocab_order,
+                  opts: CrossEntropyOptions):
     """Cross-entropy against class probabilities q (target (*, V), PyTorch's soft targets):
 
         loss_i = Σ_c w_c q'_ic (lse_i − X_ic)
@@ -391,19 +383,20 @@ def _soft_targets(input, linear_weight, target, bias, weight, reduction, ignore_
     gradient) without the logits. "mean" divides by the number of rows, as PyTorch does for
     probabilities. The target is read in the accumulation dtype (a copy when it is bf16/fp16).
     """
-    if ignore_index is not None:
+    if opts.ignore_index is not None:
         raise ValueError("ignore_index cannot be specified when target holds class "
                          "probabilities (as in PyTorch)")
     for name in ("shift", "softcap"):
-        if extra[name]:
+        if getattr(opts, name):
             raise ValueError(f"{name} needs class indices as target, not class probabilities")
-    check_options(reduction, label_smoothing, extra["softcap"], extra["z_loss"])
+    opts.check()
     v, d = linear_weight.shape
     indices = torch.zeros(target.shape[:-1], dtype=torch.long, device=target.device)
-    _, lse = linear_cross_entropy(
-        input, linear_weight, indices, linear_bias=bias, weight=weight, reduction="none",
-        return_lse=True, **{k: extra[k] for k in ("filter_eps", "backend", "vocab_order")})
-    acc, alpha = lse.dtype, float(label_smoothing)
+    # the LSE alone: no smoothing or z-loss there, those terms are added below
+    _, lse = _class_indices(input, linear_weight, indices, bias, weight, vocab_order,
+                            CrossEntropyOptions(reduction="none", filter_eps=opts.filter_eps,
+                                                return_lse=True, backend=opts.backend))
+    acc, alpha = lse.dtype, float(opts.label_smoothing)
     with torch.autocast(input.device.type, enabled=False):  # products in the accumulation dtype
         q, a, b = target.reshape(-1, v).to(acc), input.reshape(-1, d).to(acc), linear_weight.to(acc)
         w = None if weight is None else weight.to(acc)
@@ -419,16 +412,15 @@ def _soft_targets(input, linear_weight, target, bias, weight, reduction, ignore_
             uniform = a @ wb.sum(dim=0) + (wbias.sum() if bias is not None else 0.0)
             dot = (1 - alpha) * dot + (alpha / v) * uniform
         loss_tok = mass * lse.reshape(-1) - dot
-        if extra["z_loss"]:
-            loss_tok = loss_tok + extra["z_loss"] * lse.reshape(-1) ** 2
-    return reduce_tokens(loss_tok, lse.reshape(-1), target.shape[:-1], False, reduction,
+        if opts.z_loss:
+            loss_tok = loss_tok + opts.z_loss * lse.reshape(-1) ** 2
+    return reduce_tokens(loss_tok, lse.reshape(-1), target.shape[:-1], opts,
                          lambda: torch.full((), loss_tok.shape[0], dtype=acc,
-                                            device=loss_tok.device),
-                         extra["return_lse"])
+                                            device=loss_tok.device))
 
 
-def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore_index,
-                   label_smoothing, extra):
+def _k_dimensional(input, linear_weight, target, bias, weight, vocab_order,
+                   opts: CrossEntropyOptions):
     """PyTorch's K-dimensional loss: ``linear_weight`` (C, d1, …, dK, D) is one (C, D) head per
     position k of (d1, …, dK); input (N, D); target (N, d1, …, dK) class indices or
     (N, C, d1, …, dK) probabilities; the loss of (n, k) is the cross-entropy of input n under
@@ -440,7 +432,7 @@ def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore
                          f"input of shape (N, {d})"
                          + (f", got {tuple(input.shape)}" if isinstance(input, torch.Tensor)
                             else ""))
-    if extra["shift"]:
+    if opts.shift:
         raise ValueError("shift=True needs a (V, D) linear_weight, not a K-dimensional one")
     if bias is not None and tuple(bias.shape) != (c, *out):
         raise ValueError(f"linear_bias must have shape {(c, *out)}, got {tuple(bias.shape)}")
@@ -457,12 +449,12 @@ def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore
     heads = linear_weight.reshape(c, k, d)
     targets = target.reshape(n, c, k) if soft else target.reshape(n, k)
     losses, lses = [], []
+    per_head = opts.but(reduction="none", return_lse=True)
+    head = _soft_targets if soft else _class_indices
     for j in range(k):
-        loss_j, lse_j = linear_cross_entropy(
-            input, heads[:, j], targets[..., j],
-            linear_bias=None if bias is None else bias.reshape(c, k)[:, j], weight=weight,
-            reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing,
-            **{**extra, "return_lse": True})
+        bias_j, = dense_vectors(None if bias is None else bias.reshape(c, k)[:, j])
+        loss_j, lse_j = head(input, heads[:, j], targets[..., j], bias_j, weight, vocab_order,
+                             per_head)
         losses.append(loss_j)
         lses.append(lse_j)
     loss_tok = torch.stack(losses, dim=1).reshape(-1)
@@ -472,27 +464,25 @@ def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore
         if soft:
             return torch.full((), n * k, dtype=loss_tok.dtype, device=loss_tok.device)
         flat = target.reshape(-1)
-        valid = flat != (-100 if ignore_index is None else ignore_index)
+        valid = flat != opts.index_to_ignore
         if weight is None:
             return valid.sum().to(loss_tok.dtype)
         picked = weight.to(loss_tok.dtype)[flat.clamp(0, c - 1)]
         return torch.where(valid, picked, 0.0).sum()
 
-    return reduce_tokens(loss_tok, lse, (n, *out), False, reduction, summed_weights,
-                         extra["return_lse"])
+    return reduce_tokens(loss_tok, lse, (n, *out), opts, summed_weights)
 
 
 # ---------------------------------------------------------------------------------------------
 # The vocabulary-parallel head (``process_group``; fusedloss/distributed/cross_entropy.py has
 # its layout and math, ``ops.vocab_parallel`` its autograd Functions).
 
-_REDUCTIONS = ("none", "mean", "sum")
 _BACKENDS = ("auto", "triton", "torch")
 
 
 @torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
-def _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                    label_smoothing, extra, shard):
+def _vocab_parallel(input, linear_weight, target, linear_bias, weight, vocab_order,
+                    opts: CrossEntropyOptions, shard):
     """The loss of the whole head from this rank's rows of it, ``shard`` = (process group,
     vocab_start or None): this rank's checks, one exchange of facts that checks the ranks
     agree (every rank raises the same error), then one of ``ops.vocab_parallel``'s Functions,
@@ -503,8 +493,8 @@ def _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction
         if _group.capturing(_device(input)):
             raise RuntimeError("vocab_parallel_cross_entropy reads values on the host, which a "
                                "CUDA graph capture cannot do: call it outside the capture")
-        prepared = _prepare_shard(input, linear_weight, target, linear_bias, weight, reduction,
-                                  ignore_index, label_smoothing, extra)
+        prepared = _prepare_shard(input, linear_weight, target, linear_bias, weight,
+                                  vocab_order, opts)
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
     a, flat_target, valid, backend, eps, order, facts = prepared or (None,) * 7
@@ -513,42 +503,40 @@ def _vocab_parallel(input, linear_weight, target, linear_bias, weight, reduction
     start = -1 if vocab_start is None else int(vocab_start)
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
-    trains = (error is None and backend == "triton" and wants_grad and reduction != "none"
-              and not extra["return_lse"] and eps is None and order is None and n > 0)
+    trains = (error is None and backend == "triton" and wants_grad and opts.reduction != "none"
+              and not opts.return_lse and eps is None and order is None and n > 0)
     layout, per_rank = exchange(group, n, v_r, facts or {}, _device(input), error=error,
                                 extra=(start, int(trains)))
     starts, v = _shard_starts(layout, [row[0] for row in per_rank])
     class_weight = weight.float() if weight is not None else None
     shard = vocab_parallel.Shard(layout.group, starts[layout.rank], v)
-    options = LossOptions(int(ignore_index), float(label_smoothing),
-                          None if extra["softcap"] is None else float(extra["softcap"]),
-                          float(extra["z_loss"]))
+    options = opts.loss()
     if all(row[1] for row in per_rank):  # one path on every rank: their collectives differ
         return vocab_parallel.VocabParallelTraining.apply(
             a, linear_weight, flat_target, linear_bias, class_weight, shard, options,
-            reduction == "mean")
+            opts.reduction == "mean")
     loss_tok, lse, target_weight = vocab_parallel.VocabParallel.apply(
         a, linear_weight, flat_target, linear_bias, class_weight, order, shard, options,
         eps if wants_grad else None, backend)
     # (with class weights, each token's w_y comes from the shard that owns its target)
     return reduce_tokens(
-        loss_tok, lse, target.shape, extra["shift"], reduction,
-        lambda: target_weight.sum() if weight is not None else valid.sum().float(),
-        extra["return_lse"])
+        loss_tok, lse, target.shape, opts,
+        lambda: target_weight.sum() if weight is not None else valid.sum().float())
 
 
-def _prepare_shard(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                   label_smoothing, extra):
+def _prepare_shard(input, linear_weight, target, linear_bias, weight, vocab_order,
+                   opts: CrossEntropyOptions):
     """This rank's checks and inputs (as the single-GPU head's), and the facts every rank must
     share."""
-    softcap, z_loss, shift = extra["softcap"], extra["z_loss"], extra["shift"]
-    check_inputs(input, linear_weight, target, linear_bias, weight, reduction,
-                 label_smoothing, softcap, z_loss, shift)
+    check_inputs(input, linear_weight, target, linear_bias, weight, opts)
+    reduction, ignore_index = opts.reduction, opts.index_to_ignore
+    label_smoothing, softcap, z_loss, shift = (opts.label_smoothing, opts.softcap, opts.z_loss,
+                                               opts.shift)
     if input.dtype == torch.float64:
         raise TypeError("the vocabulary-parallel head takes float32, bfloat16 or float16 "
                         "input, got torch.float64")
-    backend = engine.resolve_backend(extra["backend"], input.device)
-    eps = resolve_lm_head_filter_eps(extra["filter_eps"], input.dtype)
+    backend = engine.resolve_backend(opts.backend, input.device)
+    eps = resolve_lm_head_filter_eps(opts.filter_eps, input.dtype)
     eps = eps if backend == "triton" else None
     d = linear_weight.shape[1]
     a = input.reshape(-1, d)
@@ -556,7 +544,7 @@ def _prepare_shard(input, linear_weight, target, linear_bias, weight, reduction,
     valid = flat_target != ignore_index
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
-    order = resolve_vocab_order(extra["vocab_order"], a, linear_weight, linear_bias, valid, eps,
+    order = resolve_vocab_order(vocab_order, a, linear_weight, linear_bias, valid, eps,
                                 backend, wants_grad)
     needs = [t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)]
     facts = {
@@ -564,7 +552,7 @@ def _prepare_shard(input, linear_weight, target, linear_bias, weight, reduction,
         "the hidden size D": (d, str(d)),
         "the number of tokens": (a.shape[0], str(a.shape[0])),
         "the device type": (device_code(input.device), input.device.type),
-        "reduction": (_REDUCTIONS.index(reduction), repr(reduction)),
+        "reduction": (REDUCTIONS.index(reduction), repr(reduction)),
         "ignore_index": (int(ignore_index), str(ignore_index)),
         "label_smoothing": (float_code(label_smoothing), str(label_smoothing)),
         "softcap": (float_code(softcap), str(softcap)),
