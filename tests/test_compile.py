@@ -367,6 +367,38 @@ def test_triton_training_path_compiled_matches_eager(device, requires_triton, mo
     assert len(calls) == 4  # compiled and eager, two reductions
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_training_path_replays_as_cuda_graphs():
+    """The LM head's training path reads nothing back to the host and carries no
+    cudagraph_unsafe tag: under ``torch.compile(mode="reduce-overhead")`` a step of a small
+    model with the loss inside is captured (Inductor skips no graph) and its replays give the
+    eager steps' losses and gradients, on fresh inputs each step."""
+    torch.manual_seed(0)
+    v, d, n = 1000, 64, 256
+    body = nn.Sequential(nn.Linear(d, d), nn.GELU()).cuda()
+    head = nn.Parameter(torch.randn(v, d, device="cuda") / 8)
+    twin_body, twin_head = copy.deepcopy(body), nn.Parameter(head.detach().clone())
+
+    def loss_of(body, head, x, y):
+        return fusedloss.linear_cross_entropy(body(x), head, y, label_smoothing=0.1,
+                                              backend="triton")
+
+    compiled = torch.compile(loss_of, mode="reduce-overhead")
+    for _ in range(4):
+        x = torch.randn(n, d, device="cuda")
+        y = torch.randint(0, v, (n,), device="cuda")
+        y[::9] = -100
+        got = compiled(body, head, x, y)
+        got.backward()
+        want = loss_of(twin_body, twin_head, x, y)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head.grad, twin_head.grad, rtol=1e-4, atol=1e-6)
+        for p in (head, twin_head, *body.parameters(), *twin_body.parameters()):
+            p.grad = None
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 # ---------------------------------------------------------------------------------------------
 # 3: no recompilation between training steps
 
