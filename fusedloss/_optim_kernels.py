@@ -106,13 +106,11 @@ INTERPRETER_CONFIG = FusedConfig(block=8, reduce_block=4, num_warps=1, lag=1, su
 
 
 def fused_config(device: torch.device) -> FusedConfig:
-    """Frozen per device. 16384 fp32 per program, walked 4096 at a time by 8 warps (16 elements
-    per thread and array in registers), and a lag of two items per SM (~4 M elements, ~35 MB of
-    pass-1 reads ahead of pass 2, inside L2). Swept on an H200 over a ViT-B/16 tower (86.19 M
-    parameters, 2026-11-26; fused AdamW 0.705 ms): 4096 / 8 warps without the loop 1.77 ms,
-    8192 / 16 warps 1.12, 16384 / 8 / 4096 0.86 (1.22×); bigger blocks without the loop spill
-    registers (16384 / 4 warps: 7.7 ms). What the loop buys is fewer programs: each one pays a
-    ticket, a few dependent table loads and, in pass 2, a wait, before its first byte moves.
+    """Frozen per device. 32768 fp32 per program, walked 4096 at a time by 16 warps, and a lag
+    of two items per SM. Large chunks mean few programs, each of which pays a ticket, a few
+    dependent table loads and, in pass 2, a wait before its first byte moves; walking a chunk in
+    steps keeps it from spilling registers (docs/companions.md, StableAdamW, "How the launch
+    shape was found").
     ``core.config.Tuning.optim_config`` ("block,num_warps,lag[,sub_block]", from
     ``FUSEDLOSS_OPTIM_CONFIG``) overrides it on CUDA (for tuning; powers of two, reduce_block
     stays 512)."""

@@ -243,28 +243,22 @@ def forward_config(device: torch.device, dtype: torch.dtype, d: int, *,
     if dtype == torch.float32:
         return TileConfig(128, 64, 32, 0, num_warps=8, num_stages=3)
     if major >= 9 and sigmoid:
-        # The softplus epilogue spilled 2.6 KB per thread on one warpgroup (and on 128 × 256
-        # tiles with two). Measured on an H100 (2026-11-22, SigLIP b = 16384, bf16): forward
-        # 4.22 → 1.24 ms with two warpgroups per 128 × 128 tile; fwd+bwd 6.54 → 3.51 ms at
-        # c = 512, 7.93 → 4.85 at c = 768; 128 × 64 and 64 × 128 tiles on 4 warps, or 4 stages,
-        # were no faster.
+        # The softplus epilogue spills on one warpgroup: two warpgroups per 128 × 128 tile
+        # (docs/design.md, "Tile configurations and why").
         return TileConfig(128, 128, 64, 0, num_warps=8, num_stages=3)
     if major >= 9:
         if d <= 1024 and not col_stats:
             # Row statistics only (InfoNCE, NT-Xent): two warpgroups per 128 × 128 tile, half
-            # the registers per thread. Measured on an H100 (2026-11-22): NT-Xent forward
-            # 2 × 16384 × 256 1.75 → 1.38 ms. With column statistics (below) it was slower.
+            # the registers per thread; with column statistics (below) they are slower
+            # (docs/design.md, "Tile configurations and why").
             return TileConfig(128, 128, 64, 0, num_warps=8, num_stages=3)
         if d <= 512 and d % 64 == 0 and gluon_enabled(device):
             # The Gluon kernel (lse_forward_sm90): 64 × 128 tiles, two consumer warpgroups.
             return TileConfig(64, 128, 64, 0, num_warps=4, num_stages=3)
         if d <= 1024:
-            # Contrastive widths: one warpgroup on 128×128 tiles. Measured on an H100
-            # (2026-11-22, bf16, fwd+bwd) against 128×256 on 8 warps: CLIP b = 65536, c = 512
-            # 56.1 → 50.8 ms (forward 21.5 → 16.7); b = 131072, c = 768 277.9 → 272.0;
-            # NT-Xent 2×32768×256 29.7 → 28.8; SigLIP b = 16384, c = 768 9.8 → 8.3. Four
-            # stages or 128-wide K steps were slower on every shape, and two warpgroups per
-            # tile too (2026-11-22: b = 16384 forward 1.24 → 1.78 ms, 65536 16.8 → 25.4).
+            # Contrastive widths: one warpgroup on 128×128 tiles, faster than 128×256 on 8 warps,
+            # two warpgroups, four stages or 128-wide K steps (docs/design.md, "Tile
+            # configurations and why").
             return TileConfig(128, 128, 64, 0, num_warps=4, num_stages=3)
         return TileConfig(128, 256, 64, 0, num_warps=8, num_stages=3)
     return TileConfig(128, 128, 32, 0, num_warps=8, num_stages=3)
@@ -287,13 +281,12 @@ def backward_config(device: torch.device, dtype: torch.dtype, d: int) -> TileCon
         return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=3)
     if major >= 9:
         if d <= 1024:
-            # Contrastive widths. Measured on an H100 (CLIP, b=65536, c=512, bf16): 64×256
-            # recompute tiles took the backward from 63 to 38 ms against 128×256; on an H200
-            # (2026-11-22, CLIP fwd+bwd) 64×128 tiles on 4 warps beat 64×256 on 8: b = 16384
-            # 4.73 → 4.08 ms, b = 65536 54.0 → 52.3 ms.
+            # Contrastive widths: narrow recompute tiles (64×256 beat 128×256, and 64×128 on 4
+            # warps beat 64×256 on 8; docs/design.md, "Tile configurations and why").
             return TileConfig(64, 128, 64, 64, num_warps=4, num_stages=3, gemm_stages=2)
-        # Measured on an H100 (N=8192, V=256000, D=2304, bf16): 128×256 recompute tiles beat
-        # 128×128 by ~10%; the sparse matmuls then need 2 stages and 64-wide D chunks to fit.
+        # LM widths: 128×256 recompute tiles, faster than 128×128 (docs/design.md, "Tile
+        # configurations and why"); the sparse matmuls then need 2 stages and 64-wide D chunks
+        # to fit.
         return TileConfig(128, 256, 64, 64, num_warps=8, num_stages=3, gemm_stages=2)
     return TileConfig(128, 128, 32, 128, num_warps=8, num_stages=3)
 
@@ -302,9 +295,8 @@ def split_accumulate_config(device: torch.device, d: int) -> TileConfig:
     """Tile of the split-bf16 dA accumulation (``lse_backward._accumulate_split_kernel``):
     (block_m rows × block_d columns of dA) per program, block_k of the slab per step.
 
-    Measured on an H100 (2026-11-22, N = 16384, K = 1408, D = 512): 128 × 256 on 8 warps with
-    4 stages 84 µs, 3 stages 88; 128 × 128 on 4 warps 86 (4 stages: 126); 64 × 256 105;
-    cuBLAS's addmm into fp32, for comparison, 58 µs.
+    From D = 256 on, 128 × 256 on 8 warps with 4 stages, the fastest of the tiles tried (still
+    slower than cuBLAS's addmm into fp32; docs/design.md, "Tile configurations and why").
     """
     if device.type != "cuda":
         return _INTERPRETER

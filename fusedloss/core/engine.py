@@ -253,8 +253,8 @@ def tile_stats_shapes(n: int, v: int, device: torch.device, dtype: torch.dtype, 
 def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
     """(upcast before tl.dot, tl.dot input_precision) for operands of t's dtype.
 
-    fp32 operands multiply exactly ("ieee", not TF32: three-TF32 products measured 4× the
-    forward loss error of cuBLAS on peaked logits); the kernels then keep the FMA chains short
+    fp32 operands multiply exactly ("ieee", not TF32: three-TF32 products lose accuracy on
+    peaked logits; docs/design.md, "fp32 inputs"); the kernels then keep the FMA chains short
     (``PRECISE``, see ``logits.accumulate``). The interpreter casts bf16 operands up first (its
     bf16 dot is wrong).
     """
@@ -284,8 +284,8 @@ def tile_descriptors(a: torch.Tensor, b: torch.Tensor, logits: Logits, rows: Row
 
     TMA reads whole blocks of consecutive rows: A in compact row order (``compact_operand``) and
     B in column order (with vocabulary sorting the kernels gather, as a sorted copy of B would
-    cost V·D). Measured on an H200 (N=8192, V=256000, D=2304, bf16): the forward goes from 23.9
-    to 17.1 ms (cuBLAS's matmul: 14.3).
+    cost V·D). TMA-fed tiles make the forward faster than pointer loads (docs/design.md,
+    "Loading tiles").
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -735,8 +735,8 @@ def grads(
         pooled = _pooled_weights(stats, coef, rows, col_weight, filter_scale or (None, None))
     if not sigmoid:
         # From here on r·P = (r / sum) · exp(X − max): the backends take r / sum (see RowStats).
-        # (Dividing in the recompute kernel instead, as it loads r, measured 3% slower on CLIP at
-        # b = 65536: two more loads ahead of each tile's exponentials.)
+        # (Dividing in the recompute kernel instead, as it loads r, was slower: two more loads
+        # ahead of each tile's exponentials; docs/design.md, "Host cost per call".)
         coef = dataclasses.replace(coef, lse=_over(coef.lse, stats.sum),
                                    col=None if coef.col is None else _over(coef.col, stats.col_sum))
     dtypes = (grad_a_dtype or grad_dtype or a.dtype, grad_dtype or b.dtype)

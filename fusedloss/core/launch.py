@@ -3,9 +3,8 @@
 The backward launches its recompute kernel (and, with the split accumulator, its dA kernel)
 once per column slab with the same arguments but for the slab's first tile, its width and the
 dense flag. Going through Triton's JIT each time
-binds and specializes every argument again and looks the kernel up in its cache: measured on
-an H100 host (Triton 3.6, 2026-11-22) ≈ 90 µs of host time per launch of that kernel, where a
-CLIP step at b = 16384 has eight of them and the host, not the GPU, sets its pace.
+binds and specializes every argument again and looks the kernel up in its cache, and on short
+calls the host's time for that, not the GPU, sets the pace (docs/design.md, "Host cost per call").
 :class:`RepeatedLaunch` compiles through the JIT once per set of compile-time arguments and then
 hands the compiled kernel's launcher the arguments in order, with the stream looked up once.
 """

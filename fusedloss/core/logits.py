@@ -68,8 +68,8 @@ def sigmoid(y, PRECISE: tl.constexpr):
 @triton.jit
 def accumulate(acc, a, b, PRECISION: tl.constexpr, PRECISE: tl.constexpr):
     """acc + a · b. An fp32 ("ieee") tl.dot is one FMA chain per output over every step of a
-    loop that feeds it acc: its rounding error grows with the loop's whole length (measured
-    2.6× cuBLAS's on an H200 at D = 512, and ~10× PyTorch's on dA summed over 5000 columns).
+    loop that feeds it acc: its rounding error grows with the loop's whole length, well above
+    cuBLAS's and PyTorch's (docs/design.md, "fp32 inputs").
     ``PRECISE`` sums each step's product on its own and adds it once: two short chains.
     It needs a GPU (inline PTX), like ``mul_rn``; the interpreter's numpy dot is exact anyway."""
     if PRECISE:

@@ -152,12 +152,8 @@ def _grouped_tile(pid, n_rows, n_tiles, group_rows):
     tile before the next group starts (its A rows stay in L2 across the tiles).
 
     Row blocks first over the whole grid re-read every row of A from memory at each tile
-    once A outgrows L2; tiles first lose the B rows' sharing where A fits. Measured on an H200
-    (2026-11-26, torch 2.11, triton 3.6; CLIP fwd+bwd, bf16, c = 512, recompute time per
-    step, row blocks first / groups of 24 MiB / tiles first): b = 16384 0.95 / 0.95–0.97 /
-    1.01 ms; b = 32768 4.09–4.19 / 3.72–3.77 / 3.75; b = 65536 18.1–18.3 / 15.0–15.0 / 14.8
-    (the step 45.1–45.6 → 41.4–42.4 ms); LM head N = 8192, gemma2's V and D 17.4–17.6 /
-    17.1–17.2 / 17.1, llama3's 14.2–14.3 / 14.1–14.1 / 14.1.
+    once A outgrows L2; tiles first lose the B rows' sharing where A fits. Groups keep both
+    (docs/design.md, "Backward", item 1, has the timings of the three orders).
     """
     per_group = group_rows * n_tiles
     group = pid // per_group

@@ -96,25 +96,15 @@ def scratch_bytes(a: Tensor, split: bool = False, wide: bool = False) -> int | N
     ``scratch_bytes``): 64 MiB up to N = 16384 rows (44 MiB with the split accumulator), 4096
     columns wide beyond, up to 1 GiB. ``wide``: slabs of 4096 columns (up to 1 GiB) whatever N,
     but never a smaller scratch than the default — the ring's choice, whose blocks of one
-    rank's rows are often 16384 or fewer, each block paying the host's per-slab launches
-    (measured on 4 × H200, 2026-11-26, CLIP ring, B = 65536, c = 512, 16384 rows per rank:
-    128 MiB against 64 MiB took the step from 17.2–17.7 to 15.8–16.1 ms, its compute alone
-    from 14.8 to 12.6). ``Tuning.scratch_mb`` overrides. The LM heads and the
+    rank's rows are often 16384 or fewer, each block paying the host's per-slab launches.
+    ``Tuning.scratch_mb`` overrides. The LM heads and the
     contrastive losses share it: beyond 16384 rows a fixed 64 MiB would leave slabs of
     32 Mi / N columns (256 at N = 131072), each paying the read-modify-write of the fp32 dA.
 
-    Measured on H100s (2026-11-22, CLIP fwd+bwd, bf16, c = 512). At b = 16384, 64 MiB (97.5
-    MiB in all with the fp32 dA accumulator) took 3.0–3.2 ms. A 28 MiB scratch (896 columns,
-    61.5 MiB in all) took 3.6–3.7 ms on one machine and 5.0–5.6 ms on another, where 64 MiB
-    took 3.16: each slab costs a launch of the recompute kernel and two cuBLAS calls, and at
-    19 slabs the host issuing them sets the pace, at the host's speed. With the split
-    accumulator (16 MiB where fp32 took 32), 44 MiB of scratch (1408 columns, 12 slabs)
-    keeps a step at b = 16384, c = 512 within 64 MiB in all (61.5 MiB).
-    Beyond 16384 rows: each slab's read-modify-write of the fp32 dA accumulator (8·N·D bytes)
-    costs as much as a few hundred columns of matmul, and the slab's dB matmul (slab columns ×
-    D outputs, N deep) needs width to fill the GPU. In alternating runs, 4096 columns against
-    2048 took b = 65536 from 49.7–49.9 to 47.9 ms and b = 131072, c = 768 from 267–268 to
-    258–259 ms (8192 columns: no further gain).
+    Each slab costs the host a launch of the recompute kernel and two cuBLAS calls, so narrower
+    slabs let the host set the pace; the split accumulator's 44 MiB keeps a step at b = 16384
+    within 64 MiB in all. Beyond 16384 rows 4096 columns amortize each slab's read-modify-write
+    of the fp32 dA and give its dB matmul the width to fill the GPU (docs/design.md, "Memory").
     """
     if config.tuning().scratch_mb is not None:
         return None

@@ -25,32 +25,9 @@ tiles are read (BLOCK_N, BLOCK_K) and transposed in the dot). The layer's three 
     weight grad  dW = dYᵀ · X      16-bit, cuBLAS through PyTorch (transposed operands read in
                                    place), nothing quantized
 
-Time budget of one layer (a yardstick for measured times): in = out = d = 1664, N = 65536
-tokens, bf16, bias, on an H100 SXM at its peak rates (3.35 TB/s, 989 TFLOP/s bf16 dense,
-1979 TOP/s int8 / fp8 dense); MB = 10⁶ bytes.
-
-    step                          moves (MB)                            compute      time (µs)
-    X row-wise quantization       read X 218.1, write Xq 109.1, scales     memory      97.7
-    W tensor-wise quantization    read W 5.5 twice, write Wq 2.8           memory       4.1
-    Y = Xq Wqᵀ (int8 / fp8)       read Xq 109.1, write Y 218.1 (98.5 µs)   362.9 GOP   183.4
-    dY row-wise quantization      read dY 218.1, write dYq 109.1           memory      97.7
-    Wᵀ quantization (transposed)  as W's                                   memory       4.1
-    dX = dYq Wq (int8 / fp8)      read dYq 109.1, write dX 218.1           362.9 GOP   183.4
-    dW = dYᵀ X (bf16, cuBLAS)     read dY, X 436.2                         362.9 GFLOP 366.8
-    db = Σ dY (float32 sums)      read dY 218.1                            memory      65.1
-    SwitchBack forward + backward                                                    1002
-    nn.Linear: three bf16 matmuls of 366.8 and the same db                           1165
-
-so at most 1.16× nn.Linear at this shape (1.17× without bias), with every kernel at its peak:
-the quantizers' memory traffic (about 200 µs) is what keeps it below the 1.5× of the matmuls
-alone. d → 4d (1664 → 6656) and 4d → d: 3716 and 3521 µs against 4662 and 4466, 1.25× and
-1.27×. An H200 (4.8 TB/s, the same tensor cores) shortens the memory lines by 0.7: 921 µs
-against 1146 at d = 1664, 1.24×. Read a measured time against these: a quantizer near its
-line runs at the memory bandwidth, a matmul near its line at the tensor cores' rate;
-nn.Linear's measured time holds three cuBLAS bf16 matmuls, which run below their peak as
-well. The quantizers' instructions (sm_90 code from Triton 3.6: about 14 per element for int8,
-28 for fp8, one row block read once) issue in about half (int8) or all (fp8) of the time their
-memory traffic takes on an H100.
+Time budget. Even with every kernel at the hardware's peak rate the quantizers' memory traffic
+keeps a layer's speed-up over nn.Linear below the 1.5× of the 8-bit matmuls alone
+(docs/companions.md, SwitchBack, "What bounds it": each step's budget, to read measured times).
 
 fp8 runs through the same kernel as int8 (``tl.dot`` on float8e4nv operands) rather than
 ``torch._scaled_mm``: one code path and epilogue for both formats (bias, any of the three output
