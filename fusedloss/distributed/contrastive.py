@@ -186,23 +186,21 @@ class _Ring(torch.autograd.Function):
     # on the same thread, autocast on).
     @staticmethod
     @without_autocast
-    def forward(ctx, a, b, scale, bias, labels, layout, kind, eps, backend, needs):
+    def forward(ctx, a, b, scale, bias, labels, call, needs):
         b = a if b is None else b  # NT-Xent: the rows are the columns
-        loss, saved = ring.forward(layout, kind, a, b, scale, bias, labels, eps, backend,
-                                   record=any(needs))
+        loss, saved = ring.forward(call, a, b, scale, bias, labels, record=any(needs))
         ctx.save_for_backward(a, b, scale, bias, labels)
-        ctx.ring = (layout, kind, saved, eps, backend, needs)
+        ctx.ring = (call, saved, needs)
         return loss
 
     @staticmethod
     @without_autocast
     def backward(ctx, grad_loss):
-        layout, kind, saved, eps, backend, needs = ctx.ring
+        call, saved, needs = ctx.ring
         a, b, scale, bias, labels = ctx.saved_tensors
         b = a if b is None else b
-        grads = ring.backward(layout, kind, a, b, scale, bias, labels, saved, grad_loss, eps,
-                              backend, needs)
-        return (*grads, None, None, None, None, None, None)
+        grads = ring.backward(call, a, b, scale, bias, labels, saved, grad_loss, needs)
+        return (*grads, None, None, None)
 
 
 def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter_eps, backend,
@@ -230,8 +228,8 @@ def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter
     if kind == "info_nce":
         labels = _global_labels(labels, layout, per_rank, a.device)
     per_row = _Ring.apply(a, None if kind == "nt_xent" else b, scale,
-                          bias if kind == "siglip" else None, labels, layout, kind, eps,
-                          backend, needs)
+                          bias if kind == "siglip" else None, labels,
+                          ring.RingCall(layout, kind, eps, backend), needs)
     if kind == "clip" and bias is not None:
         per_row = per_row + 0.0 * bias  # the loss ignores it: a zero gradient, NaN stays NaN
     if reduction == "none":

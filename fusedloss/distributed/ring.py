@@ -72,12 +72,23 @@ class Saved:
     last_block: Tensor | None = None  # the block held at the forward's last step: r + 1's
 
 
-def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
-            bias: Tensor | None, labels: Tensor | None, filter_eps: float | None,
-            backend: str, record: bool) -> tuple[Tensor, Saved]:
+@dataclass(frozen=True)
+class RingCall:
+    """One call's ring: the group's layout, the loss (a kind of ``families.contrastive``), the
+    backward's filter bound (None: exact) and the engine's backend."""
+
+    layout: Layout
+    kind: str
+    filter_eps: float | None
+    backend: str
+
+
+def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
+            labels: Tensor | None, record: bool) -> tuple[Tensor, Saved]:
     """Per-row losses (n,) fp32 of this rank's rows against the global columns (the table in
     ``fusedloss/ops/contrastive.py``), and what the backward needs (``record``: keep the
     per-step tile statistics that filtering reads)."""
+    layout, kind, filter_eps, backend = call.layout, call.kind, call.filter_eps, call.backend
     n, d = a.shape
     dev = a.device
     world = layout.world
@@ -158,13 +169,13 @@ def forward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
     return family.row_loss(kind, row_margin, col_margin), saved
 
 
-def backward(layout: Layout, kind: str, a: Tensor, b: Tensor, scale: Tensor,
-             bias: Tensor | None, labels: Tensor | None, saved: Saved, grad_loss: Tensor,
-             filter_eps: float | None, backend: str,
+def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
+             labels: Tensor | None, saved: Saved, grad_loss: Tensor,
              needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
     """(dA, dB, d scale, d bias) of Σ_ranks Σ_rows grad_loss · loss for this rank's inputs,
     in their dtypes (d scale, d bias fp32; this rank's tiles' share: the shares sum over the
     ranks to the gradient). For NT-Xent dB is added into dA and returned as None."""
+    layout, kind, filter_eps, backend = call.layout, call.kind, call.filter_eps, call.backend
     need_a, need_b, need_scale, need_bias = needs
     n, d = a.shape
     dev = a.device
