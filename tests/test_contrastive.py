@@ -885,7 +885,7 @@ def _spy_backends(monkeypatch) -> list[str]:
         original = getattr(engine, name)
 
         def spy(*args, _original=original, **kwargs):
-            seen.append(kwargs.get("backend"))
+            seen.append(kwargs["plan"].backend if "plan" in kwargs else kwargs.get("backend"))
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(engine, name, spy)

@@ -485,7 +485,7 @@ def test_backward_scratch_rule(tune, monkeypatch):
     real = engine.grads
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("scratch_bytes"))
+        seen.append(kwargs["plan"].scratch_bytes)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "grads", spy)

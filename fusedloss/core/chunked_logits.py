@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .engine import GradCoefficients, addmm_f32_, mm_f32
+from .engine import GradCoefficients, Needs, addmm_f32_, mm_f32
 from .logits import div, exp, log, mul_rn, tanh
 
 # The row kernel's launch: BLOCK_V entries of a row per step, on ROW_WARPS warps; pass 1 keeps
@@ -51,15 +51,6 @@ class LossOptions:
     label_smoothing: float = 0.0  # α
     softcap: float | None = None  # c: X = c·tanh(Z / c)
     z_loss: float = 0.0  # λ
-
-
-@dataclasses.dataclass(frozen=True)
-class Needs:
-    """Which gradients to form."""
-
-    a: bool = True
-    b: bool = True
-    bias: bool = False
 
 
 def loss_and_grads(

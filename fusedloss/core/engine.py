@@ -659,6 +659,50 @@ class Grads:
     scale: torch.Tensor | None  # () fp32
 
 
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients a backward forms."""
+
+    a: bool = True
+    b: bool = True
+    bias: bool = False
+    scale: bool = False
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How ``grads`` runs: the filter, the scratch and slab paths, the gradients' dtypes, the
+    backend, the row blocks (``grads``' docstring says what each field does)."""
+
+    filter_eps: float | None = None
+    filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+    scratch_bytes: int | None = None
+    sparse: bool = True
+    split_accumulator: bool = False
+    grad_dtype: torch.dtype | None = None
+    grad_a_dtype: torch.dtype | None = None
+    backend: str = "triton"
+    row_chunk: int | None = None
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A backward's operands and what the forward left for it."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    logits: Logits
+    rows: Rows
+    stats: RowStats
+    coef: GradCoefficients
+    col_weight: torch.Tensor | None
+    sigmoid: bool
+
+    def unpacked(self):
+        return (self.a, self.b, self.logits, self.rows, self.stats, self.coef, self.col_weight,
+                self.sigmoid)
+
+
 def grads(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -668,35 +712,25 @@ def grads(
     coef: GradCoefficients,
     *,
     col_weight: torch.Tensor | None = None,
-    filter_eps: float | None = None,
-    need_a: bool = True,
-    need_b: bool = True,
-    need_bias: bool = False,
-    need_scale: bool = False,
     sigmoid: bool = False,
-    filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
-    scratch_bytes: int | None = None,
-    sparse: bool = True,
-    split_accumulator: bool = False,
-    grad_dtype: torch.dtype | None = None,
-    grad_a_dtype: torch.dtype | None = None,
-    backend: str = "triton",
-    row_chunk: int | None = None,
+    needs: Needs = Needs(),
+    plan: BackwardPlan = BackwardPlan(),
 ) -> Grads:
-    """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc).
+    """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc), those
+    ``needs`` asks for, computed as ``plan`` says. ``col_weight``: the per-column w_j of the
+    uniform term; ``sigmoid`` selects the pairwise sigmoid gradient (never filtered).
 
-    ``filter_eps`` bounds the softmax mass each row (and, with a column term, each column) may
-    lose to skipped tiles (Triton only; None computes every tile). The uniform term u·w must be
-    free of softcap for filtering: with softcap it is folded into the tiles, which are then all
-    computed. ``sigmoid`` selects the pairwise sigmoid gradient (never filtered).
-    ``filter_scale`` = (per row (N,), per column (V,)) factors ≤ 1 on ``filter_eps``: each row's
-    (column's) gradient mass relative to its softmax mass, so that the bound is relative to the
-    gradient (``filtering.gradient_mass``). That is the "block" rule; when ``stats`` hold
-    per-row tile statistics (``row_stats`` under the "pooled" rule) ``filter_eps`` instead
-    bounds the relative L2 error of the whole logit gradient, ‖ΔG‖_F ≤ ε‖G‖_F, each row
-    weighted by |r| and its budget set by a floor of its gradient norm (``_pooled_weights``).
-    ``scratch_bytes`` caps the dX scratch of one
-    column slab (default: ``FUSEDLOSS_SCRATCH_MB``, 64 MiB); wider slabs amortize the fp32 dA
+    The plan's fields: ``filter_eps`` bounds the softmax mass each row (and, with a column
+    term, each column) may lose to skipped tiles (Triton only; None computes every tile). The
+    uniform term u·w must be free of softcap for filtering: with softcap it is folded into the
+    tiles, which are then all computed. ``filter_scale`` = (per row (N,), per column (V,))
+    factors ≤ 1 on ``filter_eps``: each row's (column's) gradient mass relative to its softmax
+    mass, so that the bound is relative to the gradient (``filtering.gradient_mass``). That is
+    the "block" rule; when ``stats`` hold per-row tile statistics (``row_stats`` under the
+    "pooled" rule) ``filter_eps`` instead bounds the relative L2 error of the whole logit
+    gradient, ‖ΔG‖_F ≤ ε‖G‖_F, each row weighted by |r| and its budget set by a floor of its
+    gradient norm (``_pooled_weights``). ``scratch_bytes`` caps the dX scratch of one column
+    slab (default: ``FUSEDLOSS_SCRATCH_MB``, 64 MiB); wider slabs amortize the fp32 dA
     accumulator's read-modify-write over more columns.
 
     ``sparse``: a slab whose live tiles are few goes through the sparse matmul kernels, which
@@ -724,6 +758,8 @@ def grads(
     pick another algorithm for a block's row count, so its fp32 sums may round differently);
     dB and dbias add the blocks' parts in fp32 and round once.
     """
+    filter_eps, filter_scale, backend = plan.filter_eps, plan.filter_scale, plan.backend
+    grad_dtype, grad_a_dtype, row_chunk = plan.grad_dtype, plan.grad_a_dtype, plan.row_chunk
     if coef.col is not None and stats.col_lse is None:
         raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
     # The kernels read coefficients by offset: a stride-0 expand (a reduction's gradient) won't do.
@@ -740,36 +776,38 @@ def grads(
         coef = dataclasses.replace(coef, lse=_over(coef.lse, stats.sum),
                                    col=None if coef.col is None else _over(coef.col, stats.col_sum))
     dtypes = (grad_a_dtype or grad_dtype or a.dtype, grad_dtype or b.dtype)
+    problem = _Problem(a, b, logits, rows, stats, coef, col_weight, sigmoid)
+    # the internal plan: the resolved dtypes, a filter pair, no filter for the sigmoid loss
+    plan = dataclasses.replace(plan, grad_a_dtype=dtypes[0], grad_dtype=dtypes[1],
+                               filter_eps=None if sigmoid else filter_eps,
+                               filter_scale=filter_scale or (None, None))
     if backend == "torch":
-        return _grads_torch(a, b, logits, rows, stats, coef, col_weight,
-                            need_a, need_b, need_bias, need_scale, sigmoid, dtypes)
+        return _grads_torch(problem, needs, plan)
     if (row_chunk is not None and rows.index.numel() > row_chunk and not sigmoid
-            and coef.col is None and not need_scale and pooled is None
+            and coef.col is None and not needs.scale and pooled is None
             and not stats.per_row_tiles):
-        return _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps,
-                                    filter_scale or (None, None), scratch_bytes, need_a, need_b,
-                                    need_bias, sparse, dtypes, row_chunk)
-    return _grads_triton(a, b, logits, rows, stats, coef, col_weight,
-                         None if sigmoid else filter_eps, filter_scale or (None, None),
-                         scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid, sparse,
-                         split_accumulator, dtypes, pooled)
+        return _grads_by_row_chunks(problem, needs, plan)
+    return _grads_triton(problem, needs, plan, pooled)
 
 
-def _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
-                         scratch_bytes, need_a, need_b, need_bias, sparse, dtypes,
-                         row_chunk) -> Grads:
+def _grads_by_row_chunks(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
     """``_grads_triton`` over blocks of ``row_chunk`` compact rows (rounded up to whole row
     blocks of the forward's statistics and of the backward), each writing its rows of dA and
     adding to fp32 dB and dbias. One read-back of the valid rows first, then each block's own
     (at most one each)."""
+    a, b, logits, rows, stats, coef, col_weight, _ = problem.unpacked()
+    need_a, need_b, need_bias = needs.a, needs.b, needs.bias
+    dtypes, row_chunk = (plan.grad_a_dtype, plan.grad_dtype), plan.row_chunk
+    filter_scale = plan.filter_scale
     n = rows.index.numel()
     n_valid = n if rows.all_valid else int(rows.n_valid)
     align = max(1, stats.block_m, config.backward_config(a.device, a.dtype, b.shape[1]).block_m)
     chunk = -(-row_chunk // align) * align
+    # a block never asks for the scale's gradient nor splits its accumulator
+    needs = dataclasses.replace(needs, scale=False)
+    plan = dataclasses.replace(plan, split_accumulator=False)
     if n_valid <= chunk:
-        return _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps,
-                             filter_scale, scratch_bytes, need_a, need_b, need_bias, False,
-                             False, sparse, False, dtypes)
+        return _grads_triton(problem, needs, plan)
     f32 = dict(dtype=torch.float32, device=a.device)
     into = Grads(a=torch.zeros_like(a, dtype=dtypes[0]) if need_a else None,
                  b=torch.zeros(b.shape, **f32) if need_b else None,
@@ -788,10 +826,10 @@ def _grads_by_row_chunks(a, b, logits, rows, stats, coef, col_weight, filter_eps
             log_sum=rows_of(stats.log_sum), sum=rows_of(stats.sum))
         chunk_coef = GradCoefficients(lse=coef.lse[part], target=rows_of(coef.target),
                                       uniform=rows_of(coef.uniform))
-        _grads_triton(a, b, logits, chunk_rows, chunk_stats, chunk_coef, col_weight, filter_eps,
-                      (rows_of(filter_scale[0]), None), scratch_bytes, need_a, need_b,
-                      need_bias, False, False, sparse, False, (dtypes[0], torch.float32),
-                      into=into)
+        _grads_triton(
+            dataclasses.replace(problem, rows=chunk_rows, stats=chunk_stats, coef=chunk_coef),
+            needs, dataclasses.replace(plan, filter_scale=(rows_of(filter_scale[0]), None),
+                                       grad_dtype=torch.float32), into=into)
     return Grads(a=into.a, b=into.b.to(dtypes[1]) if need_b else None, bias=into.bias,
                  scale=None)
 
@@ -940,14 +978,17 @@ def _dense_slab_fraction() -> float:
     return config.tuning().dense_slab_fraction
 
 
-def _grads_triton(a, b, logits, rows, stats, coef, col_weight, filter_eps, filter_scale,
-                  scratch_bytes, need_a, need_b, need_bias, need_scale, sigmoid,
-                  sparse=True, split_accumulator=False, dtypes=(None, None),
+def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
                   pooled: PooledWeights | None = None, into: Grads | None = None) -> Grads:
-    """The Triton backward of ``grads``. ``into``: buffers that this call's rows add to instead
-    of new gradients (``_grads_by_row_chunks``): dA rows written into ``into.a`` (the rows of
-    other calls left alone), dB and dbias accumulated in fp32 into ``into.b`` and
-    ``into.bias``."""
+    """The Triton backward of ``grads`` (``plan`` as ``grads`` resolved it). ``into``: buffers
+    that this call's rows add to instead of new gradients (``_grads_by_row_chunks``): dA rows
+    written into ``into.a`` (the rows of other calls left alone), dB and dbias accumulated in
+    fp32 into ``into.b`` and ``into.bias``."""
+    a, b, logits, rows, stats, coef, col_weight, sigmoid = problem.unpacked()
+    need_a, need_b, need_bias, need_scale = needs.a, needs.b, needs.bias, needs.scale
+    filter_eps, filter_scale = plan.filter_eps, plan.filter_scale
+    scratch_bytes, sparse = plan.scratch_bytes, plan.sparse
+    split_accumulator, dtypes = plan.split_accumulator, (plan.grad_a_dtype, plan.grad_dtype)
     from .lse_backward import (
         _accumulate_split_kernel,
         _grad_a_kernel,
@@ -1347,8 +1388,10 @@ def _scatter_rows(values: torch.Tensor, rows: Rows, n_rows: int) -> torch.Tensor
     return out.index_put_((rows.index,), torch.where(valid, values, 0), accumulate=True)
 
 
-def _grads_torch(a, b, logits, rows, stats, coef, col_weight,
-                 need_a, need_b, need_bias, need_scale, sigmoid, dtypes) -> Grads:
+def _grads_torch(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
+    a, b, logits, rows, stats, coef, col_weight, sigmoid = problem.unpacked()
+    need_a, need_b, need_bias, need_scale = needs.a, needs.b, needs.bias, needs.scale
+    dtypes = (plan.grad_a_dtype, plan.grad_dtype)
     v = b.shape[0]
     n_valid = int(rows.n_valid)
     acc = accumulation_dtype(a.dtype)

@@ -250,12 +250,12 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
                                  layout.col_offset(s), m_s)
             grads = engine.grads(
                 a, held, family.logits(kind, held, scale, bias, own_columns=home), rows,
-                stats, coef,
-                filter_eps=filter_eps, need_a=need_a, need_b=need_b,
-                need_bias=bias is not None and need_bias, need_scale=need_scale,
-                sigmoid=siglip, filter_scale=(saved.row_mass, col_mass),
-                scratch_bytes=scratch_bytes(a, wide=True), sparse=False, grad_dtype=_F32,
-                backend=backend)
+                stats, coef, sigmoid=siglip,
+                needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
+                plan=engine.BackwardPlan(
+                    filter_eps=filter_eps, filter_scale=(saved.row_mass, col_mass),
+                    scratch_bytes=scratch_bytes(a, wide=True), sparse=False, grad_dtype=_F32,
+                    backend=backend))
             if need_a:
                 grad_a += grads.a
             part_b = grads.b

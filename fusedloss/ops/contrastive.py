@@ -146,12 +146,12 @@ def backward(
     sparse = _sparse_slabs()
     split = not sparse and bias is None and _split_accumulator(a)
     grads = engine.grads(
-        a, b, family.logits(kind, b, scale, bias), _rows(target), stats, coef,
-        filter_eps=filter_eps, need_a=need_a, need_b=need_b,
-        need_bias=bias is not None and need_bias, need_scale=need_scale,
-        sigmoid=siglip, filter_scale=(given[2], given[3]),
-        scratch_bytes=scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
-        backend=backend,
+        a, b, family.logits(kind, b, scale, bias), _rows(target), stats, coef, sigmoid=siglip,
+        needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
+        plan=engine.BackwardPlan(
+            filter_eps=filter_eps, filter_scale=(given[2], given[3]),
+            scratch_bytes=scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
+            backend=backend),
     )
     return (grads.a if need_a else nothing(a, (0,)), grads.b if need_b else nothing(a, (0,)),
             grads.scale if need_scale else nothing(a, (0,)),

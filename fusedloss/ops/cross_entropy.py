@@ -174,10 +174,11 @@ def backward(
                                     label_smoothing, z_loss)
     grads = engine.grads(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows, stats, coef,
-        col_weight=class_weight, filter_eps=filter_eps,
-        filter_scale=(family.gradient_mass(stats, coef), None),
-        need_a=need_input, need_b=need_weight, need_bias=bias is not None and need_bias,
-        scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), backend=backend,
+        col_weight=class_weight,
+        needs=engine.Needs(need_input, need_weight, bias is not None and need_bias),
+        plan=engine.BackwardPlan(
+            filter_eps=filter_eps, filter_scale=(family.gradient_mass(stats, coef), None),
+            scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), backend=backend),
     )
     grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else nothing(a, (0,))
     return (grads.a if need_input else nothing(a, (0,)),

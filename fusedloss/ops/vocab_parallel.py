@@ -127,10 +127,11 @@ class VocabParallel(torch.autograd.Function):
                                    target=torch.where(owned_c, row_coef.target, 0.0))
         grads = engine.grads(
             a, b, Logits(bias=bias, softcap=softcap, col_order=order), rows, stats, coef,
-            col_weight=class_weight, filter_eps=eps, filter_scale=(mass, None),
-            need_a=need_a, need_b=need_b, need_bias=bias is not None and need_bias,
-            scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), grad_a_dtype=_F32,
-            backend=backend)
+            col_weight=class_weight,
+            needs=engine.Needs(need_a, need_b, bias is not None and need_bias),
+            plan=engine.BackwardPlan(
+                filter_eps=eps, filter_scale=(mass, None), scratch_bytes=scratch_bytes(a),
+                row_chunk=backward_row_chunk(a), grad_a_dtype=_F32, backend=backend))
         grad_a = None
         if need_a:
             grad_a = grads.a
