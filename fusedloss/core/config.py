@@ -57,8 +57,6 @@ class Tuning:
     tma: bool = True
     # The Hopper Gluon kernels where they apply (off: the Triton kernels).
     gluon: bool = True
-    # Triton's autotuner over the tile configs (off: the frozen configs below).
-    autotune: bool = False
     # The backward's tile-skipping rule (``filtering.py``): "block", a bound on each row's lost
     # softmax mass from per-block statistics, or "pooled", a bound on the relative L2 error of
     # the call's logit gradient from per-row tile masses (N·V/BN more floats from the forward).
@@ -113,7 +111,7 @@ class Tuning:
 
 
 def _parse(field: str, spec: str):
-    if field in ("tma", "gluon", "autotune", "sparse_slabs", "split_accumulator",
+    if field in ("tma", "gluon", "sparse_slabs", "split_accumulator",
                  "check_values"):
         if spec not in ("0", "1"):
             raise ValueError(spec)
@@ -202,10 +200,6 @@ def _gluon_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-def autotune_enabled() -> bool:
-    return tuning().autotune
 
 
 _INTERPRETER = TileConfig(block_m=16, block_n=16, block_k=16, block_d=16, num_warps=1, num_stages=1)
