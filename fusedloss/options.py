@@ -52,7 +52,3 @@ class CrossEntropyOptions:
         return LossOptions(self.index_to_ignore, float(self.label_smoothing),
                            None if self.softcap is None else float(self.softcap),
                            float(self.z_loss))
-
-    def but(self, **changes) -> CrossEntropyOptions:
-        """These options with ``changes``."""
-        return dataclasses.replace(self, **changes)

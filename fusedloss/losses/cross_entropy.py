@@ -8,6 +8,7 @@ with no host sync, so that the loss compiles into a model's graph (``torch.compi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal, overload
 
@@ -449,7 +450,7 @@ def _k_dimensional(input, linear_weight, target, bias, weight, vocab_order,
     heads = linear_weight.reshape(c, k, d)
     targets = target.reshape(n, c, k) if soft else target.reshape(n, k)
     losses, lses = [], []
-    per_head = opts.but(reduction="none", return_lse=True)
+    per_head = dataclasses.replace(opts, reduction="none", return_lse=True)
     head = _soft_targets if soft else _class_indices
     for j in range(k):
         bias_j, = dense_vectors(None if bias is None else bias.reshape(c, k)[:, j])
