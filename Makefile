@@ -1,6 +1,8 @@
 # fusedloss developer targets
 #
-#   make test     ruff, then pytest (on a CPU machine Triton kernels run on its interpreter)
+#   make test     ruff, then pytest (on a CPU machine Triton kernels run on its interpreter),
+#                 all but the tests marked slow
+#   make test-slow  the tests marked slow: the longest property runs (CI runs both targets)
 #   make pytest   pytest only
 #   make lint     ruff check
 #   make demo     python examples/demo.py (with the demo extra: matplotlib, transformers)
@@ -27,6 +29,7 @@
 #   PYTEST_SELECT     test selection, e.g. PYTEST_SELECT='-k "not contrastive"'. Default: empty,
 #                     every test (on the interpreter as on a GPU).
 #   PYTEST_ARGS       extra pytest arguments, e.g. PYTEST_ARGS="-k clip -x".
+#   PYTEST_MARKS      the marker expression of `make pytest`. Default: not slow ('' runs all).
 #   PYTEST_WORKERS    pytest-xdist worker processes. Default: auto, one per CPU core (two on
 #                     a 2-core machine: 6.6 minutes of tests instead of 9.3); 0 runs every
 #                     test in the pytest process itself.
@@ -41,6 +44,7 @@ endif
 PYTEST_SELECT ?=
 PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
+PYTEST_MARKS ?= not slow
 
 ifneq ($(strip $(VENV)),)
 PY := $(VENV)/bin/python
@@ -54,13 +58,17 @@ endif
 
 LINT_PATHS := fusedloss tests benchmarks examples
 
-.PHONY: test pytest lint demo bench clean
+.PHONY: test test-slow pytest lint demo bench clean
 
 test: lint pytest
 
 pytest: $(call installed,test)
 	TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -n $(PYTEST_WORKERS) \
-		$(PYTEST_SELECT) $(PYTEST_ARGS)
+		-m "$(PYTEST_MARKS)" $(PYTEST_SELECT) $(PYTEST_ARGS)
+
+test-slow: $(call installed,test)
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -n $(PYTEST_WORKERS) \
+		-m slow $(PYTEST_SELECT) $(PYTEST_ARGS)
 
 lint: $(call installed,test)
 	$(PY) -m ruff check $(LINT_PATHS)

@@ -663,6 +663,7 @@ def test_torch_backend_matches_reference(loss, data):
     check_case(data.draw(cases(loss, **TORCH_SHAPES), label="case"), "torch")
 
 
+@pytest.mark.slow
 @requires_triton
 @pytest.mark.parametrize("loss", LOSSES)
 @given(data=st.data())  # the profile's budget: the interpreter keeps its shapes tiny instead

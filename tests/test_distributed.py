@@ -212,6 +212,7 @@ def ring_cases(draw, backends=("torch",), max_world=4, max_rows=5):
                 backend=draw(st.sampled_from(backends)), seed=draw(st.integers(0, 2**16)))
 
 
+@pytest.mark.slow
 @given(case=ring_cases(backends=RING_BACKENDS))
 def test_ring_equals_one_process_sliced(workers, case):
     c = case

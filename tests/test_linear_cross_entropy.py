@@ -582,6 +582,7 @@ def test_torch_backend_matches_reference(case):
     check_case(case, "torch")
 
 
+@pytest.mark.slow
 @requires_triton
 @settings(max_examples=TRITON_EXAMPLES)
 @given(case=cases(**TRITON_SHAPES))
@@ -589,6 +590,7 @@ def test_triton_backend_matches_reference(case):
     check_case(case, "triton")
 
 
+@pytest.mark.slow
 @requires_triton
 @settings(max_examples=TRITON_EXAMPLES)
 @given(case=cases(**TRITON_SHAPES))
@@ -802,6 +804,7 @@ def chunked_cases(draw) -> Case:
                    "return_lse": False, "filter_eps": draw(st.sampled_from(["auto", None]))})
 
 
+@pytest.mark.slow
 @requires_triton
 @settings(max_examples=TRITON_EXAMPLES)
 @given(case=chunked_cases(), chunk=st.sampled_from([64, 1, 7, 1000]))
