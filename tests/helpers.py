@@ -10,12 +10,14 @@ plus a small floor for results that PyTorch happens to get (nearly) exact.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -145,3 +147,27 @@ def run_on_cpu_without_interpreter(script: str) -> str:
                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+@contextlib.contextmanager
+def counting_training_path(function: str, rows: int | None = None) -> Iterator[list]:
+    """Counts the calls of ``fusedloss.core.chunked_logits.<function>`` within the block (a
+    list that grows by one per call), the LM head's training path running in chunks of
+    ``rows`` rows (None: the policy's, ``config.lm_head_chunk_rows``)."""
+    from fusedloss.core import chunked_logits, config
+
+    calls = []
+    original, policy = getattr(chunked_logits, function), config.lm_head_chunk_rows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(chunked_logits, function, counted)
+    if rows is not None:
+        config.lm_head_chunk_rows = lambda n, v, element_size: rows
+    try:
+        yield calls
+    finally:
+        setattr(chunked_logits, function, original)
+        config.lm_head_chunk_rows = policy

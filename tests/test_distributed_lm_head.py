@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import counting_training_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from workers import NCCL_EXAMPLES, Raised, all_ok
@@ -170,23 +171,9 @@ def test_explicit_vocab_start(workers):
 def _training_case(rank, world, case, device="cpu"):
     """``_shard_case`` in chunks of ``case["chunk"]`` rows (None: the policy's), counting the
     calls of the training path's row-statistics launcher (one per chunk)."""
-    from fusedloss.core import chunked_logits, config
-
-    calls = []
-    original, policy = chunked_logits.shard_row_stats, config.lm_head_chunk_rows
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    chunked_logits.shard_row_stats = counted
-    if case["chunk"] is not None:
-        config.lm_head_chunk_rows = lambda n, v, element_size: case["chunk"]
-    try:
+    with counting_training_path("shard_row_stats", case["chunk"]) as calls:
         results = _shard_case(rank, world, case, device)
-        return len(calls), results
-    finally:
-        chunked_logits.shard_row_stats, config.lm_head_chunk_rows = original, policy
+    return len(calls), results
 
 
 _TRAINING = dict(backend="triton", return_lse=False, ignored=0.3, vocab_order=None)

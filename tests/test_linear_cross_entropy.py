@@ -12,7 +12,6 @@ grow on a CUDA device.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field, fields
@@ -24,6 +23,7 @@ from helpers import (
     DEVICE,
     ON_GPU,
     assert_close_to_ref,
+    counting_training_path,
     default_floor,
     note_case,
     rel_err,
@@ -773,26 +773,10 @@ def test_backward_in_row_chunks_equals_one_call(monkeypatch, tune, case, order):
 # the training path (core.chunked_logits): a reduced loss, three products per chunk of rows
 
 
-@contextlib.contextmanager
 def _chunked_path(rows: int | None = None):
     """Counts the calls of ``chunked_logits.loss_and_grads`` within the block, in chunks of
     ``rows`` rows (None: the policy's)."""
-    from fusedloss.core import chunked_logits, config
-
-    calls = []
-    original, policy = chunked_logits.loss_and_grads, config.lm_head_chunk_rows
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    chunked_logits.loss_and_grads = counted
-    if rows is not None:
-        config.lm_head_chunk_rows = lambda n, v, element_size: rows
-    try:
-        yield calls
-    finally:
-        chunked_logits.loss_and_grads, config.lm_head_chunk_rows = original, policy
+    return counting_training_path("loss_and_grads", rows)
 
 
 @st.composite
