@@ -62,3 +62,16 @@ def gradient_mass(stats: RowStats, coef: GradCoefficients) -> torch.Tensor:
     ratio = torch.where(coef.lse != 0, coef.target / torch.where(coef.lse != 0, coef.lse, 1.0),
                         1.0)
     return torch.clamp((1 - p_target) + (p_target - ratio).abs(), max=1.0)
+
+
+def summed_weights(target: torch.Tensor,  # (N,) int64 class ids, or ignore_index
+                   ignore_index: int,
+                   class_weight: torch.Tensor | None,  # (V,)
+                   v: int, dtype: torch.dtype) -> torch.Tensor:
+    """"mean"'s denominator, () in ``dtype``: Σ w_{y_i} over the tokens that are not ignored
+    (their count without class weights). A target outside [0, V) is clamped into it: its own
+    loss is NaN, and it must not index out of bounds."""
+    valid = target != ignore_index
+    if class_weight is None:
+        return valid.sum(dtype=dtype)
+    return torch.where(valid, class_weight.to(dtype)[target.clamp(0, v - 1)], 0.0).sum()

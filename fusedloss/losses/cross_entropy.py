@@ -17,6 +17,7 @@ import torch
 from ..core import engine
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..core.vocab_order import order_by_mean_logit
+from ..families import cross_entropy as family
 from ..ops import _group, vocab_parallel
 from ..ops import cross_entropy as ops
 from ..ops._common import autocast_operands
@@ -223,12 +224,8 @@ def _class_indices(input, linear_weight, target, linear_bias, weight, vocab_orde
             loss.label_smoothing, loss.softcap, loss.z_loss, eps, backend, wants_grad,
         )
 
-    def summed_weights():
-        if weight is not None:
-            return torch.where(valid, weight.to(acc)[flat_target.clamp(min=0)], 0.0).sum()
-        return valid.sum().to(acc)
-
-    return reduce_tokens(loss_tok, lse, target.shape, opts, summed_weights)
+    return reduce_tokens(loss_tok, lse, target.shape, opts, lambda: family.summed_weights(
+        flat_target, ignore_index, weight, linear_weight.shape[0], acc))
 
 
 def reduce_tokens(loss_tok: torch.Tensor, lse: torch.Tensor, token_shape: torch.Size,
@@ -464,12 +461,8 @@ def _k_dimensional(input, linear_weight, target, bias, weight, vocab_order,
     def summed_weights():
         if soft:
             return torch.full((), n * k, dtype=loss_tok.dtype, device=loss_tok.device)
-        flat = target.reshape(-1)
-        valid = flat != opts.index_to_ignore
-        if weight is None:
-            return valid.sum().to(loss_tok.dtype)
-        picked = weight.to(loss_tok.dtype)[flat.clamp(0, c - 1)]
-        return torch.where(valid, picked, 0.0).sum()
+        return family.summed_weights(target.reshape(-1), opts.index_to_ignore, weight, c,
+                                     loss_tok.dtype)
 
     return reduce_tokens(loss_tok, lse, (n, *out), opts, summed_weights)
 

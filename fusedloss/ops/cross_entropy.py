@@ -316,11 +316,7 @@ def forward_chunked(
     if config.tuning().check_values:
         _check_targets(target, ignore_index, v)
     if mean:
-        valid = target != ignore_index
-        if class_weight is None:
-            denom = valid.sum(dtype=_F32)
-        else:  # clamped: an out-of-range target must not index out of bounds (its loss is NaN)
-            denom = torch.where(valid, class_weight[target.clamp(0, v - 1)], 0.0).sum()
+        denom = family.summed_weights(target, ignore_index, class_weight, v, _F32)
         coef = 1.0 / torch.where(denom == 0, 1.0, denom)
     else:
         coef = torch.ones((), dtype=_F32, device=a.device)
