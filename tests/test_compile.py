@@ -399,6 +399,58 @@ def test_training_path_replays_as_cuda_graphs():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
+# A small model's step with an engine op inside: (make the step's inputs, the loss).
+GRAPHED_STEPS = {
+    "clip": (lambda n, d: (torch.randn(n, d, device="cuda"), torch.randn(n, d, device="cuda")),
+             lambda body, head, x, y: fusedloss.clip_loss(
+                 F.normalize(body(x), dim=1), F.normalize(y @ head[:64].T, dim=1), 14.0,
+                 backend="triton")),
+    "info-nce-labels": (
+        lambda n, d: (torch.randn(n, d, device="cuda"),
+                      torch.randint(0, 1000, (n,), device="cuda")),
+        lambda body, head, x, y: fusedloss.info_nce_loss(body(x), head, y, temperature=0.5,
+                                                         backend="triton")),
+    "lm-head-per-token": (
+        lambda n, d: (torch.randn(n, d, device="cuda"), _targets_with_ignored(n)),
+        lambda body, head, x, y: fusedloss.linear_cross_entropy(
+            body(x), head, y, reduction="none", backend="triton").mean()),
+}
+
+
+def _targets_with_ignored(n: int) -> torch.Tensor:
+    y = torch.randint(0, 1000, (n,), device="cuda")
+    y[::9] = -100
+    return y
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", list(GRAPHED_STEPS))
+def test_engine_ops_replay_as_cuda_graphs(name):
+    """The engine's ops read nothing back to the host with default options and carry no
+    cudagraph_unsafe tag: a small model's step with CLIP, InfoNCE with labels or the LM head's
+    per-token losses inside is captured under ``mode="reduce-overhead"`` (Inductor skips no
+    graph), and its replays give the eager steps' losses and gradients on fresh inputs."""
+    torch.manual_seed(0)
+    make, loss_fn = GRAPHED_STEPS[name]
+    v, d, n = 1000, 64, 256
+    body = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)).cuda()
+    head = nn.Parameter(torch.randn(v, d, device="cuda") / 8)
+    twin_body, twin_head = copy.deepcopy(body), nn.Parameter(head.detach().clone())
+    compiled = torch.compile(loss_fn, mode="reduce-overhead")
+    counters.clear()
+    for _ in range(4):
+        x, y = make(n, d)
+        got = compiled(body, head, x, y)
+        got.backward()
+        want = loss_fn(twin_body, twin_head, x, y)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(head.grad, twin_head.grad, rtol=1e-3, atol=1e-5)
+        for p in (head, twin_head, *body.parameters(), *twin_body.parameters()):
+            p.grad = None
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 # ---------------------------------------------------------------------------------------------
 # 3: no recompilation between training steps
 

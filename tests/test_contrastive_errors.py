@@ -415,8 +415,29 @@ def test_temperature_non_scalar():
 # info_nce labels, nt_xent row count
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", [M, M + 3, -1], ids=["M", "M+3", "-1"])
-def test_labels_out_of_range(bad):
+def test_labels_out_of_range_give_nan(bad, backend):
+    """Found without a wait for the GPU: the bad row's loss is NaN, the others are the loss of
+    the same call without it, and every gradient is NaN (never a finite wrong one)."""
+    if backend == "triton" and not triton_interpreter_enabled():
+        pytest.skip("the Triton backend on CPU tensors needs Triton's interpreter")
+    labels = torch.zeros(B, dtype=torch.long)
+    labels[2] = bad
+    query = features().requires_grad_()
+    keys = features(M, seed=1).requires_grad_()
+    loss = info_nce_loss(query, keys, labels, reduction="none", backend=backend)
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[torch.arange(B) != 2]).all()
+    good = info_nce_loss(query.detach(), keys.detach(), labels.clamp(0, M - 1),
+                         reduction="none", backend=backend)
+    torch.testing.assert_close(loss[torch.arange(B) != 2], good[torch.arange(B) != 2])
+    loss.nan_to_num().sum().backward()  # even with the NaN row's own gradient masked
+    assert torch.isnan(query.grad).any() and torch.isnan(keys.grad).any()
+
+
+@pytest.mark.parametrize("bad", [M, M + 3, -1], ids=["M", "M+3", "-1"])
+def test_labels_out_of_range_raise_when_checked(bad, tune):
+    tune(check_values=True)
     labels = torch.zeros(B, dtype=torch.long)
     labels[2] = bad
     with pytest.raises(ValueError, match=rf"labels holds {bad}, outside \[0, M\) = \[0, {M}\)"):

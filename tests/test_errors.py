@@ -1,4 +1,8 @@
-"""Bad input gets a clear error that names the offending argument, before any work is done."""
+"""Bad input gets a clear error that names the offending argument, before any work is done.
+
+Values found only inside tensors (a target outside [0, V), a vocab_order that is not a
+permutation) are checked on the device without a wait for it: they make the loss and the
+gradients NaN, and ``Tuning.check_values`` raises the named error instead."""
 
 from __future__ import annotations
 
@@ -136,27 +140,47 @@ def test_device_mismatch_cuda():
 # target values
 
 
+def _nan_at_row_3(**overrides):
+    """The per-token losses of ``call(**overrides)``: NaN at row 3 only, the others the
+    same call's with a good target there; the gradients NaN."""
+    x = good()["input"].requires_grad_()
+    loss = call(input=x, reduction="none", **overrides)
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(N) != 3]).all()
+    fixed = dict(overrides, target=overrides["target"].clone())
+    fixed["target"][3] = 0
+    torch.testing.assert_close(loss[torch.arange(N) != 3],
+                               call(reduction="none", **fixed)[torch.arange(N) != 3])
+    loss.nan_to_num().sum().backward()
+    assert torch.isnan(x.grad).any()
+
+
 @pytest.mark.parametrize("bad", [V, V + 5, -1, -101], ids=["V", "V+5", "-1", "-101"])
-def test_target_outside_vocabulary(bad):
+def test_target_outside_vocabulary(bad, tune):
     target = torch.zeros(N, dtype=torch.long)
     target[3] = bad
+    _nan_at_row_3(target=target)
+    tune(check_values=True)
     with pytest.raises(ValueError, match=rf"target holds {bad}, outside \[0, {V}\)"):
         call(target=target)
 
 
 @pytest.mark.parametrize("bad", [V + 5, -7], ids=["V+5", "-7"])
-def test_target_outside_vocabulary_with_class_weights(bad):
-    # The check comes after the class weights are gathered: that gather must stay in bounds.
+def test_target_outside_vocabulary_with_class_weights(bad, tune):
+    # The class weights' gather must stay in bounds.
     target = torch.zeros(N, dtype=torch.long)
     target[3] = bad
+    _nan_at_row_3(target=target, weight=torch.rand(V))
+    tune(check_values=True)
     with pytest.raises(ValueError, match=rf"target holds {bad}, outside"):
         call(target=target, weight=torch.rand(V))
 
 
-def test_target_equal_to_a_custom_ignore_index_is_fine():
+def test_target_equal_to_a_custom_ignore_index_is_fine(tune):
     target = torch.zeros(N, dtype=torch.long)
     target[3] = -1
     assert_pytorch_loss(call(target=target, ignore_index=-1), target=target, ignore_index=-1)
+    assert torch.isnan(call(target=torch.full((N,), -100), ignore_index=-1))
+    tune(check_values=True)
     with pytest.raises(ValueError, match="ignore_index=-1"):
         call(target=torch.full((N,), -100), ignore_index=-1)
 
@@ -239,8 +263,6 @@ def test_bad_filter_eps(backend, filter_eps):
         pytest.param("sorted", id="unknown-string"),
         pytest.param(torch.arange(V - 1), id="too-short"),
         pytest.param(torch.arange(V).int(), id="int32"),
-        pytest.param(torch.zeros(V, dtype=torch.long), id="not-a-permutation"),
-        pytest.param(torch.arange(V).flip(0) + 1, id="out-of-range"),
         pytest.param(list(range(V)), id="list"),
     ],
 )
@@ -252,6 +274,26 @@ def test_bad_vocab_order(backend, order):
     with pytest.raises((ValueError, TypeError), match="vocab_order"):
         linear_cross_entropy(x, args.pop("linear_weight"), args.pop("target"),
                              vocab_order=order, backend=backend)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize(
+    "order",
+    [
+        pytest.param(torch.zeros(V, dtype=torch.long), id="not-a-permutation"),
+        pytest.param(torch.arange(V).flip(0) + 1, id="out-of-range"),
+    ],
+)
+def test_vocab_order_not_a_permutation(backend, order, tune):
+    args = on_device(backend)
+    x, w, y = args.pop("input").requires_grad_(), args.pop("linear_weight"), args.pop("target")
+    order = order.to(x.device)
+    loss = linear_cross_entropy(x, w, y, vocab_order=order, backend=backend)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(x.grad).all()
+    tune(check_values=True)
+    with pytest.raises(ValueError, match="vocab_order must be a permutation"):
+        linear_cross_entropy(x, w, y, vocab_order=order, backend=backend)
 
 
 def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():

@@ -1,5 +1,5 @@
-"""The contrastive losses and the LM head's training path never wait for the GPU
-(docs/design.md, "Host synchronization").
+"""The losses never wait for the GPU with their default options: the contrastive losses, the
+LM head's training path and its engine path (docs/design.md, "Host synchronization").
 
 A host sync in the middle of a call leaves the GPU idle while the host issues the rest of the
 call's small operations one by one; at b = 16384 that cost more than the kernels. CUDA only:
@@ -89,6 +89,64 @@ def test_lm_head_training_path_reads_nothing_back(monkeypatch, tune, check_value
     monkeypatch.undo()
     assert (reads != []) == check_values, reads
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+
+
+def _lm_head_problem(device, n=30, v=100, d=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(device, dtype).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g).to(device)
+    target[::7] = -100
+    return x, w, target
+
+
+# The calls that run on the engine (not the training path), with their default options.
+ENGINE_CALLS = {
+    "per-token": lambda x, w, y: fusedloss.linear_cross_entropy(
+        x, w, y, reduction="none", backend="triton").sum(),
+    "return-lse": lambda x, w, y: (lambda loss, lse: loss + lse.sum())(
+        *fusedloss.linear_cross_entropy(x, w, y, return_lse=True, label_smoothing=0.1,
+                                        backend="triton")),
+    "vocab-order": lambda x, w, y: fusedloss.linear_cross_entropy(
+        x, w, y, vocab_order=torch.arange(w.shape[0], device=w.device).flip(0),
+        backend="triton"),
+    "info-nce-labels": lambda x, w, y: fusedloss.info_nce_loss(
+        x, w, y.clamp(0, w.shape[0] - 1), temperature=0.1, backend="triton"),
+}
+
+
+@requires_triton
+@pytest.mark.parametrize("name", list(ENGINE_CALLS))
+def test_engine_calls_read_nothing_back(monkeypatch, name):
+    """On any device: the engine's LM head (per-token losses, return_lse, an explicit
+    vocab_order) and InfoNCE with labels turn no tensor into a host value, forward or
+    backward, ignored tokens included."""
+    x, w, target = _lm_head_problem(DEVICE)
+    reads = []
+    for method in READ_BACKS:
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _f=original, _n=method, **k: (
+            reads.append(_n), _f(self, *a, **k))[1])
+    loss = ENGINE_CALLS[name](x, w, target)
+    loss.backward()
+    monkeypatch.undo()
+    assert reads == []
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", list(ENGINE_CALLS))
+def test_engine_calls_queue_without_waiting(name):
+    """The same calls on a GPU under ``torch.cuda.set_sync_debug_mode("error")``, in bf16."""
+    x, w, target = _lm_head_problem("cuda", n=300, v=1000, d=64, dtype=torch.bfloat16)
+    ENGINE_CALLS[name](x, w, target).backward()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ENGINE_CALLS[name](x, w, target).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad.float()).all() and torch.isfinite(w.grad.float()).all()
 
 
 @requires_cuda

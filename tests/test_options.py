@@ -240,7 +240,23 @@ def test_vocab_order_with_filtering_meets_the_bar(order):
 
 
 @requires_triton
-def test_invalid_vocab_order_raises():
+@pytest.mark.parametrize("order", ["repeats", "out-of-range"])
+def test_invalid_vocab_order_gives_nan(order):
+    """Found on the device, without a wait: a vocab_order that is not a permutation runs the
+    tiles in plain order (no read outside the head) and makes the loss and every gradient
+    NaN."""
+    case = BASE
+    problem = make_problem(case)
+    bad = (torch.zeros(case.v, dtype=torch.long) if order == "repeats"
+           else torch.arange(case.v) + 7).to(DEVICE)
+    got = run_ours(case, problem, "triton", vocab_order=bad)
+    assert torch.isnan(got.loss).all()
+    assert all(torch.isnan(g).any() for g in got.grads.values())
+
+
+@requires_triton
+def test_invalid_vocab_order_raises_when_checked(tune):
+    tune(check_values=True)
     case = BASE
     problem = make_problem(case)
     with pytest.raises(ValueError, match="permutation"):

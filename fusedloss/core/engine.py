@@ -677,7 +677,7 @@ class BackwardPlan:
     filter_eps: float | None = None
     filter_scale: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
     scratch_bytes: int | None = None
-    sparse: bool = True
+    sparse: bool = False
     split_accumulator: bool = False
     grad_dtype: torch.dtype | None = None
     grad_a_dtype: torch.dtype | None = None
@@ -734,9 +734,11 @@ def grads(
     accumulator's read-modify-write over more columns.
 
     ``sparse``: a slab whose live tiles are few goes through the sparse matmul kernels, which
-    the host picks from the live counts, with one wait for the GPU. ``sparse=False`` takes
-    every slab through the dense path (skipped tiles reach cuBLAS as zeros), and when
-    ``rows.all_valid`` the backward then never waits for the GPU.
+    the host picks from the live counts, with one wait for the GPU (none while a CUDA graph is
+    being captured: every slab is dense then). ``sparse=False`` (the default) takes every slab
+    through the dense path (skipped tiles reach cuBLAS as zeros) and never waits for the GPU:
+    the valid rows' count stays on the device, the products run over every row, those past
+    the count giving zeros.
 
     ``split_accumulator``: dA accumulates over the slabs as a pair of bf16 matrices — the
     returned gradient (the sum rounded) and one more (the rest) — instead of in fp32: half the
@@ -800,7 +802,9 @@ def _grads_by_row_chunks(problem: _Problem, needs: Needs, plan: BackwardPlan) ->
     dtypes, row_chunk = (plan.grad_a_dtype, plan.grad_dtype), plan.row_chunk
     filter_scale = plan.filter_scale
     n = rows.index.numel()
-    n_valid = n if rows.all_valid else int(rows.n_valid)
+    # The sparse path reads its live counts back anyway; the dense one runs every block.
+    n_valid = (int(rows.n_valid) if plan.sparse and not rows.all_valid and not _capturing(a.device)
+               else n)
     align = max(1, stats.block_m, config.backward_config(a.device, a.dtype, b.shape[1]).block_m)
     chunk = -(-row_chunk // align) * align
     # a block never asks for the scale's gradient nor splits its accumulator
@@ -1030,14 +1034,14 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
 
     slab = _scratch_tiles(n_rb, n_ct, bm * bn * a.element_size(), scratch_bytes)
     n_slabs = triton_cdiv(n_ct, slab)
-    # What the host must read back (below): the valid rows, unless known; each slab's live
-    # count, unless every slab takes the dense path.
+    # What the host must read back (below) for the sparse path: the valid rows and each slab's
+    # live count. The dense path reads nothing: it runs every row block, and the recompute
+    # writes zeros past the valid rows.
     host_needs = None
-    if sparse:
+    if sparse and not _capturing(dev):
         by_slab = _pad(live, n_slabs * slab).view(n_rb, n_slabs, slab)
         host_needs = torch.cat([rows.n_valid.view(1), by_slab.sum(dim=(0, 2))])
-    elif not rows.all_valid:
-        host_needs = rows.n_valid.view(1)
+    sparse = host_needs is not None
 
     # Rank-1 terms: the uniform term −u_i·w_j without softcap never needs a tile.
     rank1 = coef.uniform is not None and not uniform_in_tiles
@@ -1252,6 +1256,12 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         bias=grad_bias,
         scale=dscale.sum() if need_scale else None,
     )
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (nothing may be
+    read back then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _read_back(values: torch.Tensor, before_waiting) -> list:

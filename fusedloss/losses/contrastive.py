@@ -40,7 +40,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _run(kind, a, b, scale, bias, target, filter_eps, backend, *,
-         check_target=False) -> torch.Tensor:
+         user_target=False) -> torch.Tensor:
     """Per-row losses (N,) fp32 for validated inputs (``ops.contrastive``)."""
     backend = engine.resolve_backend(backend, a.device)
     eps = resolve_filter_eps(filter_eps, a.dtype)  # validates on every backend
@@ -48,7 +48,7 @@ def _run(kind, a, b, scale, bias, target, filter_eps, backend, *,
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, scale, bias))
     loss, *_ = ops.contrastive(a, b, scale, bias, target, kind, eps, backend, wants_grad,
-                               check_target)
+                               user_target)
     return loss
 
 
@@ -151,7 +151,9 @@ def info_nce_loss(
         keys: (M, D), same device; same dtype outside autocast (else TypeError). M ≥ 1 may
             exceed N (a queue of negatives).
         labels: (N,) integers in [0, M): the positive key of each query. Default
-            ``arange(N)`` (needs M ≥ N).
+            ``arange(N)`` (needs M ≥ N). Not read on the host: a label outside [0, M) makes
+            its query's loss NaN and the gradients NaN
+            (``fusedloss.core.config.tuned(check_values=True)`` raises ValueError instead).
         temperature: τ, a float, finite and > 0 (else ValueError), or a one-element tensor
             (gets its gradient; not read on the host: τ ≤ 0, ±inf or NaN gives a NaN loss and
             NaN gradients).
@@ -184,7 +186,7 @@ def info_nce_loss(
         target = _check_labels(labels, n, query.device)
     scale = 1.0 / as_scalar(temperature, "temperature", query.device, positive=True)
     per_row = _run("info_nce", query, keys, scale, None, target, filter_eps, backend,
-                   check_target=labels is not None)
+                   user_target=labels is not None)
     return _reduce(per_row, reduction)
 
 
@@ -382,7 +384,7 @@ def as_scalar(value, name: str, device: torch.device, *, positive: bool = False
 
 
 def _check_labels(labels, n: int, device) -> torch.Tensor:
-    """Type, shape and device of ``labels``; the op checks that they are in range."""
+    """Type, shape and device of ``labels``; the op handles values out of range."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor or None, got {type(labels).__name__}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:

@@ -143,10 +143,12 @@ def linear_cross_entropy(
     the input dtype by cuBLAS, the softmax gradient formed over them, then the two gradient
     products; the backward scales the gradients (three matmul passes; memory: one chunk of at
     most 1 GiB of logits and an fp32 dB; docs/design.md, "The LM head's training path"). It
-    never waits for the GPU, so a target outside [0, V) there makes the loss and gradients NaN
-    (``fusedloss.core.config.tuned(check_values=True)`` raises the ValueError instead, at one
-    wait per call). Other calls run on the fused engine, which never holds logits, and raise
-    that ValueError.
+    never waits for the GPU. Other calls run on the fused engine, which never holds logits;
+    with the Triton backend and no ``filter_eps`` they never wait for the GPU either. Values
+    that only the GPU sees are not read back: a target outside [0, V) (not ``ignore_index``)
+    makes its token's loss NaN and the gradients NaN, a ``vocab_order`` that is not a
+    permutation every loss (``fusedloss.core.config.tuned(check_values=True)`` raises the
+    named ValueError instead, at one wait per call).
 
     Example:
         >>> h = torch.randn(4, 16, 64, requires_grad=True)

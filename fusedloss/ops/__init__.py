@@ -15,9 +15,11 @@ plain traceable PyTorch.
     fusedloss::contrastive / _backward             (ops/contrastive.py: CLIP, InfoNCE, NT-Xent,
                                                     SigLIP)
 
-The ops wait for the GPU where the engine does (the LM head's target check and the backward's
-live-tile counts), so they are tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``
-Inductor keeps them out of its CUDA graphs.
+With default options no op reads a value back to the host, so the CPU runs ahead of the GPU
+and Inductor's CUDA graphs (``mode="reduce-overhead"``) capture them with the rest of a step.
+What needs values is opt-in: ``Tuning.check_values`` (argument checks that raise instead of
+giving NaN), filtering's sparse slabs (each slab's live count; every slab runs dense while a
+graph is captured) and the "torch" backend (the valid rows' count).
 """
 
 from . import contrastive, cross_entropy

@@ -8,11 +8,6 @@ from torch import Tensor
 
 from ..core import config
 
-# The ops may wait for the GPU (a read-back), which a CUDA graph cannot capture: Inductor's
-# CUDA graphs ("reduce-overhead") leave ops with this tag outside the graph.
-CUDAGRAPH_UNSAFE = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),)
-                         if tag is not None)
-
 
 def row_major(t: Tensor) -> Tensor:
     """t itself when its rows are contiguous (what the kernels address), else a copy."""

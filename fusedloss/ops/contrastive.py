@@ -15,7 +15,6 @@ from ..core.engine import Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
 from ._common import (
-    CUDAGRAPH_UNSAFE,
     eager_function,
     grad_or_none,
     nothing,
@@ -47,7 +46,7 @@ def forward(
     filter_eps: float | None,
     backend: str,  # "triton" or "torch"
     record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
-    check_target: bool,  # raise if a target is outside [0, M) (waits for the GPU)
+    user_target: bool,  # the caller's labels: one outside [0, M) gives a NaN row (see below)
 ) -> tuple[(Tensor,) * 7]:  # type: ignore[misc]  # (a schema needs the count)
     """Per-row losses (N,) fp32 (the table above), then for the backward: the row LSE parts
     (4, N) fp32 (``RowStats.packed``; zeros for "siglip"), the column LSE parts (4, M) for
@@ -56,10 +55,15 @@ def forward(
     and the per-tile masses by rows and by columns ((0, 0) otherwise).
 
     ``scale`` is used as it comes: the functional layer has made an invalid tensor scale NaN
-    (``losses/contrastive.py``), which every output then carries, without a read-back."""
+    (``losses/contrastive.py``), which every output then carries, without a read-back. So does
+    a ``user_target`` outside [0, M): its row's loss is NaN, and the backward makes every
+    gradient NaN (``Tuning.check_values`` raises ValueError instead, one wait for the GPU)."""
     n, m = a.shape[0], b.shape[0]
-    if check_target:
-        _check_target(target, m)
+    row_nan = None
+    if user_target:
+        if config.tuning().check_values:
+            _check_target(target, m)
+        target, row_nan = _safe_target(target, m)
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
     filtering = _filtering(kind, filter_eps, record_tiles)
@@ -81,18 +85,19 @@ def forward(
         loss = family.row_loss(kind, row_margin, col_margin)
         row_mass = gradient_mass(row_margin) if filtering else row_mass
         packed_rows, packed_cols = stats.packed()
+    if row_nan is not None:
+        loss = loss + row_nan
     tiles, col_tiles = (t if t is not None else nothing(a, (0, 0))
                         for t in (stats.tile_log_mass, stats.col_tile_log_mass))
     return (loss, packed_rows, packed_cols if packed_cols is not None else nothing(a, (0,)),
             row_mass, col_mass, tiles, col_tiles)
 
 
-forward_op = torch.library.custom_op("fusedloss::contrastive", forward, mutates_args=(),
-                                     tags=CUDAGRAPH_UNSAFE)
+forward_op = torch.library.custom_op("fusedloss::contrastive", forward, mutates_args=())
 
 
 @forward_op.register_fake
-def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, check_target):
+def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, user_target):
     (n, d), m = a.shape, b.shape[0]
     clip, filtering = kind == "clip", _filtering(kind, filter_eps, record_tiles)
     tiles = col_tiles = (0, 0)
@@ -125,6 +130,7 @@ def backward(
     kind: str,
     filter_eps: float | None,
     backend: str,
+    user_target: bool,
     need_a: bool,
     need_b: bool,
     need_scale: bool,
@@ -142,6 +148,9 @@ def backward(
         row_stats, col_stats if clip else None, None, *given[:2],
         engine.forward_block(a.device, a.dtype, d, col_stats=clip, sigmoid=siglip))
     g = grad_loss.float().contiguous()  # a reduction hands us a stride-0 expand
+    if user_target:
+        target, row_nan = _safe_target(target, b.shape[0])
+        g = g + row_nan
     coef = family.grad_coefficients(kind, g, g)
     sparse = _sparse_slabs()
     split = not sparse and bias is None and _split_accumulator(a)
@@ -159,13 +168,13 @@ def backward(
 
 
 backward_op = torch.library.custom_op("fusedloss::contrastive_backward", backward,
-                                      mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+                                      mutates_args=())
 
 
 @backward_op.register_fake
 def _(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_mass,
-      tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, need_a, need_b, need_scale,
-      need_bias):
+      tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a, need_b,
+      need_scale, need_bias):
     return (torch.empty_like(a) if need_a else nothing(a, (0,)),
             torch.empty_like(b) if need_b else nothing(a, (0,)),
             torch.empty_like(scale) if need_scale else nothing(a, (0,)),
@@ -173,12 +182,12 @@ def _(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, scale, bias, target, kind, filter_eps, backend, *_ = inputs
+    a, b, scale, bias, target, kind, filter_eps, backend, _, user_target = inputs
     _, *statistics = output
     ctx.mark_non_differentiable(*statistics)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics
     ctx.save_for_backward(a, b, scale, bias, target, *statistics)
-    ctx.options = (kind, filter_eps, backend)
+    ctx.options = (kind, filter_eps, backend, user_target)
 
 
 def _autograd_backward(ctx, grad_loss, *_, backward_fn=backward_op):
@@ -206,6 +215,13 @@ def _rows(target: Tensor) -> Rows:
     return Rows(index=torch.arange(n, device=target.device),
                 n_valid=torch.full((), n, dtype=torch.int64, device=target.device),
                 target=target, identity=True, all_valid=True)
+
+
+def _safe_target(target: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """(the targets clamped into [0, M), so that no kernel reads outside B; NaN (N,) fp32 at
+    the rows whose target was outside, 0 elsewhere), on the device."""
+    bad = (target < 0) | (target >= m)
+    return target.clamp(0, m - 1), torch.where(bad, float("nan"), 0.0).to(torch.float32)
 
 
 def _check_target(target: Tensor, m: int) -> None:

@@ -2,8 +2,9 @@
 
 The loss and its gradient coefficients are ``fusedloss/families/cross_entropy.py``'s (which
 the vocabulary-parallel head calls too); these ops feed them the engine's statistics. Ignored
-tokens are dropped from the compact row order, so they cost no work, and give a loss of
-exactly 0.
+tokens are moved past the valid ones in the compact row order (their count stays on the
+device: the kernels skip those rows), and give a loss of exactly 0. Neither op reads anything
+back to the host unless ``Tuning.check_values`` asks for the argument checks that need values.
 
 ``fusedloss::linear_cross_entropy`` returns the per-token losses and LSEs with the statistics
 the backward reads (the compact row order, the row LSE parts, the target logits, the per-tile
@@ -22,7 +23,6 @@ from ..core import chunked_logits, config, engine
 from ..core.engine import Logits, Rows, RowStats
 from ..families import cross_entropy as family
 from ._common import (
-    CUDAGRAPH_UNSAFE,
     backward_row_chunk,
     eager_function,
     grad_or_none,
@@ -59,33 +59,34 @@ def forward(
     filter_eps: float | None,
     backend: str,  # "triton" or "torch"
     record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
-) -> tuple[(Tensor,) * 10]:  # type: ignore[misc]  # (a schema needs the count)
-    """Per-token losses and LSEs ((N,) fp32 each, 0 at ignored tokens), then for the backward
-    (``Saved``): the compact row order (N,) int64 and the count of valid tokens () int64;
+) -> tuple[(Tensor,) * 9]:  # type: ignore[misc]  # (a schema needs the count)
+    """Per-token losses and LSEs ((N,) fp32 each, 0 at ignored tokens), then for the backward:
+    the compact row order (N,) int64 and the count of valid tokens () int64 (on the device);
     in compact order, each position's target (N,) int64 (−1 past the valid ones) and class
     weight (N,) fp32, the row LSE parts (4, N) fp32 (``RowStats.packed``), the target logits
-    (N,) fp32 and the per-tile masses ((0, 0) unless recorded); whether every token counts
-    (a () bool on the CPU). With float64 operands (the torch backend) the fp32 outputs are
-    float64.
+    (N,) fp32 and the per-tile masses ((0, 0) unless recorded). With float64 operands (the
+    torch backend) the fp32 outputs are float64.
 
-    Raises ValueError for a target outside [0, V) (other than ``ignore_index``) and a
-    ``vocab_order`` that is not a permutation: the one wait for the GPU of the forward.
+    Reads nothing back to the host: a target outside [0, V) other than ``ignore_index`` makes
+    its token's loss NaN (and, through its class weight, every gradient), a ``vocab_order``
+    that is not a permutation every loss (the tiles then run in plain order, never reading
+    outside B). ``Tuning.check_values`` raises ValueError for either instead (one wait).
     """
     a, b = row_major(input), row_major(weight)
     n, v = a.shape[0], b.shape[0]
-    order_checks = []
-    if vocab_order is not None:
-        in_order = torch.sort(vocab_order).values
-        order_checks.append((in_order != torch.arange(v, device=in_order.device)).any())
-    rows, compact_target, target_weight, n_valid, bad_order = _checked_rows(
-        target, ignore_index, class_weight, v, order_checks)
-    if bad_order and bad_order[0]:
-        raise ValueError("vocab_order must be a permutation of 0..V-1")
+    if config.tuning().check_values:
+        _check_targets(target, ignore_index, v)
+        if vocab_order is not None:
+            _check_order(vocab_order, v)
+    vocab_order, order_nan = _safe_order(vocab_order, v)
+    valid = target != ignore_index
+    rows = engine.compact_rows(valid)
+    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
     target_weight = target_weight.to(engine.accumulation_dtype(a.dtype))  # float64 stays
-    all_valid = n_valid == n
-    # The compact order is the identity when every token counts, so A is read by whole blocks.
-    rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target,
-                identity=all_valid)
+    if order_nan is not None:
+        target_weight = target_weight + order_nan
+    # Whether every token counts is not asked of the GPU: A is read in compact order.
+    rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target, identity=False)
 
     stats = engine.row_stats(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows,
@@ -101,12 +102,10 @@ def forward(
     packed_rows, _ = stats.packed()
     tiles = stats.tile_log_mass if stats.tile_log_mass is not None else nothing(a, (0, 0))
     return (_to_original_order(loss, rows), _to_original_order(lse, rows), rows.index,
-            rows.n_valid, compact_target, target_weight, packed_rows, stats.target_logit, tiles,
-            torch.tensor(bool(all_valid)))
+            rows.n_valid, compact_target, target_weight, packed_rows, stats.target_logit, tiles)
 
 
-forward_op = torch.library.custom_op("fusedloss::linear_cross_entropy", forward, mutates_args=(),
-                                     tags=CUDAGRAPH_UNSAFE)
+forward_op = torch.library.custom_op("fusedloss::linear_cross_entropy", forward, mutates_args=())
 
 
 @forward_op.register_fake
@@ -121,8 +120,7 @@ def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, labe
     return (per_row, torch.empty_like(per_row), input.new_empty(n, dtype=torch.int64),
             input.new_empty((), dtype=torch.int64), input.new_empty(n, dtype=torch.int64),
             torch.empty_like(per_row), input.new_empty((4, n), dtype=per_row.dtype),
-            torch.empty_like(per_row), input.new_empty(tiles, dtype=_F32),
-            torch.empty((), dtype=torch.bool))
+            torch.empty_like(per_row), input.new_empty(tiles, dtype=_F32))
 
 
 @without_autocast
@@ -141,7 +139,6 @@ def backward(
     row_stats: Tensor,
     target_logit: Tensor,
     tile_log_mass: Tensor,
-    all_valid: Tensor,
     label_smoothing: float,
     softcap: float | None,
     z_loss: float,
@@ -155,7 +152,8 @@ def backward(
     not asked for."""
     a, b = row_major(input), row_major(weight)
     (n, d), v = a.shape, b.shape[0]
-    rows = Rows(index=row_index, n_valid=n_valid, target=row_target, identity=bool(all_valid))
+    rows = Rows(index=row_index, n_valid=n_valid, target=row_target, identity=False)
+    vocab_order, _ = _safe_order(vocab_order, v)  # as the forward ran it
     stats = RowStats.from_packed(
         row_stats, None, target_logit, tile_log_mass if tile_log_mass.numel() else None, None,
         engine.forward_block(a.device, a.dtype, d))
@@ -178,7 +176,8 @@ def backward(
         needs=engine.Needs(need_input, need_weight, bias is not None and need_bias),
         plan=engine.BackwardPlan(
             filter_eps=filter_eps, filter_scale=(family.gradient_mass(stats, coef), None),
-            scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), backend=backend),
+            scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a), backend=backend,
+            sparse=filter_eps is not None),  # filtering's sparse slabs: its one wait
     )
     grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else nothing(a, (0,))
     return (grads.a if need_input else nothing(a, (0,)),
@@ -186,12 +185,12 @@ def backward(
 
 
 backward_op = torch.library.custom_op("fusedloss::linear_cross_entropy_backward", backward,
-                                      mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+                                      mutates_args=())
 
 
 @backward_op.register_fake
 def _(grad_loss, grad_lse, input, weight, bias, class_weight, vocab_order, row_index,
-      n_valid, row_target, row_weight, row_stats, target_logit, tile_log_mass, all_valid,
+      n_valid, row_target, row_weight, row_stats, target_logit, tile_log_mass,
       label_smoothing, softcap, z_loss, filter_eps, backend, need_input, need_weight,
       need_bias):
     return (torch.empty_like(input) if need_input else nothing(input, (0,)),
@@ -225,22 +224,22 @@ _EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _auto
                                 backward)
 
 
-def _checked_rows(target: Tensor, ignore_index: int, class_weight: Tensor | None, v: int,
-                  device_checks: tuple[Tensor, ...] | list[Tensor] = (),
-                  ) -> tuple[Rows, Tensor, Tensor, int, list]:
-    """The compact row order of the valid targets, their compact targets and class weights
-    (``_compact_targets``), the valid count, and the values of ``device_checks``: one
-    read-back, the forward's one wait for the GPU. Raises ValueError for a target outside
-    [0, V) other than ``ignore_index``."""
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= v))
-    rows = engine.compact_rows(valid)
-    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
-    any_out_of_range, n_valid, *checked = torch.stack(
-        [out_of_range.any(), rows.n_valid, *device_checks]).tolist()
-    if any_out_of_range:
-        _check_targets(target, ignore_index, v)
-    return rows, compact_target, target_weight, int(n_valid), checked
+def _safe_order(vocab_order: Tensor | None, v: int) -> tuple[Tensor | None, Tensor | None]:
+    """(the column order the kernels run, NaN or 0 as a () tensor to add to every token's class
+    weight) for a ``vocab_order`` that may not be a permutation of 0..V-1 (None: (None,
+    None)). Found on the device: a bad order runs as the plain one, its losses NaN."""
+    if vocab_order is None:
+        return None, None
+    plain = torch.arange(v, device=vocab_order.device)
+    bad = (torch.sort(vocab_order).values != plain).any()
+    return (torch.where(bad, plain, vocab_order),
+            torch.where(bad, float("nan"), 0.0).to(_F32))
+
+
+def _check_order(vocab_order: Tensor, v: int) -> None:
+    """ValueError for a ``vocab_order`` that is not a permutation of 0..V-1 (a read-back)."""
+    if (torch.sort(vocab_order).values != torch.arange(v, device=vocab_order.device)).any():
+        raise ValueError("vocab_order must be a permutation of 0..V-1")
 
 
 def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
@@ -254,13 +253,18 @@ def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
 
 def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v: int):
     """(each position's target (N,) int64, −1 past n_valid; its class weight w_y (N,) fp32,
-    0 past n_valid)."""
-    compact_target = torch.where(_valid_positions(rows, target.shape[0]), target[rows.index], -1)
+    0 past n_valid). A target outside [0, V) becomes −1 (no column: no kernel reads by it)
+    with weight NaN, which makes its loss and the gradients NaN."""
+    original = target[rows.index]
+    in_range = (original >= 0) & (original < v)
+    counts = _valid_positions(rows, target.shape[0])
+    compact_target = torch.where(counts & in_range, original, -1)
     if class_weight is None:
-        return compact_target, (compact_target >= 0).float()
-    # Clamped: an out-of-range target must not index out of bounds before it is reported.
-    picked = class_weight[compact_target.clamp(0, v - 1)]
-    return compact_target, torch.where(compact_target >= 0, picked, 0.0)
+        weight = torch.ones_like(original, dtype=_F32)
+    else:
+        weight = class_weight[original.clamp(0, v - 1)]
+    weight = torch.where(in_range, weight, float("nan"))
+    return compact_target, torch.where(counts, weight, 0.0)
 
 
 def _valid_positions(rows: Rows, n: int) -> Tensor:

@@ -131,7 +131,8 @@ class VocabParallel(torch.autograd.Function):
             needs=engine.Needs(need_a, need_b, bias is not None and need_bias),
             plan=engine.BackwardPlan(
                 filter_eps=eps, filter_scale=(mass, None), scratch_bytes=scratch_bytes(a),
-                row_chunk=backward_row_chunk(a), grad_a_dtype=_F32, backend=backend))
+                row_chunk=backward_row_chunk(a), grad_a_dtype=_F32, backend=backend,
+                sparse=eps is not None))
         grad_a = None
         if need_a:
             grad_a = grads.a
