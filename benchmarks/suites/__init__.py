@@ -26,12 +26,13 @@ def _registry() -> dict[str, Suite]:
         grad_cache,
         lm_head,
         ring,
+        sizes,
         train,
         vocab_parallel,
     )
 
     suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE, train.SUITE,
-              grad_cache.SUITE, companions.SUITE)
+              grad_cache.SUITE, companions.SUITE, sizes.SUITE)
     return {suite.name: suite for suite in suites}
 
 

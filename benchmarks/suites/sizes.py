@@ -1,0 +1,286 @@
+"""Every loss against the PyTorch loss it replaces, from small sizes up.
+
+    python benchmarks/run.py sizes [--losses clip,siglip,info-nce,nt-xent,lm-llama3,lm-gemma2]
+                                   [--sizes 128,256,...] [--methods fusedloss,torch,torch-compile]
+
+For each loss and size: forward + backward of the mean loss by fusedloss (eager), by the
+materialized PyTorch loss (its b × b or N × V logits in the input dtype, as a user writes it)
+eager and under ``torch.compile``; median ms (``triton.testing.do_bench``), the peak memory
+above the inputs and gradients, and the host time to issue one call (the wall time of a call
+made with the GPU idle and not waited for: what the CPU spends per call when it runs ahead).
+The materialized loss runs where its logits take at most a quarter of the free memory.
+A plot of ms against size per loss goes next to the results (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import common
+from benchmarks.suites import Suite
+
+METHODS = ("fusedloss", "torch", "torch-compile")
+CONTRASTIVE_SIZES = (128, 256, 1024, 4096, 16384, 65536, 262144)
+LM_SIZES = (256, 512, 2048, 8192, 32768, 131072, 262144)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One loss: its inputs at a size, and its value by each method."""
+
+    name: str
+    width: int  # c, or the LM head's D
+    vocab: int = 0  # the LM head's V (0: a contrastive loss)
+    softcap: float | None = None
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return LM_SIZES if self.vocab else CONTRASTIVE_SIZES
+
+    def logits_bytes(self, size: int, element: int) -> int:
+        return size * (self.vocab or size) * element
+
+
+LOSSES = {loss.name: loss for loss in (
+    Loss("clip", 512), Loss("siglip", 512), Loss("info-nce", 512), Loss("nt-xent", 512),
+    Loss("lm-llama3", 2048, vocab=128256), Loss("lm-gemma2", 2304, vocab=256000, softcap=30.0),
+)}
+
+
+def make_inputs(loss: Loss, size: int, dtype: torch.dtype, device: str) -> dict[str, Any]:
+    """Leaves that require gradients (and the targets), seeded, never zeros."""
+    g = torch.Generator(device=device).manual_seed(0)
+    if loss.vocab:
+        h = torch.randn(size, loss.width, device=device, generator=g)
+        w = torch.randn(loss.vocab, loss.width, device=device, generator=g) / loss.width**0.5
+        y = torch.randint(0, loss.vocab, (size,), device=device, generator=g)
+        return dict(h=h.to(dtype).requires_grad_(), w=w.to(dtype).requires_grad_(), y=y)
+
+    def unit():
+        x = torch.randn(size, loss.width, device=device, generator=g)
+        return F.normalize(x, dim=1).to(dtype).requires_grad_()
+
+    return dict(a=unit(), b=unit())
+
+
+def fused(loss: Loss, x: dict[str, Any]) -> torch.Tensor:
+    import fusedloss
+
+    if loss.vocab:
+        return fusedloss.linear_cross_entropy(x["h"], x["w"], x["y"], softcap=loss.softcap)
+    if loss.name == "clip":
+        return fusedloss.clip_loss(x["a"], x["b"], 14.0)
+    if loss.name == "siglip":
+        return fusedloss.siglip_loss(x["a"], x["b"], 10.0, -10.0)
+    if loss.name == "info-nce":
+        return fusedloss.info_nce_loss(x["a"], x["b"], temperature=0.07)
+    return fusedloss.nt_xent_loss(torch.cat([x["a"], x["b"]]), temperature=0.5)
+
+
+def materialized(loss: Loss, x: dict[str, Any]) -> torch.Tensor:
+    """The loss as PyTorch users write it: the logits in the input dtype, F.cross_entropy."""
+    if loss.vocab:
+        logits = x["h"] @ x["w"].T
+        if loss.softcap:
+            logits = loss.softcap * torch.tanh(logits / loss.softcap)
+        return F.cross_entropy(logits.float(), x["y"])
+    a, b = x["a"], x["b"]
+    rows = torch.arange(a.shape[0], device=a.device)
+    if loss.name == "clip":
+        logits = 14.0 * a @ b.T
+        return (F.cross_entropy(logits, rows) + F.cross_entropy(logits.T, rows)) / 2
+    if loss.name == "siglip":
+        logits = 10.0 * a @ b.T - 10.0
+        labels = 2 * torch.eye(a.shape[0], device=a.device, dtype=logits.dtype) - 1
+        return -F.logsigmoid(labels * logits).sum() / a.shape[0]
+    if loss.name == "info-nce":
+        return F.cross_entropy(a @ b.T / 0.07, rows)
+    z = torch.cat([a, b])
+    n = a.shape[0]
+    sim = (z @ z.T / 0.5).float()
+    sim = sim.masked_fill(torch.eye(2 * n, device=z.device, dtype=torch.bool), float("-inf"))
+    return F.cross_entropy(sim, torch.cat([rows + n, rows]))
+
+
+def host_us(step, device: str, reps: int = 20) -> float:
+    """Median wall time to issue one call with the GPU idle, not waiting for it."""
+    samples = []
+    for _ in range(reps):
+        common.synchronize(device)
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1e6)
+    common.synchronize(device)
+    return statistics.median(samples)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dict[str, Any]:
+    dtype, device = common.parse_dtype(args.dtype), args.device
+    x = make_inputs(loss, size, dtype, device)
+    leaves = [t for t in x.values() if t.requires_grad]
+    if method == "torch-compile" and loss.name not in _COMPILED:
+        # one graph for every size (dynamic shapes): a compile per size would take minutes
+        _COMPILED[loss.name] = torch.compile(functools.partial(materialized, loss), dynamic=True)
+    fn = {"fusedloss": lambda: fused(loss, x), "torch": lambda: materialized(loss, x),
+          "torch-compile": lambda: _COMPILED[loss.name](x)}[method]
+
+    def step():
+        out = fn()
+        out.backward()
+        return out
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    value = float(step().detach())
+    clear()
+    timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
+    ms = common.median_ms(lambda: (clear(), step()), device, timing)
+    host = host_us(lambda: (clear(), step()), device)
+    grads = sum(t.numel() * t.element_size() for t in leaves)
+    clear()
+    mib = common.peak_extra_mib(step, device, accounted_bytes=grads)
+    return dict(loss=loss.name, size=size, method=method, ms=ms, host_us=host, mib=mib,
+                value=value)
+
+
+def fits(loss: Loss, size: int, method: str, args: argparse.Namespace) -> bool:
+    if method == "fusedloss" or not common.uses_cuda(args.device):
+        return True
+    free, _ = torch.cuda.mem_get_info(args.device)
+    # logits, their fp32 copy and gradient: about 3 fp32 copies
+    return 3 * loss.logits_bytes(size, 4) <= free // 4
+
+
+def run(args: argparse.Namespace) -> int:
+    env = common.collect_environment(args.device)
+    rows: list[dict[str, Any]] = []
+    for name in args.losses:
+        loss = LOSSES[name]
+        sizes = args.sizes or ([s // 64 for s in loss.sizes[:3]] if args.quick else loss.sizes)
+        if args.quick and loss.vocab:
+            loss = Loss(loss.name, 32, vocab=1000, softcap=loss.softcap)
+        for size in sizes:
+            for method in args.methods:
+                if not fits(loss, size, method, args):
+                    continue
+                try:
+                    row = measure(loss, size, method, args)
+                except Exception as error:  # a method that fails (OOM) leaves a hole
+                    row = dict(loss=loss.name, size=size, method=method,
+                               error=common.describe_error(error))
+                common.release_memory(args.device)
+                rows.append(row)
+                print(_line(row), flush=True)
+    _check_values(rows)
+    stem = common.results_stem("sizes", env["date"], env["device_slug"], args.tag)
+    markdown = _markdown(env, rows)
+    common.write_results(args.out, stem, markdown, dict(environment=env, rows=rows))
+    if args.plot:
+        _plot(rows, env, Path(args.out) / f"{stem}.svg")
+    print(markdown.split("## Time")[1] if "## Time" in markdown else markdown)
+    return 0
+
+
+def _check_values(rows: list[dict[str, Any]]) -> None:
+    """Each method's loss value within 2% of the materialized eager one (bf16 logits)."""
+    by_case = {(r["loss"], r["size"]): r["value"] for r in rows
+               if r["method"] == "torch" and "value" in r}
+    for r in rows:
+        ref = by_case.get((r["loss"], r["size"]))
+        if "value" in r and ref is not None and abs(r["value"] - ref) > 0.02 * max(1, abs(ref)):
+            r["wrong"] = f"loss {r['value']:.5g} vs PyTorch's {ref:.5g}"
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['loss']:10s} {row['size']:>7d} {row['method']:14s} failed: {row['error']}"
+    return (f"{row['loss']:10s} {row['size']:>7d} {row['method']:14s} {row['ms']:9.3f} ms  "
+            f"host {row['host_us']:7.0f} µs  {common.format_mib(row['mib'])} MiB")
+
+
+def _markdown(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    out = [f"# Losses against PyTorch's, by size: {env['device_name']}, {env['date']}", "",
+           f"torch {env['torch']}, triton {env['triton']}, fusedloss {env['fusedloss_version']} "
+           f"({env['fusedloss_revision']}). Forward + backward of the mean loss; median ms "
+           "(do_bench) / host µs to issue one call / peak MiB above inputs and gradients. "
+           "'torch' is the materialized loss (logits in the input dtype), eager and compiled.",
+           "", "## Time", ""]
+    header = "| loss | size | " + " | ".join(methods) + " | fusedloss ÷ best PyTorch |"
+    out += [header, "|" + "---|" * (len(methods) + 3)]
+    cases = sorted({(r["loss"], r["size"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    for loss, size in cases:
+        got = {r["method"]: r for r in rows if (r["loss"], r["size"]) == (loss, size)}
+        cells = []
+        for m in methods:
+            r = got.get(m)
+            if r is None or "error" in r:
+                cells.append("—" if r is None else "failed")
+            else:
+                cells.append(f"{common.format_ms(r['ms'])} / {r['host_us']:.0f} / "
+                             f"{common.format_mib(r['mib'])}" + (" (wrong)" if "wrong" in r
+                                                                   else ""))
+        ours = got.get("fusedloss", {}).get("ms")
+        theirs = [got[m]["ms"] for m in ("torch", "torch-compile") if "ms" in got.get(m, {})]
+        ratio = f"{ours / min(theirs):.2f}×" if ours and theirs else "—"
+        out.append(f"| {loss} | {size} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(out) + "\n"
+
+
+def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = list(dict.fromkeys(r["loss"] for r in rows))
+    fig, axes = plt.subplots(1, len(losses), figsize=(3.2 * len(losses), 3.2), squeeze=False)
+    for ax, loss in zip(axes[0], losses, strict=True):
+        for method, style in zip(METHODS, ("o-", "s--", "^:"), strict=True):
+            pts = sorted((r["size"], r["ms"]) for r in rows
+                         if r["loss"] == loss and r["method"] == method and "ms" in r)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=method, markersize=3)
+        ax.set(xscale="log", yscale="log", title=loss, xlabel="size (rows)")
+    axes[0][0].set_ylabel("ms, forward + backward")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{env['device_name']}, torch {env['torch']}, triton {env['triton']}, "
+                 f"{env['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--losses", type=common.comma_list(list(LOSSES)), default=list(LOSSES),
+                        help=f"comma list of {', '.join(LOSSES)} (default: all)")
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="rows (b, or the LM head's N); default: each loss's ladder")
+    parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
+                        default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--warmup-ms", type=float, default=None)
+    parser.add_argument("--rep-ms", type=float, default=None)
+    parser.add_argument("--quick", action="store_true",
+                        help="sizes/64, a small LM head, short timing: a smoke test")
+    parser.add_argument("--plot", action="store_true", help="also write <results>.svg")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default=None)
+
+
+SUITE = Suite("sizes", "every loss against the PyTorch loss it replaces, eager and compiled, "
+              "from small sizes up", add_arguments, run)

@@ -1,0 +1,33 @@
+"""The sizes suite: every loss against its materialized PyTorch form, from small sizes up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import run as run_module
+from benchmarks.suites import sizes
+
+
+@pytest.mark.parametrize("name", list(sizes.LOSSES))
+def test_materialized_losses_match_fusedloss(name):
+    """The PyTorch forms the suite times are the losses fusedloss computes (fp32, CPU)."""
+    loss = sizes.LOSSES[name]
+    if loss.vocab:
+        loss = sizes.Loss(loss.name, 16, vocab=50, softcap=loss.softcap)
+    x = sizes.make_inputs(loss, 12, torch.float32, "cpu")
+    torch.testing.assert_close(sizes.fused(loss, x), sizes.materialized(loss, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_quick_run_writes_every_case(tmp_path):
+    assert run_module.main(["sizes", "--quick", "--losses", "clip,lm-gemma2", "--methods",
+                            "fusedloss,torch", "--out", str(tmp_path), "--tag", "t"]) == 0
+    (path,) = tmp_path.glob("sizes_*_t.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["loss"], r["method"]) for r in rows} == {
+        (loss, method) for loss in ("clip", "lm-gemma2") for method in ("fusedloss", "torch")}
+    assert all("ms" in r and "wrong" not in r and r["host_us"] > 0 for r in rows), rows
+    assert "| clip | 2 |" in next(tmp_path.glob("sizes_*_t.md")).read_text()
