@@ -388,7 +388,7 @@ def test_forward_records_hand_built_tile_statistics(regime, n_valid):
     rows = engine.Rows(index=torch.arange(n, device=device),
                        n_valid=torch.tensor(n_valid, device=device))
     stats = engine.row_stats(a.to(device), b.to(device), engine.Logits(), rows,
-                             record_tiles=True, backend="triton")
+                             wants=engine.Wants(record_tiles=True), backend="triton")
     logits = a.double() @ b.double().T
     expected, lse = tile_statistics(logits, n_valid, stats.block_m, stats.block_n)
     got = stats.tile_log_mass.cpu()
@@ -588,8 +588,8 @@ def test_pooled_triton_rule_agrees_with_torch_rows_then_columns(seed, n_valid, s
                                      torch.tensor(n_valid, device=d), block_m, eps,
                                      weight.float().to(d), floor.float().to(d))
     filtering.pooled_live_tiles_into(live.T, col_stat.to(d).T, col_lse.to(d), v, block_n, eps,
-                                     col_weight.to(d), accumulate=True, tile_rows=block_m,
-                                     tile_limit=torch.tensor(n_valid, device=d))
+                                     col_weight.to(d), accumulate=True,
+                                     tile_limit=(block_m, torch.tensor(n_valid, device=d)))
     assert torch.equal(live.cpu(), expected)
     assert not expected.all() and expected.any(), "the case should skip some tiles, not all"
 
@@ -676,7 +676,8 @@ def test_forward_records_per_row_statistics_under_the_pooled_rule(n_valid, tune)
 
     def record():
         return engine.row_stats(a.to(device), b.to(device), engine.Logits(), rows,
-                                col_stats=True, record_tiles=True, backend="triton")
+                                wants=engine.Wants(col_stats=True, record_tiles=True),
+                                backend="triton")
 
     tune(filter_rule="block")
     stats = record()

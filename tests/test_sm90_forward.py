@@ -37,8 +37,8 @@ def _stats(a, b, scale, bias=None, n_valid=None, rule="block", record=True):
                        target=torch.arange(n, device=DEV) % b.shape[0], identity=True,
                        all_valid=n_valid == n)
     logits = engine.Logits(scale=torch.tensor(scale, device=DEV), bias=bias)
-    return engine.row_stats(a, b, logits, rows, col_stats=True, record_tiles=record,
-                            tile_rule=rule)
+    return engine.row_stats(a, b, logits, rows,
+                            wants=engine.Wants(col_stats=True, record_tiles=record, tile_rule=rule))
 
 
 def _both(tune, *args, **kw):

@@ -197,6 +197,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 # forward
 
 
+@dataclass(frozen=True)
+class Wants:
+    """What a forward (``row_stats``) computes besides each row's LSE and target logit."""
+
+    weighted_sum: bool = False  # Σ_j w_j X_ij per row (w: ``col_weight``, else 1)
+    col_stats: bool = False  # each column's LSE over the valid rows, from the same pass
+    sigmoid: bool = False  # the pairwise sigmoid loss per row instead of the LSE (needs targets)
+    record_tiles: bool = True  # the per-tile statistics that filtering reads
+    tile_rule: str | None = None  # their rule, "block" or "pooled"; None: ``Tuning.filter_rule``
+
+
 def row_stats(
     a: torch.Tensor,  # (·, D)
     b: torch.Tensor,  # (V, D)
@@ -204,27 +215,19 @@ def row_stats(
     rows: Rows,
     *,
     col_weight: torch.Tensor | None = None,  # (V,) fp32 weights of the weighted row sum
-    weighted_sum: bool = False,
-    col_stats: bool = False,
-    sigmoid: bool = False,
-    record_tiles: bool = True,
-    tile_rule: str | None = None,
+    wants: Wants = Wants(),
     backend: str = "triton",
 ) -> RowStats:
-    """Row log-sum-exp (and target logit, weighted row sum) of X without materializing it.
-
-    ``col_stats`` adds the column LSE over the valid rows, from the same pass over the tiles.
-    ``sigmoid`` computes the pairwise sigmoid loss per row instead of the LSE (needs targets).
-    ``record_tiles`` keeps the per-tile statistics of the filtering rule ``tile_rule`` ("block"
-    or "pooled"; None: ``FUSEDLOSS_FILTER_RULE``), shaped as ``tile_stats_shapes`` says.
-    """
+    """Row log-sum-exp (and target logit, and what ``wants`` asks for) of X without
+    materializing it. Per-tile statistics are shaped as ``tile_stats_shapes`` says."""
+    sigmoid, col_stats, weighted_sum = wants.sigmoid, wants.col_stats, wants.weighted_sum
     if sigmoid and (rows.target is None or col_stats or weighted_sum):
         raise ValueError("sigmoid mode needs targets and takes no column or weighted statistics")
     if backend == "torch":
         return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid)
-    per_row = record_tiles and (tile_rule or config.filter_rule()) == "pooled"
+    per_row = wants.record_tiles and (wants.tile_rule or config.filter_rule()) == "pooled"
     return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
-                             record_tiles, per_row)
+                             wants.record_tiles, per_row)
 
 
 def forward_block(device: torch.device, dtype: torch.dtype, d: int, *, col_stats: bool = False,
@@ -763,7 +766,7 @@ def grads(
     filter_eps, filter_scale, backend = plan.filter_eps, plan.filter_scale, plan.backend
     grad_dtype, grad_a_dtype, row_chunk = plan.grad_dtype, plan.grad_a_dtype, plan.row_chunk
     if coef.col is not None and stats.col_lse is None:
-        raise ValueError("a column coefficient needs column statistics (row_stats(col_stats=True))")
+        raise ValueError("a column coefficient needs column statistics (Wants(col_stats=True))")
     # The kernels read coefficients by offset: a stride-0 expand (a reduction's gradient) won't do.
     acc = accumulation_dtype(a.dtype)
     coef = GradCoefficients(*(None if c is None else c.to(acc).contiguous() for c in (
@@ -928,8 +931,8 @@ def _pooled_live(stats: RowStats, rows: Rows, col_order: torch.Tensor | None, v:
         # The column direction is the row direction of the transposed statistics: units are
         # columns, blocks column tiles, tiles row blocks (those without valid rows unwritten).
         pooled_live_tiles_into(live.T, stats.col_tile_log_mass.T, _pad(col_lse, n_ct * bn), v,
-                               bn, eps_dir, weight, floor, accumulate=True, tile_rows=bm,
-                               tile_limit=rows.n_valid)
+                               bn, eps_dir, weight, floor, accumulate=True,
+                               tile_limit=(bm, rows.n_valid))
     return live
 
 

@@ -395,16 +395,17 @@ def pooled_live_tiles_into(
     floor: torch.Tensor | None = None,  # (n,) fp32 gradient-norm floor per unit; None: |weight|
     *,
     accumulate: bool = False,
-    tile_rows: int = 0,  # tile t counts only if t * tile_rows < tile_limit (else not written)
-    tile_limit: torch.Tensor | None = None,
+    # (rows per tile, () int64 limit): tile t counts only if t · rows < limit (else not written)
+    tile_limit: tuple[int, torch.Tensor] | None = None,
 ) -> None:
     """``pooled_live_tiles`` in one Triton launch, one program per block: it accumulates q over
     the block's units in chunks, sorts the tiles by q with ``tl.sort`` and keeps every tile from
     the first whose running sum exceeds the budget. Where q ties at the threshold it keeps every
     tied tile, so it never skips more than the PyTorch rule. ``out`` may be a transposed view
-    (the column direction); ``accumulate`` ORs into it. Tiles with ``tile_rows`` set and
-    t · tile_rows ≥ tile_limit are neither read nor written (the column direction's row blocks
-    without valid rows, whose statistics the forward never wrote)."""
+    (the column direction); ``accumulate`` ORs into it. Tiles past ``tile_limit`` are neither
+    read nor written (the column direction's row blocks without valid rows, whose statistics
+    the forward never wrote)."""
+    tile_rows, tile_limit = tile_limit if tile_limit is not None else (0, None)
     n_units, n_tiles = unit_log_mass.shape
     n_blocks = n_units // block
     block_t = max(2, triton.next_power_of_2(n_tiles))

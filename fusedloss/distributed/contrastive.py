@@ -39,6 +39,7 @@ call reads on the host from input values cannot be read during a capture: InfoNC
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -132,8 +133,8 @@ def info_nce_loss(
     query, keys, error = _check_pair(query, keys, "query", "keys", same_rows=False)
     if error is None and labels is not None:
         error = _check_labels(labels, query)
-    return _ring_loss("info_nce", query, keys, temperature, None, labels, group, reduction,
-                      filter_eps, backend, error, scale_name="temperature")
+    settings = _Settings("info_nce", group, reduction, filter_eps, backend, "temperature")
+    return _ring_loss(settings, query, keys, temperature, None, labels, error)
 
 
 @torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
@@ -159,8 +160,8 @@ def nt_xent_loss(
     if error is None and features.shape[0] % 2:
         error = ValueError(f"features must stack two views of B_r samples, (2B_r, D); got an "
                            f"odd number of rows, {features.shape[0]}")
-    return _ring_loss("nt_xent", features, features, temperature, None, None, group,
-                      reduction, filter_eps, backend, error, scale_name="temperature")
+    settings = _Settings("nt_xent", group, reduction, filter_eps, backend, "temperature")
+    return _ring_loss(settings, features, features, temperature, None, None, error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,8 +176,9 @@ def pair_loss(kind, image_features, text_features, logit_scale, logit_bias, *, g
     image_features, text_features, error = _check_pair(image_features, text_features,
                                                        "image_features", "text_features")
     error = caller_error or error
-    return _ring_loss(kind, image_features, text_features, logit_scale, logit_bias, None,
-                      group, reduction, filter_eps, backend, error, scale_name="logit_scale")
+    settings = _Settings(kind, group, reduction, filter_eps, backend, "logit_scale")
+    return _ring_loss(settings, image_features, text_features, logit_scale, logit_bias, None,
+                      error)
 
 
 class _Ring(torch.autograd.Function):
@@ -203,16 +205,29 @@ class _Ring(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def _ring_loss(kind, a, b, scale_arg, bias_arg, labels, group, reduction, filter_eps, backend,
-               error, *, scale_name):
+@dataclass(frozen=True)
+class _Settings:
+    """A call's arguments other than its tensors, as the public function received them."""
+
+    kind: str  # one of _KINDS
+    group: dist.ProcessGroup | None
+    reduction: str
+    filter_eps: float | str | None
+    backend: str
+    scale_name: str  # the public name of the scale argument: "logit_scale" or "temperature"
+
+
+def _ring_loss(settings: _Settings, a, b, scale_arg, bias_arg, labels, error):
+    kind, group, reduction = settings.kind, settings.group, settings.reduction
+    backend = settings.backend
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
     facts, scale, bias, eps, needs = {}, None, None, None, None
     if error is None and _group.capturing(device):
         error = _capture_error(kind, labels, backend)
     if error is None:
         try:
-            scale, bias, eps, backend, needs, facts = _options(
-                kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, scale_name)
+            scale, bias, eps, backend, needs, facts = _options(settings, a, b, scale_arg,
+                                                               bias_arg)
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
     n = a.shape[0] if error is None else 0
@@ -251,9 +266,11 @@ def _capture_error(kind, labels, backend) -> Exception | None:
     return None
 
 
-def _options(kind, a, b, scale_arg, bias_arg, reduction, filter_eps, backend, scale_name):
+def _options(settings: _Settings, a, b, scale_arg, bias_arg):
     """The validated scale, bias, filter bound and backend, which inputs need gradients (for
     the ring: A, B, scale, bias), and the facts every rank must share."""
+    kind, reduction, filter_eps = settings.kind, settings.reduction, settings.filter_eps
+    backend, scale_name = settings.backend, settings.scale_name
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if backend not in _BACKENDS:

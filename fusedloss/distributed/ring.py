@@ -121,7 +121,8 @@ def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | 
             stats = engine.row_stats(
                 a, held, family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
                 rows_of(s, m_s),
-                col_stats=clip, sigmoid=siglip, record_tiles=filtering, backend=backend)
+                wants=engine.Wants(col_stats=clip, sigmoid=siglip, record_tiles=filtering),
+                backend=backend)
             if siglip:
                 sig_sum += stats.sigmoid_sum
             else:

@@ -69,7 +69,8 @@ def forward(
     filtering = _filtering(kind, filter_eps, record_tiles)
     stats = engine.row_stats(
         a, b, family.logits(kind, b, scale, bias), _rows(target),
-        col_stats=kind == "clip", sigmoid=kind == "siglip", record_tiles=filtering,
+        wants=engine.Wants(col_stats=kind == "clip", sigmoid=kind == "siglip",
+                           record_tiles=filtering),
         backend=backend,
     )
     row_mass, col_mass = nothing(a, (0,)), nothing(a, (0,))

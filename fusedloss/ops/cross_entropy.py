@@ -90,8 +90,10 @@ def forward(
 
     stats = engine.row_stats(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows,
-        col_weight=class_weight, weighted_sum=label_smoothing > 0,
-        record_tiles=record_tiles and filter_eps is not None, backend=backend,
+        col_weight=class_weight,
+        wants=engine.Wants(weighted_sum=label_smoothing > 0,
+                           record_tiles=record_tiles and filter_eps is not None),
+        backend=backend,
     )
     lse = stats.lse
     total_w = class_weight.sum() if class_weight is not None else v

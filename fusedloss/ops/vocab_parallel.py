@@ -69,9 +69,10 @@ class VocabParallel(torch.autograd.Function):
         rows = Rows(index=rows.index, n_valid=rows.n_valid, target=local,
                     identity=bool(all_valid))
         logits = Logits(bias=bias, softcap=softcap, col_order=order)
-        stats = engine.row_stats(a, b, logits, rows, col_weight=class_weight,
-                                 weighted_sum=alpha > 0,
-                                 record_tiles=eps is not None, backend=backend)
+        stats = engine.row_stats(
+            a, b, logits, rows, col_weight=class_weight,
+            wants=engine.Wants(weighted_sum=alpha > 0, record_tiles=eps is not None),
+            backend=backend)
         own_weight = (class_weight[local.clamp(min=0)] if class_weight is not None
                       else torch.ones(n, dtype=_F32, device=dev))
         sums = torch.stack((
