@@ -639,14 +639,15 @@ def test_torch_named_shapes(case):
 
 @pytest.mark.parametrize("chunk_rows", [1, 7])
 def test_torch_backend_chunking_does_not_change_results(tune, chunk_rows):
-    """Several row chunks (``Tuning.torch_chunk_elements``) give the one-chunk result."""
+    """Several row chunks (``Tuning.torch_chunk_elements``) give the one-chunk result (to an
+    fp32 ulp: the CPU's matmul may round a chunk's products differently from the whole's)."""
     case = Case(lead=(3, 12), v=123, d=16, dtype=torch.bfloat16, regime="peaked", shift=True,
                 ignore="some", bias=True, label_smoothing=0.1, z_loss=1e-3, return_lse=True,
                 reduction="none")
     one_chunk = check_case(case, "torch")
     tune(torch_chunk_elements=chunk_rows * case.v)
     chunked = check_case(case, "torch")
-    torch.testing.assert_close(chunked.loss, one_chunk.loss, rtol=0, atol=0)
+    torch.testing.assert_close(chunked.loss, one_chunk.loss, rtol=3e-7, atol=3e-7)
     for name in one_chunk.grads:
         torch.testing.assert_close(chunked.grads[name], one_chunk.grads[name])
 

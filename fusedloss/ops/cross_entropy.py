@@ -1,14 +1,15 @@
 """Linear cross-entropy (the "cut cross-entropy" LM head) as two custom ops over the engine.
 
 The loss and its gradient coefficients are ``fusedloss/families/cross_entropy.py``'s (which
-the vocabulary-parallel head calls too); these ops feed them the engine's statistics. Ignored
-tokens are moved past the valid ones in the compact row order (their count stays on the
-device: the kernels skip those rows), and give a loss of exactly 0. Neither op reads anything
-back to the host unless ``Tuning.check_values`` asks for the argument checks that need values.
+the vocabulary-parallel head calls too); these ops feed them the engine's statistics. Every
+row is computed, an ignored token's too, and an ignored token gives a loss of exactly 0 and no
+gradient: which tokens count is never asked of the GPU. Neither op reads anything back to the
+host unless ``Tuning.check_values`` asks for the argument checks that need values.
 
 ``fusedloss::linear_cross_entropy`` returns the per-token losses and LSEs with the statistics
-the backward reads (the compact row order, the row LSE parts, the target logits, the per-tile
-masses); ``fusedloss::linear_cross_entropy_backward`` takes them with the upstream gradients.
+the backward reads (each token's target and class weight, the row LSE parts, the target
+logits, the per-tile masses); ``fusedloss::linear_cross_entropy_backward`` takes them with the
+upstream gradients.
 
 ``fusedloss::linear_cross_entropy_chunked`` is the training path of a reduced loss: three
 matrix products per chunk of rows (``core.chunked_logits``), the gradients formed in the
@@ -59,34 +60,33 @@ def forward(
     filter_eps: float | None,
     backend: str,  # "triton" or "torch"
     record_tiles: bool,  # keep the per-tile masses that filtering reads in the backward
-) -> tuple[(Tensor,) * 9]:  # type: ignore[misc]  # (a schema needs the count)
+) -> tuple[(Tensor,) * 7]:  # type: ignore[misc]  # (a schema needs the count)
     """Per-token losses and LSEs ((N,) fp32 each, 0 at ignored tokens), then for the backward:
-    the compact row order (N,) int64 and the count of valid tokens () int64 (on the device);
-    in compact order, each position's target (N,) int64 (−1 past the valid ones) and class
-    weight (N,) fp32, the row LSE parts (4, N) fp32 (``RowStats.packed``), the target logits
-    (N,) fp32 and the per-tile masses ((0, 0) unless recorded). With float64 operands (the
-    torch backend) the fp32 outputs are float64.
+    each token's target (N,) int64 (−1: none) and class weight (N,) fp32 (0 at ignored
+    tokens), the row LSE parts (4, N) fp32 (``RowStats.packed``), the target logits (N,) fp32
+    and the per-tile masses ((0, 0) unless recorded). With float64 operands (the torch
+    backend) the fp32 outputs are float64.
 
-    Reads nothing back to the host: a target outside [0, V) other than ``ignore_index`` makes
-    its token's loss NaN (and, through its class weight, every gradient), a ``vocab_order``
-    that is not a permutation every loss (the tiles then run in plain order, never reading
-    outside B). ``Tuning.check_values`` raises ValueError for either instead (one wait).
+    Every row is computed, an ignored token's too (as on the training path): which tokens
+    count is not asked of the GPU. Nothing is read back to the host: a target outside [0, V)
+    other than ``ignore_index`` makes its token's loss NaN (and, through its class weight,
+    every gradient), a ``vocab_order`` that is not a permutation every loss (the tiles then
+    run in plain order, never reading outside B). ``Tuning.check_values`` raises ValueError
+    for either instead (one wait).
     """
     a, b = row_major(input), row_major(weight)
-    n, v = a.shape[0], b.shape[0]
+    v = b.shape[0]
     if config.tuning().check_values:
         _check_targets(target, ignore_index, v)
         if vocab_order is not None:
             _check_order(vocab_order, v)
     vocab_order, order_nan = _safe_order(vocab_order, v)
     valid = target != ignore_index
-    rows = engine.compact_rows(valid)
-    compact_target, target_weight = _compact_targets(target, rows, class_weight, v)
+    row_target, target_weight = _row_targets(target, valid, class_weight, v)
     target_weight = target_weight.to(engine.accumulation_dtype(a.dtype))  # float64 stays
     if order_nan is not None:
         target_weight = target_weight + order_nan
-    # Whether every token counts is not asked of the GPU: A is read in compact order.
-    rows = Rows(index=rows.index, n_valid=rows.n_valid, target=compact_target, identity=False)
+    rows = _all_rows(row_target)
 
     stats = engine.row_stats(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows,
@@ -99,12 +99,10 @@ def forward(
     total_w = class_weight.sum() if class_weight is not None else v
     loss = family.token_loss(stats.lse_minus(stats.target_logit), lse, target_weight,
                              stats.weighted_sum, total_w, v, label_smoothing, z_loss)
-    loss = torch.where(_valid_positions(rows, n), loss, 0.0)
-
     packed_rows, _ = stats.packed()
     tiles = stats.tile_log_mass if stats.tile_log_mass is not None else nothing(a, (0, 0))
-    return (_to_original_order(loss, rows), _to_original_order(lse, rows), rows.index,
-            rows.n_valid, compact_target, target_weight, packed_rows, stats.target_logit, tiles)
+    return (torch.where(valid, loss, 0.0), torch.where(valid, lse, 0.0), row_target,
+            target_weight, packed_rows, stats.target_logit, tiles)
 
 
 forward_op = torch.library.custom_op("fusedloss::linear_cross_entropy", forward, mutates_args=())
@@ -120,7 +118,6 @@ def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, labe
         tiles, _ = engine.tile_stats_shapes(n, v, input.device, input.dtype, d)
     per_row = input.new_empty(n, dtype=engine.accumulation_dtype(input.dtype))
     return (per_row, torch.empty_like(per_row), input.new_empty(n, dtype=torch.int64),
-            input.new_empty((), dtype=torch.int64), input.new_empty(n, dtype=torch.int64),
             torch.empty_like(per_row), input.new_empty((4, n), dtype=per_row.dtype),
             torch.empty_like(per_row), input.new_empty(tiles, dtype=_F32))
 
@@ -134,8 +131,6 @@ def backward(
     bias: Tensor | None,
     class_weight: Tensor | None,
     vocab_order: Tensor | None,
-    row_index: Tensor,
-    n_valid: Tensor,
     row_target: Tensor,
     row_weight: Tensor,
     row_stats: Tensor,
@@ -154,21 +149,21 @@ def backward(
     not asked for."""
     a, b = row_major(input), row_major(weight)
     (n, d), v = a.shape, b.shape[0]
-    rows = Rows(index=row_index, n_valid=n_valid, target=row_target, identity=False)
+    rows = _all_rows(row_target)
     vocab_order, _ = _safe_order(vocab_order, v)  # as the forward ran it
     stats = RowStats.from_packed(
         row_stats, None, target_logit, tile_log_mass if tile_log_mass.numel() else None, None,
         engine.forward_block(a.device, a.dtype, d))
 
-    # Upstream gradients in compact order, 0 past the valid positions (autograd passes None
-    # for an output that got no gradient).
+    # Upstream gradients, 0 at the tokens without a target (autograd passes None for an output
+    # that got no gradient); a bad target's NaN class weight makes its coefficients NaN.
     valid = row_target >= 0
     acc = engine.accumulation_dtype(a.dtype)
     g = torch.zeros(n, dtype=acc, device=a.device) if grad_loss is None else torch.where(
-        valid, grad_loss[row_index].to(acc), 0.0)
+        valid, grad_loss.to(acc), 0.0)
     g_lse = 0.0
     if grad_lse is not None:
-        g_lse = torch.where(valid, grad_lse[row_index].to(acc), 0.0)
+        g_lse = torch.where(valid, grad_lse.to(acc), 0.0)
     total_w = class_weight.sum() if class_weight is not None else v
     coef = family.grad_coefficients(g, g_lse, stats.lse, row_weight, total_w, v,
                                     label_smoothing, z_loss)
@@ -191,10 +186,9 @@ backward_op = torch.library.custom_op("fusedloss::linear_cross_entropy_backward"
 
 
 @backward_op.register_fake
-def _(grad_loss, grad_lse, input, weight, bias, class_weight, vocab_order, row_index,
-      n_valid, row_target, row_weight, row_stats, target_logit, tile_log_mass,
-      label_smoothing, softcap, z_loss, filter_eps, backend, need_input, need_weight,
-      need_bias):
+def _(grad_loss, grad_lse, input, weight, bias, class_weight, vocab_order, row_target,
+      row_weight, row_stats, target_logit, tile_log_mass, label_smoothing, softcap, z_loss,
+      filter_eps, backend, need_input, need_weight, need_bias):
     return (torch.empty_like(input) if need_input else nothing(input, (0,)),
             torch.empty_like(weight) if need_weight else nothing(input, (0,)),
             torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
@@ -253,31 +247,26 @@ def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
                          f"ignore_index={ignore_index}")
 
 
-def _compact_targets(target: Tensor, rows: Rows, class_weight: Tensor | None, v: int):
-    """(each position's target (N,) int64, −1 past n_valid; its class weight w_y (N,) fp32,
-    0 past n_valid). A target outside [0, V) becomes −1 (no column: no kernel reads by it)
-    with weight NaN, which makes its loss and the gradients NaN."""
-    original = target[rows.index]
-    in_range = (original >= 0) & (original < v)
-    counts = _valid_positions(rows, target.shape[0])
-    compact_target = torch.where(counts & in_range, original, -1)
+def _row_targets(target: Tensor, valid: Tensor, class_weight: Tensor | None, v: int):
+    """(each token's target column (N,) int64, −1 for none; its class weight w_y (N,) fp32, 0
+    at ignored tokens). A target outside [0, V) becomes −1 (no kernel reads by it) with weight
+    NaN, which makes its loss and the gradients NaN."""
+    in_range = (target >= 0) & (target < v)
+    row_target = torch.where(valid & in_range, target, -1)
     if class_weight is None:
-        weight = torch.ones_like(original, dtype=_F32)
+        weight = torch.ones_like(target, dtype=_F32)
     else:
-        weight = class_weight[original.clamp(0, v - 1)]
+        weight = class_weight[target.clamp(0, v - 1)]
     weight = torch.where(in_range, weight, float("nan"))
-    return compact_target, torch.where(counts, weight, 0.0)
+    return row_target, torch.where(valid, weight, 0.0)
 
 
-def _valid_positions(rows: Rows, n: int) -> Tensor:
-    return torch.arange(n, device=rows.index.device) < rows.n_valid
-
-
-def _to_original_order(values: Tensor, rows: Rows) -> Tensor:
-    # rows.index is a permutation of all rows, so a plain indexed write is a scatter.
-    out = torch.empty_like(values)
-    out[rows.index] = values
-    return out
+def _all_rows(row_target: Tensor) -> Rows:
+    """Every row, in order (the kernels compute ignored tokens too)."""
+    n = row_target.shape[0]
+    return Rows(index=torch.arange(n, device=row_target.device),
+                n_valid=torch.full((), n, dtype=torch.int64, device=row_target.device),
+                target=row_target, identity=True, all_valid=True)
 
 
 # ---------------------------------------------------------------------------------------------
