@@ -31,3 +31,15 @@ def test_quick_run_writes_every_case(tmp_path):
         (loss, method) for loss in ("clip", "lm-gemma2") for method in ("fusedloss", "torch")}
     assert all("ms" in r and "wrong" not in r and r["host_us"] > 0 for r in rows), rows
     assert "| clip | 2 |" in next(tmp_path.glob("sizes_*_t.md")).read_text()
+
+
+def test_quick_steps_give_the_same_loss(tmp_path):
+    """The tiny training steps run with both losses (eager on the CPU), which agree after the
+    same steps (to bf16 rounding)."""
+    assert run_module.main(["sizes", "--quick", "--losses", "siglip", "--methods", "torch",
+                            "--steps", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("sizes_*.json")
+    steps = json.loads(path.read_text())["steps"]
+    for name in sizes.STEPS:
+        values = [r["value"] for r in steps if r["step"] == name]
+        assert len(values) == 2 and abs(values[0] - values[1]) < 1e-2 * abs(values[1]), steps

@@ -9,7 +9,9 @@ eager and under ``torch.compile``; median ms (``triton.testing.do_bench``), the 
 above the inputs and gradients, and the host time to issue one call (the wall time of a call
 made with the GPU idle and not waited for: what the CPU spends per call when it runs ahead).
 The materialized loss runs where its logits take at most a quarter of the free memory.
-A plot of ms against size per loss goes next to the results (``--plot``).
+A plot of ms against size per loss goes next to the results (``--plot``). ``--steps`` also
+times a tiny model's training step with each loss inside, eager and (CUDA) with the loss
+function captured in CUDA graphs (``torch.compile(mode="reduce-overhead")``).
 """
 
 from __future__ import annotations
@@ -165,9 +167,88 @@ def fits(loss: Loss, size: int, method: str, args: argparse.Namespace) -> bool:
     return 3 * loss.logits_bytes(size, 4) <= free // 4
 
 
+# ----------------------------------------------------------------------------- training steps
+
+STEPS = {  # a tiny model's training step with the loss inside: (rows, width, vocabulary)
+    "mlp-clip": (256, 512, 0),  # a two-layer MLP encoder per tower, CLIP at b = 256
+    "small-lm": (512, 512, 32000),  # a two-layer MLP body and an LM head, N = 512 tokens
+}
+
+
+def step_fn(name: str, method: str, device: str, dtype: torch.dtype, quick: bool = False):
+    """One optimizer step of the tiny model ``name`` whose loss is fusedloss's or the
+    materialized PyTorch one (``quick``: every dimension / 16)."""
+    import fusedloss
+
+    rows, width, vocab = (d // 16 if quick else d for d in STEPS[name])
+    torch.manual_seed(0)
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
+                                   torch.nn.Linear(width, width)).to(device, dtype)
+
+    towers = torch.nn.ModuleList([mlp(), mlp()])
+    head = torch.nn.Parameter((torch.randn(max(vocab, 1), width) / width**0.5).to(device, dtype))
+    params = [*towers.parameters(), head]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(rows, width, device=device, generator=g).to(dtype)
+    y = torch.randn(rows, width, device=device, generator=g).to(dtype)
+    target = torch.randint(0, max(vocab, 1), (rows,), device=device, generator=g)
+    ours = method.startswith("fusedloss")
+
+    def loss_fn(x, y, target):
+        if vocab:
+            h = towers[0](x)
+            if ours:
+                return fusedloss.linear_cross_entropy(h, head, target)
+            return F.cross_entropy((h @ head.T).float(), target)
+        a, b = F.normalize(towers[0](x), dim=1), F.normalize(towers[1](y), dim=1)
+        if ours:
+            return fusedloss.clip_loss(a, b, 14.0)
+        logits, labels = 14.0 * a @ b.T, torch.arange(rows, device=device)
+        return (F.cross_entropy(logits.float(), labels)
+                + F.cross_entropy(logits.T.float(), labels)) / 2
+
+    if method.endswith("graphed"):
+        loss_fn = torch.compile(loss_fn, mode="reduce-overhead")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(x, y, target)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+STEP_METHODS = ("fusedloss", "torch", "fusedloss-graphed", "torch-graphed")
+
+
+def measure_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each tiny step by each method: median ms of one step (the GPU waits on the host for
+    steps this small, so this is the host's time too)."""
+    rows = []
+    methods = [m for m in STEP_METHODS if common.uses_cuda(args.device) or "graphed" not in m]
+    timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
+    for name in STEPS:
+        for method in methods:
+            step = step_fn(name, method, args.device, common.parse_dtype(args.dtype),
+                           args.quick)
+            for _ in range(3):  # compile, record and warm the graphs
+                step()
+            row = dict(step=name, method=method, value=float(step().detach()),
+                       ms=common.median_ms(step, args.device, timing))
+            rows.append(row)
+            print(f"{name:10s} {method:18s} {row['ms']:8.3f} ms", flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     env = common.collect_environment(args.device)
     rows: list[dict[str, Any]] = []
+    steps = measure_steps(args) if args.steps else []
     for name in args.losses:
         loss = LOSSES[name]
         sizes = args.sizes or ([s // 64 for s in loss.sizes[:3]] if args.quick else loss.sizes)
@@ -187,8 +268,9 @@ def run(args: argparse.Namespace) -> int:
                 print(_line(row), flush=True)
     _check_values(rows)
     stem = common.results_stem("sizes", env["date"], env["device_slug"], args.tag)
-    markdown = _markdown(env, rows)
-    common.write_results(args.out, stem, markdown, dict(environment=env, rows=rows))
+    markdown = _markdown(env, rows, steps)
+    common.write_results(args.out, stem, markdown, dict(environment=env, rows=rows,
+                                                        steps=steps))
     if args.plot:
         _plot(rows, env, Path(args.out) / f"{stem}.svg")
     print(markdown.split("## Time")[1] if "## Time" in markdown else markdown)
@@ -212,7 +294,8 @@ def _line(row: dict[str, Any]) -> str:
             f"host {row['host_us']:7.0f} µs  {common.format_mib(row['mib'])} MiB")
 
 
-def _markdown(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def _markdown(env: dict[str, Any], rows: list[dict[str, Any]],
+              steps: list[dict[str, Any]]) -> str:
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     out = [f"# Losses against PyTorch's, by size: {env['device_name']}, {env['date']}", "",
            f"torch {env['torch']}, triton {env['triton']}, fusedloss {env['fusedloss_version']} "
@@ -238,6 +321,16 @@ def _markdown(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         theirs = [got[m]["ms"] for m in ("torch", "torch-compile") if "ms" in got.get(m, {})]
         ratio = f"{ours / min(theirs):.2f}×" if ours and theirs else "—"
         out.append(f"| {loss} | {size} | " + " | ".join(cells) + f" | {ratio} |")
+    if steps:
+        out += ["", "## Tiny training steps", "",
+                "One SGD step of a tiny model with the loss inside (`STEPS` in "
+                "`benchmarks/suites/sizes.py`), median ms; 'graphed': the loss function under "
+                "`torch.compile(mode=\"reduce-overhead\")` (CUDA graphs).", "",
+                "| step | " + " | ".join(STEP_METHODS) + " |", "|" + "---|" * 5]
+        for name in STEPS:
+            got = {r["method"]: r["ms"] for r in steps if r["step"] == name}
+            out.append(f"| {name} | " + " | ".join(common.format_ms(got.get(m))
+                                                    for m in STEP_METHODS) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -278,6 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="sizes/64, a small LM head, short timing: a smoke test")
     parser.add_argument("--plot", action="store_true", help="also write <results>.svg")
+    parser.add_argument("--steps", action="store_true",
+                        help="also time tiny training steps with each loss (graphed on CUDA)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default=None)
 
