@@ -32,7 +32,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ON_GPU
+from helpers import ON_GPU, counting_training_path
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -344,26 +344,20 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
     assert len(record) > 2  # two backward calls, compiled and eager, in blocks
 
 
-def test_triton_training_path_compiled_matches_eager(device, requires_triton, monkeypatch):
+def test_triton_training_path_compiled_matches_eager(device, requires_triton):
     """The LM head's training path (``core.chunked_logits``, in chunks of 16 rows): compiled
     with fullgraph=True it gives eager's loss and gradients under "mean" and "sum", and the
     path ran in each call."""
-    from fusedloss.core import chunked_logits, config
-
-    monkeypatch.setattr(config, "lm_head_chunk_rows", lambda n, v, element_size: 16)
-    calls = []
-    original = chunked_logits.loss_and_grads
-    monkeypatch.setattr(chunked_logits, "loss_and_grads",
-                        lambda *a, **k: calls.append(1) or original(*a, **k))
     table = {f"lce-{reduction}": (
         partial(_lm, lead=(3, 20), v=VT, d=DT, bias=True, class_weight=True, ignore=-100),
         lambda h, w, y, b, cw, reduction=reduction: LCE(
             h, w, y, linear_bias=b, weight=cw, softcap=5.0, z_loss=1e-3, shift=True,
             reduction=reduction, backend="triton") * 0.37)
         for reduction in ("mean", "sum")}
-    for name in table:
-        assert _check_compiled(table, name, device, "aot_eager") == 1
-        counters.clear()
+    with counting_training_path("loss_and_grads", rows=16) as calls:
+        for name in table:
+            assert _check_compiled(table, name, device, "aot_eager") == 1
+            counters.clear()
     assert len(calls) == 4  # compiled and eager, two reductions
 
 
