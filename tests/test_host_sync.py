@@ -102,32 +102,34 @@ def _lm_head_problem(device, n=30, v=100, d=16, dtype=torch.float32):
 
 # The calls that run on the engine (not the training path), with their default options.
 ENGINE_CALLS = {
-    "per-token": lambda x, w, y: fusedloss.linear_cross_entropy(
-        x, w, y, reduction="none", backend="triton").sum(),
-    "return-lse": lambda x, w, y: (lambda loss, lse: loss + lse.sum())(
+    "per-token": lambda x, w, y, backend="triton": fusedloss.linear_cross_entropy(
+        x, w, y, reduction="none", backend=backend).sum(),
+    "return-lse": lambda x, w, y, backend="triton": (lambda loss, lse: loss + lse.sum())(
         *fusedloss.linear_cross_entropy(x, w, y, return_lse=True, label_smoothing=0.1,
-                                        backend="triton")),
-    "vocab-order": lambda x, w, y: fusedloss.linear_cross_entropy(
+                                        backend=backend)),
+    "vocab-order": lambda x, w, y, backend="triton": fusedloss.linear_cross_entropy(
         x, w, y, vocab_order=torch.arange(w.shape[0], device=w.device).flip(0),
-        backend="triton"),
-    "info-nce-labels": lambda x, w, y: fusedloss.info_nce_loss(
-        x, w, y.clamp(0, w.shape[0] - 1), temperature=0.1, backend="triton"),
+        backend=backend),
+    "info-nce-labels": lambda x, w, y, backend="triton": fusedloss.info_nce_loss(
+        x, w, y.clamp(0, w.shape[0] - 1), temperature=0.1, backend=backend),
 }
 
 
-@requires_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("name", list(ENGINE_CALLS))
-def test_engine_calls_read_nothing_back(monkeypatch, name):
-    """On any device: the engine's LM head (per-token losses, return_lse, an explicit
-    vocab_order) and InfoNCE with labels turn no tensor into a host value, forward or
-    backward, ignored tokens included."""
+def test_engine_calls_read_nothing_back(monkeypatch, name, backend):
+    """On any device and either backend: the engine's LM head (per-token losses, return_lse,
+    an explicit vocab_order) and InfoNCE with labels turn no tensor into a host value,
+    forward or backward, ignored tokens included."""
+    if backend == "triton" and not can_run_triton():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     x, w, target = _lm_head_problem(DEVICE)
     reads = []
     for method in READ_BACKS:
         original = getattr(torch.Tensor, method)
         monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _f=original, _n=method, **k: (
             reads.append(_n), _f(self, *a, **k))[1])
-    loss = ENGINE_CALLS[name](x, w, target)
+    loss = ENGINE_CALLS[name](x, w, target, backend)
     loss.backward()
     monkeypatch.undo()
     assert reads == []

@@ -601,7 +601,7 @@ def _softplus_neg_zx(x: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
 def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
                      sigmoid) -> RowStats:
     n, v = rows.index.numel(), b.shape[0]
-    n_valid = int(rows.n_valid)
+    n_valid = n if rows.all_valid else int(rows.n_valid)  # a read-back only when unknown
     acc = accumulation_dtype(a.dtype)
     row_max = torch.zeros(n, dtype=acc, device=a.device)
     row_sum = torch.ones_like(row_max)
@@ -1405,8 +1405,8 @@ def _grads_torch(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
     a, b, logits, rows, stats, coef, col_weight, sigmoid = problem.unpacked()
     need_a, need_b, need_bias, need_scale = needs.a, needs.b, needs.bias, needs.scale
     dtypes = (plan.grad_a_dtype, plan.grad_dtype)
-    v = b.shape[0]
-    n_valid = int(rows.n_valid)
+    n, v = rows.index.numel(), b.shape[0]
+    n_valid = n if rows.all_valid else int(rows.n_valid)  # a read-back only when unknown
     acc = accumulation_dtype(a.dtype)
     b32 = b.to(acc)
     grad_a = torch.zeros_like(a, dtype=dtypes[0]) if need_a else None

@@ -18,8 +18,8 @@ plain traceable PyTorch.
 With default options no op reads a value back to the host, so the CPU runs ahead of the GPU
 and Inductor's CUDA graphs (``mode="reduce-overhead"``) capture them with the rest of a step.
 What needs values is opt-in: ``Tuning.check_values`` (argument checks that raise instead of
-giving NaN), filtering's sparse slabs (each slab's live count; every slab runs dense while a
-graph is captured) and the "torch" backend (the valid rows' count).
+giving NaN) and filtering's sparse slabs (each slab's live count; every slab runs dense while
+a graph is captured).
 """
 
 from . import contrastive, cross_entropy
