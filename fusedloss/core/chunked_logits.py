@@ -77,7 +77,8 @@ def loss_and_grads(
     label_smoothing, softcap = options.label_smoothing, options.softcap
     need_a, need_b, need_bias = needs.a, needs.b, needs.bias and bias is not None
     chunk = max(1, min(n, chunk or config.lm_head_chunk_rows(n, v, a.element_size())))
-    losses = torch.zeros(max(n, 1), dtype=torch.float32, device=device)
+    # every row's loss is written by the row kernel (no fill needed, unless there is none)
+    losses = (torch.empty if n else torch.zeros)(max(n, 1), dtype=torch.float32, device=device)
     grad_a = torch.empty_like(a) if need_a else None
     grad_b = (torch.zeros((v, d), dtype=torch.float32, device=device) if n == 0
               else torch.empty((v, d), dtype=torch.float32, device=device)) if need_b else None

@@ -312,7 +312,7 @@ def forward_chunked(
         _check_targets(target, ignore_index, v)
     if mean:
         denom = family.summed_weights(target, ignore_index, class_weight, v, _F32)
-        coef = 1.0 / torch.where(denom == 0, 1.0, denom)
+        coef = torch.where(denom == 0, 1.0, denom).reciprocal()
     else:
         coef = torch.ones((), dtype=_F32, device=a.device)
     # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.
