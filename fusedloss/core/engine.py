@@ -434,9 +434,10 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         from . import lse_forward_sm90
 
         lse_forward_sm90.launch(
-            a_sm90, b, logits.bias, logits.scale, rows.n_valid, part_max, part_sum, tiles,
-            col_max, col_sum, col_tiles, (groups, splits), blocks_per_group, tiles_per_split,
-            n_ct, record_tiles, per_row)
+            a_sm90, b, logits, rows.n_valid,
+            lse_forward_sm90.Partials(part_max, part_sum, tiles, col_max, col_sum, col_tiles),
+            lse_forward_sm90.Schedule(groups, splits, blocks_per_group, tiles_per_split, n_ct),
+            record_tiles, per_row)
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                              cfg.block_k)

@@ -34,6 +34,8 @@ compare the two.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -336,25 +338,50 @@ def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
             and d % BLOCK_K == 0 and BLOCK_K <= d <= MAX_D)
 
 
-def launch(a_rows, b, bias, scale, n_valid, part_max, part_sum, tiles, col_max, col_sum,
-           col_tiles, grid, blocks_per_group, tiles_per_split, n_col_tiles, record_tiles,
-           per_row) -> None:
-    """Runs the kernel over ``grid`` = (row groups, column splits); ``a_rows``: A in compact
-    row order, TMA-ready (engine._tma_ready), as b; the outputs as _lse_forward_kernel's but
-    for the column partials, (2 · row groups, V): one row per consumer."""
+@dataclass(frozen=True)
+class Partials:
+    """What the kernel writes: the row partials (splits, N) fp32, the per-tile records, and
+    the column partials (2 · row groups, V) fp32, one row per consumer warpgroup (as
+    ``_lse_forward_kernel``'s outputs otherwise)."""
+
+    row_max: torch.Tensor
+    row_sum: torch.Tensor
+    tiles: torch.Tensor
+    col_max: torch.Tensor
+    col_sum: torch.Tensor
+    col_tiles: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The grid (row groups × column splits) and what each program covers."""
+
+    groups: int
+    splits: int
+    blocks_per_group: int
+    tiles_per_split: int
+    n_col_tiles: int
+
+
+def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule, record_tiles: bool,
+           per_row: bool) -> None:
+    """Runs the kernel; ``a_rows``: A in compact row order, TMA-ready (engine._tma_ready), as
+    b; ``logits``: the engine's ``Logits`` (scale and bias; no softcap, order or mask)."""
     gl_dtype = gl.bfloat16 if a_rows.dtype == torch.bfloat16 else gl.float16
     d = b.shape[1]
+    bias, scale = logits.bias, logits.scale
 
     def descriptor(t, rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl_dtype)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
 
-    dummy = part_sum
-    _clip_forward_sm90_kernel[grid](
+    dummy = out.row_sum
+    _clip_forward_sm90_kernel[(schedule.groups, schedule.splits)](
         descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
         bias if bias is not None else dummy, scale if scale is not None else dummy, n_valid,
-        part_max, part_sum, tiles, col_max, col_sum, col_tiles,
-        a_rows.shape[0], b.shape[0], blocks_per_group, tiles_per_split, n_col_tiles,
+        out.row_max, out.row_sum, out.tiles, out.col_max, out.col_sum, out.col_tiles,
+        a_rows.shape[0], b.shape[0], schedule.blocks_per_group, schedule.tiles_per_split,
+        schedule.n_col_tiles,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         RECORD_TILES=record_tiles, PER_ROW=per_row,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
