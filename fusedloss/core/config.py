@@ -70,7 +70,7 @@ class Tuning:
     # A slab whose live fraction reaches this goes through cuBLAS as a dense matrix.
     dense_slab_fraction: float = 0.25
     # The contrastive backward may send a slab with few live tiles through the sparse kernels
-    # (one read of the live counts per call).
+    # (one read of the live counts per call; the LM head's does when it filters).
     sparse_slabs: bool = False
     # The contrastive dA as a bf16 pair over the slabs (None: ``ops.contrastive``'s rule).
     split_accumulator: bool | None = None
@@ -81,9 +81,9 @@ class Tuning:
     # 2048 of a 256000-row one.
     lm_head_chunk_bytes: int = 2**30
     # Read argument values back to the host so that a bad one raises a named error: a wait for
-    # the GPU per call, not under CUDA graphs (a debugging aid). Off, the paths that read
-    # nothing back give NaN for such rows (the LM head's training path: a target outside
-    # [0, V)).
+    # the GPU per call, not under CUDA graphs (a debugging aid). Off, nothing is read back and
+    # such values give NaN: a target outside [0, V), an InfoNCE label outside [0, M), a
+    # vocab_order that is not a permutation.
     check_values: bool = False
     # StableAdamW's fused step launch, "block,num_warps,lag[,sub_block]" (None: frozen).
     optim_config: str | None = None
