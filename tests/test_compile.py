@@ -367,27 +367,37 @@ def test_training_path_replays_as_cuda_graphs():
     cudagraph_unsafe tag: under ``torch.compile(mode="reduce-overhead")`` a step of a small
     model with the loss inside is captured (Inductor skips no graph) and its replays give the
     eager steps' losses and gradients, on fresh inputs each step."""
-    torch.manual_seed(0)
-    v, d, n = 1000, 64, 256
-    body = nn.Sequential(nn.Linear(d, d), nn.GELU()).cuda()
-    head = nn.Parameter(torch.randn(v, d, device="cuda") / 8)
-    twin_body, twin_head = copy.deepcopy(body), nn.Parameter(head.detach().clone())
+    def make(n, d):
+        return torch.randn(n, d, device="cuda"), _targets_with_ignored(n)
 
     def loss_of(body, head, x, y):
         return fusedloss.linear_cross_entropy(body(x), head, y, label_smoothing=0.1,
                                               backend="triton")
 
-    compiled = torch.compile(loss_of, mode="reduce-overhead")
+    _assert_replays_match_eager(nn.Sequential(nn.Linear(64, 64), nn.GELU()), make, loss_of,
+                                loss_tol=(1e-5, 1e-6), grad_tol=(1e-4, 1e-6))
+
+
+def _assert_replays_match_eager(body, make, loss_fn, loss_tol, grad_tol):
+    """``loss_fn(body, head, *make(n, d))`` under ``torch.compile(mode="reduce-overhead")``
+    over four steps on fresh inputs: each step's loss and head gradient match an eager twin's
+    within (rtol, atol), and Inductor skipped no CUDA graph."""
+    torch.manual_seed(0)
+    v, d, n = 1000, 64, 256
+    body = body.cuda()
+    head = nn.Parameter(torch.randn(v, d, device="cuda") / 8)
+    twin_body, twin_head = copy.deepcopy(body), nn.Parameter(head.detach().clone())
+    compiled = torch.compile(loss_fn, mode="reduce-overhead")
+    counters.clear()
     for _ in range(4):
-        x = torch.randn(n, d, device="cuda")
-        y = torch.randint(0, v, (n,), device="cuda")
-        y[::9] = -100
+        x, y = make(n, d)
         got = compiled(body, head, x, y)
         got.backward()
-        want = loss_of(twin_body, twin_head, x, y)
+        want = loss_fn(twin_body, twin_head, x, y)
         want.backward()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(head.grad, twin_head.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=loss_tol[0], atol=loss_tol[1])
+        torch.testing.assert_close(head.grad, twin_head.grad, rtol=grad_tol[0],
+                                   atol=grad_tol[1])
         for p in (head, twin_head, *body.parameters(), *twin_body.parameters()):
             p.grad = None
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
@@ -424,25 +434,10 @@ def test_engine_ops_replay_as_cuda_graphs(name):
     cudagraph_unsafe tag: a small model's step with CLIP, InfoNCE with labels or the LM head's
     per-token losses inside is captured under ``mode="reduce-overhead"`` (Inductor skips no
     graph), and its replays give the eager steps' losses and gradients on fresh inputs."""
-    torch.manual_seed(0)
     make, loss_fn = GRAPHED_STEPS[name]
-    v, d, n = 1000, 64, 256
-    body = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)).cuda()
-    head = nn.Parameter(torch.randn(v, d, device="cuda") / 8)
-    twin_body, twin_head = copy.deepcopy(body), nn.Parameter(head.detach().clone())
-    compiled = torch.compile(loss_fn, mode="reduce-overhead")
-    counters.clear()
-    for _ in range(4):
-        x, y = make(n, d)
-        got = compiled(body, head, x, y)
-        got.backward()
-        want = loss_fn(twin_body, twin_head, x, y)
-        want.backward()
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(head.grad, twin_head.grad, rtol=1e-3, atol=1e-5)
-        for p in (head, twin_head, *body.parameters(), *twin_body.parameters()):
-            p.grad = None
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    body = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    _assert_replays_match_eager(body, make, loss_fn, loss_tol=(1e-4, 1e-5),
+                                grad_tol=(1e-3, 1e-5))
 
 
 # ---------------------------------------------------------------------------------------------
