@@ -151,7 +151,8 @@ def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dic
     clear()
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
     ms = common.median_ms(lambda: (clear(), step()), device, timing)
-    host = host_us(lambda: (clear(), step()), device)
+    # ~1 s of host samples: a few at the large sizes, where a call takes seconds
+    host = host_us(lambda: (clear(), step()), device, reps=max(3, min(20, int(1000 / ms))))
     grads = sum(t.numel() * t.element_size() for t in leaves)
     clear()
     mib = common.peak_extra_mib(step, device, accounted_bytes=grads)
