@@ -55,7 +55,8 @@ EPS32 = torch.finfo(torch.float32).eps
 LOSSES = ["clip", "info_nce", "nt_xent", "siglip"]
 
 BACKENDS = [pytest.param("torch", id="torch"),
-            pytest.param("triton", id="triton", marks=requires_triton)]
+            pytest.param("triton", id="triton", marks=requires_triton),
+            pytest.param("materialized", id="materialized", marks=requires_triton)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +434,8 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
        relative comparison would charge the hardware's rounding to the kernel.
     """
     if tensor_cores is None:
-        tensor_cores = backend == "triton" and ON_GPU and case.dtype != torch.float32
+        tensor_cores = (backend in ("triton", "materialized") and ON_GPU
+                        and case.dtype != torch.float32)
 
     def relative(err, scale) -> float:
         scale = float(scale)
@@ -538,7 +540,8 @@ def check_against_reference(case: Case, problem: Problem, ours: Result, theirs: 
     PyTorch's error on this one number is a lottery (7e-6 where rounding dX to nearest and
     summing gives 4e-5).
     """
-    interpreted_bf16 = backend == "triton" and not ON_GPU and case.dtype == torch.bfloat16
+    interpreted_bf16 = (backend in ("triton", "materialized") and not ON_GPU
+                        and case.dtype == torch.bfloat16)
     factor = INTERPRETER_BF16_FACTOR if interpreted_bf16 else 1.5
     loss_floor, grad_floors = rounding_floors(case, problem, ref, backend,
                                               known_bugs=not strict)
@@ -671,6 +674,13 @@ def test_triton_backend_matches_reference(loss, data):
     check_case(data.draw(cases(loss, **TRITON_SHAPES), label="case"), "triton")
 
 
+@requires_triton
+@pytest.mark.parametrize("loss", LOSSES)
+@given(data=st.data())  # two short passes over a small matrix: quick on the interpreter too
+def test_materialized_backend_matches_reference(loss, data):
+    check_case(data.draw(cases(loss, **TORCH_SHAPES), label="case"), "materialized")
+
+
 # ---------------------------------------------------------------------------------------------
 # fixed cases: batches over 1000 (the CPU draws stop at 257), and peaked inputs with filtering
 
@@ -689,6 +699,7 @@ LARGE_BACKENDS = [
     pytest.param("triton", id="triton", marks=pytest.mark.skipif(
         not ON_GPU, reason="too slow on Triton's interpreter: test_triton_backend_matches_"
         "reference covers the kernels there")),
+    pytest.param("materialized", id="materialized", marks=requires_triton),
 ]
 
 

@@ -507,7 +507,8 @@ def test_bad_reduction(loss, reduction):
 @pytest.mark.parametrize("loss", ["clip", "siglip", "info_nce", "nt_xent"])
 @pytest.mark.parametrize("backend", ["cuda", "Triton", None], ids=["cuda", "Triton", "None"])
 def test_bad_backend(loss, backend):
-    with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'"):
+    with pytest.raises(ValueError,
+                       match="backend must be 'auto', 'triton', 'materialized' or 'torch'"):
         call(loss, backend=backend)
 
 

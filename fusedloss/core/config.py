@@ -74,6 +74,9 @@ class Tuning:
     sparse_slabs: bool = False
     # The contrastive dA as a bf16 pair over the slabs (None: ``ops.contrastive``'s rule).
     split_accumulator: bool | None = None
+    # The contrastive losses' backend="auto" materializes the N × M similarity matrix while it
+    # takes at most this many bytes in the features' dtype (``losses.contrastive.resolve_backend``).
+    materialized_bytes: int = 32 * 2**20
     # Elements of logits per chunk of the torch backend.
     torch_chunk_elements: int = 1 << 24
     # The LM head's training path (``core.chunked_logits``) holds one chunk of logits, rows × V

@@ -253,7 +253,7 @@ def tile_stats_shapes(n: int, v: int, device: torch.device, dtype: torch.dtype, 
     return (n_rb, n_ct), (n_rb, n_ct)
 
 
-def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
+def dot_flags(t: torch.Tensor) -> tuple[bool, str]:
     """(upcast before tl.dot, tl.dot input_precision) for operands of t's dtype.
 
     fp32 operands multiply exactly ("ieee", not TF32: three-TF32 products lose accuracy on
@@ -428,7 +428,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         else:
             col_tiles = (torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles
                          else col_sum)
-    dot_fp32, precision = _dot_flags(a)
+    dot_fp32, precision = dot_flags(a)
     dummy = part_sum
     if a_sm90 is not None:
         from . import lse_forward_sm90
@@ -1078,7 +1078,7 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
     split_lo = torch.empty_like(a) if split else None
     a_compact = None  # A in compact row order, for the dense path
 
-    dot_fp32, precision = _dot_flags(a)
+    dot_fp32, precision = dot_flags(a)
     dummy = stats.lse
     # The dense path multiplies by A in compact row order too: one copy serves both.
     a_desc, b_desc, a_rows = tile_descriptors(a, b, logits, rows, bm, bn, cfg.block_k)

@@ -29,26 +29,58 @@ from typing import Literal
 
 import torch
 
-from ..core import engine
+from ..core import config, engine
 from ..core.filtering import resolve_filter_eps
 from ..ops import contrastive as ops
 from ..ops._common import autocast_operands
 
 Reduction = Literal["none", "mean", "sum"]
-Backend = Literal["auto", "triton", "torch"]
+Backend = Literal["auto", "triton", "materialized", "torch"]
+BACKENDS = ("auto", "triton", "materialized", "torch")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _run(kind, a, b, scale, bias, target, filter_eps, backend, *,
-         user_target=False) -> torch.Tensor:
-    """Per-row losses (N,) fp32 for validated inputs (``ops.contrastive``)."""
-    backend = engine.resolve_backend(backend, a.device)
+def resolve_backend(backend: str, a: torch.Tensor, b: torch.Tensor) -> str:
+    """The backend that computes a loss of the features a (N, D) and b (M, D).
+
+    "auto" takes, on CUDA, "materialized" while one N × M array of the features' dtype is at
+    most ``Tuning.materialized_bytes`` (32 MiB: b = 4096 in bf16, 2896 in fp32), where the
+    similarity matrix in one cuBLAS product and one Triton pass over it beats the tiled
+    kernels, whose launches and host work cost more than the GPU's time there
+    (docs/results.md, "Small sizes"); "triton" above; "torch" on the CPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'triton', 'materialized' or 'torch', got "
+                         f"{backend!r}")
+    if backend == "materialized":
+        engine.resolve_backend("triton", a.device)  # the same devices as the kernels
+        return backend
+    resolved = engine.resolve_backend(backend, a.device)
+    if (backend == "auto" and resolved == "triton"
+            and a.shape[0] * b.shape[0] * a.element_size() <= config.tuning().materialized_bytes):
+        return "materialized"
+    return resolved
+
+
+def _run(kind, a, b, scale, bias, labels, filter_eps, backend) -> torch.Tensor:
+    """Per-row losses (N,) fp32 for validated inputs: the ops of ``ops/contrastive.py``.
+    ``labels``: the caller's (N,) int64, or None: row i's positive is column i (NT-Xent:
+    row i ± N/2)."""
+    backend = resolve_backend(backend, a, b)
     eps = resolve_filter_eps(filter_eps, a.dtype)  # validates on every backend
+    if backend == "materialized":  # exact: every pair is computed, no filtering
+        loss, _ = ops.contrastive_materialized(a, b, scale, bias, labels, kind)
+        return loss
     eps = eps if backend == "triton" else None
+    n = a.shape[0]
+    target = labels
+    if labels is None:
+        target = torch.arange(n, device=a.device)
+        target = (target + n // 2) % n if kind == "nt_xent" else target
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, scale, bias))
     loss, *_ = ops.contrastive(a, b, scale, bias, target, kind, eps, backend, wants_grad,
-                               user_target)
+                               labels is not None)
     return loss
 
 
@@ -101,8 +133,11 @@ def clip_loss(
         filter_eps: safe gradient filtering: the backward may skip similarity tiles as long as
             each row and each column loses at most this much softmax mass. "auto" picks by dtype
             (bf16 2⁻¹², fp16 2⁻¹⁵, fp32 exact); None or 0 computes every tile. Triton only.
-        backend: "auto" (Triton on CUDA, torch otherwise), "triton" (CUDA, or the CPU under
-            ``TRITON_INTERPRET=1``) or "torch" (chunked, O(chunk · b) memory).
+        backend: "auto" (on CUDA "materialized" up to a 32 MiB similarity matrix, then
+            "triton"; torch on the CPU: :func:`resolve_backend`), "triton" (the tiled kernels:
+            CUDA, or the CPU under ``TRITON_INTERPRET=1``), "materialized" (the b × b matrix
+            from one cuBLAS product, one Triton pass over it a side; exact, ``filter_eps``
+            unused) or "torch" (chunked, O(chunk · b) memory).
 
     Returns:
         The fp32 loss: a scalar, or (b,) for "none".
@@ -119,9 +154,8 @@ def clip_loss(
     device = image_features.device
     scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
     bias = None if logit_bias is None else as_scalar(logit_bias, "logit_bias", device)
-    target = torch.arange(image_features.shape[0], device=device)
-    per_pair = _run("clip", image_features, text_features, scale, None, target,
-                    filter_eps, backend)
+    per_pair = _run("clip", image_features, text_features, scale, None, None, filter_eps,
+                    backend)
     loss = _reduce(per_pair, reduction)
     if bias is not None:
         loss = loss + 0.0 * bias  # no effect on the loss, a zero gradient, NaN stays NaN
@@ -181,12 +215,10 @@ def info_nce_loss(
         if m < n:
             raise ValueError(f"labels=None pairs query i with key i, which needs M >= N; got "
                              f"N = {n} queries and M = {m} keys. Pass labels.")
-        target = torch.arange(n, device=query.device)
     else:
-        target = _check_labels(labels, n, query.device)
+        labels = _check_labels(labels, n, query.device)
     scale = 1.0 / as_scalar(temperature, "temperature", query.device, positive=True)
-    per_row = _run("info_nce", query, keys, scale, None, target, filter_eps, backend,
-                   user_target=labels is not None)
+    per_row = _run("info_nce", query, keys, scale, None, labels, filter_eps, backend)
     return _reduce(per_row, reduction)
 
 
@@ -234,10 +266,8 @@ def nt_xent_loss(
     if rows % 2:
         raise ValueError(f"features must stack two views of B samples, (2B, D); got an odd "
                          f"number of rows, {rows}")
-    half = rows // 2
-    target = (torch.arange(rows, device=features.device) + half) % rows
     scale = 1.0 / as_scalar(temperature, "temperature", features.device, positive=True)
-    per_row = _run("nt_xent", features, features, scale, None, target, filter_eps, backend)
+    per_row = _run("nt_xent", features, features, scale, None, None, filter_eps, backend)
     return _reduce(per_row, reduction)
 
 
@@ -276,8 +306,7 @@ def siglip_loss(
     device = image_features.device
     scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
     bias = as_scalar(logit_bias, "logit_bias", device)
-    target = torch.arange(image_features.shape[0], device=device)
-    per_row = _run("siglip", image_features, text_features, scale, bias, target, None, backend)
+    per_row = _run("siglip", image_features, text_features, scale, bias, None, None, backend)
     return per_row.sum() / image_features.shape[0]
 
 

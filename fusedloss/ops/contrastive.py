@@ -10,7 +10,7 @@ directions come from one pass: each tile feeds the row and the column statistics
 import torch
 from torch import Tensor
 
-from ..core import config, engine
+from ..core import config, engine, materialized
 from ..core.engine import Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -257,3 +257,110 @@ def _split_accumulator(a: Tensor) -> bool:
     return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# the small-size path: the similarity matrix materialized (``core/materialized.py``)
+
+
+def contrastive_materialized(*args) -> tuple[Tensor, Tensor]:
+    """The materialized op (``fusedloss::contrastive_materialized``, arguments of
+    ``materialized_forward``) with its autograd, as ``contrastive`` calls its op."""
+    if torch.compiler.is_compiling():
+        return materialized_forward_op(*args)
+    return _MaterializedFunction.apply(*args)
+
+
+@without_autocast
+def materialized_forward(
+    a: Tensor,  # (N, D)
+    b: Tensor,  # (M, D); for "nt_xent" the same tensor as a
+    scale: Tensor,  # () fp32
+    bias: Tensor | None,  # () fp32
+    target: Tensor | None,  # (N,) int64, the caller's labels; None: row i's positive is column i
+    kind: str,
+) -> tuple[Tensor, Tensor]:
+    """Per-row losses (N,) fp32 and the row statistics the backward reads ((2, N); (2, 2N) for
+    "clip": ``core.materialized.forward``), from
+    the N × M similarity matrix, which exists only during each pass. A label outside [0, M)
+    gives a NaN row and NaN gradients, as in ``forward``."""
+    if target is not None and config.tuning().check_values:
+        _check_target(target, b.shape[0])
+    a = row_major(a)
+    return materialized.forward(a, a if kind == "nt_xent" else row_major(b), scale, bias,
+                                target, kind)
+
+
+materialized_forward_op = torch.library.custom_op("fusedloss::contrastive_materialized",
+                                                  materialized_forward, mutates_args=())
+
+
+@materialized_forward_op.register_fake
+def _(a, b, scale, bias, target, kind):
+    n, m = a.shape[0], b.shape[0]
+    return (a.new_empty(n, dtype=torch.float32),
+            a.new_empty((2, n + m if kind == "clip" else n), dtype=torch.float32))
+
+
+@without_autocast
+def _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, need_a, need_b,
+                        need_scale, need_bias) -> tuple[Tensor | None, ...]:
+    """(dA, dB, d scale, d bias), None where not needed."""
+    a = row_major(a)
+    b = a if kind == "nt_xent" else row_major(b)
+    return materialized.backward(grad_loss, a, b, scale, bias, target, lse, kind,
+                                 (need_a, need_b, need_scale, need_bias and bias is not None))
+
+
+def materialized_backward(
+    grad_loss: Tensor,  # (N,)
+    a: Tensor,
+    b: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    target: Tensor | None,
+    lse: Tensor,
+    kind: str,
+    need_a: bool,
+    need_b: bool,
+    need_scale: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dA, dB, d scale, d bias); each is an empty tensor when not asked for."""
+    grads = _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, need_a,
+                                need_b, need_scale, need_bias)
+    return tuple(g if g is not None else nothing(a, (0,)) for g in grads)  # type: ignore
+
+
+materialized_backward_op = torch.library.custom_op(
+    "fusedloss::contrastive_materialized_backward", materialized_backward, mutates_args=())
+
+
+@materialized_backward_op.register_fake
+def _(grad_loss, a, b, scale, bias, target, lse, kind, need_a, need_b, need_scale, need_bias):
+    return (torch.empty_like(a) if need_a else nothing(a, (0,)),
+            torch.empty_like(b) if need_b else nothing(a, (0,)),
+            torch.empty_like(scale) if need_scale else nothing(a, (0,)),
+            torch.empty_like(bias) if bias is not None and need_bias else nothing(a, (0,)))
+
+
+def _materialized_setup(ctx, inputs, output):
+    a, b, scale, bias, target, kind = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(a, b, scale, bias, target, output[1])
+    ctx.kind = kind
+
+
+def _materialized_autograd_backward(ctx, grad_loss, _, *, backward_fn=materialized_backward_op):
+    needs = ctx.needs_input_grad[:4]  # a, b, scale, bias
+    grads = backward_fn(grad_loss, *ctx.saved_tensors, ctx.kind, *needs)
+    return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)), None, None)
+
+
+materialized_forward_op.register_autograd(_materialized_autograd_backward,
+                                          setup_context=_materialized_setup)
+
+_MaterializedFunction = eager_function("_MaterializedFunction", materialized_forward,
+                                       _materialized_setup, _materialized_autograd_backward,
+                                       _materialized_grads)
