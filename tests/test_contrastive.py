@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 
 import fusedloss
 from fusedloss import ClipLoss, InfoNCELoss, NTXentLoss, SigLipLoss
-from fusedloss.core import config, engine
+from fusedloss.core import config, engine, materialized
 from fusedloss.reference import clip_loss_ref, info_nce_loss_ref, nt_xent_loss_ref, siglip_loss_ref
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -891,7 +891,7 @@ def test_reductions(loss, backend):
 
 
 def _spy_backends(monkeypatch) -> list[str]:
-    """Records the backend every engine call runs on."""
+    """Records the backend every engine call runs on ("materialized" for its own path)."""
     seen = []
     for name in ("row_stats", "grads"):
         original = getattr(engine, name)
@@ -901,28 +901,51 @@ def _spy_backends(monkeypatch) -> list[str]:
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(engine, name, spy)
+    for name in ("forward", "backward"):
+        original = getattr(materialized, name)
+
+        def spy_materialized(*args, _original=original):
+            seen.append("materialized")
+            return _original(*args)
+
+        monkeypatch.setattr(materialized, name, spy_materialized)
     return seen
 
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_backend_option_selects_the_engine(monkeypatch, loss):
-    """backend= reaches the engine (forward and backward); "auto" is Triton on CUDA, torch on
-    the CPU; both backends give the same numbers."""
+    """backend= reaches the engine (forward and backward); "auto" is the materialized path on
+    CUDA at this size, torch on the CPU; every backend gives the same numbers."""
     seen = _spy_backends(monkeypatch)
     case = replace(BASE[loss], dtype=torch.float32)
     problem = make_problem(case)
     results = {}
-    backends = ["torch", "auto"] + (["triton"] if can_run_triton() else [])
+    backends = ["torch", "auto"] + (["triton", "materialized"] if can_run_triton() else [])
     for backend in backends:
         seen.clear()
         results[backend] = run_ours(case, problem, backend)
-        expected = ("triton" if ON_GPU else "torch") if backend == "auto" else backend
+        expected = ("materialized" if ON_GPU else "torch") if backend == "auto" else backend
         assert seen == [expected, expected], f"backend={backend!r} ran on {seen}"
-    if "triton" in results:
-        fused, chunked = results["triton"], results["torch"]
-        torch.testing.assert_close(fused.loss, chunked.loss, rtol=2e-5, atol=2e-5)
-        for name, grad in chunked.grads.items():  # fp32: a cancelling ds may differ by 1e-5
-            assert rel_err(fused.grads[name], grad) < 1e-4, name
+    for backend in ("triton", "materialized"):
+        if backend in results:
+            fused, chunked = results[backend], results["torch"]
+            torch.testing.assert_close(fused.loss, chunked.loss, rtol=2e-5, atol=2e-5)
+            for name, grad in chunked.grads.items():  # fp32: a cancelling ds may differ by 1e-5
+                assert rel_err(fused.grads[name], grad) < 1e-4, (backend, name)
+
+
+def test_auto_materializes_up_to_the_tuned_bytes(tune):
+    """The rule of ``resolve_backend``: "auto" on CUDA materializes while N·M elements of the
+    features' dtype fit ``Tuning.materialized_bytes``, and takes the tiled kernels beyond."""
+    resolve = fusedloss.losses.contrastive.resolve_backend
+    a, b = torch.empty(64, 8, device="meta"), torch.empty(32, 8, device="meta")
+    tune(materialized_bytes=64 * 32 * 4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "resolve_backend", lambda backend, device: "triton")
+        assert resolve("auto", a, b) == "materialized"
+        assert resolve("auto", a, torch.empty(33, 8, device="meta")) == "triton"
+        assert resolve("auto", a.bfloat16(), torch.empty(64, 8, device="meta")) == "materialized"
+        assert resolve("triton", a, b) == "triton"
 
 
 # Several slabs on either machine: the interpreter's tiles are 16 columns wide, a GPU's 128.
@@ -997,7 +1020,7 @@ def test_split_accumulator_halves_the_accumulator(tune):
     for split in (False, True):
         tune(split_accumulator=split)
         x.grad = y.grad = None
-        loss = fusedloss.clip_loss(x, y, 1 / 0.07)
+        loss = fusedloss.clip_loss(x, y, 1 / 0.07, backend="triton")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -22,6 +22,13 @@ CALLS = {
     "info-nce": lambda x, y: fusedloss.info_nce_loss(x, y, temperature=0.1),
     "nt-xent": lambda x, y: fusedloss.nt_xent_loss(torch.cat([x, y]), temperature=0.5),
     "siglip": lambda x, y: fusedloss.siglip_loss(x, y, 10.0, -10.0),
+    # at these sizes "auto" takes the materialized path; the tiled kernels too:
+    "clip-tiled": lambda x, y: fusedloss.clip_loss(x, y, 1 / 0.07, backend="triton"),
+    "info-nce-tiled": lambda x, y: fusedloss.info_nce_loss(x, y, temperature=0.1,
+                                                           backend="triton"),
+    "nt-xent-tiled": lambda x, y: fusedloss.nt_xent_loss(torch.cat([x, y]), temperature=0.5,
+                                                         backend="triton"),
+    "siglip-tiled": lambda x, y: fusedloss.siglip_loss(x, y, 10.0, -10.0, backend="triton"),
 }
 
 
@@ -182,7 +189,7 @@ def test_sparse_slabs_wait_once(monkeypatch, tune):
     it, so the GPU keeps working), never by a sync of the whole stream."""
     tune(sparse_slabs=True)
     x, y = _features()
-    CALLS["clip"](x, y).backward()
+    CALLS["clip-tiled"](x, y).backward()
     torch.cuda.synchronize()
     waits = []
     synchronize = torch.cuda.Event.synchronize
@@ -192,7 +199,7 @@ def test_sparse_slabs_wait_once(monkeypatch, tune):
         return synchronize(self)
 
     monkeypatch.setattr(torch.cuda.Event, "synchronize", spy)
-    loss = CALLS["clip"](x, y)
+    loss = CALLS["clip-tiled"](x, y)
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss.backward()

@@ -5,6 +5,7 @@ reference (with the accuracy bar of test_linear_cross_entropy.py) when it does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -527,6 +528,12 @@ def test_tuning_reads_the_environment_and_tuned_restores():
                       ("FUSEDLOSS_BACKWARD_TILE", "32,x"), ("FUSEDLOSS_FILTER_RULE", "rows")]:
         with pytest.raises(ValueError, match=name):
             config.Tuning.from_environment({name: bad})
+    for field in dataclasses.fields(config.Tuning):  # every number field reads as its type
+        default = field.default
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            name = f"FUSEDLOSS_{field.name.upper()}"
+            value = getattr(config.Tuning.from_environment({name: "7"}), field.name)
+            assert value == 7 and type(value) is type(default), (name, value)
     before = config.tuning()
     with config.tuned(scratch_mb=1.0, tma=False) as inside:
         assert config.tuning() is inside and inside.scratch_mb == 1.0 and not inside.tma

@@ -123,7 +123,7 @@ def _parse(field: str, spec: str):
         return TileConfig(*(int(x) for x in spec.split(",")))
     if field in ("scratch_mb", "dense_slab_fraction"):
         return float(spec)
-    if field in ("torch_chunk_elements", "lm_head_chunk_bytes"):
+    if field in ("torch_chunk_elements", "lm_head_chunk_bytes", "materialized_bytes"):
         return int(spec)
     return spec  # filter_rule, optim_config: checked where they are read
 
