@@ -699,7 +699,9 @@ LARGE_BACKENDS = [
     pytest.param("triton", id="triton", marks=pytest.mark.skipif(
         not ON_GPU, reason="too slow on Triton's interpreter: test_triton_backend_matches_"
         "reference covers the kernels there")),
-    pytest.param("materialized", id="materialized", marks=requires_triton),
+    pytest.param("materialized", id="materialized", marks=pytest.mark.skipif(
+        not ON_GPU, reason="slow on Triton's interpreter: test_materialized_backend_matches_"
+        "reference covers the kernels there")),
 ]
 
 
