@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import requires_triton
 
 from benchmarks import run as run_module
 from benchmarks.suites import sizes
@@ -31,6 +32,22 @@ def test_quick_run_writes_every_case(tmp_path):
         (loss, method) for loss in ("clip", "lm-gemma2") for method in ("fusedloss", "torch")}
     assert all("ms" in r and "wrong" not in r and r["host_us"] > 0 for r in rows), rows
     assert "| clip | 2 |" in next(tmp_path.glob("sizes_*_t.md")).read_text()
+
+
+@requires_triton
+def test_tiled_method_runs_the_tiled_kernels(tmp_path, monkeypatch):
+    """"fusedloss-tiled" asks the contrastive losses for backend="triton" (and skips the LM
+    head); its loss equals the default path's."""
+    seen = []
+    original = sizes.fused
+    monkeypatch.setattr(sizes, "fused", lambda loss, x, backend="auto": (
+        seen.append((loss.name, backend)), original(loss, x, backend))[1])
+    assert run_module.main(["sizes", "--quick", "--losses", "clip,lm-llama3", "--sizes", "20",
+                            "--methods", "fusedloss,fusedloss-tiled", "--out", str(tmp_path)]) == 0
+    assert ("clip", "triton") in seen and ("lm-llama3", "triton") not in seen
+    rows = json.loads(next(tmp_path.glob("sizes_*.json")).read_text())["rows"]
+    values = {r["method"]: r["value"] for r in rows if r["loss"] == "clip"}
+    assert abs(values["fusedloss"] - values["fusedloss-tiled"]) < 1e-4 * values["fusedloss"]
 
 
 def test_quick_steps_give_the_same_loss(tmp_path):

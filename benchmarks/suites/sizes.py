@@ -1,7 +1,8 @@
 """Every loss against the PyTorch loss it replaces, from small sizes up.
 
     python benchmarks/run.py sizes [--losses clip,siglip,info-nce,nt-xent,lm-llama3,lm-gemma2]
-                                   [--sizes 128,256,...] [--methods fusedloss,torch,torch-compile]
+                                   [--sizes 128,256,...]
+                                   [--methods fusedloss,fusedloss-tiled,torch,torch-compile]
 
 For each loss and size: forward + backward of the mean loss by fusedloss (eager), by the
 materialized PyTorch loss (its b × b or N × V logits in the input dtype, as a user writes it)
@@ -30,7 +31,8 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.suites import Suite
 
-METHODS = ("fusedloss", "torch", "torch-compile")
+METHODS = ("fusedloss", "fusedloss-tiled", "torch", "torch-compile")
+DEFAULT_METHODS = ("fusedloss", "torch", "torch-compile")
 CONTRASTIVE_SIZES = (128, 256, 1024, 4096, 16384, 65536, 262144)
 LM_SIZES = (256, 512, 2048, 8192, 32768, 131072, 262144)
 
@@ -74,18 +76,21 @@ def make_inputs(loss: Loss, size: int, dtype: torch.dtype, device: str) -> dict[
     return dict(a=unit(), b=unit())
 
 
-def fused(loss: Loss, x: dict[str, Any]) -> torch.Tensor:
+def fused(loss: Loss, x: dict[str, Any], backend: str = "auto") -> torch.Tensor:
+    """fusedloss's loss; ``backend`` for the contrastive ones ("triton": the tiled kernels
+    whatever the size, the "fusedloss-tiled" method)."""
     import fusedloss
 
     if loss.vocab:
         return fusedloss.linear_cross_entropy(x["h"], x["w"], x["y"], softcap=loss.softcap)
     if loss.name == "clip":
-        return fusedloss.clip_loss(x["a"], x["b"], 14.0)
+        return fusedloss.clip_loss(x["a"], x["b"], 14.0, backend=backend)
     if loss.name == "siglip":
-        return fusedloss.siglip_loss(x["a"], x["b"], 10.0, -10.0)
+        return fusedloss.siglip_loss(x["a"], x["b"], 10.0, -10.0, backend=backend)
     if loss.name == "info-nce":
-        return fusedloss.info_nce_loss(x["a"], x["b"], temperature=0.07)
-    return fusedloss.nt_xent_loss(torch.cat([x["a"], x["b"]]), temperature=0.5)
+        return fusedloss.info_nce_loss(x["a"], x["b"], temperature=0.07, backend=backend)
+    return fusedloss.nt_xent_loss(torch.cat([x["a"], x["b"]]), temperature=0.5,
+                                  backend=backend)
 
 
 def materialized(loss: Loss, x: dict[str, Any]) -> torch.Tensor:
@@ -135,7 +140,9 @@ def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dic
     if method == "torch-compile" and loss.name not in _COMPILED:
         # one graph for every size (dynamic shapes): a compile per size would take minutes
         _COMPILED[loss.name] = torch.compile(functools.partial(materialized, loss), dynamic=True)
-    fn = {"fusedloss": lambda: fused(loss, x), "torch": lambda: materialized(loss, x),
+    fn = {"fusedloss": lambda: fused(loss, x),
+          "fusedloss-tiled": lambda: fused(loss, x, "triton"),
+          "torch": lambda: materialized(loss, x),
           "torch-compile": lambda: _COMPILED[loss.name](x)}[method]
 
     def step():
@@ -161,7 +168,7 @@ def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dic
 
 
 def fits(loss: Loss, size: int, method: str, args: argparse.Namespace) -> bool:
-    if method == "fusedloss" or not common.uses_cuda(args.device):
+    if method.startswith("fusedloss") or not common.uses_cuda(args.device):
         return True
     free, _ = torch.cuda.mem_get_info(args.device)
     # logits, their fp32 copy and gradient: about 3 fp32 copies
@@ -257,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
             loss = Loss(loss.name, 32, vocab=1000, softcap=loss.softcap)
         for size in sizes:
             for method in args.methods:
+                if method == "fusedloss-tiled" and loss.vocab:
+                    continue  # the LM head has one path
                 if not fits(loss, size, method, args):
                     continue
                 try:
@@ -344,7 +353,7 @@ def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     losses = list(dict.fromkeys(r["loss"] for r in rows))
     fig, axes = plt.subplots(1, len(losses), figsize=(3.2 * len(losses), 3.2), squeeze=False)
     for ax, loss in zip(axes[0], losses, strict=True):
-        for method, style in zip(METHODS, ("o-", "s--", "^:"), strict=True):
+        for method, style in zip(METHODS, ("o-", "d-.", "s--", "^:"), strict=True):
             pts = sorted((r["size"], r["ms"]) for r in rows
                          if r["loss"] == loss and r["method"] == method and "ms" in r)
             if pts:
@@ -364,7 +373,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="rows (b, or the LM head's N); default: each loss's ladder")
     parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
-                        default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
+                        default=list(DEFAULT_METHODS),
+                        help=f"comma list of {', '.join(METHODS)} (default: "
+                             f"{','.join(DEFAULT_METHODS)}; fusedloss-tiled: the contrastive "
+                             "losses on their tiled kernels at every size)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup-ms", type=float, default=None)
