@@ -153,11 +153,14 @@ def run_on_cpu_without_interpreter(script: str) -> str:
 def counting_training_path(function: str, rows: int | None = None) -> Iterator[list]:
     """Counts the calls of ``fusedloss.core.chunked_logits.<function>`` within the block (a
     list that grows by one per call), the LM head's training path running in chunks of
-    ``rows`` rows (None: the policy's, ``config.lm_head_chunk_rows``)."""
+    ``rows`` rows, its gradient formed in the forward (None: the policies',
+    ``config.lm_head_chunk_rows`` and ``config.lm_head_deferred``: a few rows call
+    ``loss_and_grads`` twice, the forward for the loss and the backward for the gradients)."""
     from fusedloss.core import chunked_logits, config
 
     calls = []
-    original, policy = getattr(chunked_logits, function), config.lm_head_chunk_rows
+    original = getattr(chunked_logits, function)
+    policies = config.lm_head_chunk_rows, config.lm_head_deferred
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -166,8 +169,9 @@ def counting_training_path(function: str, rows: int | None = None) -> Iterator[l
     setattr(chunked_logits, function, counted)
     if rows is not None:
         config.lm_head_chunk_rows = lambda n, v, element_size: rows
+        config.lm_head_deferred = lambda n, v, element_size: False
     try:
         yield calls
     finally:
         setattr(chunked_logits, function, original)
-        config.lm_head_chunk_rows = policy
+        config.lm_head_chunk_rows, config.lm_head_deferred = policies

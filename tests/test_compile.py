@@ -344,21 +344,23 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
     assert len(record) > 2  # two backward calls, compiled and eager, in blocks
 
 
-def test_triton_training_path_compiled_matches_eager(device, requires_triton):
-    """The LM head's training path (``core.chunked_logits``, in chunks of 16 rows): compiled
-    with fullgraph=True it gives eager's loss and gradients under "mean" and "sum", and the
-    path ran in each call."""
+@pytest.mark.parametrize("rows", [16, None], ids=["in-forward", "deferred"])
+def test_triton_training_path_compiled_matches_eager(device, requires_triton, rows):
+    """The LM head's training path (``core.chunked_logits``): in chunks of 16 rows with the
+    gradient formed in the forward, or for these 60 rows in the backward (the policy's);
+    compiled with fullgraph=True it gives eager's loss and gradients under "mean" and "sum",
+    and the path ran in each call (the deferred form twice: forward and backward)."""
     table = {f"lce-{reduction}": (
         partial(_lm, lead=(3, 20), v=VT, d=DT, bias=True, class_weight=True, ignore=-100),
         lambda h, w, y, b, cw, reduction=reduction: LCE(
             h, w, y, linear_bias=b, weight=cw, softcap=5.0, z_loss=1e-3, shift=True,
             reduction=reduction, backend="triton") * 0.37)
         for reduction in ("mean", "sum")}
-    with counting_training_path("loss_and_grads", rows=16) as calls:
+    with counting_training_path("loss_and_grads", rows=rows) as calls:
         for name in table:
             assert _check_compiled(table, name, device, "aot_eager") == 1
             counters.clear()
-    assert len(calls) == 4  # compiled and eager, two reductions
+    assert len(calls) == (4 if rows else 8)  # compiled and eager, two reductions
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")

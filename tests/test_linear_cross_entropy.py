@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import pytest
 import torch
@@ -851,6 +851,43 @@ def test_training_path_agrees_with_engine(case):
         assert rel_err(leaf.grad, expected) <= tol, name
 
 
+@requires_triton
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "in-forward"])
+@pytest.mark.parametrize("case", [pytest.param(replace(c, lead=(2, 23)) if len(c.lead) == 2
+                                               else replace(c, lead=(45,)), id=c.id)
+                                  for c in TRAINING_PATH_CASES])
+def test_training_path_few_rows_forms_the_gradient_in_the_backward(case, deferred, tune,
+                                                                     monkeypatch):
+    """Up to ``Tuning.lm_head_deferred_rows`` rows the training path computes the loss in the
+    forward and the gradients in the backward, with the upstream gradient folded in (dB in the
+    weight's dtype, no fp32 copy); above, all in the forward. Both meet the bar, with every
+    option, and a scaled loss scales every gradient."""
+    from fusedloss.core import chunked_logits
+
+    tune(lm_head_deferred_rows=512 if deferred else 0)
+    dtypes = []
+    original = chunked_logits.loss_and_grads
+
+    def spy(*args, **kwargs):
+        dtypes.append(kwargs.get("weight_grad_dtype", torch.float32))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_logits, "loss_and_grads", spy)
+    result = check_case(case, "triton")
+    assert dtypes == ([torch.float32, case.dtype] if deferred else [torch.float32])
+    problem = make_problem(case)
+    leaves = _leaves(problem)
+    loss = fusedloss.linear_cross_entropy(
+        leaves["input"], leaves["linear_weight"], problem.target,
+        linear_bias=leaves.get("linear_bias"), weight=problem.weight, backend="triton",
+        **case.options())
+    (loss * 0.37).backward()
+    tol = 4 * torch.finfo(case.dtype).eps if case.dtype != torch.float32 else 1e-5
+    for name, leaf in leaves.items():
+        expected = (result.grads[name].float() * 0.37).to(leaf.grad.dtype)
+        assert rel_err(leaf.grad, expected) <= tol, name
+
+
 def test_training_path_chunk_policy(tune):
     """Rows per chunk follow from one budget of logit bytes (``Tuning.lm_head_chunk_bytes``),
     whatever N: all N when they fit, else the most that do in multiples of 128."""
@@ -863,6 +900,11 @@ def test_training_path_chunk_policy(tune):
     tune(lm_head_chunk_bytes=2 * 100 * 10)
     assert rows(1000, 10, 2) == 100 and rows(50, 10, 2) == 50
     assert rows(1000, 10, 4) == 50 and rows(1000, 10**6, 4) == 1
+    tune(lm_head_chunk_bytes=2**30)
+    deferred = config.lm_head_deferred  # few rows, and all of them in one chunk
+    assert deferred(512, 128256, 2) and not deferred(513, 128256, 2)
+    tune(lm_head_chunk_bytes=128256 * 2 * 256)
+    assert not deferred(512, 128256, 2) and deferred(256, 128256, 2)
 
 
 @requires_triton

@@ -63,11 +63,13 @@ def loss_and_grads(
     options: LossOptions,
     needs: Needs,
     chunk: int | None = None,  # rows per chunk; None: ``config.lm_head_chunk_rows``
+    weight_grad_dtype: torch.dtype = torch.float32,  # dB's; another than fp32: one chunk only
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(Σ over the rows of coef · loss_i (() fp32), dA (N, D) in a's dtype, dB (V, D) fp32,
-    dbias (V,) fp32) of the loss ``ops.cross_entropy`` describes, each gradient None when not
-    in ``needs`` (dB stays fp32 so that the backward's scale rounds it once; dbias only with a
-    ``bias``). Every row is computed,
+    """(Σ over the rows of coef · loss_i (() fp32), dA (N, D) in a's dtype, dB (V, D) in
+    ``weight_grad_dtype``, dbias (V,) fp32) of the loss ``ops.cross_entropy`` describes, each
+    gradient None when not in ``needs`` (dB fp32 by default, so that a later scale rounds it
+    once; in b's dtype when ``coef`` already holds the upstream gradient, rounded once by its
+    product; dbias only with a ``bias``). Every row is computed,
     an ignored one giving a loss of 0 and a zero gradient row; a target outside [0, V) that is
     not ``ignore_index`` gives NaN (its loss and every gradient). Nothing is read back to the
     host."""
@@ -77,11 +79,13 @@ def loss_and_grads(
     label_smoothing, softcap = options.label_smoothing, options.softcap
     need_a, need_b, need_bias = needs.a, needs.b, needs.bias and bias is not None
     chunk = max(1, min(n, chunk or config.lm_head_chunk_rows(n, v, a.element_size())))
+    if weight_grad_dtype != torch.float32 and chunk < n:
+        raise ValueError(f"dB in {weight_grad_dtype} needs all {n} rows in one chunk, got {chunk}")
     # every row's loss is written by the row kernel (no fill needed, unless there is none)
     losses = (torch.empty if n else torch.zeros)(max(n, 1), dtype=torch.float32, device=device)
     grad_a = torch.empty_like(a) if need_a else None
-    grad_b = (torch.zeros((v, d), dtype=torch.float32, device=device) if n == 0
-              else torch.empty((v, d), dtype=torch.float32, device=device)) if need_b else None
+    grad_b = (torch.zeros((v, d), dtype=weight_grad_dtype, device=device) if n == 0
+              else torch.empty((v, d), dtype=weight_grad_dtype, device=device)) if need_b else None
     grad_bias = torch.zeros(v, dtype=torch.float32, device=device) if need_bias else None
     if class_weight is None:  # W = V (a fill, not a copy from the host: no wait)
         total_w = torch.full((1,), float(v), dtype=torch.float32, device=device)
@@ -118,9 +122,12 @@ def loss_and_grads(
 def add_weight_grads(grad_b: torch.Tensor | None, grad_bias: torch.Tensor | None,
                      g: torch.Tensor, a_c: torch.Tensor, first: bool) -> None:
     """One chunk's part of the weight gradients, in fp32: dB (+)= Gᵀ A_c (the first chunk
-    writes it) and dbias += Σ_rows G; None skips either."""
+    writes it; a dB below fp32, of one chunk, takes the product rounded once) and dbias +=
+    Σ_rows G; None skips either."""
     if grad_b is not None:
-        if first:
+        if grad_b.dtype != torch.float32:  # one chunk (``loss_and_grads``' weight_grad_dtype)
+            torch.mm(g.T, a_c, out=grad_b)
+        elif first:
             mm_f32(g.T, a_c, out=grad_b)
         else:
             addmm_f32_(grad_b, g.T, a_c)

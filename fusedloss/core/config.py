@@ -83,6 +83,10 @@ class Tuning:
     # in the input dtype, of at most this many bytes: 4096 rows of a 128256-row head in bf16,
     # 2048 of a 256000-row one.
     lm_head_chunk_bytes: int = 2**30
+    # Up to this many rows (and in one chunk) the training path forms the gradient in the
+    # backward, with the upstream gradient folded in, rather than in the forward: one more
+    # product, but no fp32 (V, D) dB to hold and scale (``ops.cross_entropy.forward_chunked``).
+    lm_head_deferred_rows: int = 512
     # Read argument values back to the host so that a bad one raises a named error: a wait for
     # the GPU per call, not under CUDA graphs (a debugging aid). Off, nothing is read back and
     # such values give NaN: a target outside [0, V), an InfoNCE label outside [0, M), a
@@ -123,7 +127,8 @@ def _parse(field: str, spec: str):
         return TileConfig(*(int(x) for x in spec.split(",")))
     if field in ("scratch_mb", "dense_slab_fraction"):
         return float(spec)
-    if field in ("torch_chunk_elements", "lm_head_chunk_bytes", "materialized_bytes"):
+    if field in ("torch_chunk_elements", "lm_head_chunk_bytes", "materialized_bytes",
+                 "lm_head_deferred_rows"):
         return int(spec)
     return spec  # filter_rule, optim_config: checked where they are read
 
@@ -156,6 +161,15 @@ def lm_head_chunk_rows(n: int, v: int, element_size: int) -> int:
     if rows >= n:
         return n
     return max(1, rows // 128 * 128 if rows >= 128 else rows)
+
+
+def lm_head_deferred(n: int, v: int, element_size: int) -> bool:
+    """Whether the training path forms the gradient of N rows of a V-row head in the backward
+    (``Tuning.lm_head_deferred_rows``): few rows, all in one chunk. There the fp32 dB of the
+    forward-formed path (4·V·D bytes, written, then read and rounded by the backward's scaling)
+    costs more than recomputing the N × V logits in the backward (docs/design.md, "The LM
+    head's training path")."""
+    return n <= tuning().lm_head_deferred_rows and lm_head_chunk_rows(n, v, element_size) >= n
 
 
 @functools.cache

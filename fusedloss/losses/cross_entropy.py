@@ -14,7 +14,7 @@ from typing import Literal, overload
 
 import torch
 
-from ..core import engine
+from ..core import config, engine
 from ..core.filtering import resolve_lm_head_filter_eps
 from ..core.vocab_order import order_by_mean_logit
 from ..families import cross_entropy as family
@@ -219,7 +219,8 @@ def _class_indices(input, linear_weight, target, linear_bias, weight, vocab_orde
                 weight.float() if weight is not None else None, loss.ignore_index,
                 loss.label_smoothing, loss.softcap, loss.z_loss, reduction == "mean",
                 input.requires_grad, linear_weight.requires_grad,
-                linear_bias is not None and linear_bias.requires_grad)
+                linear_bias is not None and linear_bias.requires_grad,
+                config.lm_head_deferred(a.shape[0], linear_weight.shape[0], a.element_size()))
         loss_tok, lse, *_ = ops.linear_cross_entropy(
             a, linear_weight, flat_target, linear_bias,
             weight.to(acc) if weight is not None else None, order, loss.ignore_index,

@@ -11,9 +11,12 @@ plain traceable PyTorch.
 
     fusedloss::linear_cross_entropy / _backward    (ops/cross_entropy.py)
     fusedloss::linear_cross_entropy_chunked        (the LM head's training path: a reduced
-                                                    loss, its gradients formed in the forward)
+                / _chunked_backward                 loss, its gradients formed in the forward;
+                                                    for a few rows in the backward op)
     fusedloss::contrastive / _backward             (ops/contrastive.py: CLIP, InfoNCE, NT-Xent,
                                                     SigLIP)
+    fusedloss::contrastive_materialized / _backward   (the same at small sizes, two launches
+                                                    a side: core/materialized.py)
 
 With default options no op reads a value back to the host, so the CPU runs ahead of the GPU
 and Inductor's CUDA graphs (``mode="reduce-overhead"``) capture them with the rest of a step.

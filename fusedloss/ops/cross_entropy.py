@@ -276,7 +276,7 @@ def _all_rows(row_target: Tensor) -> Rows:
 def linear_cross_entropy_chunked(*args) -> Tensor:
     """The reduced loss (() fp32) of ``forward_chunked``'s arguments, with its autograd: the
     gradients are computed in the forward and scaled by the loss's upstream gradient in the
-    backward."""
+    backward, or (``deferred``) computed in the backward with it."""
     if torch.compiler.is_compiling():
         return chunked_op(*args)[0]
     return _EagerChunked.apply(*args)[0]
@@ -297,10 +297,13 @@ def forward_chunked(
     need_input: bool,
     need_weight: bool,
     need_bias: bool,
+    deferred: bool,  # the gradients in the backward (``config.lm_head_deferred``)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(the loss () fp32, d input (N, D), d weight (V, D) fp32, d bias (V,) fp32) for an
-    upstream gradient of 1; each gradient an empty tensor when not asked for. "mean" divides
-    by the valid tokens' count or summed class weights (a batch with none gives 0).
+    upstream gradient of 1; each gradient an empty tensor when not asked for or ``deferred``
+    (then ``backward_chunked`` computes them: the loss alone here, one product and the row
+    pass). "mean" divides by the valid tokens' count or summed class weights (a batch with
+    none gives 0).
 
     Reads nothing back to the host: the CPU runs ahead and the op can be captured in a CUDA
     graph. Every row is computed (an ignored one gives loss 0 and a zero gradient row); a
@@ -310,19 +313,26 @@ def forward_chunked(
     v = b.shape[0]
     if config.tuning().check_values:
         _check_targets(target, ignore_index, v)
-    if mean:
-        denom = family.summed_weights(target, ignore_index, class_weight, v, _F32)
-        coef = torch.where(denom == 0, 1.0, denom).reciprocal()
-    else:
-        coef = torch.ones((), dtype=_F32, device=a.device)
+    needs = (chunked_logits.Needs(False, False, False) if deferred
+             else chunked_logits.Needs(need_input, need_weight, need_bias))
     # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.
     loss, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), target, class_weight, coef,
-        chunked_logits.LossOptions(ignore_index, label_smoothing, softcap, z_loss),
-        chunked_logits.Needs(need_input, need_weight, need_bias))
-    return (loss, grad_a if need_input else nothing(a, (0,)),
-            grad_b if need_weight else nothing(a, (0,)),
+        a, b, None if bias is None else bias.to(a.dtype), target, class_weight,
+        _mean_coef(target, class_weight, v, ignore_index, mean, a.device),
+        chunked_logits.LossOptions(ignore_index, label_smoothing, softcap, z_loss), needs)
+    return (loss, grad_a if grad_a is not None else nothing(a, (0,)),
+            grad_b if grad_b is not None else nothing(a, (0,)),
             grad_bias if grad_bias is not None else nothing(a, (0,)))
+
+
+def _mean_coef(target: Tensor, class_weight: Tensor | None, v: int, ignore_index: int,
+               mean: bool, device: torch.device) -> Tensor:
+    """Each row's share of the loss, () fp32: 1 / (valid tokens or summed class weights) for
+    "mean" (1 where there are none), 1 for "sum"."""
+    if mean:
+        denom = family.summed_weights(target, ignore_index, class_weight, v, _F32)
+        return torch.where(denom == 0, 1.0, denom).reciprocal()
+    return torch.ones((), dtype=_F32, device=device)
 
 
 chunked_op = torch.library.custom_op(
@@ -331,33 +341,90 @@ chunked_op = torch.library.custom_op(
 
 @chunked_op.register_fake
 def _(input, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-      mean, need_input, need_weight, need_bias):
+      mean, need_input, need_weight, need_bias, deferred):
     return (input.new_empty((), dtype=_F32),
-            torch.empty_like(input) if need_input else nothing(input, (0,)),
-            weight.new_empty(weight.shape, dtype=_F32) if need_weight else nothing(input, (0,)),
+            torch.empty_like(input) if need_input and not deferred else nothing(input, (0,)),
+            weight.new_empty(weight.shape, dtype=_F32) if need_weight and not deferred
+            else nothing(input, (0,)),
             bias.new_empty(bias.shape, dtype=_F32) if bias is not None and need_bias
-            else nothing(input, (0,)))
+            and not deferred else nothing(input, (0,)))
 
 
 def _chunked_setup_context(ctx, inputs, output):
-    input, weight, _, bias = inputs[:4]
+    input, weight, target, bias, class_weight, *options = inputs
     _, *grads = output
     ctx.mark_non_differentiable(*grads)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*grads)
+    ctx.deferred = options[-1]
+    if ctx.deferred:  # the inputs, for the backward to compute the gradients from
+        ctx.save_for_backward(input, weight, target, bias, class_weight)
+        ctx.options = tuple(options[:5])  # ignore_index, label_smoothing, softcap, z_loss, mean
+    else:
+        ctx.save_for_backward(*grads)
     ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
 
 
 def _chunked_backward(ctx, grad_loss, *_, backward_fn=None):
     need_input, need_weight, _, need_bias = ctx.needs_input_grad[:4]
-    nones = [None] * 9
+    nones = [None] * 10
     if grad_loss is None:
         return (None, None, None, None, *nones)
+    if ctx.deferred:
+        grads = (backward_fn or chunked_backward_op)(
+            grad_loss, *ctx.saved_tensors, *ctx.options, need_input, need_weight, need_bias)
+        return (grads[0] if need_input else None, grads[1] if need_weight else None, None,
+                grads[2] if need_bias else None, *nones)
     grad_input, grad_weight, grad_bias = ctx.saved_tensors
     dtypes = ctx.dtypes
     return (_scaled(grad_input, grad_loss, dtypes[0]) if need_input else None,
             _scaled(grad_weight, grad_loss, dtypes[1]) if need_weight else None, None,
             _scaled(grad_bias, grad_loss, dtypes[2]) if need_bias else None, *nones)
+
+
+@without_autocast
+def backward_chunked(
+    grad_loss: Tensor,  # () the loss's upstream gradient
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    class_weight: Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
+    mean: bool,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d input, d weight, d bias) in the inputs' dtypes, each an empty tensor when not asked
+    for, of a ``deferred`` ``forward_chunked``: the logits again (one chunk), the row pass with
+    the upstream gradient folded into each row's coefficient, so that each product rounds its
+    gradient once, as the forward-formed path's scaling does (and no fp32 dB exists)."""
+    a, b = row_major(input), row_major(weight)
+    v = b.shape[0]
+    coef = _mean_coef(target, class_weight, v, ignore_index, mean, a.device) * grad_loss.float()
+    _, grad_a, grad_b, grad_bias = chunked_logits.loss_and_grads(
+        a, b, None if bias is None else bias.to(a.dtype), target, class_weight, coef,
+        chunked_logits.LossOptions(ignore_index, label_smoothing, softcap, z_loss),
+        chunked_logits.Needs(need_input, need_weight, need_bias), chunk=a.shape[0],
+        weight_grad_dtype=weight.dtype)
+    return (grad_a if grad_a is not None else nothing(a, (0,)),
+            grad_b if grad_b is not None else nothing(a, (0,)),
+            grad_bias.to(bias.dtype) if grad_bias is not None else nothing(a, (0,)))
+
+
+chunked_backward_op = torch.library.custom_op(
+    "fusedloss::linear_cross_entropy_chunked_backward", backward_chunked, mutates_args=())
+
+
+@chunked_backward_op.register_fake
+def _(grad_loss, input, weight, target, bias, class_weight, ignore_index, label_smoothing,
+      softcap, z_loss, mean, need_input, need_weight, need_bias):
+    return (torch.empty_like(input) if need_input else nothing(input, (0,)),
+            torch.empty_like(weight) if need_weight else nothing(input, (0,)),
+            torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
 
 
 def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -384,4 +451,4 @@ def _(grad, scale, dtype):
 chunked_op.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
 
 _EagerChunked = eager_function("_EagerChunked", forward_chunked, _chunked_setup_context,
-                               _chunked_backward, None)
+                               _chunked_backward, backward_chunked)
