@@ -249,6 +249,19 @@ TRITON_CALLS = {
                        lambda z, t: fusedloss.nt_xent_loss(z, t, backend="triton")),
     "siglip-triton": (partial(_pair, n=NT, d=DT, scale=10.0, bias=-10.0),
                       lambda a, b, s, c: fusedloss.siglip_loss(a, b, s, c, backend="triton")),
+    # the contrastive losses' small-size path (its own op, fusedloss::contrastive_materialized)
+    "clip-materialized": (partial(_pair, n=NT, d=DT, scale=14.0),
+                          lambda a, b, s: fusedloss.clip_loss(a, b, s,
+                                                              backend="materialized")),
+    "info-nce-materialized": (
+        partial(_queries, n=NT, m=NT + 4, d=DT, labels=True, temperature=0.1),
+        lambda q, k, y, t: fusedloss.info_nce_loss(q, k, y, temperature=t,
+                                                   backend="materialized")),
+    "nt-xent-materialized": (partial(_views, n=5, d=DT, temperature=0.5),
+                             lambda z, t: fusedloss.nt_xent_loss(z, t, backend="materialized")),
+    "siglip-materialized": (partial(_pair, n=NT, d=DT, scale=10.0, bias=-10.0),
+                            lambda a, b, s, c: fusedloss.siglip_loss(a, b, s, c,
+                                                                     backend="materialized")),
 }
 
 
