@@ -238,7 +238,8 @@ def backward(grad_loss: Tensor, a: Tensor, b: Tensor, scale: Tensor, bias: Tenso
     ds = torch.empty((n, m), dtype=a.dtype, device=a.device)
     tiles = triton.cdiv(n, _GRAD_BLOCK) * triton.cdiv(m, _GRAD_BLOCK)
     sums = need_scale or need_bias
-    partial = torch.empty((2, tiles) if sums else (0,), dtype=torch.float32, device=a.device)
+    # (an unread pointer without the sums: no allocation)
+    partial = torch.empty((2, tiles), dtype=torch.float32, device=a.device) if sums else ds
     _grad_kernel[(tiles,)](
         scale_ptr=scale, lse_ptr=lse, g_ptr=grad_loss, g_stride=grad_loss.stride(0),
         ds_ptr=ds, partial_ptr=partial, NEED_SUMS=sums, BLOCK=_GRAD_BLOCK,

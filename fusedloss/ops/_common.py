@@ -59,6 +59,15 @@ def without_autocast(fn):
     return run
 
 
+def run_op(op, eager: type[torch.autograd.Function], *args):
+    """``op(*args)`` through the dispatcher while ``torch.compile`` traces; in eager mode the
+    same host functions through ``eager`` (``eager_function``), without the dispatcher's Python
+    layers (~0.3 ms per call)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return eager.apply(*args)
+
+
 def eager_function(name: str, forward, setup_context, autograd_backward,
                    backward) -> type[torch.autograd.Function]:
     """An autograd Function with the op's forward, setup and backward, called without the

@@ -19,6 +19,7 @@ from ._common import (
     grad_or_none,
     nothing,
     row_major,
+    run_op,
     scratch_bytes,
     without_autocast,
 )
@@ -30,9 +31,7 @@ def contrastive(*args) -> tuple[Tensor, ...]:
     """The forward op (``fusedloss::contrastive``, arguments of ``forward``) with its autograd:
     through the dispatcher while ``torch.compile`` traces, straight to the host functions in
     eager mode, where the dispatcher's Python layers cost ~0.3 ms per call."""
-    if torch.compiler.is_compiling():
-        return forward_op(*args)
-    return _EagerFunction.apply(*args)
+    return run_op(forward_op, _EagerFunction, *args)
 
 
 @without_autocast
@@ -266,9 +265,7 @@ def _split_accumulator(a: Tensor) -> bool:
 def contrastive_materialized(*args) -> tuple[Tensor, Tensor]:
     """The materialized op (``fusedloss::contrastive_materialized``, arguments of
     ``materialized_forward``) with its autograd, as ``contrastive`` calls its op."""
-    if torch.compiler.is_compiling():
-        return materialized_forward_op(*args)
-    return _MaterializedFunction.apply(*args)
+    return run_op(materialized_forward_op, _MaterializedFunction, *args)
 
 
 @without_autocast

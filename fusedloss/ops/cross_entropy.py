@@ -29,6 +29,7 @@ from ._common import (
     grad_or_none,
     nothing,
     row_major,
+    run_op,
     scratch_bytes,
     without_autocast,
 )
@@ -40,9 +41,7 @@ def linear_cross_entropy(*args) -> tuple[Tensor, ...]:
     """The forward op (``fusedloss::linear_cross_entropy``, arguments of ``forward``) with its
     autograd: through the dispatcher while ``torch.compile`` traces, straight to the host
     functions in eager mode, where the dispatcher's Python layers cost ~0.3 ms per call."""
-    if torch.compiler.is_compiling():
-        return forward_op(*args)
-    return _EagerFunction.apply(*args)
+    return run_op(forward_op, _EagerFunction, *args)
 
 
 @without_autocast
@@ -277,9 +276,7 @@ def linear_cross_entropy_chunked(*args) -> Tensor:
     """The reduced loss (() fp32) of ``forward_chunked``'s arguments, with its autograd: the
     gradients are computed in the forward and scaled by the loss's upstream gradient in the
     backward, or (``deferred``) computed in the backward with it."""
-    if torch.compiler.is_compiling():
-        return chunked_op(*args)[0]
-    return _EagerChunked.apply(*args)[0]
+    return run_op(chunked_op, _EagerChunked, *args)[0]
 
 
 @without_autocast
