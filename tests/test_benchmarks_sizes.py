@@ -35,19 +35,23 @@ def test_quick_run_writes_every_case(tmp_path):
 
 
 @requires_triton
-def test_tiled_method_runs_the_tiled_kernels(tmp_path, monkeypatch):
-    """"fusedloss-tiled" asks the contrastive losses for backend="triton" (and skips the LM
-    head); its loss equals the default path's."""
+def test_tiled_and_materialized_methods_pick_their_backend(tmp_path, monkeypatch):
+    """"fusedloss-tiled" asks the contrastive losses for backend="triton",
+    "fusedloss-materialized" for backend="materialized" (both skip the LM head); their losses
+    equal the default path's."""
     seen = []
     original = sizes.fused
     monkeypatch.setattr(sizes, "fused", lambda loss, x, backend="auto": (
         seen.append((loss.name, backend)), original(loss, x, backend))[1])
     assert run_module.main(["sizes", "--quick", "--losses", "clip,lm-llama3", "--sizes", "20",
-                            "--methods", "fusedloss,fusedloss-tiled", "--out", str(tmp_path)]) == 0
-    assert ("clip", "triton") in seen and ("lm-llama3", "triton") not in seen
+                            "--methods", "fusedloss,fusedloss-tiled,fusedloss-materialized",
+                            "--out", str(tmp_path)]) == 0
+    assert ("clip", "triton") in seen and ("clip", "materialized") in seen
+    assert not {("lm-llama3", "triton"), ("lm-llama3", "materialized")} & set(seen)
     rows = json.loads(next(tmp_path.glob("sizes_*.json")).read_text())["rows"]
     values = {r["method"]: r["value"] for r in rows if r["loss"] == "clip"}
-    assert abs(values["fusedloss"] - values["fusedloss-tiled"]) < 1e-4 * values["fusedloss"]
+    for method in ("fusedloss-tiled", "fusedloss-materialized"):
+        assert abs(values["fusedloss"] - values[method]) < 1e-4 * values["fusedloss"]
 
 
 def test_quick_steps_give_the_same_loss(tmp_path):

@@ -2,7 +2,7 @@
 
     python benchmarks/run.py sizes [--losses clip,siglip,info-nce,nt-xent,lm-llama3,lm-gemma2]
                                    [--sizes 128,256,...]
-                                   [--methods fusedloss,fusedloss-tiled,torch,torch-compile]
+                                   [--methods fusedloss,fusedloss-tiled,fusedloss-materialized,torch,torch-compile]
 
 For each loss and size: forward + backward of the mean loss by fusedloss (eager), by the
 materialized PyTorch loss (its b × b or N × V logits in the input dtype, as a user writes it)
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.suites import Suite
 
-METHODS = ("fusedloss", "fusedloss-tiled", "torch", "torch-compile")
+METHODS = ("fusedloss", "fusedloss-tiled", "fusedloss-materialized", "torch", "torch-compile")
 DEFAULT_METHODS = ("fusedloss", "torch", "torch-compile")
 CONTRASTIVE_SIZES = (128, 256, 1024, 4096, 16384, 65536, 262144)
 LM_SIZES = (256, 512, 2048, 8192, 32768, 131072, 262144)
@@ -78,7 +78,8 @@ def make_inputs(loss: Loss, size: int, dtype: torch.dtype, device: str) -> dict[
 
 def fused(loss: Loss, x: dict[str, Any], backend: str = "auto") -> torch.Tensor:
     """fusedloss's loss; ``backend`` for the contrastive ones ("triton": the tiled kernels
-    whatever the size, the "fusedloss-tiled" method)."""
+    whatever the size, the "fusedloss-tiled" method; "materialized": the one-launch kernels
+    over the whole similarity matrix, the "fusedloss-materialized" method)."""
     import fusedloss
 
     if loss.vocab:
@@ -142,6 +143,7 @@ def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dic
         _COMPILED[loss.name] = torch.compile(functools.partial(materialized, loss), dynamic=True)
     fn = {"fusedloss": lambda: fused(loss, x),
           "fusedloss-tiled": lambda: fused(loss, x, "triton"),
+          "fusedloss-materialized": lambda: fused(loss, x, "materialized"),
           "torch": lambda: materialized(loss, x),
           "torch-compile": lambda: _COMPILED[loss.name](x)}[method]
 
@@ -264,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             loss = Loss(loss.name, 32, vocab=1000, softcap=loss.softcap)
         for size in sizes:
             for method in args.methods:
-                if method == "fusedloss-tiled" and loss.vocab:
+                if method in ("fusedloss-tiled", "fusedloss-materialized") and loss.vocab:
                     continue  # the LM head has one path
                 if not fits(loss, size, method, args):
                     continue
@@ -375,8 +377,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
                         default=list(DEFAULT_METHODS),
                         help=f"comma list of {', '.join(METHODS)} (default: "
-                             f"{','.join(DEFAULT_METHODS)}; fusedloss-tiled: the contrastive "
-                             "losses on their tiled kernels at every size)")
+                             f"{','.join(DEFAULT_METHODS)}; fusedloss-tiled and "
+                             "fusedloss-materialized: the contrastive losses on their tiled "
+                             "or on their materialized kernels at every size)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup-ms", type=float, default=None)
