@@ -2,7 +2,8 @@
 
     python benchmarks/run.py sizes [--losses clip,siglip,info-nce,nt-xent,lm-llama3,lm-gemma2]
                                    [--sizes 128,256,...]
-                                   [--methods fusedloss,fusedloss-tiled,fusedloss-materialized,torch,torch-compile]
+                                   [--methods fusedloss,fusedloss-tiled,fusedloss-materialized,
+                                              torch,torch-compile]
 
 For each loss and size: forward + backward of the mean loss by fusedloss (eager), by the
 materialized PyTorch loss (its b × b or N × V logits in the input dtype, as a user writes it)

@@ -75,8 +75,11 @@ class Tuning:
     # The contrastive dA as a bf16 pair over the slabs (None: ``ops.contrastive``'s rule).
     split_accumulator: bool | None = None
     # The contrastive losses' backend="auto" materializes the N × M similarity matrix while it
-    # takes at most this many bytes in the features' dtype (``losses.contrastive.resolve_backend``).
-    materialized_bytes: int = 32 * 2**20
+    # takes at most this many bytes in the features' dtype (``losses.contrastive.resolve_backend``):
+    # b = 8192 in bf16, where it still took a third of the tiled kernels' time; at 16384 they
+    # were as fast in an eighth of the memory (docs/results.md, "Where the materialized path
+    # hands over").
+    materialized_bytes: int = 128 * 2**20
     # Elements of logits per chunk of the torch backend.
     torch_chunk_elements: int = 1 << 24
     # The LM head's training path (``core.chunked_logits``) holds one chunk of logits, rows × V

@@ -44,10 +44,11 @@ def resolve_backend(backend: str, a: torch.Tensor, b: torch.Tensor) -> str:
     """The backend that computes a loss of the features a (N, D) and b (M, D).
 
     "auto" takes, on CUDA, "materialized" while one N × M array of the features' dtype is at
-    most ``Tuning.materialized_bytes`` (32 MiB: b = 4096 in bf16, 2896 in fp32), where the
+    most ``Tuning.materialized_bytes`` (128 MiB: b = 8192 in bf16, 5792 in fp32), where the
     similarity matrix in one cuBLAS product and one Triton pass over it beats the tiled
     kernels, whose launches and host work cost more than the GPU's time there
-    (docs/results.md, "Small sizes"); "triton" above; "torch" on the CPU.
+    (docs/results.md, "Small sizes" and "Where the materialized path hands over"); "triton"
+    above; "torch" on the CPU.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto', 'triton', 'materialized' or 'torch', got "
@@ -133,7 +134,7 @@ def clip_loss(
         filter_eps: safe gradient filtering: the backward may skip similarity tiles as long as
             each row and each column loses at most this much softmax mass. "auto" picks by dtype
             (bf16 2⁻¹², fp16 2⁻¹⁵, fp32 exact); None or 0 computes every tile. Triton only.
-        backend: "auto" (on CUDA "materialized" up to a 32 MiB similarity matrix, then
+        backend: "auto" (on CUDA "materialized" up to a 128 MiB similarity matrix, then
             "triton"; torch on the CPU: :func:`resolve_backend`), "triton" (the tiled kernels:
             CUDA, or the CPU under ``TRITON_INTERPRET=1``), "materialized" (the b × b matrix
             from one cuBLAS product, one Triton pass over it a side; exact, ``filter_eps``
