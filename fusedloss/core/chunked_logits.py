@@ -35,7 +35,6 @@ import triton.language as tl
 
 from . import config
 from .engine import GradCoefficients, Needs, addmm_f32_, mm_f32
-from .launch import launch
 from .logits import div, exp, log, mul_rn, tanh, tanh_approx
 
 # The row kernel's launch: BLOCK_V entries of a row per step, on ROW_WARPS warps; pass 1 keeps
@@ -103,7 +102,7 @@ def loss_and_grads(
             torch.mm(a_c, b.T, out=z)
         else:
             torch.addmm(bias, a_c, b.T, out=z)
-        launch(_softmax_grad_rows_kernel, (r1 - r0,),
+        _softmax_grad_rows_kernel[(r1 - r0,)](
             z, z.stride(0), target[r0:r1],
             class_weight if class_weight is not None else dummy, total_w, coef.reshape(1),
             losses[r0:r1], v, options.ignore_index,
@@ -296,8 +295,8 @@ def scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     n = grad.numel()
     if n:
-        launch(_scale_kernel, (triton.cdiv(n, 8192),), grad, out, scale.reshape(1), n,
-               BLOCK=8192, num_warps=8)
+        _scale_kernel[(triton.cdiv(n, 8192),)](grad, out, scale.reshape(1), n, BLOCK=8192,
+                                               num_warps=8)
     return out
 
 
@@ -331,7 +330,7 @@ def shard_row_stats(
     softcap = options.softcap
     stats = torch.empty((4, rows), dtype=torch.float32, device=z.device)
     block_v = 16 if config.interpreting() else ROW_BLOCK
-    launch(_shard_row_stats_kernel, (rows,),
+    _shard_row_stats_kernel[(rows,)](
         z, z.stride(0), target, _or_dummy(class_weight, z), stats, rows, v_r, start,
         options.ignore_index, float(softcap or 0.0),
         HAS_CLASS_WEIGHT=class_weight is not None, SMOOTHING=options.label_smoothing > 0,
@@ -359,7 +358,7 @@ def shard_softmax_grad_(
     softcap = options.softcap
     smoothing = coef.uniform is not None
     block_v = 16 if config.interpreting() else ROW_BLOCK
-    launch(_shard_softmax_grad_kernel, (rows,),
+    _shard_softmax_grad_kernel[(rows,)](
         z, z.stride(0), target, _or_dummy(class_weight, z),
         row_max, coef.lse / row_sum, coef.target, _or_dummy(coef.uniform, z),
         v_r, start, options.ignore_index, float(softcap or 0.0),

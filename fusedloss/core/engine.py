@@ -38,7 +38,7 @@ import torch
 
 from . import config
 from .filtering import backward_tiles, live_tiles_into, pooled_live_tiles_into
-from .launch import RepeatedLaunch, launch
+from .launch import RepeatedLaunch
 
 
 @dataclass(frozen=True)
@@ -441,7 +441,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                              cfg.block_k)
-        launch(_lse_forward_kernel, (groups, splits),
+        _lse_forward_kernel[(groups, splits)](
             a, b, a_desc, b_desc,
             logits.bias if logits.bias is not None else dummy,
             logits.scale if logits.scale is not None else dummy,
@@ -468,7 +468,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         target_logit = part_target.sum(dim=0)
     elif has_target:
         target_logit = torch.empty(n, **f32)
-        launch(_target_logit_kernel, (triton_cdiv(n, cfg.block_m),),
+        _target_logit_kernel[(triton_cdiv(n, cfg.block_m),)](
             a, b, logits.bias if logits.bias is not None else dummy,
             logits.scale if logits.scale is not None else dummy,
             rows.index, rows.n_valid, rows.target, target_logit,
@@ -529,7 +529,7 @@ def combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor, n_valid: to
     # Partials read per load: a power of 2 from 2 to 16.
     parts = min(16, 1 << (max(2, splits, col_parts) - 1).bit_length())
     order = col_order if col_order is not None else n_valid  # read only with HAS_ORDER
-    launch(_combine_partials_kernel, (row_programs + triton_cdiv(v, block),),
+    _combine_partials_kernel[(row_programs + triton_cdiv(v, block),)](
         part_max, part_sum, splits, n, n_valid, row_out,
         *(cols if cols is not None else (part_max, part_sum)), col_parts, v,
         order, col_out if col_out is not None else row_out,
@@ -553,7 +553,7 @@ def merge_stats(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = Non
         from .lse_forward import _merge_pair_kernel
 
         block = 1024 if not config.interpreting() else 64
-        launch(_merge_pair_kernel, (triton_cdiv(n, block),),
+        _merge_pair_kernel[(triton_cdiv(n, block),)](
             x, y, out, n, BLOCK=block, PRECISE=not config.interpreting(), num_warps=4)
         return out
     max1 = torch.where(x[1] > 0, x[0], float("-inf"))

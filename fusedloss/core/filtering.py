@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from . import config
-from .launch import launch
 from .logits import exp
 
 # Probability mass a row may lose, by input dtype: a fraction of one ulp of the dtype, so the
@@ -171,7 +170,7 @@ def backward_tiles(
     holds some row's target (``mark_targets_live``, whose one-hot term is never negligible).
     """
     out = torch.empty((n_blocks, n_tiles), dtype=torch.bool, device=n_valid.device)
-    launch(_backward_tiles_kernel, (n_blocks,),
+    _backward_tiles_kernel[(n_blocks,)](
         coarse.view(torch.uint8) if coarse is not None else out,
         coarse.stride(0) if coarse is not None else 0,
         out.view(torch.uint8), n_tiles, n_valid,
@@ -251,7 +250,7 @@ def live_tiles_into(
         return
     flat = out.view(torch.uint8)
     from_ptr = isinstance(n_valid, torch.Tensor)
-    launch(_live_tiles_kernel, (n_blocks,),
+    _live_tiles_kernel[(n_blocks,)](
         tile_log_mass, tile_log_mass.stride(0), tile_log_mass.stride(1),
         lse, n_valid if from_ptr else lse, 0 if from_ptr else int(n_valid),
         scale if scale is not None else lse, scale.numel() if scale is not None else 0,
@@ -426,7 +425,7 @@ def pooled_live_tiles_into(
     from_ptr = isinstance(n_valid, torch.Tensor)
     # Units per step: a (units × BLOCK_T) chunk of statistics in registers, ~8K values.
     units = min(triton.next_power_of_2(block), max(1, 8192 // block_t))
-    launch(_pooled_live_tiles_kernel, (n_blocks,),
+    _pooled_live_tiles_kernel[(n_blocks,)](
         unit_log_mass, unit_log_mass.stride(0), unit_log_mass.stride(1),
         lse, n_valid if from_ptr else lse, 0 if from_ptr else int(n_valid),
         weight if weight is not None else lse, weight.numel() if weight is not None else 0,

@@ -30,7 +30,6 @@ import triton.language as tl
 from torch import Tensor
 
 from . import config, engine
-from .launch import launch
 from .logits import dot_tile, exp, log, log1p_exp_neg, sigmoid
 
 KIND_CODES = {"clip": 0, "info_nce": 1, "nt_xent": 2, "siglip": 3}
@@ -224,8 +223,8 @@ def forward(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None, target: Te
     loss = torch.empty((2, n) if clip else (n,), dtype=torch.float32, device=a.device)
     lse = torch.empty((2, n + m if clip else n), dtype=torch.float32, device=a.device)
     programs = triton.cdiv(n, _STATS_BLOCK) + (triton.cdiv(m, _STATS_BLOCK) if clip else 0)
-    launch(_stats_kernel, (programs,), scale_ptr=scale, loss_ptr=loss, lse_ptr=lse,
-           BLOCK=_STATS_BLOCK, STEP=_STATS_STEP, **_common(kind, a, b, bias, target))
+    _stats_kernel[(programs,)](scale_ptr=scale, loss_ptr=loss, lse_ptr=lse, BLOCK=_STATS_BLOCK,
+                               STEP=_STATS_STEP, **_common(kind, a, b, bias, target))
     return (loss.sum(0) if clip else loss), lse
 
 
@@ -241,7 +240,7 @@ def backward(grad_loss: Tensor, a: Tensor, b: Tensor, scale: Tensor, bias: Tenso
     sums = need_scale or need_bias
     # (an unread pointer without the sums: no allocation)
     partial = torch.empty((2, tiles), dtype=torch.float32, device=a.device) if sums else ds
-    launch(_grad_kernel, (tiles,),
+    _grad_kernel[(tiles,)](
         scale_ptr=scale, lse_ptr=lse, g_ptr=grad_loss, g_stride=grad_loss.stride(0),
         ds_ptr=ds, partial_ptr=partial, NEED_SUMS=sums, BLOCK=_GRAD_BLOCK,
         **_common(kind, a, b, bias, target))
