@@ -519,7 +519,7 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
 
 def fusedloss_environment() -> dict[str, str]:
     """The library's tuning fields the run changed from their defaults
-    (``fusedloss.core.config.Tuning``: filtering rule, TMA, ...; set through ``FUSEDLOSS_*``
+    (``fusedloss.core.config.Tuning``: TMA, tiles, ...; set through ``FUSEDLOSS_*``
     variables): they change what the kernels do, so a result records them."""
     from fusedloss.core import config
 

@@ -85,8 +85,7 @@ def _import(module: str, provider: LMHeadProvider) -> Any:
 class FusedLossProvider(LMHeadProvider):
     """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")`` (whose ``filter_eps="auto"``
     is exact), optionally with an explicit ``filter_eps=None`` (``exact``), with gradient
-    filtering at the filter rule's bound for E's dtype (``filtered``: bf16 2⁻¹² under the block
-    rule, 2⁻¹⁰ under ``FUSEDLOSS_FILTER_RULE=pooled``), or inside
+    filtering at the filter's bound for E's dtype (``filtered``: bf16 2⁻¹²), or inside
     ``torch.compile(fullgraph=True)`` (compiled in the suite's untimed first call)."""
 
     distribution = "fusedloss"
@@ -117,7 +116,7 @@ class FusedLossProvider(LMHeadProvider):
 
     def describe(self) -> str:
         extra = (", filter_eps=None" if self.exact else
-                 ", filter_eps=<the filter rule's bound for the dtype>" if self.filtered else "")
+                 ", filter_eps=<the filter's bound for the dtype>" if self.filtered else "")
         call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton", softcap=s{extra})'
         return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
 

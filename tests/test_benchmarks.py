@@ -193,18 +193,16 @@ def test_targets_apply_per_case():
     assert ("fusedloss-filtered", "error", 1.0, ()) in with_filtered
 
 
-def test_filtered_provider_passes_the_rules_bound(monkeypatch, tune):
-    """``fusedloss-filtered`` calls with the filter rule's bound for E's dtype, ``fusedloss``
-    with the API's default (exact for the LM head)."""
+def test_filtered_provider_passes_the_rules_bound(monkeypatch):
+    """``fusedloss-filtered`` calls with the filter's bound for E's dtype, ``fusedloss`` with
+    the API's default (exact for the LM head)."""
     calls = []
     monkeypatch.setattr(fusedloss, "linear_cross_entropy",
                         lambda e, c, y, **kw: calls.append(kw.get("filter_eps", "default")))
     x = torch.zeros(2, 4, dtype=torch.bfloat16)
     for key in ("fusedloss-filtered", "fusedloss", "fusedloss-exact"):
         providers.lm_head_providers()[key].build(torch.device("cpu"))(x, x, None)
-    tune(filter_rule="pooled")
-    providers.lm_head_providers()["fusedloss-filtered"].build(torch.device("cpu"))(x, x, None)
-    assert calls == [2.0**-12, "default", None, 2.0**-10]
+    assert calls == [2.0**-12, "default", None]
 
 
 def test_target_checks_pass_fail_and_missing_peers():
@@ -522,15 +520,15 @@ def test_quick_run_times_with_do_bench_on_cuda(tmp_path):
 
 
 def test_results_record_the_fusedloss_tuning(tune):
-    """A run under a changed tuning (e.g. FUSEDLOSS_FILTER_RULE=pooled) says so in its
-    settings table; the defaults say nothing."""
+    """A run under a changed tuning (e.g. FUSEDLOSS_SCRATCH_MB=32) says so in its settings
+    table; the defaults say nothing."""
     assert "fusedloss tuning" not in dict(
         common.environment_rows(common.collect_environment("cpu"), {}))
-    tune(filter_rule="pooled")
+    tune(scratch_mb=32.0)
     env = common.collect_environment("cpu")
-    assert env["fusedloss_environment"] == {"filter_rule": "pooled"}
+    assert env["fusedloss_environment"] == {"scratch_mb": "32.0"}
     rows = dict(common.environment_rows(env, {}))
-    assert rows["fusedloss tuning"] == "filter_rule=pooled"
+    assert rows["fusedloss tuning"] == "scratch_mb=32.0"
 
 
 @pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or Triton's interpreter")

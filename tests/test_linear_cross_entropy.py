@@ -746,9 +746,6 @@ def test_backward_in_row_chunks_equals_one_call(monkeypatch, tune, case, order):
 
     # The engine's backward (a reduced loss would take the training path, core.chunked_logits).
     case = dataclasses.replace(case, reduction="none")
-    # Blocks of rows need the block rule's statistics: under the pooled rule (per-row tile
-    # statistics) the backward runs in one call by design (engine.grads).
-    tune(filter_rule="block")
     problem = make_problem(case)
     extra = {}
     if order:

@@ -519,13 +519,14 @@ def test_tuning_reads_the_environment_and_tuned_restores():
     tuning = config.Tuning.from_environment({
         "FUSEDLOSS_TMA": "0", "FUSEDLOSS_SPLIT_ACCUMULATOR": "1", "FUSEDLOSS_SCRATCH_MB": "0.5",
         "FUSEDLOSS_FORWARD_TILE": "32,32,32,0,4,2", "FUSEDLOSS_LM_HEAD_CHUNK_BYTES": "4096",
-        "FUSEDLOSS_FILTER_RULE": "pooled", "FUSEDLOSS_GLUON": "", "FUSEDLOSS_OTHER": "x"})
+        "FUSEDLOSS_MATERIALIZED_BYTES": "1024", "FUSEDLOSS_GLUON": "", "FUSEDLOSS_OTHER": "x"})
     assert tuning == config.Tuning(
         tma=False, split_accumulator=True, scratch_mb=0.5, lm_head_chunk_bytes=4096,
         forward_tile=config.TileConfig(32, 32, 32, 0, num_warps=4, num_stages=2),
-        filter_rule="pooled")
+        materialized_bytes=1024)
     for name, bad in [("FUSEDLOSS_TMA", "yes"), ("FUSEDLOSS_SCRATCH_MB", "lots"),
-                      ("FUSEDLOSS_BACKWARD_TILE", "32,x"), ("FUSEDLOSS_FILTER_RULE", "rows")]:
+                      ("FUSEDLOSS_BACKWARD_TILE", "32,x"), ("FUSEDLOSS_LM_HEAD_DEFERRED_ROWS",
+                                                             "many")]:
         with pytest.raises(ValueError, match=name):
             config.Tuning.from_environment({name: bad})
     for field in dataclasses.fields(config.Tuning):  # every number field reads as its type

@@ -29,7 +29,7 @@ def _features(n, d, dtype, seed):
     return torch.nn.functional.normalize(x, dim=1).to(dtype)
 
 
-def _stats(a, b, scale, bias=None, n_valid=None, rule="block", record=True):
+def _stats(a, b, scale, bias=None, n_valid=None, record=True):
     n = a.shape[0]
     n_valid = n if n_valid is None else n_valid
     rows = engine.Rows(index=torch.arange(n, device=DEV),
@@ -38,7 +38,7 @@ def _stats(a, b, scale, bias=None, n_valid=None, rule="block", record=True):
                        all_valid=n_valid == n)
     logits = engine.Logits(scale=torch.tensor(scale, device=DEV), bias=bias)
     return engine.row_stats(a, b, logits, rows,
-                            wants=engine.Wants(col_stats=True, record_tiles=record, tile_rule=rule))
+                            wants=engine.Wants(col_stats=True, record_tiles=record))
 
 
 def _both(tune, *args, **kw):
@@ -61,14 +61,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("rule", ["block", "pooled"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}")
-def test_matches_triton_kernel_and_float64(tune, case, rule):
+def test_matches_triton_kernel_and_float64(tune, case):
     n, v, d, n_valid, with_bias, dtype, scale, same = case
     a = _features(n, d, dtype, n)
     b = a.clone() if same else _features(v, d, dtype, v + 1)
     bias = torch.randn(v, device=DEV) if with_bias else None
-    hopper, triton = _both(tune, a, b, scale, bias, n_valid, rule)
+    hopper, triton = _both(tune, a, b, scale, bias, n_valid)
     assert (hopper.block_m, hopper.block_n) == (64, 128)
     assert (triton.block_m, triton.block_n) == (128, 128)
 
@@ -92,14 +91,8 @@ def test_matches_triton_kernel_and_float64(tune, case, rule):
     tiles = padded.view(n_rb, bm, n_ct, bn)
     row_mass = tiles.logsumexp(3)  # (n_rb, bm, n_ct)
     col_mass = tiles.logsumexp(1)  # (n_rb, n_ct, bn)
-    if rule == "block":
-        expect_rows, expect_cols = row_mass.amax(1), col_mass.amax(2)
-        got_rows, got_cols = hopper.tile_log_mass, hopper.col_tile_log_mass
-    else:
-        expect_rows = row_mass.reshape(n_rb * bm, n_ct)[:n_valid]
-        got_rows = hopper.tile_log_mass[:n_valid]
-        expect_cols = col_mass.reshape(n_rb, n_ct * bn)[:, :v]
-        got_cols = hopper.col_tile_log_mass[:, :v]
+    expect_rows, expect_cols = row_mass.amax(1), col_mass.amax(2)
+    got_rows, got_cols = hopper.tile_log_mass, hopper.col_tile_log_mass
     for got, expect in ((got_rows, expect_rows), (got_cols, expect_cols)):
         assert got.shape == expect.shape
         finite = torch.isfinite(expect)

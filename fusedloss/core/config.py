@@ -42,9 +42,6 @@ class TileConfig:
         return self.gemm_stages or self.num_stages
 
 
-FILTER_RULES = ("block", "pooled")
-
-
 @dataclass(frozen=True)
 class Tuning:
     """Every knob of the kernels that is not an argument: for measurements, fallbacks and tests.
@@ -57,10 +54,6 @@ class Tuning:
     tma: bool = True
     # The Hopper Gluon kernels where they apply (off: the Triton kernels).
     gluon: bool = True
-    # The backward's tile-skipping rule (``filtering.py``): "block", a bound on each row's lost
-    # softmax mass from per-block statistics, or "pooled", a bound on the relative L2 error of
-    # the call's logit gradient from per-row tile masses (N·V/BN more floats from the forward).
-    filter_rule: str = "block"
     # Tiles of the forward, backward and split-accumulator kernels, replacing the frozen ones.
     forward_tile: TileConfig | None = None
     backward_tile: TileConfig | None = None
@@ -98,11 +91,6 @@ class Tuning:
     # StableAdamW's fused step launch, "block,num_warps,lag[,sub_block]" (None: frozen).
     optim_config: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.filter_rule not in FILTER_RULES:
-            raise ValueError(f"filter_rule (FUSEDLOSS_FILTER_RULE) must be one of "
-                             f"{FILTER_RULES}, got {self.filter_rule!r}")
-
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Tuning:
         """The tuning the ``FUSEDLOSS_*`` variables of ``environ`` set (the defaults for the
@@ -133,7 +121,7 @@ def _parse(field: str, spec: str):
     if field in ("torch_chunk_elements", "lm_head_chunk_bytes", "materialized_bytes",
                  "lm_head_deferred_rows"):
         return int(spec)
-    return spec  # filter_rule, optim_config: checked where they are read
+    return spec  # optim_config: checked where it is read
 
 
 _TUNING = Tuning.from_environment(os.environ)
@@ -194,13 +182,6 @@ def precise_math(dtype: torch.dtype) -> bool:
 def tma_enabled() -> bool:
     """Whether kernels may read operand tiles through TMA descriptors (``Tuning.tma``)."""
     return tuning().tma
-
-
-def filter_rule() -> str:
-    """The backward's tile-skipping rule (``Tuning.filter_rule``). Read when the forward
-    records its statistics and when ``filter_eps="auto"`` is resolved; the backward applies the
-    rule whose statistics it was handed."""
-    return tuning().filter_rule
 
 
 def gluon_enabled(device: torch.device) -> bool:

@@ -31,13 +31,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
 from . import config
-from .filtering import backward_tiles, live_tiles_into, pooled_live_tiles_into
+from .filtering import backward_tiles, live_tiles_into
 from .launch import RepeatedLaunch
 
 
@@ -84,8 +83,7 @@ class RowStats:
     target_logit: torch.Tensor | None  # (N,) fp32
     weighted_sum: torch.Tensor | None  # (N,) fp32, Σ_j w_j X_ij
     # Per-tile statistics (Triton only): (row blocks, column tiles) fp32 block maxima of the row
-    # tile log-masses (the "block" rule), or (row blocks · block_m, column tiles) each row's own
-    # (the "pooled" rule, ``per_row_tiles``).
+    # tile log-masses.
     tile_log_mass: torch.Tensor | None
     block_m: int = 0
     block_n: int = 0
@@ -96,8 +94,7 @@ class RowStats:
     col_max: torch.Tensor | None = None  # (V,)
     col_log_sum: torch.Tensor | None = None  # (V,)
     col_sum: torch.Tensor | None = None  # (V,)
-    # (row blocks, column tiles) block maxima of the column log-masses, or (row blocks, column
-    # tiles · block_n) each column's own per row block (pooled).
+    # (row blocks, column tiles) block maxima of the column log-masses.
     col_tile_log_mass: torch.Tensor | None = None
     sigmoid_sum: torch.Tensor | None = None  # (N,) fp32 Σ_j softplus(−z_ij X_ij), sigmoid mode
     # (max, sum, log sum, lse) as one (4, N) / (4, V) tensor, where the fields above are its
@@ -135,14 +132,6 @@ class RowStats:
         if cols is not None:
             stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = cols.unbind(0)
         return stats
-
-    @property
-    def per_row_tiles(self) -> bool:
-        """Whether the tile statistics are per row (the pooled rule's), not per row block: the
-        backward applies the rule whose statistics the forward recorded."""
-        tiles = self.tile_log_mass
-        return (tiles is not None and self.block_m > 1
-                and tiles.shape[0] > triton_cdiv(self.lse.numel(), self.block_m))
 
     def lse_minus(self, x: torch.Tensor) -> torch.Tensor:
         """lse_i − x_i, without rounding lse first."""
@@ -205,7 +194,6 @@ class Wants:
     col_stats: bool = False  # each column's LSE over the valid rows, from the same pass
     sigmoid: bool = False  # the pairwise sigmoid loss per row instead of the LSE (needs targets)
     record_tiles: bool = True  # the per-tile statistics that filtering reads
-    tile_rule: str | None = None  # their rule, "block" or "pooled"; None: ``Tuning.filter_rule``
 
 
 def row_stats(
@@ -225,9 +213,8 @@ def row_stats(
         raise ValueError("sigmoid mode needs targets and takes no column or weighted statistics")
     if backend == "torch":
         return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid)
-    per_row = wants.record_tiles and (wants.tile_rule or config.filter_rule()) == "pooled"
     return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
-                             wants.record_tiles, per_row)
+                             wants.record_tiles)
 
 
 def forward_block(device: torch.device, dtype: torch.dtype, d: int, *, col_stats: bool = False,
@@ -239,17 +226,13 @@ def forward_block(device: torch.device, dtype: torch.dtype, d: int, *, col_stats
 
 
 def tile_stats_shapes(n: int, v: int, device: torch.device, dtype: torch.dtype, d: int, *,
-                      col_stats: bool = False, sigmoid: bool = False,
-                      tile_rule: str | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+                      col_stats: bool = False, sigmoid: bool = False
+                      ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes of ``RowStats.tile_log_mass`` and ``col_tile_log_mass`` as the Triton
-    ``row_stats`` records them for n rows and v columns (what an op's fake returns):
-    (row blocks, column tiles) for each under the "block" rule; under "pooled" (row blocks ·
-    block_m, column tiles) and (row blocks, column tiles · block_n), 4 · N · V / block_n and
-    4 · N · V / block_m bytes."""
+    ``row_stats`` records them for n rows and v columns (what an op's fake returns): (row
+    blocks, column tiles) for each."""
     bm, bn = forward_block(device, dtype, d, col_stats=col_stats, sigmoid=sigmoid)
     n_rb, n_ct = triton_cdiv(n, bm), triton_cdiv(v, bn)
-    if (tile_rule or config.filter_rule()) == "pooled":
-        return (n_rb * bm, n_ct), (n_rb, n_ct * bn)
     return (n_rb, n_ct), (n_rb, n_ct)
 
 
@@ -388,7 +371,7 @@ def triton_cdiv(x: int, y: int) -> int:
 
 
 def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
-                      record_tiles, per_row=False) -> RowStats:
+                      record_tiles) -> RowStats:
     from .lse_forward import _lse_forward_kernel, _target_logit_kernel
 
     n, (v, d) = rows.index.numel(), b.shape
@@ -410,24 +393,15 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     target_in_tiles = has_target and sigmoid
     part_target = torch.zeros((splits, n), **f32) if target_in_tiles else part_sum
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
-    per_row = per_row and record_tiles
-    # Block maxima start at −inf (blocks without valid rows are never visited); so do the per-row
-    # masses, whose rows past the valid ones (columns past V) the mask never reads: written, so
-    # that the op's outputs are deterministic (a memset of 4·N·V/BN bytes).
-    if per_row:
-        tiles = torch.full((n_rb * cfg.block_m, n_ct), float("-inf"), **f32)
-    else:
-        tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
+    # Block maxima start at −inf (blocks without valid rows are never visited).
+    tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
         # The Hopper kernel keeps one column partial per consumer warpgroup.
         col_parts = groups * (2 if a_sm90 is not None else 1)
         col_max = torch.full((col_parts, v), float("-inf"), **f32)
         col_sum = torch.zeros((col_parts, v), **f32)
-        if per_row:
-            col_tiles = torch.full((n_rb, n_ct * cfg.block_n), float("-inf"), **f32)
-        else:
-            col_tiles = (torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles
-                         else col_sum)
+        col_tiles = (torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles
+                     else col_sum)
     dot_fp32, precision = dot_flags(a)
     dummy = part_sum
     if a_sm90 is not None:
@@ -437,7 +411,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             a_sm90, b, logits, rows.n_valid,
             lse_forward_sm90.Partials(part_max, part_sum, tiles, col_max, col_sum, col_tiles),
             lse_forward_sm90.Schedule(groups, splits, blocks_per_group, tiles_per_split, n_ct),
-            record_tiles, per_row)
+            record_tiles, per_row=False)
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                              cfg.block_k)
@@ -456,7 +430,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
             SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
             HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum,
-            HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles, PER_ROW=per_row,
+            HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles, PER_ROW=False,
             COL_STATS=col_stats, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
@@ -729,11 +703,8 @@ def grads(
     uniform term u·w must be free of softcap for filtering: with softcap it is folded into the
     tiles, which are then all computed. ``filter_scale`` = (per row (N,), per column (V,))
     factors ≤ 1 on ``filter_eps``: each row's (column's) gradient mass relative to its softmax
-    mass, so that the bound is relative to the gradient (``filtering.gradient_mass``). That is
-    the "block" rule; when ``stats`` hold per-row tile statistics (``row_stats`` under the
-    "pooled" rule) ``filter_eps`` instead bounds the relative L2 error of the whole logit
-    gradient, ‖ΔG‖_F ≤ ε‖G‖_F, each row weighted by |r| and its budget set by a floor of its
-    gradient norm (``_pooled_weights``). ``scratch_bytes`` caps the dX scratch of one column
+    mass, so that the bound is relative to the gradient (``filtering.gradient_mass``).
+    ``scratch_bytes`` caps the dX scratch of one column
     slab (default: ``FUSEDLOSS_SCRATCH_MB``, 64 MiB); wider slabs amortize the fp32 dA
     accumulator's read-modify-write over more columns.
 
@@ -772,9 +743,6 @@ def grads(
     acc = accumulation_dtype(a.dtype)
     coef = GradCoefficients(*(None if c is None else c.to(acc).contiguous() for c in (
         coef.lse, coef.target, coef.uniform, coef.col)))
-    pooled = None
-    if backend != "torch" and not sigmoid and filter_eps is not None and stats.per_row_tiles:
-        pooled = _pooled_weights(stats, coef, rows, col_weight, filter_scale or (None, None))
     if not sigmoid:
         # From here on r·P = (r / sum) · exp(X − max): the backends take r / sum (see RowStats).
         # (Dividing in the recompute kernel instead, as it loads r, was slower: two more loads
@@ -790,10 +758,9 @@ def grads(
     if backend == "torch":
         return _grads_torch(problem, needs, plan)
     if (row_chunk is not None and rows.index.numel() > row_chunk and not sigmoid
-            and coef.col is None and not needs.scale and pooled is None
-            and not stats.per_row_tiles):
+            and coef.col is None and not needs.scale):
         return _grads_by_row_chunks(problem, needs, plan)
-    return _grads_triton(problem, needs, plan, pooled)
+    return _grads_triton(problem, needs, plan)
 
 
 def _grads_by_row_chunks(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
@@ -846,97 +813,6 @@ def _rows_of(x: torch.Tensor | None, part: slice) -> torch.Tensor | None:
     return None if x is None else x[part]
 
 
-@dataclass(frozen=True)
-class PooledWeights:
-    """What the pooled rule weighs each row (and column) by, in compact row order (by column
-    id): |w|, the weight of its softmax in the logit gradient, and a floor ≤ the L2 norm of
-    its part of the gradient (``_pooled_weights``)."""
-
-    row_weight: torch.Tensor  # (N,) fp32
-    row_floor: torch.Tensor  # (N,) fp32
-    col_weight: torch.Tensor | None = None  # (V,) fp32
-    col_floor: torch.Tensor | None = None  # (V,) fp32
-
-
-def _pooled_weights(stats: RowStats, coef: GradCoefficients, rows: Rows,
-                    col_weight: torch.Tensor | None, scales) -> PooledWeights:
-    """Row weights and gradient-norm floors of the pooled rule, from the coefficients of
-    G = dX = r·P + c·Q − t·[j = y] − u·w (before the backends divide r by the sums).
-
-    A row's weight is |r_i|. Its floor f_i ≤ ‖G_i‖₂ is the magnitude of its target entry:
-
-    - where the target logits are at hand (cross-entropy), exactly |r·P_y − t − u·w_y|: for
-      plain cross-entropy (t = r) r·(1 − P_y). Capped by |r|·scale, the loss's L1 gradient
-      mass (``filtering.gradient_mass`` and its cross-entropy form): a floor stays a floor
-      under a cap, and for plain cross-entropy the cap, r·min(1, 2(1 − P_y)), is never below
-      it. The cap matters where a caller hands over only its share of t (the
-      vocabulary-parallel head: t = 0 on the ranks that do not own the target): the floor is
-      then at most twice the target entry (without label smoothing or z-loss), where the
-      uncapped r·P_y could be far above it.
-    - else (the contrastive losses, whose targets' logits the backward is not given) from the
-      loss's scale = min(1, 2(1 − P_y)), the L1 mass of the gradient row r·(P − e_y) relative
-      to |r|: its L2 analogue is the target entry alone, |r|·(1 − P_y) ≥ |r|·scale/2 (equal
-      below the clamp; at the clamp 1 − P_y ≥ ½).
-    - without a scale, |r|: the bound is then relative to the weights alone, as the block
-      rule's ε is an absolute mass without one.
-
-    Columns (CLIP's column softmax Q, coefficient c) likewise: |c_j| and |c_j|·scale_j/2.
-    """
-    row_scale, col_scale = scales
-    weight = coef.lse.abs()
-    if row_scale is not None:
-        floor = weight * row_scale.float() / 2
-    else:
-        floor = weight
-    if stats.target_logit is not None and rows.target is not None and coef.col is None:
-        p_target = torch.exp(-stats.lse_minus(stats.target_logit))
-        entry = coef.lse * p_target
-        if coef.target is not None:
-            entry = entry - coef.target
-        if coef.uniform is not None:
-            target = rows.target.clamp(min=0)
-            w_y = col_weight.float()[target] if col_weight is not None else 1.0
-            entry = entry - coef.uniform * w_y
-        floor = entry.abs()
-        if row_scale is not None:
-            floor = torch.minimum(floor, weight * row_scale.float())
-    col_w = col_floor = None
-    if coef.col is not None:
-        col_w = coef.col.abs()
-        col_floor = col_w * col_scale.float() / 2 if col_scale is not None else col_w
-    return PooledWeights(weight, floor.contiguous(), col_w, col_floor)
-
-
-def _pooled_live(stats: RowStats, rows: Rows, col_order: torch.Tensor | None, v: int, eps: float,
-                 pooled: PooledWeights) -> torch.Tensor:
-    """The (row blocks, column tiles) live mask of the forward's tiles by the pooled rule, rows
-    then (with a column coefficient) columns OR-ed in.
-
-    With both directions each gets ε/√2: the rows bound ‖ΔG_rows‖ ≤ (ε/√2)·‖f_rows‖, the
-    columns ‖ΔG_cols‖ ≤ (ε/√2)·‖f_cols‖, and where both floors are parts of the same target
-    entries (CLIP: |G_ii| = ½g(1 − P_ii) + ½g(1 − Q_ii) ≥ both), ‖G‖² ≥ ‖f_rows‖² + ‖f_cols‖²,
-    so ‖ΔG‖ ≤ (ε/√2)(‖f_rows‖ + ‖f_cols‖) ≤ ε‖G‖.
-    """
-    bm, bn = stats.block_m, stats.block_n
-    per_row = stats.tile_log_mass  # (row blocks · bm, column tiles)
-    n_rb, n_ct = per_row.shape[0] // bm, per_row.shape[1]
-    live = torch.empty((n_rb, n_ct), dtype=torch.bool, device=per_row.device)
-    both = pooled.col_weight is not None and stats.col_tile_log_mass is not None
-    eps_dir = eps / math.sqrt(2.0) if both else eps
-    pooled_live_tiles_into(live, per_row, _pad(stats.lse, n_rb * bm), rows.n_valid, bm,
-                           eps_dir, pooled.row_weight, pooled.row_floor)
-    if both:
-        col_lse, weight, floor = stats.col_lse, pooled.col_weight, pooled.col_floor
-        if col_order is not None:  # by position in the column order
-            col_lse, weight, floor = col_lse[col_order], weight[col_order], floor[col_order]
-        # The column direction is the row direction of the transposed statistics: units are
-        # columns, blocks column tiles, tiles row blocks (those without valid rows unwritten).
-        pooled_live_tiles_into(live.T, stats.col_tile_log_mass.T, _pad(col_lse, n_ct * bn), v,
-                               bn, eps_dir, weight, floor, accumulate=True,
-                               tile_limit=(bm, rows.n_valid))
-    return live
-
-
 #: the open ``recording_backward_tiles`` blocks' records
 _TILE_RECORDS: list[list[torch.Tensor]] = []
 
@@ -987,7 +863,7 @@ def _dense_slab_fraction() -> float:
 
 
 def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
-                  pooled: PooledWeights | None = None, into: Grads | None = None) -> Grads:
+                  into: Grads | None = None) -> Grads:
     """The Triton backward of ``grads`` (``plan`` as ``grads`` resolved it). ``into``: buffers
     that this call's rows add to instead of new gradients (``_grads_by_row_chunks``): dA rows
     written into ``into.a`` (the rows of other calls left alone), dB and dbias accumulated in
@@ -1019,10 +895,7 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
     fm, fn = stats.block_m, stats.block_n
     nested = fm > 0 and fm % bm == 0 and fn % bn == 0
     coarse, factors = None, (1, 1)
-    if stats.tile_log_mass is not None and nested and eps is not None and pooled is not None:
-        coarse = _pooled_live(stats, rows, logits.col_order, v, eps, pooled)
-        factors = (fm // bm, fn // bn)
-    elif stats.tile_log_mass is not None and nested and eps is not None:
+    if stats.tile_log_mass is not None and nested and eps is not None:
         lse = _pad(stats.lse, stats.tile_log_mass.shape[0] * fm)
         coarse = torch.empty(stats.tile_log_mass.shape, dtype=torch.bool, device=dev)
         live_tiles_into(coarse, stats.tile_log_mass, lse, rows.n_valid, fm, eps, filter_scale[0])

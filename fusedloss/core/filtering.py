@@ -20,20 +20,9 @@ row may lose ε·min(1, 2(1 − P_y)) of its softmax mass. A confident row (P_y 
 gradient is the tiny tail it would otherwise drop, then keeps its tiles; every row's gradient
 keeps a relative error ≤ ε.
 
-That is the "block" rule (``live_tiles``). The "pooled" rule (``pooled_live_tiles``,
-``FUSEDLOSS_FILTER_RULE=pooled``) bounds the relative L2 error of the call's logit gradient G
-instead, from per-row tile log-masses L_rt = log Σ_{j∈t} exp(X_rj) (the forward's ``PER_ROW``
-statistics). With w_r the row's gradient weight (its coefficient on P) and m_rt = exp(L_rt −
-lse_r) its mass in tile t, a row that loses the tiles S changes its gradient by at most
-w_r Σ_{t∈S} m_rt in L2 (‖·‖₂ ≤ ‖·‖₁), and by Minkowski's inequality over the block's rows
-
-    ‖ΔG_b‖_F ≤ Σ_{t∈S} q_bt,        q_bt = sqrt(Σ_{r∈b} w_r² m_rt²).
-
-Per row block the tiles of smallest q_bt are skipped while Σ q_bt ≤ ε · sqrt(Σ_{r∈b} f_r²),
-where f_r ≤ ‖G_r‖₂ is a floor of the row's gradient norm (the magnitude of its target entry,
-w_r (1 − P_y) for cross-entropy). Summed over blocks, ‖ΔG‖_F ≤ ε‖G‖_F on any input: a flat
-softmax affords nothing, a confident row adds little budget but vetoes nothing. The column
-direction (column softmax Q) is the same rule on per-column masses per row block.
+That is the rule (``live_tiles``). A second rule, bounding the relative L2 error of the call's
+whole logit gradient from per-row tile statistics, was measured against it and deleted
+(docs/design.md, "Safe gradient filtering").
 """
 
 from __future__ import annotations
@@ -53,31 +42,15 @@ AUTO_FILTER_EPS = {
     torch.float32: None,
 }
 
-# Relative L2 error of the call's logit gradient the pooled rule allows, by input dtype. bf16:
-# 2⁻¹⁰. On an H200, 2⁻⁸ gave dE errors of 0.73× PyTorch's own bf16 error on a trained LM but
-# 1.4–1.8× on the benchmark's peaked regime (exact: 0.8–0.9×), the skipped part adding ~1.5×
-# there; a quarter of that keeps the total within 1.0× (docs/design.md). fp16 carries 3 more
-# significant bits (unit roundoff 2⁻¹¹ against bf16's 2⁻⁸), so PyTorch's error there, and the
-# budget with it, is 2⁻³ times smaller. fp32: exact.
-AUTO_POOLED_FILTER_EPS = {
-    torch.bfloat16: 2.0**-10,
-    torch.float16: 2.0**-13,
-    torch.float32: None,
-}
-
-
-def resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype,
-                       rule: str | None = None) -> float | None:
-    """Maps the user's ``filter_eps`` ("auto", None or a float ≥ 0) to a bound or None: under
-    the "block" rule a softmax mass per row, under "pooled" a relative L2 error of the logit
-    gradient (``rule`` None: ``FUSEDLOSS_FILTER_RULE``)."""
+def resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float | None:
+    """Maps the user's ``filter_eps`` ("auto", None or a float ≥ 0) to a bound on each row's
+    lost softmax mass, or None."""
     if filter_eps is None:
         return None
     if isinstance(filter_eps, str):
         if filter_eps != "auto":
             raise ValueError(f"filter_eps must be 'auto', None or a float >= 0, got {filter_eps!r}")
-        rule = rule or config.filter_rule()
-        return (AUTO_POOLED_FILTER_EPS if rule == "pooled" else AUTO_FILTER_EPS).get(dtype)
+        return AUTO_FILTER_EPS.get(dtype)
     try:
         eps = float(filter_eps)
     except (TypeError, ValueError):
@@ -87,15 +60,15 @@ def resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype,
     return eps if eps > 0.0 else None
 
 
-def resolve_lm_head_filter_eps(filter_eps: float | str | None, dtype: torch.dtype,
-                               rule: str | None = None) -> float | None:
+def resolve_lm_head_filter_eps(filter_eps: float | str | None, dtype: torch.dtype
+                               ) -> float | None:
     """The LM heads' ``filter_eps``: as :func:`resolve_filter_eps`, except that "auto" computes
     every tile (None). On LM-head inputs no rule skips enough at the accuracy bar to pay for its
     bookkeeping (the forward's per-tile statistics, the mask's launches; docs/design.md, "The LM
-    heads' default"). An explicit ε still filters, under either rule."""
+    heads' default"). An explicit ε still filters."""
     if isinstance(filter_eps, str) and filter_eps == "auto":
         return None
-    return resolve_filter_eps(filter_eps, dtype, rule)
+    return resolve_filter_eps(filter_eps, dtype)
 
 
 def gradient_mass(loss: torch.Tensor) -> torch.Tensor:
@@ -309,7 +282,7 @@ def _live_tiles_kernel(
 
 @triton.jit
 def _skip_threshold(bound, budget):
-    """Both rules skip a block's smallest bounds while their running sum stays within the
+    """The rule skips a block's smallest bounds while their running sum stays within the
     budget: every tile below the threshold returned here, the first sorted bound whose running
     sum exceeds the budget (NaN sorts as +inf: kept)."""
     ordered = tl.sort(tl.where(bound == bound, bound, float("inf")))
@@ -323,187 +296,3 @@ def _store_live(live, ptrs, mask, ACCUMULATE: tl.constexpr):
     if ACCUMULATE:
         live = live | (tl.load(ptrs, mask=mask, other=0) != 0)
     tl.store(ptrs, live.to(tl.uint8), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# the pooled rule
-
-
-def pooled_live_tiles(
-    unit_log_mass: torch.Tensor,  # (blocks * block, tiles) fp32: log-mass of each unit per tile
-    lse: torch.Tensor,  # (blocks * block,) fp32 per unit
-    n_valid: torch.Tensor | int,  # () int64 on the device, or a host int: units that count
-    block: int,
-    eps: float | None,
-    weight: torch.Tensor | None = None,  # (n,) each unit's gradient weight w; 1 beyond n
-    floor: torch.Tensor | None = None,  # (n,) floor of each unit's gradient norm; None: |w|
-    tiles_valid: torch.Tensor | None = None,  # (tiles,) bool; False: statistics not written
-) -> torch.Tensor:
-    """Boolean (blocks, tiles) mask of the tiles the backward must compute, by the pooled rule
-    (module doc): per block, the tiles of smallest q_t = sqrt(Σ_r w_r² exp(2(L_rt − lse_r)))
-    are skipped while Σ q_t ≤ eps · sqrt(Σ_r floor_r²). A unit is a row (or, for the column
-    direction, a column); a NaN among a valid unit's lse, w or floor keeps its whole block.
-
-    The PyTorch form of ``pooled_live_tiles_into``; the tests hold the two to each other."""
-    n_units, n_tiles = unit_log_mass.shape
-    n_blocks = n_units // block
-    dev = lse.device
-    valid = torch.arange(n_blocks * block, device=dev) < n_valid
-    block_has_rows = valid.view(n_blocks, block).any(dim=1)
-    if eps is None:
-        return block_has_rows[:, None].expand(n_blocks, n_tiles).clone()
-    w = _pad_units(weight, n_blocks * block, dev).abs()
-    f = w if floor is None else _pad_units(floor, n_blocks * block, dev).abs()
-    bad = valid & (lse[: n_blocks * block].isnan() | w.isnan() | f.isnan())
-    block_bad = bad.view(n_blocks, block).any(dim=1)
-    # Divided by the block's largest weight: the rule is homogeneous in (w, floor), and the
-    # squares of tiny weights (a mean over many rows) must not underflow.
-    top = torch.where(valid & ~w.isnan(), w, 0.0).view(n_blocks, block).amax(dim=1)
-    top = torch.where((top > 0) & top.isfinite(), top, 1.0).repeat_interleave(block)
-    w, f = w / top, f / top
-    stat = unit_log_mass[: n_blocks * block]
-    if tiles_valid is not None:
-        stat = torch.where(tiles_valid[None, :], stat, float("-inf"))
-    mass = torch.exp(stat - lse[: n_blocks * block, None]) * w[:, None]
-    mass = torch.where(valid[:, None], mass, 0.0)
-    q = mass.square().view(n_blocks, block, n_tiles).sum(dim=1).sqrt()
-    budget = eps * torch.where(valid, f.square(), 0.0).view(n_blocks, block).sum(dim=1).sqrt()
-    key = torch.where(q.isnan(), float("inf"), q)
-    sorted_q, order = torch.sort(key, dim=1)
-    skip_sorted = torch.cumsum(sorted_q, dim=1) <= budget[:, None]
-    skip = torch.empty_like(skip_sorted).scatter_(1, order, skip_sorted)
-    return (~skip | block_bad[:, None]) & block_has_rows[:, None]
-
-
-def _pad_units(values: torch.Tensor | None, n: int, device) -> torch.Tensor:
-    """(n,) fp32: ``values`` then ones (None: all ones)."""
-    out = torch.ones(n, device=device)
-    if values is not None:
-        m = min(n, values.numel())
-        out[:m] = values[:m].float()
-    return out
-
-
-def pooled_live_tiles_into(
-    out: torch.Tensor,  # (blocks, tiles) bool, written (or OR-ed into with ``accumulate``)
-    unit_log_mass: torch.Tensor,  # (blocks * block, tiles) fp32, any strides
-    lse: torch.Tensor,  # (blocks * block,) fp32
-    n_valid: torch.Tensor | int,  # () int64 on the device, or a host int
-    block: int,
-    eps: float,
-    weight: torch.Tensor | None = None,  # (n,) fp32 gradient weight per unit; 1 beyond n
-    floor: torch.Tensor | None = None,  # (n,) fp32 gradient-norm floor per unit; None: |weight|
-    *,
-    accumulate: bool = False,
-    # (rows per tile, () int64 limit): tile t counts only if t · rows < limit (else not written)
-    tile_limit: tuple[int, torch.Tensor] | None = None,
-) -> None:
-    """``pooled_live_tiles`` in one Triton launch, one program per block: it accumulates q over
-    the block's units in chunks, sorts the tiles by q with ``tl.sort`` and keeps every tile from
-    the first whose running sum exceeds the budget. Where q ties at the threshold it keeps every
-    tied tile, so it never skips more than the PyTorch rule. ``out`` may be a transposed view
-    (the column direction); ``accumulate`` ORs into it. Tiles past ``tile_limit`` are neither
-    read nor written (the column direction's row blocks without valid rows, whose statistics
-    the forward never wrote)."""
-    tile_rows, tile_limit = tile_limit if tile_limit is not None else (0, None)
-    n_units, n_tiles = unit_log_mass.shape
-    n_blocks = n_units // block
-    block_t = max(2, triton.next_power_of_2(n_tiles))
-    if block_t > MAX_SORTED_TILES:  # one program's sort would not fit its registers
-        counted = None
-        if tile_rows > 0:
-            counted = torch.arange(n_tiles, device=out.device) * tile_rows < tile_limit
-        live = pooled_live_tiles(unit_log_mass, lse, n_valid, block, eps, weight, floor, counted)
-        if not accumulate:
-            out.copy_(live)
-            return
-        if counted is not None:
-            live &= counted[None, :]
-        out |= live
-        return
-    flat = out.view(torch.uint8)
-    from_ptr = isinstance(n_valid, torch.Tensor)
-    # Units per step: a (units × BLOCK_T) chunk of statistics in registers, ~8K values.
-    units = min(triton.next_power_of_2(block), max(1, 8192 // block_t))
-    _pooled_live_tiles_kernel[(n_blocks,)](
-        unit_log_mass, unit_log_mass.stride(0), unit_log_mass.stride(1),
-        lse, n_valid if from_ptr else lse, 0 if from_ptr else int(n_valid),
-        weight if weight is not None else lse, weight.numel() if weight is not None else 0,
-        floor if floor is not None else lse, floor.numel() if floor is not None else 0,
-        flat, flat.stride(0), flat.stride(1),
-        tile_limit if tile_limit is not None else lse, n_tiles, float(eps),
-        BLOCK=block, BLOCK_T=block_t, UNITS=units, N_VALID_PTR=from_ptr,
-        HAS_WEIGHT=weight is not None, HAS_FLOOR=floor is not None, ACCUMULATE=accumulate,
-        TILE_ROWS=tile_rows, PRECISE=not config.interpreting(),
-        num_warps=8 if block_t >= 2048 else 4,
-    )
-
-
-@triton.jit
-def _pooled_live_tiles_kernel(
-    stat_ptr, stride_su, stride_st,  # (blocks * BLOCK, tiles) fp32 log-mass per unit and tile
-    lse_ptr,                         # (blocks * BLOCK,) fp32 per unit
-    n_valid_ptr, n_valid_int,        # valid units: a () int64 on the device or a host int
-    weight_ptr, n_weight,            # (n_weight,) gradient weight per unit; 1 beyond
-    floor_ptr, n_floor,              # (n_floor,) gradient-norm floor per unit; 1 beyond
-    live_ptr, stride_lb, stride_lt,  # (blocks, tiles) uint8 out
-    tile_limit_ptr,                  # () int64: tiles t with t * TILE_ROWS >= it stay as they are
-    n_tiles, eps,
-    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, UNITS: tl.constexpr,
-    N_VALID_PTR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_FLOOR: tl.constexpr,
-    ACCUMULATE: tl.constexpr, TILE_ROWS: tl.constexpr, PRECISE: tl.constexpr,
-):
-    b = tl.program_id(0)
-    if N_VALID_PTR:
-        n_valid = tl.load(n_valid_ptr)
-    else:
-        n_valid = n_valid_int
-    offs_t = tl.arange(0, BLOCK_T)
-    in_range = offs_t < n_tiles
-    counted = in_range
-    if TILE_ROWS > 0:
-        counted = counted & (offs_t * TILE_ROWS < tl.load(tile_limit_ptr))
-    # The block's largest weight: weights and floors are divided by it (the rule is homogeneous
-    # in both), so that the squares of tiny weights do not underflow.
-    top = 1.0
-    if HAS_WEIGHT:
-        offs_b = b * BLOCK + tl.arange(0, BLOCK)
-        ok = (offs_b < n_valid) & (offs_b < n_weight)
-        w_all = tl.abs(tl.load(weight_ptr + offs_b, mask=ok, other=1.0))
-        w_all = tl.where((offs_b < n_valid) & (w_all == w_all), w_all, 0.0)
-        top = tl.max(w_all, axis=0)
-        top = tl.where((top > 0.0) & (top < float("inf")), top, 1.0)
-
-    q2 = tl.zeros((BLOCK_T,), tl.float32)  # Σ_r (w_r m_rt)², per tile
-    floor2 = tl.zeros((UNITS,), tl.float32)  # Σ_r f_r², per chunk position
-    bad = tl.zeros((UNITS,), tl.int32)  # a NaN lse, weight or floor among the valid units
-    any_valid = tl.zeros((UNITS,), tl.int32)
-    for u0 in range(0, BLOCK, UNITS):
-        offs_u = b * BLOCK + u0 + tl.arange(0, UNITS)
-        valid = (offs_u < n_valid) & (u0 + tl.arange(0, UNITS) < BLOCK)
-        lse = tl.load(lse_ptr + offs_u, mask=valid, other=0.0)
-        w = tl.full((UNITS,), 1.0, tl.float32)
-        if HAS_WEIGHT:
-            w = tl.abs(tl.load(weight_ptr + offs_u, mask=valid & (offs_u < n_weight), other=1.0))
-        f = w
-        if HAS_FLOOR:
-            f = tl.abs(tl.load(floor_ptr + offs_u, mask=valid & (offs_u < n_floor), other=1.0))
-        w = w / top
-        f = f / top
-        bad = bad | (valid & ((lse != lse) | (w != w) | (f != f))).to(tl.int32)
-        any_valid = any_valid | valid.to(tl.int32)
-        floor2 += tl.where(valid, f * f, 0.0)
-        stat = tl.load(stat_ptr + offs_u.to(tl.int64)[:, None] * stride_su
-                       + offs_t.to(tl.int64)[None, :] * stride_st,
-                       mask=valid[:, None] & counted[None, :], other=float("-inf"))
-        mass = exp(stat - lse[:, None], PRECISE) * w[:, None]  # w_r · m_rt (0 where not read)
-        q2 += tl.sum(mass * mass, axis=0)
-    has_rows = tl.max(any_valid, axis=0) > 0
-    nan_block = tl.max(bad, axis=0) > 0
-    budget = eps * tl.sqrt(tl.sum(floor2, axis=0))
-    q = tl.sqrt(q2)
-    # Tiles outside the range sort last.
-    threshold = _skip_threshold(tl.where(in_range, q, float("inf")), budget)
-    live = ~(q < threshold) | nan_block
-    _store_live(live & has_rows, live_ptr + b * stride_lb + offs_t.to(tl.int64) * stride_lt,
-                counted, ACCUMULATE)

@@ -12,9 +12,10 @@ column tiles of split c" and visits it row block by row block, tile by tile:
   symmetric contrastive loss come from one pass over the tiles;
 - it records, per (row block, column tile), the largest log-mass log Σ_{j∈tile} exp(X_rj) over
   the block's rows (and with ``COL_STATS`` the largest log Σ_{r∈block} exp(X_rj) over the tile's
-  columns): the backward turns these into safe skipping decisions (``filtering.py``). With
-  ``PER_ROW`` it records each row's own tile log-mass instead (and each column's own log-mass
-  per row block), the statistic of the pooled rule: BLOCK_M (BLOCK_N) times the bytes.
+  columns): the backward turns these into safe skipping decisions (``filtering.py``).
+  (``PER_ROW``, each row's own tile log-mass, served a second filtering rule since deleted;
+  the host always passes False. It and the Hopper kernel's leave with the next change that
+  runs the GPU suite.)
 
 ``_combine_partials_kernel`` then merges the partials (a log-sum-exp over a few dozen
 entries per row or column) in one launch for rows and columns together.
