@@ -65,3 +65,14 @@ def test_quick_steps_give_the_same_loss(tmp_path):
         values = [r["value"] for r in steps if r["step"] == name]
         assert len(values) in (2, 4), steps
         assert all(abs(v - values[1]) < 1e-2 * abs(values[1]) for v in values), steps
+
+
+def test_plot_draws_every_method(tmp_path):
+    """``--plot`` draws a line per method, every method of the suite included."""
+    pytest.importorskip("matplotlib")
+    rows = [dict(loss="clip", size=size, method=method, ms=1.0 + i + size / 100)
+            for i, method in enumerate(sizes.METHODS) for size in (64, 128)]
+    env = dict(device_name="cpu", torch=torch.__version__, triton="-", date="today")
+    sizes._plot(rows, env, tmp_path / "plot.svg")
+    text = (tmp_path / "plot.svg").read_text()
+    assert all(method in text for method in sizes.METHODS)

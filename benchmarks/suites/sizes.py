@@ -356,7 +356,7 @@ def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     losses = list(dict.fromkeys(r["loss"] for r in rows))
     fig, axes = plt.subplots(1, len(losses), figsize=(3.2 * len(losses), 3.2), squeeze=False)
     for ax, loss in zip(axes[0], losses, strict=True):
-        for method, style in zip(METHODS, ("o-", "d-.", "s--", "^:"), strict=True):
+        for method, style in zip(METHODS, ("o-", "d-.", "v-.", "s--", "^:"), strict=True):
             pts = sorted((r["size"], r["ms"]) for r in rows
                          if r["loss"] == loss and r["method"] == method and "ms" in r)
             if pts:
