@@ -704,9 +704,9 @@ def grads(
     tiles, which are then all computed. ``filter_scale`` = (per row (N,), per column (V,))
     factors ≤ 1 on ``filter_eps``: each row's (column's) gradient mass relative to its softmax
     mass, so that the bound is relative to the gradient (``filtering.gradient_mass``).
-    ``scratch_bytes`` caps the dX scratch of one column
-    slab (default: ``FUSEDLOSS_SCRATCH_MB``, 64 MiB); wider slabs amortize the fp32 dA
-    accumulator's read-modify-write over more columns.
+    ``scratch_bytes`` caps the dX scratch of one column slab (default: ``FUSEDLOSS_SCRATCH_MB``,
+    64 MiB); wider slabs amortize the fp32 dA accumulator's read-modify-write over more
+    columns.
 
     ``sparse``: a slab whose live tiles are few goes through the sparse matmul kernels, which
     the host picks from the live counts, with one wait for the GPU (none while a CUDA graph is
