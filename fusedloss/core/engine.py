@@ -411,7 +411,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             a_sm90, b, logits, rows.n_valid,
             lse_forward_sm90.Partials(part_max, part_sum, tiles, col_max, col_sum, col_tiles),
             lse_forward_sm90.Schedule(groups, splits, blocks_per_group, tiles_per_split, n_ct),
-            record_tiles, per_row=False)
+            record_tiles)
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                              cfg.block_k)
@@ -430,7 +430,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
             SOFTCAP=float(logits.softcap or 0.0), HAS_ORDER=logits.col_order is not None,
             HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum,
-            HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles, PER_ROW=False,
+            HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles,
             COL_STATS=col_stats, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),

@@ -13,9 +13,6 @@ column tiles of split c" and visits it row block by row block, tile by tile:
 - it records, per (row block, column tile), the largest log-mass log Σ_{j∈tile} exp(X_rj) over
   the block's rows (and with ``COL_STATS`` the largest log Σ_{r∈block} exp(X_rj) over the tile's
   columns): the backward turns these into safe skipping decisions (``filtering.py``).
-  (``PER_ROW``, each row's own tile log-mass, served a second filtering rule since deleted;
-  the host always passes False. It and the Hopper kernel's leave with the next change that
-  runs the GPU suite.)
 
 ``_combine_partials_kernel`` then merges the partials (a log-sum-exp over a few dozen
 entries per row or column) in one launch for rows and columns together.
@@ -51,16 +48,14 @@ def _lse_forward_kernel(
     sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X - max)   (SIGMOID: Σ softplus(−zX))
     target_out_ptr,      # (splits, N) fp32 partial target logit
     wsum_out_ptr,        # (splits, N) fp32 partial Σ_j w_j X_ij
-    tile_stat_ptr,       # (row blocks, column tiles) fp32 max_r log Σ_{j∈tile} exp(X_rj);
-                         # PER_ROW: (row blocks * BLOCK_M, column tiles) log Σ_{j∈tile} exp(X_rj)
+    tile_stat_ptr,       # (row blocks, column tiles) fp32 max_r log Σ_{j∈tile} exp(X_rj)
     col_max_ptr,         # (row groups, V) fp32 partial column max, by tile position
     col_sum_ptr,         # (row groups, V) fp32 partial column Σ exp(X - max)
-    col_tile_stat_ptr,   # (row blocks, column tiles) fp32 max_j log Σ_{r∈block} exp(X_rj);
-                         # PER_ROW: (row blocks, column tiles * BLOCK_N) log Σ_{r∈block} exp(X_rj)
+    col_tile_stat_ptr,   # (row blocks, column tiles) fp32 max_j log Σ_{r∈block} exp(X_rj)
     N, V, D, stride_a, stride_b, blocks_per_group, tiles_per_split, n_col_tiles,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_WSUM: tl.constexpr,
-    HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr, PER_ROW: tl.constexpr,
+    HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
     COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
@@ -130,18 +125,13 @@ def _lse_forward_kernel(
                 row_sum = row_sum * exp(row_max - safe_max, PRECISE) + tile_sum
                 row_max = new_max
                 if RECORD_TILES:
-                    if PER_ROW:
-                        # Rows past n_valid are left unwritten: the mask kernels never read them.
-                        tl.store(tile_stat_ptr + offs_m.to(tl.int64) * n_col_tiles + t,
-                                 new_max + tl.log(tile_sum), mask=m_rows)
-                    else:
-                        tile_mass = tl.where(m_rows, new_max + tl.log(tile_sum), float("-inf"))
-                        tl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64),
-                                 tl.max(tile_mass, axis=0))
+                    tile_mass = tl.where(m_rows, new_max + tl.log(tile_sum), float("-inf"))
+                    tl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64),
+                             tl.max(tile_mass, axis=0))
                 if COL_STATS:
                     _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
                                   col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES,
-                                  PER_ROW, BLOCK_N, PRECISE)
+                                  BLOCK_N, PRECISE)
             if HAS_WSUM:
                 xw = tl.where(m_cols[None, :], x, 0.0)
                 if HAS_COL_WEIGHT:
@@ -188,21 +178,15 @@ def _is_target(target, cols, t, BLOCK_N: tl.constexpr, HAS_ORDER: tl.constexpr):
 @triton.jit
 def _fold_columns(x, m_rows, m_cols, offs_n, pid_g, rb, t, V, n_col_tiles,
                   col_max_ptr, col_sum_ptr, col_tile_stat_ptr, RECORD_TILES: tl.constexpr,
-                  PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
     """Adds one tile's column (max, Σ exp) to the group's running column partials."""
     xc = tl.where(m_rows[:, None], x, float("-inf"))
     tile_max = tl.max(xc, axis=0)
     safe_tile = tl.where(tile_max == float("-inf"), 0.0, tile_max)
     tile_sum = tl.sum(exp(xc - safe_tile[None, :], PRECISE), axis=0)
     if RECORD_TILES:
-        if PER_ROW:
-            # Each column's own log-mass in this row block; columns past V are left unwritten.
-            tl.store(col_tile_stat_ptr + (rb * n_col_tiles).to(tl.int64) * BLOCK_N + offs_n,
-                     tile_max + tl.log(tile_sum), mask=m_cols)
-        else:
-            mass = tl.where(m_cols, tile_max + tl.log(tile_sum), float("-inf"))
-            tl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64),
-                     tl.max(mass, axis=0))
+        mass = tl.where(m_cols, tile_max + tl.log(tile_sum), float("-inf"))
+        tl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(tl.int64), tl.max(mass, axis=0))
     ptrs = pid_g.to(tl.int64) * V + offs_n
     old_max = tl.load(col_max_ptr + ptrs, mask=m_cols, other=float("-inf"))
     old_sum = tl.load(col_sum_ptr + ptrs, mask=m_cols, other=0.0)

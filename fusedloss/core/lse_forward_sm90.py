@@ -111,7 +111,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
               n_col_tiles,
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-              RECORD_TILES: gl.constexpr, PER_ROW: gl.constexpr,
+              RECORD_TILES: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
               STAGES: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against every tile of the
@@ -164,7 +164,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                     raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
                     n_col_tiles, tile_stat_ptr, col_max_ptr + col_part, col_sum_ptr + col_part,
                     col_tile_stat_ptr, mma, col_l, parts_l, pcol_l, HAS_BIAS, HAS_SCALE,
-                    RECORD_TILES, PER_ROW, BLOCK_N, WARP_ROWS)
+                    RECORD_TILES, BLOCK_N, WARP_ROWS)
 
         if active:
             out = pid_s.to(gl.int64) * N + offs_m
@@ -177,7 +177,7 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
                      n_col_tiles, tile_stat_ptr, col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      mma: gl.constexpr, col_l: gl.constexpr, parts_l: gl.constexpr,
                      pcol_l: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-                     RECORD_TILES: gl.constexpr, PER_ROW: gl.constexpr,
+                     RECORD_TILES: gl.constexpr,
                      BLOCK_N: gl.constexpr, WARP_ROWS: gl.constexpr):
     """Folds one raw tile into the rows' online (max, Σ exp), the column partials (``col_*_ptr``
     at the consumer's row) and the per-tile records; returns the rows' (max, sum)."""
@@ -198,8 +198,6 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
     tile_sum = gl.sum(p, axis=1)
     row_sum = row_sum * gl.exp(row_max - safe_max) + tile_sum
     mass = new_max + gl.log(tile_sum)  # each row's log Σ over the tile (records only)
-    if RECORD_TILES and PER_ROW:
-        gl.store(tile_stat_ptr + offs_m.to(gl.int64) * n_col_tiles + t, mass, mask=m_rows)
 
     # Three scalars of the tile in one exchange across the warps: the largest row max (the
     # columns' shared reference below), the smallest entry, the largest row log-mass.
@@ -207,7 +205,7 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
         (gl.where(m_rows, safe_max, float("-inf")),
          gl.where(m_rows, gl.min(x, axis=1), float("inf")),
          gl.where(m_rows, mass, float("-inf"))), 0, _max_min_max)
-    if RECORD_TILES and not PER_ROW:
+    if RECORD_TILES:
         gl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), top_mass)
 
     # Columns: Σ_r exp(X_rj − m) for one reference m per tile, each warp over its own rows
@@ -237,13 +235,8 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
     cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
     inside = cols < V
     if RECORD_TILES:
-        if PER_ROW:
-            gl.store(col_tile_stat_ptr + (rb * n_col_tiles).to(gl.int64) * BLOCK_N + cols,
-                     tile_max + gl.log(tile_csum), mask=inside)
-        else:
-            cmass = gl.where(inside, tile_max + gl.log(tile_csum), float("-inf"))
-            gl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64),
-                     gl.max(cmass, axis=0))
+        cmass = gl.where(inside, tile_max + gl.log(tile_csum), float("-inf"))
+        gl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), gl.max(cmass, axis=0))
     # Each thread reads back only the columns it wrote (one layout): no barrier needed.
     old_max = gl.load(col_max_ptr + cols, mask=inside, other=float("-inf"))
     old_sum = gl.load(col_sum_ptr + cols, mask=inside, other=0.0)
@@ -262,13 +255,13 @@ def _clip_forward_sm90_kernel(
     n_valid_ptr,         # () int64: rows p >= n_valid are skipped
     max_out_ptr,         # (splits, N) fp32 partial row max
     sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X − max)
-    tile_stat_ptr,       # as _lse_forward_kernel's (block or PER_ROW form), RECORD_TILES
+    tile_stat_ptr,       # as _lse_forward_kernel's, RECORD_TILES
     col_max_ptr,         # (2 · row groups, V) fp32 partial column max
     col_sum_ptr,         # (2 · row groups, V) fp32 partial column Σ exp(X − max)
     col_tile_stat_ptr,   # as _lse_forward_kernel's, RECORD_TILES
     N, V, blocks_per_group, tiles_per_split, n_col_tiles,
     HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-    RECORD_TILES: gl.constexpr, PER_ROW: gl.constexpr,
+    RECORD_TILES: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
@@ -302,13 +295,13 @@ def _clip_forward_sm90_kernel(
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
-                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES, PER_ROW,
+                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
                      BLOCK_M, BLOCK_N, K_TILES, STAGES)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
-                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES, PER_ROW,
+                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
                      BLOCK_M, BLOCK_N, K_TILES, STAGES)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
@@ -363,8 +356,8 @@ class Schedule:
     n_col_tiles: int
 
 
-def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule, record_tiles: bool,
-           per_row: bool) -> None:
+def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
+           record_tiles: bool) -> None:
     """Runs the kernel; ``a_rows``: A in compact row order, TMA-ready (engine._tma_ready), as
     b; ``logits``: the engine's ``Logits`` (scale and bias; no softcap, order or mask)."""
     gl_dtype = gl.bfloat16 if a_rows.dtype == torch.bfloat16 else gl.float16
@@ -383,7 +376,7 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule, record
         a_rows.shape[0], b.shape[0], schedule.blocks_per_group, schedule.tiles_per_split,
         schedule.n_col_tiles,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        RECORD_TILES=record_tiles, PER_ROW=per_row,
+        RECORD_TILES=record_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
         STAGES=stages(d, a_rows.element_size()), CONSUMER_REGS=CONSUMER_REGS,
         num_warps=WARPS, maxnreg=MAX_REGS,
