@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..core import engine
 from ..core.filtering import resolve_filter_eps
-from ..losses.contrastive import as_scalar, feature_error, matched_features
+from ..losses.contrastive import as_scalar, feature_error, inverse_scalar, matched_features
 from ..ops import _group
 from ..ops._common import autocast_operands, without_autocast
 from ..ops._group import device_code, dtype_code, exchange, float_code
@@ -278,9 +278,8 @@ def _options(settings: _Settings, a, b, scale_arg, bias_arg):
     resolved = engine.resolve_backend(backend, a.device)  # raises if the kernels cannot run
     eps = resolve_filter_eps(filter_eps, a.dtype)
     # Not read on the host: an invalid tensor scale or temperature becomes NaN (``as_scalar``).
-    scale = as_scalar(scale_arg, scale_name, a.device, positive=True)
-    if scale_name == "temperature":
-        scale = 1.0 / scale
+    scale = (inverse_scalar(scale_arg, scale_name, a.device) if scale_name == "temperature"
+             else as_scalar(scale_arg, scale_name, a.device, positive=True))
     bias = None if bias_arg is None else as_scalar(bias_arg, "logit_bias", a.device)
     grad_on = torch.is_grad_enabled()
     need_a, need_b, need_scale, need_bias = (

@@ -218,7 +218,7 @@ def info_nce_loss(
                              f"N = {n} queries and M = {m} keys. Pass labels.")
     else:
         labels = _check_labels(labels, n, query.device)
-    scale = 1.0 / as_scalar(temperature, "temperature", query.device, positive=True)
+    scale = inverse_scalar(temperature, "temperature", query.device)
     per_row = _run("info_nce", query, keys, scale, None, labels, filter_eps, backend)
     return _reduce(per_row, reduction)
 
@@ -267,7 +267,7 @@ def nt_xent_loss(
     if rows % 2:
         raise ValueError(f"features must stack two views of B samples, (2B, D); got an odd "
                          f"number of rows, {rows}")
-    scale = 1.0 / as_scalar(temperature, "temperature", features.device, positive=True)
+    scale = inverse_scalar(temperature, "temperature", features.device)
     per_row = _run("nt_xent", features, features, scale, None, None, filter_eps, backend)
     return _reduce(per_row, reduction)
 
@@ -411,6 +411,15 @@ def as_scalar(value, name: str, device: torch.device, *, positive: bool = False
         return torch.full((), float(value), dtype=torch.float32, device=device)
     raise TypeError(f"{name} must be a float or a one-element tensor, got "
                     f"{type(value).__name__}")
+
+
+def inverse_scalar(value, name: str, device: torch.device) -> torch.Tensor:
+    """1 / ``value`` for a temperature: ``as_scalar(value, positive=True)`` inverted, a Python
+    number on the host (one fill on the device, not a fill and a division)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        check_positive(float(value), name)
+        return as_scalar(1.0 / float(value), name, device)
+    return 1.0 / as_scalar(value, name, device, positive=True)
 
 
 def _check_labels(labels, n: int, device) -> torch.Tensor:
