@@ -157,6 +157,7 @@ def _grad_kernel(
     scale_ptr, bias_ptr, target_ptr,
     lse_ptr,             # (2, ·) the statistics pass's maxima and log-sums
     g_ptr, g_stride,     # (N,) upstream gradient of the per-row losses (any stride, 0 too)
+    g_scale,             # its factor: 1, or 1/N for a mean (g_ptr then the mean's, stride 0)
     ds_ptr,              # (N, M) out: dS = scale·dX in the features' dtype
     partial_ptr,         # (2, tiles) fp32: Σ dX ⊙ A Bᵀ and Σ dX of each tile (NEED_SUMS)
     n, m,
@@ -173,7 +174,7 @@ def _grad_kernel(
     x, dots = _logits(a_ptr, b_ptr, stride_a, stride_b, d, rows, cols, n, m, scale, bias, KIND,
                       BLOCK, BLOCK, BLOCK_K, DOT_FP32, PRECISION, PRECISE)
     target, bad = _positives(rows, n, m, target_ptr, HAS_TARGET, KIND)
-    g = tl.load(g_ptr + rows * g_stride, mask=rows < n, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows * g_stride, mask=rows < n, other=0.0).to(tl.float32) * g_scale
     g = tl.where(bad, float("nan"), g)
     hit = cols[None, :] == target[:, None]
     if KIND == 3:
@@ -186,7 +187,8 @@ def _grad_kernel(
         if KIND == 0:
             col_max = tl.load(lse_ptr + n + cols, mask=cols < m, other=0.0)
             col_log_sum = tl.load(lse_ptr + lse_stride + n + cols, mask=cols < m, other=0.0)
-            col_g = tl.load(g_ptr + cols * g_stride, mask=cols < m, other=0.0).to(tl.float32)
+            col_g = tl.load(g_ptr + cols * g_stride, mask=cols < m,
+                            other=0.0).to(tl.float32) * g_scale
             q = exp((x - col_max[None, :]) - col_log_sum[None, :], PRECISE)
             dx = 0.5 * g[:, None] * p + 0.5 * col_g[None, :] * q - tl.where(hit, g[:, None], 0.0)
         else:
@@ -213,11 +215,13 @@ def _common(kind: str, a: Tensor, b: Tensor, bias: Tensor | None, target: Tensor
 
 
 def forward(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None, target: Tensor | None,
-            kind: str) -> tuple[Tensor, Tensor]:
-    """(per-row losses (N,) fp32, the statistics the backward reads: each row's max and
-    log-sum (2, N), for CLIP each column's after the rows' (2, N + M)) of the features a (N, D)
-    and b (M, D), rows contiguous; ``scale``, ``bias`` () fp32 tensors; ``target`` (N,) int64
-    or None (above)."""
+            kind: str, reduction: str) -> tuple[Tensor, Tensor]:
+    """(the loss: per row (N,) fp32 for ``reduction`` "none", else their "sum" or "mean" (),
+    the statistics the backward reads: each row's max and log-sum (2, N), for CLIP each
+    column's after the rows' (2, N + M)) of the features a (N, D) and b (M, D), rows
+    contiguous; ``scale``, ``bias`` () fp32 tensors; ``target`` (N,) int64 or None (above).
+    The reduction is the op's own, so that the backward gets the mean's gradient as one scalar
+    (no reduction node in the autograd graph)."""
     n, m = a.shape[0], b.shape[0]
     clip = kind == "clip"
     loss = torch.empty((2, n) if clip else (n,), dtype=torch.float32, device=a.device)
@@ -225,14 +229,19 @@ def forward(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None, target: Te
     programs = triton.cdiv(n, _STATS_BLOCK) + (triton.cdiv(m, _STATS_BLOCK) if clip else 0)
     _stats_kernel[(programs,)](scale_ptr=scale, loss_ptr=loss, lse_ptr=lse, BLOCK=_STATS_BLOCK,
                                STEP=_STATS_STEP, **_common(kind, a, b, bias, target))
-    return (loss.sum(0) if clip else loss), lse
+    if reduction == "none":
+        return (loss.sum(0) if clip else loss), lse
+    if reduction == "sum":
+        return loss.sum(), lse
+    # CLIP's (2, N) halves: their mean over 2N entries is half the pairs' mean (× 2 is exact).
+    return (loss.mean() * 2.0 if clip else loss.mean()), lse
 
 
 def backward(grad_loss: Tensor, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
-             target: Tensor | None, lse: Tensor, kind: str, needs: tuple[bool, ...]
-             ) -> tuple[Tensor | None, ...]:
-    """(dA, dB, d scale, d bias) for the upstream gradient of the per-row losses, each None
-    where ``needs`` (a, b, scale, bias) says so."""
+             target: Tensor | None, lse: Tensor, kind: str, reduction: str,
+             needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """(dA, dB, d scale, d bias) for the upstream gradient of ``forward``'s loss ((N,) for
+    ``reduction`` "none", else ()), each None where ``needs`` (a, b, scale, bias) says so."""
     need_a, need_b, need_scale, need_bias = needs
     n, m = a.shape[0], b.shape[0]
     ds = torch.empty((n, m), dtype=a.dtype, device=a.device)
@@ -241,7 +250,9 @@ def backward(grad_loss: Tensor, a: Tensor, b: Tensor, scale: Tensor, bias: Tenso
     # (an unread pointer without the sums: no allocation)
     partial = torch.empty((2, tiles), dtype=torch.float32, device=a.device) if sums else ds
     _grad_kernel[(tiles,)](
-        scale_ptr=scale, lse_ptr=lse, g_ptr=grad_loss, g_stride=grad_loss.stride(0),
+        scale_ptr=scale, lse_ptr=lse, g_ptr=grad_loss,
+        g_stride=grad_loss.stride(0) if grad_loss.dim() else 0,
+        g_scale=1.0 / n if reduction == "mean" else 1.0,
         ds_ptr=ds, partial_ptr=partial, NEED_SUMS=sums, BLOCK=_GRAD_BLOCK,
         **_common(kind, a, b, bias, target))
     return (torch.mm(ds, b) if need_a else None, torch.mm(ds.T, a) if need_b else None,

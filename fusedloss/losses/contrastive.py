@@ -63,14 +63,14 @@ def resolve_backend(backend: str, a: torch.Tensor, b: torch.Tensor) -> str:
     return resolved
 
 
-def _run(kind, a, b, scale, bias, labels, filter_eps, backend) -> torch.Tensor:
-    """Per-row losses (N,) fp32 for validated inputs: the ops of ``ops/contrastive.py``.
-    ``labels``: the caller's (N,) int64, or None: row i's positive is column i (NT-Xent:
-    row i ± N/2)."""
+def _run(kind, a, b, scale, bias, labels, filter_eps, backend, reduction) -> torch.Tensor:
+    """The fp32 loss for validated inputs, per row (N,) or reduced as ``reduction`` says: the
+    ops of ``ops/contrastive.py``. ``labels``: the caller's (N,) int64, or None: row i's
+    positive is column i (NT-Xent: row i ± N/2)."""
     backend = resolve_backend(backend, a, b)
     eps = resolve_filter_eps(filter_eps, a.dtype)  # validates on every backend
     if backend == "materialized":  # exact: every pair is computed, no filtering
-        loss, _ = ops.contrastive_materialized(a, b, scale, bias, labels, kind)
+        loss, _ = ops.contrastive_materialized(a, b, scale, bias, labels, kind, reduction)
         return loss
     eps = eps if backend == "triton" else None
     n = a.shape[0]
@@ -82,7 +82,7 @@ def _run(kind, a, b, scale, bias, labels, filter_eps, backend) -> torch.Tensor:
         t is not None and t.requires_grad for t in (a, b, scale, bias))
     loss, *_ = ops.contrastive(a, b, scale, bias, target, kind, eps, backend, wants_grad,
                                labels is not None)
-    return loss
+    return _reduce(loss, reduction)
 
 
 def _reduce(per_row: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -155,9 +155,8 @@ def clip_loss(
     device = image_features.device
     scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
     bias = None if logit_bias is None else as_scalar(logit_bias, "logit_bias", device)
-    per_pair = _run("clip", image_features, text_features, scale, None, None, filter_eps,
-                    backend)
-    loss = _reduce(per_pair, reduction)
+    loss = _run("clip", image_features, text_features, scale, None, None, filter_eps, backend,
+                reduction)
     if bias is not None:
         loss = loss + 0.0 * bias  # no effect on the loss, a zero gradient, NaN stays NaN
     return loss
@@ -219,8 +218,7 @@ def info_nce_loss(
     else:
         labels = _check_labels(labels, n, query.device)
     scale = inverse_scalar(temperature, "temperature", query.device)
-    per_row = _run("info_nce", query, keys, scale, None, labels, filter_eps, backend)
-    return _reduce(per_row, reduction)
+    return _run("info_nce", query, keys, scale, None, labels, filter_eps, backend, reduction)
 
 
 def nt_xent_loss(
@@ -268,8 +266,8 @@ def nt_xent_loss(
         raise ValueError(f"features must stack two views of B samples, (2B, D); got an odd "
                          f"number of rows, {rows}")
     scale = inverse_scalar(temperature, "temperature", features.device)
-    per_row = _run("nt_xent", features, features, scale, None, None, filter_eps, backend)
-    return _reduce(per_row, reduction)
+    return _run("nt_xent", features, features, scale, None, None, filter_eps, backend,
+                reduction)
 
 
 def siglip_loss(
@@ -307,8 +305,8 @@ def siglip_loss(
     device = image_features.device
     scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
     bias = as_scalar(logit_bias, "logit_bias", device)
-    per_row = _run("siglip", image_features, text_features, scale, bias, None, None, backend)
-    return per_row.sum() / image_features.shape[0]
+    return _run("siglip", image_features, text_features, scale, bias, None, None, backend,
+                "mean")
 
 
 # ---------------------------------------------------------------------------------------------

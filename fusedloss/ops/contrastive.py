@@ -276,16 +276,17 @@ def materialized_forward(
     bias: Tensor | None,  # () fp32
     target: Tensor | None,  # (N,) int64, the caller's labels; None: row i's positive is column i
     kind: str,
+    reduction: str,  # "none", "sum" or "mean"
 ) -> tuple[Tensor, Tensor]:
-    """Per-row losses (N,) fp32 and the row statistics the backward reads ((2, N); (2, 2N) for
-    "clip": ``core.materialized.forward``), from
+    """The loss (per row (N,) fp32, or their sum or mean ()) and the row statistics the
+    backward reads ((2, N); (2, 2N) for "clip": ``core.materialized.forward``), from
     the N × M similarity matrix, which exists only during each pass. A label outside [0, M)
     gives a NaN row and NaN gradients, as in ``forward``."""
     if target is not None and config.tuning().check_values:
         _check_target(target, b.shape[0])
     a = row_major(a)
     return materialized.forward(a, a if kind == "nt_xent" else row_major(b), scale, bias,
-                                target, kind)
+                                target, kind, reduction)
 
 
 materialized_forward_op = torch.library.custom_op("fusedloss::contrastive_materialized",
@@ -293,24 +294,24 @@ materialized_forward_op = torch.library.custom_op("fusedloss::contrastive_materi
 
 
 @materialized_forward_op.register_fake
-def _(a, b, scale, bias, target, kind):
+def _(a, b, scale, bias, target, kind, reduction):
     n, m = a.shape[0], b.shape[0]
-    return (a.new_empty(n, dtype=torch.float32),
+    return (a.new_empty(n if reduction == "none" else (), dtype=torch.float32),
             a.new_empty((2, n + m if kind == "clip" else n), dtype=torch.float32))
 
 
 @without_autocast
-def _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, need_a, need_b,
-                        need_scale, need_bias) -> tuple[Tensor | None, ...]:
+def _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, reduction, need_a,
+                        need_b, need_scale, need_bias) -> tuple[Tensor | None, ...]:
     """(dA, dB, d scale, d bias), None where not needed."""
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
-    return materialized.backward(grad_loss, a, b, scale, bias, target, lse, kind,
+    return materialized.backward(grad_loss, a, b, scale, bias, target, lse, kind, reduction,
                                  (need_a, need_b, need_scale, need_bias and bias is not None))
 
 
 def materialized_backward(
-    grad_loss: Tensor,  # (N,)
+    grad_loss: Tensor,  # (N,), or () for a reduced loss
     a: Tensor,
     b: Tensor,
     scale: Tensor,
@@ -318,14 +319,15 @@ def materialized_backward(
     target: Tensor | None,
     lse: Tensor,
     kind: str,
+    reduction: str,
     need_a: bool,
     need_b: bool,
     need_scale: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dA, dB, d scale, d bias); each is an empty tensor when not asked for."""
-    grads = _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, need_a,
-                                need_b, need_scale, need_bias)
+    grads = _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, reduction,
+                                need_a, need_b, need_scale, need_bias)
     return tuple(g if g is not None else nothing(a, (0,)) for g in grads)  # type: ignore
 
 
@@ -334,7 +336,8 @@ materialized_backward_op = torch.library.custom_op(
 
 
 @materialized_backward_op.register_fake
-def _(grad_loss, a, b, scale, bias, target, lse, kind, need_a, need_b, need_scale, need_bias):
+def _(grad_loss, a, b, scale, bias, target, lse, kind, reduction, need_a, need_b, need_scale,
+      need_bias):
     return (torch.empty_like(a) if need_a else nothing(a, (0,)),
             torch.empty_like(b) if need_b else nothing(a, (0,)),
             torch.empty_like(scale) if need_scale else nothing(a, (0,)),
@@ -342,17 +345,18 @@ def _(grad_loss, a, b, scale, bias, target, lse, kind, need_a, need_b, need_scal
 
 
 def _materialized_setup(ctx, inputs, output):
-    a, b, scale, bias, target, kind = inputs
+    a, b, scale, bias, target, kind, reduction = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(a, b, scale, bias, target, output[1])
-    ctx.kind = kind
+    ctx.options = (kind, reduction)
 
 
 def _materialized_autograd_backward(ctx, grad_loss, _, *, backward_fn=materialized_backward_op):
     needs = ctx.needs_input_grad[:4]  # a, b, scale, bias
-    grads = backward_fn(grad_loss, *ctx.saved_tensors, ctx.kind, *needs)
-    return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)), None, None)
+    grads = backward_fn(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
+    return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)),
+            None, None, None)
 
 
 materialized_forward_op.register_autograd(_materialized_autograd_backward,
