@@ -74,3 +74,12 @@ def test_every_result_is_cited_or_the_latest_of_its_suite():
     patterns = cited_patterns([p.read_text() for p in docs])
     files = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md")
     assert uncited(files, patterns) == []
+
+
+def test_every_citation_names_a_kept_file():
+    """A doc that cites a results file by its whole name (suite, date, device) finds it."""
+    docs = [ROOT / "README.md", RESULTS.parent / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    stems = {p.name.split(".")[0] for p in RESULTS.iterdir()}
+    missing = sorted(p for p in cited_patterns([d.read_text() for d in docs])
+                     if NAME.match(p) and not any(fnmatch.fnmatchcase(s, p) for s in stems))
+    assert missing == []
