@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -342,58 +342,6 @@ def note_problem(notes: list[str], case_key: str, result: Figures) -> None:
         note = f"{result.label} skipped ({result.status}): {result.note}"
     if note not in notes:
         notes.append(note)
-
-
-# ----------------------------------------------------------------------------- targets
-
-TargetT = TypeVar("TargetT")
-
-
-@dataclass
-class TargetOutcome(Generic[TargetT]):
-    """A suite's target (case_key, provider, kind, factor, description) as evaluated."""
-
-    target: TargetT
-    status: str  # the suite's met / not-met mark, or "n/a (…)"
-    measured: str = ""
-    ratio: float | None = None  # measured ÷ what the target compares it with
-
-
-def figure_of(kind: str) -> Callable[[Figures], float | None]:
-    """What a target of ``kind`` compares: ms for "time", else peak MB."""
-    if kind == "time":
-        return lambda result: result.ms
-    return lambda result: result.peak_extra_mib
-
-
-def baseline_ratio(kind: str, ours: Figures, baseline: Figures) -> tuple[float, str]:
-    """``ours ÷ baseline`` in the figure of ``kind`` (both present), and its table text."""
-    value_of = figure_of(kind)
-    ours_value, base_value = value_of(ours), value_of(baseline)
-    unit, fmt = ("ms", format_ms) if kind == "time" else ("MB", format_mib)
-    ratio = ours_value / base_value if base_value > 0 else math.inf
-    text = (
-        f"{fmt(ours_value)} {unit} vs {fmt(base_value)} {unit} ({baseline.label}) "
-        f"= {format_ratio(ratio)}×"
-    )
-    return ratio, text
-
-
-def target_json(outcome: TargetOutcome[Any], **baseline: Any) -> dict[str, Any]:
-    """A target's entry in the results JSON; ``baseline`` holds the suite's own baseline
-    field(s), which go after ``factor``."""
-    target = outcome.target
-    return {
-        "case": target.case_key,
-        "provider": target.provider,
-        "kind": target.kind,
-        "factor": target.factor,
-        **baseline,
-        "target": target.description,
-        "measured": outcome.measured,
-        "ratio": outcome.ratio,
-        "status": outcome.status,
-    }
 
 
 # ----------------------------------------------------------------------------- errors
@@ -718,21 +666,6 @@ def summary_cells(case_key: str, result: Figures) -> list[str]:
         format_mib(result.peak_extra_mib),
         format_ratio(result.times_floor),
     ]
-
-
-def targets_section(
-    outcomes: Sequence[TargetOutcome[Any]], status_header: str, if_none: str
-) -> list[str]:
-    """The report's "Targets" section; ``if_none`` says why there are none."""
-    lines = ["## Targets", ""]
-    if not outcomes:
-        return lines + [if_none, ""]
-    rows = [
-        [o.target.case_key, o.target.provider, o.target.description, o.measured, o.status]
-        for o in outcomes
-    ]
-    headers = ["case", "provider", "target", "measured", status_header]
-    return lines + [markdown_table(headers, rows), ""]
 
 
 def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:

@@ -2,13 +2,10 @@
 
     python -m benchmarks.filter_cost [--rounds 6] [--eps auto|<float>]
 
-On the lm-head suite's peaked inputs (N = 8192, bf16), at the trained regime's size
-(V = 32768, D = 768), phi3.5's and gemma2-2b's, times forward+backward of
-``fusedloss.linear_cross_entropy`` with the filter (``--eps``: a float, or "auto" for the filter
-rule's own bound for bf16, ``filtering.resolve_filter_eps``) against ``filter_eps=None`` in
-alternating rounds (``triton.testing.do_bench`` medians, warm-up 25 ms, repetitions 150 ms),
-and prints each shape's medians and the median and range of the per-round ratios. Writes every
-round to ``--out``/filter_cost_<date>_<gpu>[_<tag>].json. Needs CUDA.
+Forward+backward of ``fusedloss.linear_cross_entropy`` on peaked bf16 inputs (N = 8192) with
+the filter (``--eps``; "auto": the rule's bound for bf16) against ``filter_eps=None``, in
+alternating rounds of ``do_bench`` medians; writes filter_cost_<date>_<gpu>[_<tag>].json.
+Needs CUDA.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Benchmark inputs: LM-head shapes and the "peaked" / "flat" logit regimes.
+"""Benchmark inputs: LM-head shapes and logit regimes, and contrastive feature pairs.
 
-The generators follow the published protocol every figure in our docs uses, so numbers
-compare with the peers' (V×D classifier C, N×D hidden states E, labels y):
+LM head (V×D classifier C, N×D hidden states E, labels y), the peers' published protocol::
 
     C = randn(V, D) / sqrt(D);  y = randint(0, V, (N,))
     flat:   E = randn(N, D)                                   (random init: p ≈ 1/V)
@@ -9,24 +8,13 @@ compare with the peers' (V×D classifier C, N×D hidden states E, labels y):
             C[:, 0] = −log(rank) / 4 with rank a random permutation of 1..V;  E[:, 0] = 4
     both cast to the benchmark dtype afterwards
 
-"peaked" looks like a trained model (mean loss ≈ 3 nats at V = 256000, a few dozen
-softmax entries per row above 2^-12); "flat" is the worst case for gradient filtering.
+"peaked" looks like a trained model; "flat" is the worst case for gradient filtering. The
+"trained" regime is the final normed hidden states, head and next-token targets of a small GPT
+trained on Python sources (held-out text), made once by ``python -m benchmarks.trained_lm
+--out DIR`` and read by :func:`load_trained_regime`.
 
-The "trained" regime is no formula: it is the final normed hidden states E, the head C and
-the next-token targets y of a small GPT trained on real text (Python sources), on held-out
-text, made once by ``python -m benchmarks.trained_lm --out DIR`` (a CUDA machine, a few
-minutes; see that module) and read back from ``DIR/trained_lm.pt``::
-
-    E, C, y, metadata = load_trained_regime("DIR", device="cuda", dtype=torch.bfloat16)
-    # or: FUSEDLOSS_TRAINED_LM=DIR (or the .pt file itself), then load_trained_regime()
-
-Its shape (V, D, N) is the file's; ``n=`` takes the first n rows. ``metadata`` says how it
-was made and what its softmax looks like (``metadata["softmax"]``: entries above 2^-12 per
-row, mass outside the top 50 / 1000 / 10000 entries, mean loss, mean P_y).
-
-Contrastive losses (CLIP, SigLIP, SimCLR) take pairs of L2-normalized feature matrices
-(b × c image and text features, or two views): see :func:`make_pair_features` for the
-"random" and "trained" regimes.
+Contrastive pairs (b × c L2-normalized image and text features, or two views):
+:func:`make_pair_features`, regimes "random" and "trained".
 """
 
 from __future__ import annotations
@@ -171,21 +159,10 @@ def load_trained_regime(
     *,
     n: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
-    """Hidden states, head, targets and metadata of the "trained" regime.
-
-    Returns ``(E, C, y, metadata)``: ``E`` (N, D) the model's final normed hidden states on
-    held-out text and ``C`` (V, D) its output head, both stored in bf16 and returned in
-    ``dtype`` on ``device``; ``y`` (N,) int64, the next token of each row's position;
-    ``metadata`` the dict ``benchmarks.trained_lm`` wrote (corpus, tokenizer, model,
-    training, softmax statistics). ``n`` keeps the first ``n`` rows (≤ N). ``path`` is a
-    directory holding ``trained_lm.pt`` or the file; None reads ``FUSEDLOSS_TRAINED_LM``.
-
-    Example::
-
-        E, C, y, meta = load_trained_regime("trained_lm", device="cuda")
-        loss = torch.nn.functional.cross_entropy((E @ C.T).float(), y)
-        # ≈ meta["softmax"]["mean_loss"]
-    """
+    """``(E, C, y, metadata)`` of the "trained" regime: E (N, D) and C (V, D) in ``dtype`` on
+    ``device``, y (N,) int64, and the dict ``benchmarks.trained_lm`` wrote. ``n`` keeps the
+    first ``n`` rows; ``path`` is a directory holding ``trained_lm.pt`` or the file (None:
+    ``$FUSEDLOSS_TRAINED_LM``)."""
     file = trained_lm_path(path)
     payload = torch.load(file, map_location="cpu", weights_only=True)
     hidden, classifier, labels = payload["E"], payload["C"], payload["y"]
@@ -224,12 +201,8 @@ PAIR_REGIMES = ("random", "trained")
 RANDOM_LOGIT_SCALE = 1.0 / 0.07
 TRAINED_LOGIT_SCALE = 100.0
 
-# The "trained" generator's parameters (see make_pair_features). Calibrated on CPU with a
-# chunked float32 CLIP loss at b = 16384, c = 512, logit_scale 100, seed 0: mean loss
-# 1.35 nats per direction (image→text 1.350, text→image 1.352), positive-pair cosine 0.35,
-# ≈ 6 softmax entries per row above 2^-12. Neighbouring values: latent 0.40 → 1.90 nats,
-# 0.50 → 0.88 nats (noise 1.5). The loss depends little on b (b = 1024: 1.48, 4096: 1.35) and
-# more on c (b = 4096: c = 256 → 2.9, c = 768 → 0.81 nats); every run reports its own.
+# The "trained" generator's parameters (see make_pair_features): a mean CLIP loss of a few
+# nats at logit_scale 100 (calibration: docs; every run reports its own loss).
 TRAINED_CLUSTER_SIZE = 8  # C = b // 8 clusters: ≈ 8 pairs share a cluster (Poisson sizes)
 TRAINED_LATENT = 0.45  # a: weight of the pair's shared instance latent
 TRAINED_NOISE = 1.5  # s: weight of each side's own noise
@@ -253,31 +226,21 @@ def make_pair_features(
     latent: float = TRAINED_LATENT,
     noise: float = TRAINED_NOISE,
 ) -> tuple[Tensor, Tensor]:
-    """Paired, L2-normalized features ``(image, text)``, each (b, c) in ``dtype``.
+    """Paired, L2-normalized features ``(image, text)``, each (b, c) in ``dtype``: row i of
+    each forms pair i (SimCLR: the two views of sample i). Drawn in float32 on ``device`` from
+    a generator seeded with ``seed``, normalized in float32, then cast.
 
-    Row i of ``image`` and row i of ``text`` form pair i (for SimCLR: the two views of
-    sample i). Random numbers are drawn in float32 on ``device`` from a generator seeded with
-    ``seed``; the rows are normalized in float32 and cast to ``dtype`` afterwards (so they are
-    unit vectors up to the dtype's rounding).
+    ``"random"``, an untrained model: independent random unit vectors (with CLIP's initial
+    logit_scale 1/0.07 every softmax is almost flat: the worst case for gradient filtering).
 
-    ``"random"`` — an untrained model: independent random unit vectors,
-    ``image = normalize(randn(b, c))``, ``text = normalize(randn(b, c))``. With CLIP's
-    initial logit_scale 1/0.07 every softmax is almost flat (loss ≈ log b): the worst case
-    for gradient filtering.
-
-    ``"trained"`` — a model that has learnt something: pairs share a latent, and the batch
-    has cluster structure (near-duplicate captions, several photos of one kind of thing)::
+    ``"trained"``, a model that has learnt something: pairs share a latent, and the batch has
+    cluster structure (near-duplicate captions, several photos of one kind of thing)::
 
         C = max(1, b // cluster_size) clusters with random unit centres c_k
         k_i = randint(C) for every pair i      (clusters in random order, as in real batches)
         w_i, n_i, n'_i random unit vectors     (pair latent, image noise, text noise)
         image_i = normalize(c_k + latent·w_i + noise·n_i)
         text_i  = normalize(c_k + latent·w_i + noise·n'_i)
-
-    With the defaults (latent 0.45, noise 1.5) a positive pair has cosine ≈ 0.35, pairs of
-    one cluster ≈ 0.3, unrelated pairs 0 ± 1/√c; at the trained logit_scale 100 the mean CLIP
-    loss on b = 16384, c = 512 is ≈ 1.35 nats per direction (calibration above), and the
-    softmax mass of each row sits on a handful of columns scattered over the whole batch.
     """
     _check_regime(regime, PAIR_REGIMES)
     device = torch.device(device)

@@ -2,13 +2,10 @@
 
     python -m benchmarks.optim_sweep --configs 32768,16,264,4096 16384,8,264,4096 ...
 
-Over the parameters of the companions suite's ViT-B/16 image tower (86.19 M fp32, random
-gradients; ``benchmarks.suites.companions.tower_parameters``), times one step of
-``fusedloss.optim.StableAdamW`` (fused, the suite's hyper-parameters) per configuration
-"block,num_warps,lag[,sub_block]", and ``torch.optim.AdamW(fused=True)`` before and after:
-``triton.testing.do_bench`` medians (warm-up 25 ms, repetitions 200 ms). The default launch
-shape is timed last. Prints one line per configuration, then the fastest; writes every number
-to ``--out``/optim_sweep_<date>_<gpu>[_<tag>].json. Needs CUDA.
+Times one fused StableAdamW step per configuration "block,num_warps,lag[,sub_block]" over the
+companions suite's ViT-B/16 tower parameters (``do_bench`` medians, warm-up 25 ms, rep 200 ms),
+the default launch shape last and fused AdamW before and after; writes
+``--out``/optim_sweep_<date>_<gpu>[_<tag>].json. Needs CUDA.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 
     python -m benchmarks.plot_lm_head RESULTS.json [more.json ...] --out docs/lm_head_speed.svg
 
-One panel per head, regime and mode (a row per head, a column per mode): median ms against
-tokens N on log-log axes, a line with markers per provider (one colour per provider in every
-panel, one legend), the products yardstick as a dashed black line. The title names the
-GPU, torch and triton versions and the date of each file's run. Later files replace earlier
-files' figures of the same case and provider. Needs matplotlib, imported only when plotting.
+A panel per head, regime and mode: median ms against N (log-log), a line per provider and the
+products as a dashed line; later files replace earlier ones' points. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ def collect(files: Sequence[dict[str, Any]]) -> tuple[dict[tuple[str, str, str],
 
 
 def run_description(files: Sequence[dict[str, Any]]) -> str:
-    """``NVIDIA H200 · torch 2.11.0 · triton 3.6.0 · bf16 · 2026-11-26``, a line per distinct
-    run."""
+    """``GPU · torch … · triton … · dtype · date``, a line per distinct run."""
     runs = []
     for data in files:
         env = data["environment"]

@@ -1,24 +1,15 @@
 """Implementations compared by the benchmarks: ours and the peers', behind one interface.
 
-A provider turns into a loss function ``loss(E, C, y) -> scalar`` (mean reduction) once
-per case, for the case's logit soft-cap s (``s·tanh(z/s)`` on the logits z, or None); the
-suite times ``loss(E, C, y)`` (forward) or ``torch.autograd.grad(loss, (E, C))``
-(forward+backward) itself, so every provider is measured the same way. A provider whose
-package or API is missing raises :class:`Unavailable` from ``build`` and the suite skips
-it with that note.
-
-Peers install as pure-Python wheels without dependencies::
+A provider's ``build`` returns the loss function (mean reduction) the suite times, or raises
+:class:`Unavailable` (package or API missing; the suite skips it with that note). LM-head
+functions take ``(E, C, y)`` and the case's logit soft-cap; contrastive ones the loss's own
+arguments (:data:`CONTRASTIVE_SIGNATURES`). Peers install as wheels without dependencies::
 
     pip install cut-cross-entropy==25.1.1 liger-kernel==0.8.5 inf-cl==1.2.1 --no-deps
-
-Contrastive providers (:class:`ContrastiveProvider`, the ``contrastive`` suite) work the same
-way for the CLIP, NT-Xent and SigLIP losses; their loss functions take the loss's own
-arguments (:data:`CONTRASTIVE_SIGNATURES`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import inspect
@@ -39,13 +30,9 @@ class Unavailable(Exception):
     """The provider cannot run here (package or API missing); the message says why."""
 
 
-class LMHeadProvider:
-    """One linear-cross-entropy implementation.
-
-    ``key`` is the command-line name, ``label`` the column title, ``distribution`` the
-    package whose version is reported (``None`` for torch itself), ``is_peer`` marks
-    third-party implementations (their absence is "not installed", not a failure).
-    """
+class Provider:
+    """``key``: command-line name; ``label``: column title; ``distribution``: the package whose
+    version is reported; ``is_peer``: third-party (its absence is "not installed")."""
 
     key: str = ""
     label: str = ""
@@ -60,18 +47,20 @@ class LMHeadProvider:
         version = self.version() if self.is_peer else None
         return f"{self.label} {version}" if version else self.label
 
+
+class LMHeadProvider(Provider):
+    """One linear-cross-entropy implementation."""
+
     def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        """Import what is needed and return the loss function for logits soft-capped at
-        ``softcap`` (raise Unavailable)."""
+        """The loss function for logits soft-capped at ``softcap`` (raise Unavailable)."""
         raise NotImplementedError
 
     def describe(self) -> str:
-        """The exact call being measured, for the results file (``s``: the head's soft-cap,
-        None for heads without one)."""
+        """The exact call measured (``s``: the head's soft-cap), for the results file."""
         return ""
 
 
-def _import(module: str, provider: LMHeadProvider) -> Any:
+def _import(module: str, provider: Provider) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as error:
@@ -79,22 +68,28 @@ def _import(module: str, provider: LMHeadProvider) -> Any:
         raise Unavailable(f"{module} not importable: {error}{hint}") from error
 
 
+def _compiled(function: Callable[..., Tensor], **options: Any) -> Callable[..., Tensor]:
+    """``torch.compile(function, **options)`` from an empty compile cache (each case has new
+    static shapes: earlier cases' graphs must not leak in); compiled in the untimed first call."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch.compile(function, **options)
+
+
 # ----------------------------------------------------------------------------- ours
 
 
 class FusedLossProvider(LMHeadProvider):
-    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")`` (whose ``filter_eps="auto"``
-    is exact), optionally with an explicit ``filter_eps=None`` (``exact``), with gradient
-    filtering at the filter's bound for E's dtype (``filtered``: bf16 2⁻¹²), or inside
-    ``torch.compile(fullgraph=True)`` (compiled in the suite's untimed first call)."""
+    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")``, with an explicit
+    ``filter_eps=None`` (``exact``) or inside ``torch.compile(fullgraph=True)`` (``compiled``)."""
 
     distribution = "fusedloss"
 
-    def __init__(self, exact: bool = False, compiled: bool = False, filtered: bool = False):
-        self.exact, self.compiled, self.filtered = exact, compiled, filtered
-        self.key = ("fusedloss-exact" if exact else "fusedloss-filtered" if filtered else
-                    "fusedloss-compile" if compiled else "fusedloss")
-        self.label = ("fusedloss (exact)" if exact else "fusedloss (filtered)" if filtered else
+    def __init__(self, exact: bool = False, compiled: bool = False):
+        self.exact, self.compiled = exact, compiled
+        self.key = "fusedloss-exact" if exact else "fusedloss-compile" if compiled else "fusedloss"
+        self.label = ("fusedloss (exact)" if exact else
                       "fusedloss (compiled)" if compiled else "fusedloss")
 
     def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
@@ -102,40 +97,25 @@ class FusedLossProvider(LMHeadProvider):
         linear_cross_entropy = getattr(fusedloss, "linear_cross_entropy", None)
         if linear_cross_entropy is None:
             raise Unavailable("fusedloss has no linear_cross_entropy yet")
-        resolve = None
-        if self.filtered:
-            from fusedloss.core.filtering import resolve_filter_eps as resolve
+        extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
 
         def loss(e: Tensor, c: Tensor, y: Tensor) -> Tensor:
-            extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
-            if resolve is not None:
-                extra["filter_eps"] = resolve("auto", e.dtype)
             return linear_cross_entropy(e, c, y, backend="triton", softcap=softcap, **extra)
 
-        return _compiled(loss) if self.compiled else loss
+        return _compiled(loss, fullgraph=True) if self.compiled else loss
 
     def describe(self) -> str:
-        extra = (", filter_eps=None" if self.exact else
-                 ", filter_eps=<the filter's bound for the dtype>" if self.filtered else "")
+        extra = ", filter_eps=None" if self.exact else ""
         call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton", softcap=s{extra})'
         return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
-
-
-def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``function`` under ``torch.compile(fullgraph=True)``, from an empty compile cache (each
-    case has new static shapes: earlier cases' graphs must not leak in)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    return torch.compile(function, fullgraph=True)
 
 
 # ----------------------------------------------------------------------------- torch
 
 
 def torch_eager_loss(e: Tensor, c: Tensor, y: Tensor, softcap: float | None = None) -> Tensor:
-    """The plain PyTorch LM head: bf16 logits, upcast, soft-capped (``softcap`` s:
-    ``s·tanh(z/s)``, in fp32), cross-entropy (mean)."""
+    """The plain PyTorch LM head: bf16 logits, upcast, soft-capped (``s·tanh(z/s)``, fp32),
+    cross-entropy (mean)."""
     logits = F.linear(e, c).float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
@@ -157,71 +137,17 @@ class TorchEagerProvider(LMHeadProvider):
 
 
 class TorchCompileProvider(LMHeadProvider):
-    """The eager function under ``torch.compile`` (static shapes, compiled per case).
-
-    Compilation happens in the suite's first, untimed call; a compile error surfaces
-    there and is reported as the provider's failure.
-    """
+    """The eager function under ``torch.compile`` (static shapes, compiled per case; a compile
+    error surfaces in the untimed first call as the provider's failure)."""
 
     key = "torch-compile"
     label = "torch.compile"
 
     def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        # Each case has new static shapes; start from an empty cache so old graphs and
-        # automatic-dynamic decisions from earlier cases cannot leak in.
-        import torch._dynamo
-
-        torch._dynamo.reset()
-        return torch.compile(functools.partial(torch_eager_loss, softcap=softcap), dynamic=False)
+        return _compiled(functools.partial(torch_eager_loss, softcap=softcap), dynamic=False)
 
     def describe(self) -> str:
         return f"torch.compile({TORCH_EAGER_CALL}, dynamic=False)"
-
-
-def chunked_options(options_class: type) -> Any:
-    """A ``torch.nn.LinearCrossEntropyOptions`` that selects the chunked strategy.
-
-    Fields are read at run time (the class is new and may change): prefer the automatic
-    chunk-size heuristic, else a fixed batch chunk, else the zero-argument default (which
-    already opts in to the chunked path).
-    """
-    if dataclasses.is_dataclass(options_class):
-        fields = {field.name for field in dataclasses.fields(options_class)}
-    else:
-        fields = set(inspect.signature(options_class).parameters)
-    if "chunking_method" in fields:
-        return options_class(chunking_method="auto")
-    if "batch_chunk_size" in fields:
-        return options_class(batch_chunk_size=1024)
-    return options_class()
-
-
-class TorchChunkedProvider(LMHeadProvider):
-    """``F.linear_cross_entropy(E, C, y, options=LinearCrossEntropyOptions(…))``, torch ≥ 2.13;
-    it has no soft-cap, so a soft-capped head is unavailable to it."""
-
-    key = "torch-chunked"
-    label = "torch chunked"
-
-    def __init__(self) -> None:
-        self.options: Any = None
-
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        if softcap is not None:
-            raise Unavailable(f"F.linear_cross_entropy has no softcap (this head's: {softcap:g})")
-        function = getattr(F, "linear_cross_entropy", None)
-        options_class = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-        if function is None or options_class is None:
-            raise Unavailable(
-                f"torch {torch.__version__} has no F.linear_cross_entropy with "
-                "LinearCrossEntropyOptions (needs torch ≥ 2.13)"
-            )
-        self.options = chunked_options(options_class)
-        options = self.options
-        return lambda e, c, y: function(e, c, y, options=options)
-
-    def describe(self) -> str:
-        return f"F.linear_cross_entropy(E, C, y, options={self.options!r})"
 
 
 # ----------------------------------------------------------------------------- peers
@@ -262,8 +188,7 @@ class CutCrossEntropyProvider(LMHeadProvider):
 
 
 class LigerProvider(LMHeadProvider):
-    """liger-kernel's fused linear cross-entropy (gradients computed inside the forward):
-    ``LigerFusedLinearCrossEntropyLoss(reduction="mean", softcap=s)``, whose
+    """liger-kernel's fused linear cross-entropy (gradients computed inside the forward), whose
     ``forward(lin_weight, _input, target)`` (0.8.x) takes the classifier first."""
 
     key = "liger"
@@ -288,19 +213,14 @@ class LigerProvider(LMHeadProvider):
         return "LigerFusedLinearCrossEntropyLoss(reduction='mean', softcap=s)(C, E, y)"
 
 
-# ----------------------------------------------------------------------------- registry
-
-
 def lm_head_providers() -> dict[str, LMHeadProvider]:
     """All LM-head providers by command-line key, in table order."""
     providers: list[LMHeadProvider] = [
         FusedLossProvider(),
         FusedLossProvider(exact=True),
-        FusedLossProvider(filtered=True),
         FusedLossProvider(compiled=True),
         TorchEagerProvider(),
         TorchCompileProvider(),
-        TorchChunkedProvider(),
         CutCrossEntropyProvider(),
         CutCrossEntropyProvider(no_filter=True),
         LigerProvider(),
@@ -321,22 +241,10 @@ CONTRASTIVE_SIGNATURES = {
 ContrastiveFn = Callable[..., Tensor]
 
 
-class ContrastiveProvider:
+class ContrastiveProvider(Provider):
     """One implementation of some contrastive losses (mean reduction, as the libraries')."""
 
-    key: str = ""
-    label: str = ""
-    distribution: str | None = None
-    is_peer: bool = False
-    install_hint: str = ""
     losses: tuple[str, ...] = CONTRASTIVE_LOSSES
-
-    def version(self) -> str | None:
-        return package_version(self.distribution) if self.distribution else None
-
-    def display_name(self) -> str:
-        version = self.version() if self.is_peer else None
-        return f"{self.label} {version}" if version else self.label
 
     def supports(self, loss: str) -> bool:
         return loss in self.losses
@@ -351,21 +259,15 @@ class ContrastiveProvider:
 
 
 class FusedLossContrastiveProvider(ContrastiveProvider):
-    """``fusedloss.clip_loss`` / ``nt_xent_loss`` / ``siglip_loss`` with an explicit backend.
-
-    ``exact=True`` passes ``filter_eps=None`` (every tile of the backward computed; SigLIP has
-    no filtering, so the exact variant does not apply to it). ``compiled=True`` measures the
-    call inside ``torch.compile(fullgraph=True)``.
-    """
+    """``fusedloss.clip_loss`` / ``nt_xent_loss`` / ``siglip_loss`` with an explicit backend,
+    optionally inside ``torch.compile(fullgraph=True)`` (``compiled``)."""
 
     distribution = "fusedloss"
 
-    def __init__(self, backend: str = "triton", exact: bool = False, compiled: bool = False):
-        self.backend, self.exact, self.compiled = backend, exact, compiled
-        self.key = "fusedloss-exact" if exact else "fusedloss-compile" if compiled else "fusedloss"
-        self.label = ("fusedloss (exact)" if exact else
-                      "fusedloss (compiled)" if compiled else "fusedloss")
-        self.losses = (CLIP, NT_XENT) if exact else CONTRASTIVE_LOSSES
+    def __init__(self, backend: str = "triton", compiled: bool = False):
+        self.backend, self.compiled = backend, compiled
+        self.key = "fusedloss-compile" if compiled else "fusedloss"
+        self.label = "fusedloss (compiled)" if compiled else "fusedloss"
 
     def build(self, device: torch.device, loss: str) -> ContrastiveFn:
         fusedloss = _import("fusedloss", self)
@@ -374,45 +276,35 @@ class FusedLossContrastiveProvider(ContrastiveProvider):
         if function is None:
             raise Unavailable(f"fusedloss has no {name}")
         backend = self.backend
-        extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
         if loss == CLIP:
-            call = lambda i, t, s: function(i, t, s, backend=backend, **extra)
+            call = lambda i, t, s: function(i, t, s, backend=backend)
         elif loss == NT_XENT:
-            call = lambda z, tau: function(z, temperature=tau, backend=backend, **extra)
+            call = lambda z, tau: function(z, temperature=tau, backend=backend)
         else:
             call = lambda i, t, s, bias: function(i, t, s, bias, backend=backend)
-        return _compiled(call) if self.compiled else call
+        return _compiled(call, fullgraph=True) if self.compiled else call
 
     def describe(self, loss: str) -> str:
-        extra = ", filter_eps=None" if self.exact else ""
         backend = f'backend="{self.backend}"'
         if loss == CLIP:
-            call = f"fusedloss.clip_loss(image, text, logit_scale, {backend}{extra})"
+            call = f"fusedloss.clip_loss(image, text, logit_scale, {backend})"
         elif loss == NT_XENT:
-            call = f"fusedloss.nt_xent_loss(z, temperature=τ, {backend}{extra})"
+            call = f"fusedloss.nt_xent_loss(z, temperature=τ, {backend})"
         else:
             call = f"fusedloss.siglip_loss(image, text, logit_scale, logit_bias, {backend})"
         return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
 
 
 def materialized_clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor) -> Tensor:
-    """open_clip's ``ClipLoss`` on one process: b×b logits in the input dtype, fp32 CE.
-
-    ``logits = logit_scale * image @ text.T`` (bf16 for bf16 features), then
-    ``(CE(logits, arange) + CE(logits.T, arange)) / 2`` on the logits upcast to fp32 (what
-    autocast does with ``cross_entropy``).
-    """
+    """open_clip's ``ClipLoss`` on one process: b×b logits in the input dtype, CE in fp32."""
     logits = logit_scale * image @ text.T
     labels = torch.arange(logits.shape[0], device=logits.device)
     return (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.T.float(), labels)) / 2
 
 
 def materialized_nt_xent_loss(features: Tensor, temperature: float) -> Tensor:
-    """SimCLR's NT-Xent with the 2B×2B logits: ``Z Zᵀ/τ`` in the input dtype, diagonal −inf.
-
-    Row i's target is ``(i + B) mod 2B``; CE (mean over the 2B rows) on the logits upcast to
-    fp32. The diagonal is filled in place (no 2B×2B mask).
-    """
+    """SimCLR's NT-Xent with the 2B×2B logits ``Z Zᵀ/τ`` (input dtype, diagonal −inf in
+    place); row i's target is ``(i + B) mod 2B``; CE in fp32."""
     logits = (features @ features.T) / temperature
     logits.fill_diagonal_(float("-inf"))
     rows = logits.shape[0]
@@ -423,11 +315,8 @@ def materialized_nt_xent_loss(features: Tensor, temperature: float) -> Tensor:
 def materialized_siglip_loss(
     image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Tensor
 ) -> Tensor:
-    """open_clip's ``SigLipLoss`` on one process: ``−Σ logsigmoid(z ⊙ logits) / b``.
-
-    ``logits = logit_scale * image @ text.T + logit_bias`` and the ±1 labels ``z`` (built as
-    open_clip does, ``2·eye − 1``) in the input dtype; logsigmoid and the sum in fp32.
-    """
+    """open_clip's ``SigLipLoss`` on one process: ``−Σ logsigmoid(z ⊙ logits) / b``, logits
+    and ±1 labels ``z = 2·eye − 1`` in the input dtype, logsigmoid and the sum in fp32."""
     logits = logit_scale * image @ text.T + logit_bias
     n = logits.shape[0]
     labels = 2 * torch.eye(n, device=logits.device, dtype=logits.dtype) - 1
@@ -475,15 +364,9 @@ def _free_port() -> int:
 
 
 def ensure_single_process_group(device: torch.device) -> str:
-    """A torch.distributed default group for inf-cl on one GPU; returns what was done.
-
-    inf-cl's ``cal_inf_loss`` sends the gradient of ``scale`` through ``dist.all_reduce``
-    (its ``GradientGather``), so a tensor ``logit_scale`` needs a process group even on one
-    GPU. With a group initialized it takes its ring path (``InfProb``: the same Triton
-    kernels, plus one send/receive of dk to itself in the backward). That self send works
-    with NCCL, not with gloo ("Pair is not connected"), so the group is a single-process NCCL
-    group (world size 1) on a TCPStore at a free local port. An existing group is used as is.
-    """
+    """A torch.distributed default group for inf-cl on one GPU (its ``cal_inf_loss`` all-reduces
+    ``logit_scale``'s gradient); returns what was done. NCCL, world size 1: inf-cl's ring path
+    sends to itself, which gloo cannot. An existing group is used as is."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -495,8 +378,7 @@ def ensure_single_process_group(device: torch.device) -> str:
             f"existing process group used ({dist.get_backend()}, world size "
             f"{dist.get_world_size()})"
         )
-    if _benchmark_process_group["created"]:  # created, then destroyed by someone else
-        _benchmark_process_group["created"] = False
+    _benchmark_process_group["created"] = False  # if created, someone else destroyed it
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
     port = _free_port()
@@ -536,9 +418,8 @@ def inf_cl_head_dim(width: int) -> int:
 def inf_clip_loss(cal_inf_loss: Callable[..., Tensor], scale_inside: bool = True) -> ContrastiveFn:
     """The CLIP loss from inf-cl's one-direction ``cal_inf_loss``, as ``InfClipLoss`` calls it.
 
-    ``scale_inside``: pass ``logit_scale`` to ``cal_inf_loss`` (its gradient then goes through
-    inf-cl's ``GradientGather``: needs a process group); otherwise multiply the features by it
-    first, which is what ``cal_inf_loss`` does inside. Labels are ``arange(b)``, cached.
+    ``scale_inside``: pass ``logit_scale`` to ``cal_inf_loss`` (needs a process group);
+    otherwise multiply the features by it first, as ``cal_inf_loss`` does inside.
     """
     labels_cache: dict[tuple[int, torch.device], Tensor] = {}
 
@@ -563,17 +444,9 @@ def inf_clip_loss(cal_inf_loss: Callable[..., Tensor], scale_inside: bool = True
 
 
 class InfCLProvider(ContrastiveProvider):
-    """Inf-CLIP's ``cal_inf_loss``, called once per direction as its ``InfClipLoss`` does::
-
-        loss = ((cal_inf_loss(image, text, labels, logit_scale)
-                 + cal_inf_loss(text, image, labels, logit_scale)) / 2).mean()
-
-    inf-cl casts the features to fp32 and multiplies in TF32 (64×64 tiles); bf16 features
-    are accepted (``scale * q`` is formed in the features' dtype first). A tensor
-    ``logit_scale`` needs a process group (:func:`ensure_single_process_group`); when none
-    can be made, the scale is applied outside instead (``cal_inf_loss(s·q, k, labels)``,
-    inf-cl's single-device path, the same kernels) and the call says so.
-    """
+    """Inf-CLIP's ``cal_inf_loss``, once per direction as its ``InfClipLoss`` calls it (fp32
+    features, TF32 products). Without a process group the scale is applied outside
+    (:func:`inf_clip_loss`), and the call says so."""
 
     key = "inf-cl"
     label = "inf-cl"
@@ -622,7 +495,6 @@ def contrastive_providers(backend: str = "triton") -> dict[str, ContrastiveProvi
     """All contrastive providers by command-line key, in table order."""
     providers: list[ContrastiveProvider] = [
         FusedLossContrastiveProvider(backend),
-        FusedLossContrastiveProvider(backend, exact=True),
         FusedLossContrastiveProvider(backend, compiled=True),
         TorchMaterializedProvider(),
         InfCLProvider(),

@@ -3,52 +3,30 @@
 No weights are downloaded: the model is trained here, on text every Python machine has,
 for a fixed wall-clock budget, and its head is then run on held-out text::
 
-    python -m benchmarks.trained_lm --out DIR                # CUDA, ≈ 4 min of training
-    python -m benchmarks.trained_lm --out DIR --minutes 8 --vocab 65536 --layers 8
+    python -m benchmarks.trained_lm --out DIR                # CUDA, 4 min of training
     python -m benchmarks.trained_lm --out DIR --quick        # tiny, CPU, seconds (tests)
 
-Steps:
+Steps (sizes: :class:`Settings`):
 
-1. **Corpus**: the ``.py`` files (code and docstrings) under the interpreter's
-   site-packages (torch, transformers, numpy, …), or ``--roots``. Files are taken in a
-   seeded random order of their paths (relative to their root) until ``--corpus-mb`` is
-   reached; undecodable (non-UTF-8), empty, oversized and duplicate files are skipped.
-   A file is held out when a hash of its relative path says so (``--held-out-fraction``),
-   independently of the seed; train and held-out fill their shares of the cap separately.
-2. **Tokenizer**: byte-level BPE (``tokenizers``: ByteLevel pre-tokenizer and decoder,
-   special token ``<|endoftext|>`` after every file) trained on the first
-   ``--tokenizer-mb`` of the training files; the corpus is then encoded in batches into one
-   token stream per split (training stream capped at ``--max-tokens``).
-3. **Model**: a decoder-only GPT — learned positions, pre-norm blocks of causal
-   ``scaled_dot_product_attention`` and a 4× GELU MLP, LayerNorms and linear layers
-   without bias, a final LayerNorm, an untied head unless ``--tied-head`` — trained on
-   random windows of the training stream with AdamW (β = 0.9, 0.95, weight decay 0.1 on
-   matrices, gradient clipping 1.0), linear warm-up then cosine decay to 10% of the peak
-   rate over the budget (``--minutes`` of wall clock after the first step, which also
-   compiles under ``--compile``; or ``--steps``), bf16 autocast on CUDA, float32 on CPU.
-   Train and held-out losses are logged along the way.
-4. **Rows**: ceil(N / seq_len) windows of the training length spread evenly over the
-   held-out stream (so that the rows come from many files), all positions of each in turn,
-   cut at N: ``E[i]`` the final normed hidden state (N, D), ``x[i]`` the token at that
-   position, ``y[i]`` the next token (N,). ``C`` is the head's weight (V, D). E and C are
-   stored in bf16; the model's own loss on the rows is recorded beside them.
-5. **Softmax shape** of the stored (bf16) E and C, float32 logits a block of rows at a time:
-   mean and median count of entries above 2^-12 per row, mean mass outside the top 50 /
-   1000 / 10000 entries, mean loss (nats) and mean P_y.
+1. **Corpus**: the ``.py`` files under the interpreter's site-packages, in a seeded random
+   order of their relative paths, up to the size cap; undecodable, empty, oversized and
+   duplicate files skipped. A hash of the relative path (not the seed) holds a file out.
+2. **Tokenizer**: byte-level BPE (``tokenizers``, ``<|endoftext|>`` after every file) trained
+   on the first training files; the corpus encoded into one token stream per split.
+3. **Model**: a decoder-only GPT (learned positions, pre-norm causal attention blocks with a
+   4× GELU MLP, no biases, final LayerNorm, untied head) trained on random windows with AdamW
+   (β = 0.9, 0.95, weight decay on matrices, gradient clip 1.0), linear warm-up then cosine
+   decay to 10% over ``--minutes`` of wall clock after the first step (or ``--steps``); bf16
+   autocast on CUDA, float32 on CPU. Train and held-out losses are logged.
+4. **Rows**: ceil(N / seq_len) windows spread evenly over the held-out stream, cut at N:
+   ``E[i]`` the final normed hidden state (N, D), ``x[i]`` the token, ``y[i]`` the next token.
+   ``C`` is the head's weight (V, D); E and C stored in bf16, the model's own loss beside them.
+5. **Softmax shape** of the stored E and C: entries above 2^-12 per row, mass outside the
+   top 50 / 1000 / 10000, mean loss and mean P_y.
 
-Output in DIR:
-
-- ``trained_lm.pt``: ``{"E": (N, D) bf16, "C": (V, D) bf16, "y": (N,) int64,
-  "x": (N,) int64, "metadata": dict}``, read by
-  :func:`benchmarks.inputs.load_trained_regime`;
-- ``trained_lm.json``: the same metadata (corpus, tokenizer, model, training log and final
-  losses, rows, softmax statistics, versions, device, date);
-- ``tokenizer.json``: the tokenizer (``tokenizers.Tokenizer.from_file``);
-- ``model.pt`` with ``--save-model``: ``{"config": GPTConfig fields, "state_dict": …}``.
-
-Defaults (V 32768, D 768, 4 layers, 12 heads, 1024 tokens per window, 32 windows a step,
-N 8192) take ≈ 4 minutes of training on an H100, plus about a minute to read, train the
-tokenizer and encode ≤ 200 MB of text on 16 cores.
+Output in DIR: ``trained_lm.pt`` (``{"E", "C", "y", "x", "metadata"}``, read by
+:func:`benchmarks.inputs.load_trained_regime`), ``trained_lm.json`` (the metadata),
+``tokenizer.json``; ``model.pt`` with ``Settings.save_model`` (the tests' :func:`load_model`).
 """
 
 from __future__ import annotations
@@ -121,8 +99,6 @@ class Settings:
     warmup: float = 0.05  # fraction of the budget
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
-    tied_head: bool = False
-    compile: bool = False
     eval_windows: int = 32  # held-out windows of each evaluation
     eval_every_s: float = 30.0
     device: str = ""  # empty: cuda when available, else cpu
@@ -215,7 +191,7 @@ def collect_corpus(settings: Settings) -> Corpus:
     """The training and held-out texts (see the module docstring, step 1)."""
     roots = list(settings.roots) or default_roots()
     if not roots:
-        raise RuntimeError("no site-packages directory found; pass --roots")
+        raise RuntimeError("no site-packages directory found")
     files = list_python_files(roots)
     # A seeded hash of the path orders the files: random, yet independent of the listing.
     order = sorted(files, key=lambda f: (_digest(f"{settings.seed}:{f[1]}"), f))
@@ -342,7 +318,6 @@ class GPTConfig:
     layers: int
     heads: int
     seq_len: int
-    tied_head: bool = False
 
 
 class Block(nn.Module):
@@ -386,8 +361,6 @@ class GPT(nn.Module):
             if parameter.dim() == 2:
                 std = 0.02 / math.sqrt(2 * config.layers) if name.endswith("_out.weight") else 0.02
                 nn.init.normal_(parameter, std=std)
-        if config.tied_head:
-            self.head.weight = self.token_embedding.weight
 
     def hidden(self, tokens: Tensor) -> Tensor:  # (B, T) int64 → (B, T, D)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -436,13 +409,17 @@ def evaluate(model: GPT, inputs: Tensor, targets: Tensor, device: torch.device) 
     return float(total) / inputs.shape[0]
 
 
+def cosine_decay(progress: float, floor: float) -> float:
+    """1 at ``progress`` 0, cosine down to ``floor`` at 1 (and after)."""
+    return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
 def learning_rate(settings: Settings, progress: float) -> float:
     """Linear warm-up over ``settings.warmup`` of the budget, then cosine to the floor."""
     if progress < settings.warmup:
         return settings.lr * progress / settings.warmup
-    decay = min(1.0, (progress - settings.warmup) / max(1e-9, 1.0 - settings.warmup))
-    floor = settings.lr * settings.min_lr_ratio
-    return floor + 0.5 * (settings.lr - floor) * (1.0 + math.cos(math.pi * decay))
+    decay = (progress - settings.warmup) / max(1e-9, 1.0 - settings.warmup)
+    return settings.lr * cosine_decay(decay, settings.min_lr_ratio)
 
 
 def _sync(device: torch.device) -> None:
@@ -474,7 +451,6 @@ def train(
         betas=(0.9, 0.95),
         fused=device.type == "cuda",
     )
-    step_model = torch.compile(model) if settings.compile else model
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     offsets = torch.arange(seq_len + 1, device=device)
     budget_s = settings.minutes * 60.0
@@ -491,7 +467,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         with autocast(device):
-            loss = step_model(chunk[:, :-1], chunk[:, 1:])
+            loss = model(chunk[:, :-1], chunk[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -512,7 +488,7 @@ def train(
     ]
     log(f"step 0: held-out loss {initial:.3f} (log V = {math.log(model.config.vocab_size):.3f})")
 
-    # The first step (at learning rate 0) compiles under --compile: it is outside the budget.
+    # The first step (at learning rate 0, the kernels' first launches) is outside the budget.
     started = time.perf_counter()
     step(0.0)
     _sync(device)
@@ -575,7 +551,6 @@ def train(
         f"{settings.min_lr_ratio:g}× the peak",
         "weight_decay": settings.weight_decay,
         "precision": precision(device),
-        "compile": settings.compile,
         "final_train_loss": last["train_loss"],
         "final_held_out_loss": last["held_out_loss"],
         "held_out_eval": f"{settings.eval_windows} windows spread over the held-out stream",
@@ -606,8 +581,8 @@ def extract_rows(model: GPT, held_out_stream: Tensor, n: int, device: torch.devi
     if held_out_stream.numel() < count * seq_len + 1:
         raise RuntimeError(
             f"the held-out stream has {held_out_stream.numel()} tokens, fewer than the "
-            f"{count * seq_len + 1} that {n} rows need: raise --corpus-mb or "
-            "--held-out-fraction, or lower --n"
+            f"{count * seq_len + 1} that {n} rows need: raise corpus_mb or "
+            "held_out_fraction, or lower n"
         )
     starts, inputs, targets = windows(held_out_stream.to(device), count, seq_len)
     hidden, losses = [], []
@@ -743,7 +718,6 @@ def build(settings: Settings, argv: Sequence[str] | None = None, log: Log = _pri
         layers=settings.layers,
         heads=settings.heads,
         seq_len=settings.seq_len,
-        tied_head=settings.tied_head,
     )
     model = GPT(config).to(device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -778,8 +752,7 @@ def build(settings: Settings, argv: Sequence[str] | None = None, log: Log = _pri
             "E": "final LayerNorm output (the head's input)",
             "y": "next token: row j of window w reads stream[start_w + j] (x) and predicts "
             "stream[start_w + j + 1] (y)",
-            "C": "the head's weight"
-            + (" (tied to the token embedding)" if config.tied_head else ""),
+            "C": "the head's weight",
             "model_loss": float(rows.model_loss.double().mean()),
             "model_loss_precision": precision(device),
         },
@@ -788,7 +761,7 @@ def build(settings: Settings, argv: Sequence[str] | None = None, log: Log = _pri
         "tokenizer": tokenizer_info,
         "model": {
             **asdict(config),
-            "head": "tied" if config.tied_head else "untied",
+            "head": "untied",
             "positions": "learned",
             "norm": "LayerNorm without bias, pre-norm blocks, final LayerNorm",
             "mlp": "4× GELU",
@@ -829,7 +802,8 @@ def build(settings: Settings, argv: Sequence[str] | None = None, log: Log = _pri
 
 
 def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> GPT:
-    """The model ``--save-model`` wrote to ``DIR/model.pt`` (``path``: DIR or the file)."""
+    """The model ``Settings.save_model`` wrote to ``DIR/model.pt`` (``path``: DIR or the
+    file)."""
     file = Path(path)
     if file.is_dir():
         file = file / MODEL_FILE
@@ -854,38 +828,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     add("--quick", action="store_true", help="tiny CPU run in seconds (tests); flags override")
     add("--minutes", type=float, help="training wall clock after the first step (default 4)")
     add("--steps", type=int, help="train this many steps instead of --minutes")
-    add("--vocab", type=int, help="vocabulary V, tokenizer and head (default 32768)")
-    add("--width", type=int, help="hidden size D (default 768)")
-    add("--layers", type=int, help="transformer blocks (default 4)")
-    add("--heads", type=int, help="attention heads (default 12)")
-    add("--seq-len", type=int, help="tokens per window (default 1024)")
-    add("--batch-size", type=int, help="windows per step (default 32)")
-    add("--n", type=int, help="rows N saved (default 8192)")
-    add("--corpus-mb", type=float, help="cap on the corpus, MB (default 200)")
-    add("--tokenizer-mb", type=float, help="text the tokenizer learns from, MB (default 64)")
-    add("--max-tokens", type=int, help="cap on training tokens (default 128M)")
-    add("--held-out-fraction", type=float, help="share of files held out (default 0.02)")
-    add("--roots", nargs="+", help="directories to read .py files from (default: site-packages)")
-    add("--lr", type=float, help="peak learning rate (default 1e-3)")
-    add("--eval-every-s", type=float, help="held-out evaluation period, s (default 30)")
-    add("--tied-head", action="store_true", default=None, help="tie the head to the embedding")
-    add("--compile", action="store_true", default=None, help="torch.compile the model")
     add("--device", help="torch device (default: cuda when available; cpu with --quick)")
     add("--seed", type=int, help="seed of file order, initialization and batches (default 0)")
-    add("--save-model", action="store_true", default=None, help="also write DIR/model.pt")
     args = parser.parse_args(argv)
     values = dict(QUICK) if args.quick else {}
     names = {f.name for f in fields(Settings)}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
-    if "roots" in values:
-        values["roots"] = tuple(values["roots"])
     if args.minutes is not None and args.steps is None:
         values["steps"] = None  # an explicit time budget beats --quick's step count
     settings = replace(Settings(out=args.out), **values)
     if (settings.steps is not None and settings.steps < 1) or settings.minutes <= 0:
         parser.error("--steps must be ≥ 1 and --minutes > 0")
-    if not 0 < settings.held_out_fraction < 1:
-        parser.error("--held-out-fraction must be in (0, 1)")
     return settings
 
 

@@ -1,17 +1,10 @@
-"""A compact CLIP model and synthetic image–text pairs for the benchmarks.
+"""A compact CLIP model and synthetic image–text pairs for the companions suite.
 
-The image tower is a ViT in open_clip's layout (``VisionTransformer`` of
-``open_clip/transformer.py``): a bias-free patch convolution, a class token, a learned
-positional embedding, ``ln_pre``, pre-norm blocks (``ln_1`` → attention → ``ln_2`` → MLP with
-GELU), ``ln_post`` on the class token and a bias-free projection. Attention is
-``F.scaled_dot_product_attention``; every linear layer inside the blocks is an ``nn.Linear``
-(``blocks.<i>.attn.qkv``, ``.attn.proj``, ``.mlp.fc1``, ``.mlp.fc2``), so that
-``swap_linear_layers(visual, include="blocks.*")`` reaches exactly those, not the patch
-embedding or the projection head. :data:`VIT_B_16` has CLIP ViT-B/16's shapes (86.19 M
-parameters).
-
-The text side is small on purpose: a fixed random text embedding per pair (the output of a
-text encoder that is not being measured) through a two-layer MLP into the joint space.
+The image tower is a ViT in open_clip's layout (patch convolution, class token, learned
+positions, pre-norm blocks, ``ln_post``, projection); the linears inside the blocks
+(``blocks.<i>.attn.qkv``, ``.attn.proj``, ``.mlp.fc1``, ``.mlp.fc2``) are what
+``swap_linear_layers(visual, include="blocks.*")`` reaches. :data:`VIT_B_16` has CLIP
+ViT-B/16's shapes. The text side is a fixed random embedding per pair through a small MLP.
 """
 
 from __future__ import annotations

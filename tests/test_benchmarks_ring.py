@@ -53,35 +53,34 @@ def test_exposed_communication():
 
 
 def test_case_list_per_rank_batches_and_order():
-    cases = ring.select_cases([65536, 1048576], ["random", "trained"], 512, 8)
+    cases = ring.select_cases([65536, 1048576], 512, 8)
     assert [(c.batch, c.regime, c.per_rank) for c in cases] == [
-        (65536, "random", 8192), (65536, "trained", 8192),
-        (1048576, "random", 131072), (1048576, "trained", 131072),
+        (65536, "random", 8192), (1048576, "random", 131072),
     ]
     assert cases[0].key == "B=65536 random"
     assert cases[0].label == "65536×512 (8×8192) random"
-    assert cases[1].logit_scale == 100.0 and cases[0].logit_scale == pytest.approx(1 / 0.07)
+    assert cases[0].logit_scale == pytest.approx(1 / 0.07)
     # One rank's share of the one-pass floor: 8·b_r·B·c / R.
     assert cases[0].floor_ms(1000.0) == pytest.approx(8 * 8192 * 65536 * 512 / 1e15 * 1e3)
-    single = ring.select_cases([512], ["random"], 64, 1)
+    single = ring.select_cases([512], 64, 1)
     assert single[0].per_rank == 512 and single[0].world == 1
 
 
 def test_case_list_rejects_uneven_batches():
     with pytest.raises(ValueError, match=r"\[256, 512\] do not split evenly over 3 ranks"):
-        ring.select_cases([256, 384, 512], ["random"], 64, 3)
+        ring.select_cases([256, 384, 512], 64, 3)
     with pytest.raises(ValueError, match="split evenly"):
-        ring.select_cases([2], ["random"], 64, 4)
+        ring.select_cases([2], 64, 4)
     with pytest.raises(ValueError, match="world size"):
-        ring.select_cases([8], ["random"], 64, 0)
+        ring.select_cases([8], 64, 0)
 
 
 def test_references_by_size():
-    small, mid, large = (ring.Case(b, 8, 512, "random") for b in (16384, 262144, 524288))
+    small, mid, large = (ring.Case(b, 8, 512) for b in (16384, 262144, 524288))
     assert small.reference_grads and small.reference_loss
     assert not mid.reference_grads and mid.reference_loss
     assert not large.reference_grads and not large.reference_loss
-    quick = ring.Case(512, 2, 64, "random")
+    quick = ring.Case(512, 2, 64)
     assert quick.reference_grads
 
 
@@ -94,7 +93,7 @@ def test_defaults_and_batches_option():
     (run_module,) = import_benchmarks("run")
     args = run_module.build_parser().parse_args(["ring", "--batches", "1024,2048"])
     assert args.batches == [1024, 2048] and args.providers == list(ring.PROVIDER_KEYS)
-    assert args.regimes == ["random"] and args.width is None and not args.no_overlap
+    assert args.width is None and not args.no_overlap and not args.graph
 
 
 def test_results_stem():
@@ -109,7 +108,7 @@ def test_cross_check_without_reference_compares_peers_with_fusedloss():
     def result(key, loss, status="ok"):
         return ring.ProviderResult(key, key, status=status, ms=1.0, loss=loss)
 
-    case = ring.CaseResult(ring.Case(1048576, 8, 512, "random"), None)
+    case = ring.CaseResult(ring.Case(1048576, 8, 512), None)
     case.results = {"fusedloss": result("fusedloss", 7.0), "open-clip": result("open-clip", 7.05),
                     "inf-cl": result("inf-cl", 8.0)}
     ring.cross_check(case)
@@ -118,7 +117,7 @@ def test_cross_check_without_reference_compares_peers_with_fusedloss():
     assert close.status == "ok" and close.check == "fusedloss"
     assert close.loss_error == pytest.approx(0.05)
     assert far.status == "wrong" and "fusedloss's" in far.note
-    lonely = ring.CaseResult(ring.Case(1048576, 8, 512, "random"), None)
+    lonely = ring.CaseResult(ring.Case(1048576, 8, 512), None)
     lonely.results = {"fusedloss": result("fusedloss", None, status="failed"),
                       "inf-cl": result("inf-cl", 8.0)}
     ring.cross_check(lonely)

@@ -1,9 +1,9 @@
 """Smoke tests of the end-to-end training suite (benchmarks/suites/train.py) on CPU.
 
-The model configs, the max-batch search, the loss check and the targets are checked as pure
-helpers; the end-to-end run is ``--quick`` (tiny configs) with HF eager and fusedloss's torch
-backend. The peers' kernels need CUDA (they fail in Triton's interpreter), so their methods are
-checked through stand-ins: the flags each liger method passes to a function with liger-kernel's
+The model configs, the max-batch search and the loss check are checked as pure helpers; the
+end-to-end run is ``--quick`` (tiny configs) with HF eager and fusedloss's torch backend. The
+peers' kernels need CUDA (they fail in Triton's interpreter), so their methods are checked
+through stand-ins: the flags each liger method passes to a function with liger-kernel's
 signature, and the generic cut-cross-entropy forward with a torch ``linear_cross_entropy``
 against the unpatched model's loss and gradients. CUDA timing, memory figures and
 torch.compile run only on a GPU.
@@ -130,37 +130,6 @@ def test_loss_check_marks_disagreeing_methods_wrong():
     assert "first-step" in results[2].note and "last-step" in results[3].note
 
 
-def test_targets():
-    results = [
-        result("hf", tokens_per_s=100.0, peak_gib=30.0, max_batch=4, max_batch_tokens_per_s=150.0),
-        # liger's all-kernels row is reported but not compared: it beats ours on every figure
-        result("liger", tokens_per_s=200.0, peak_gib=10.0, max_batch=32,
-               max_batch_tokens_per_s=300.0),
-        result("liger-flce", tokens_per_s=120.0, peak_gib=20.0, max_batch=8,
-               max_batch_tokens_per_s=160.0),
-        result("cce", status="not installed", ms=None),
-        result("fusedloss", tokens_per_s=130.0, peak_gib=18.0, max_batch=16,
-               max_batch_tokens_per_s=155.0),
-        result("fusedloss-compile", status="unavailable", ms=None),
-    ]
-    outcomes = train.evaluate_targets("m", results)
-    by_description = {o.target.description: o for o in outcomes}
-    assert {o.target.provider for o in outcomes} == {"fusedloss"}
-    memory = by_description["lowest peak memory of the same-work methods"]
-    assert memory.status == common.PASS and "liger-kernel (loss only)" in memory.measured
-    assert by_description["largest tokens per step of the same-work methods"].status == common.PASS
-    throughput = by_description["tokens/s at batch 2 ≥ liger-kernel (loss only)'s"]
-    assert throughput.status == common.PASS and throughput.measured == "130 vs 120"
-    assert not any("all kernels" in d for d in by_description)
-    cce = "tokens/s at batch 2 ≥ cut-cross-entropy (loss via a generic forward)'s"
-    assert by_description[cce].status.startswith("n/a")
-    at_max = by_description["tokens/s at own largest batch ≥ every same-work method's at theirs"]
-    assert at_max.status == common.FAIL and "liger-kernel (loss only)" in at_max.measured
-    # without memory figures or a search: n/a, never a pass
-    bare = train.evaluate_targets("m", [result("hf"), result("fusedloss")])
-    assert all(o.status.startswith("n/a") for o in bare)
-
-
 # ----------------------------------------------------------------------------- peers
 
 
@@ -279,12 +248,12 @@ def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name, exact):
 def test_quick_run_end_to_end(tmp_path, capsys):
     options = "train --quick --models llama3.2-1b,gemma2-2b " \
               "--methods hf,fusedloss,cce,cce-exact,liger,liger-flce " \
-              "--find-max-batch --max-batch-limit 4"
+              "--find-max-batch"
     if torch.cuda.is_available():
         options += " --device cpu"
     assert run_module.main([*options.split(), "--out", str(tmp_path), "--tag", "t"]) == 0
     printed = capsys.readouterr().out
-    assert "targets" in printed and printed.rstrip().splitlines()[-1].startswith("gemma2-2b")
+    assert printed.rstrip().splitlines()[-1].startswith("gemma2-2b")
     (json_path,) = tmp_path.glob("train_*_cpu_t.json")
     assert json_path.with_suffix(".md").exists()
     data = json.loads(json_path.read_text(encoding="utf-8"))
@@ -298,12 +267,12 @@ def test_quick_run_end_to_end(tmp_path, capsys):
         for row in (hf, ours):
             assert row["status"] == "ok", row["note"]
             assert row["ms"] > 0 and row["tokens_per_s"] > 0 and len(row["losses"]) == 3
-            assert row["max_batch"] == 4 and row["max_batch_limited"]
-            assert [p["batch"] for p in row["sweep"]] == [2, 4]
+            assert row["max_batch"] == train.QUICK_MAX_BATCH_LIMIT == 8 and row["max_batch_limited"]
+            assert [p["batch"] for p in row["sweep"]] == [2, 4, 8]
         assert ours["call"] == "apply_fusedloss(model, backend='torch')"
         assert ours["losses"][0] == pytest.approx(hf["losses"][0], abs=1e-2)
         assert ours["loss"] == pytest.approx(hf["loss"], abs=3e-2)
-    assert any(t["provider"] == "fusedloss" for t in data["targets"])
+    assert data["settings"]["max_batch_limit"] == 8 and "targets" not in data
 
 
 def test_module_patches_are_undone():

@@ -7,6 +7,7 @@ against the tokenizer, the model and float64 computations. A few seconds on a CP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -25,7 +26,9 @@ trained_lm, inputs = import_benchmarks("trained_lm", "inputs")
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("trained_lm")
-    assert trained_lm.main(["--quick", "--out", str(out), "--save-model"]) == 0
+    argv = ["--quick", "--out", str(out)]
+    # model.pt too, for the model's own loss below
+    trained_lm.build(dataclasses.replace(trained_lm.parse_args(argv), save_model=True), argv)
     return out
 
 
@@ -73,6 +76,7 @@ def test_saved_shapes_dtypes_and_metadata(run_dir, saved):
     assert math.isfinite(training["final_train_loss"])
     for key in ("torch", "tokenizers", "device", "date", "python", "command"):
         assert meta[key]
+    assert meta["command"] == f"python -m benchmarks.trained_lm --quick --out {run_dir}"
     assert meta["torch"] == torch.__version__
     assert (run_dir / trained_lm.TOKENIZER_FILE).is_file()
 
@@ -248,12 +252,18 @@ def test_corpus_split_order_and_skips(tmp_path):
 def test_parse_args_quick_and_overrides(tmp_path):
     full = trained_lm.parse_args(["--out", str(tmp_path)])
     assert (full.vocab, full.width, full.layers, full.n, full.minutes) == (32768, 768, 4, 8192, 4)
-    assert full.steps is None and not full.tied_head and not full.compile
-    quick = trained_lm.parse_args(["--out", str(tmp_path), "--quick", "--width", "48"])
-    assert (quick.vocab, quick.width, quick.device) == (512, 48, "cpu")
-    assert quick.steps is not None
+    assert full.steps is None and full.device == "" and full.seed == 0
+    quick = trained_lm.parse_args(["--out", str(tmp_path), "--quick", "--seed", "3"])
+    assert (quick.vocab, quick.width, quick.device, quick.seed) == (512, 32, "cpu", 3)
+    assert quick.steps == 20
+    steps = trained_lm.parse_args(["--out", str(tmp_path), "--quick", "--steps", "5",
+                                   "--device", "meta"])
+    assert (steps.steps, steps.device) == (5, "meta")
     timed = trained_lm.parse_args(["--out", str(tmp_path), "--quick", "--minutes", "0.1"])
     assert timed.steps is None and timed.minutes == 0.1
+    for bad in (["--steps", "0"], ["--minutes", "0"]):
+        with pytest.raises(SystemExit):
+            trained_lm.parse_args(["--out", str(tmp_path), *bad])
 
 
 def test_learning_rate_schedule(tmp_path):
@@ -263,6 +273,8 @@ def test_learning_rate_schedule(tmp_path):
     assert trained_lm.learning_rate(settings, 0.1) == pytest.approx(1e-3)
     assert trained_lm.learning_rate(settings, 0.55) == pytest.approx(5.5e-4)
     assert trained_lm.learning_rate(settings, 1.0) == pytest.approx(1e-4)
+    assert trained_lm.learning_rate(settings, 1.5) == pytest.approx(1e-4)  # stays at the floor
+    assert trained_lm.cosine_decay(0.0, 0.2) == 1.0 and trained_lm.cosine_decay(1.0, 0.2) == 0.2
 
 
 # ----------------------------------------------------------------------------- lm-head suite

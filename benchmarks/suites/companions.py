@@ -1,28 +1,17 @@
 """Suite ``companions``: the low-precision training companions of docs/companions.md.
 
-Three parts (``--parts``), each a loop over its providers writing one row per measurement:
+Three parts (``--parts``):
 
-- ``linear``: one linear layer, ``y = layer(x); y.backward(dy)`` with random ``dy``, at CLIP
-  ViT widths d (768, 1024, 1280, 1664) in the shapes of attention (d → d) and of the MLP
-  (d → 4d, 4d → d), 8192 to 65536 tokens: ``nn.Linear`` against SwitchBack (int8, tensor-wise
-  weights), SwitchBackM (``memory_efficient=True``), SwitchBackQ (row-wise weights) and
-  SwitchBack fp8 (``quant_dtype="fp8"``). Time, speed-up, TFLOP/s, memory, and the relative
-  errors of y, dx, dw against a float32 ``nn.Linear`` on the same inputs. On CUDA the step is
-  also captured once in a ``torch.cuda.CUDAGraph`` and timed by replaying it (unless
-  ``--no-graphs``): the device's time without the host's launch overhead, what
-  ``torch.compile(mode="reduce-overhead")`` gives, beside the eager time.
-- ``optimizer``: one step of ``fusedloss.optim.StableAdamW`` (its default, fused on CUDA, and
-  its foreach path) against ``torch.optim.AdamW`` (foreach and fused) over the parameters of a
-  ViT-B/16 CLIP image tower (86.19 M, fp32, random gradients), and whether the step
-  synchronizes with the host.
-- ``e2e``: a ViT-B/16 image tower and a small text MLP (``benchmarks/vit.py``) trained on
-  synthetic image–text pairs with ``fusedloss.ClipLoss`` under autocast, once with
-  ``nn.Linear`` and once per SwitchBack variant swapped into the transformer blocks: step time
-  and the loss curve of each (same seed, same batches).
+- ``linear``: ``y = layer(x); y.backward(dy)`` at CLIP ViT widths d in the shapes d → d,
+  d → 4d, 4d → d: ``nn.Linear`` against the SwitchBack variants; time (eager, and on CUDA
+  replayed from a CUDA graph), TFLOP/s, memory, errors against a float32 ``nn.Linear``.
+- ``optimizer``: one ``StableAdamW`` step (fused and foreach) against ``torch.optim.AdamW``
+  (foreach and fused) over a ViT-B/16 image tower's parameters; host synchronizations.
+- ``e2e``: a ViT-B/16 CLIP model (``benchmarks/vit.py``) trained on synthetic pairs with
+  ``fusedloss.ClipLoss``, with ``nn.Linear`` and with each SwitchBack variant in the blocks.
 
-A provider whose options this version of SwitchBack does not accept (``quant_dtype``, a
-backend it lacks) raises TypeError, ValueError or NotImplementedError when built or first
-called: its row says ``unavailable`` with the error, and the run goes on.
+A provider whose options this SwitchBack does not accept (TypeError, ValueError,
+NotImplementedError when built or first called) is recorded ``unavailable``; the run goes on.
 """
 
 from __future__ import annotations
@@ -43,12 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks import common, vit
-from benchmarks.common import FAIL, PASS, UNAVAILABLE, TimingSettings
+from benchmarks.common import UNAVAILABLE, TimingSettings
 from benchmarks.suites import Suite
+from benchmarks.suites.train import count_text, gib_text, loss_text, timed
+from benchmarks.trained_lm import cosine_decay
 
 NAME = "companions"
 RESULTS_PREFIX = "companions"
 MIB, GIB = common.MIB, float(1 << 30)
+DTYPE = "bf16"  # inputs and layers (linear), autocast (e2e)
 
 LINEAR, OPTIMIZER, E2E = "linear", "optimizer", "e2e"
 PARTS = (LINEAR, OPTIMIZER, E2E)
@@ -56,8 +48,7 @@ PARTS = (LINEAR, OPTIMIZER, E2E)
 # What a SwitchBack version that lacks an option raises, when built or first called.
 UNAVAILABLE_ERRORS = (TypeError, ValueError, NotImplementedError)
 
-# Timing budgets: Triton's do_bench defaults, so that the 48 × 5 linear measurements fit in
-# about a minute and a half on an H100.
+# Timing budgets: Triton's do_bench defaults.
 DEFAULT_TIMING = TimingSettings(warmup_ms=25.0, rep_ms=100.0)
 
 # ----------------------------------------------------------------------------- linear: setup
@@ -91,10 +82,6 @@ QUICK_TOKENS = (64, 128)
 GRAPH_WARMUP_STEPS = 3
 GRAPH_FAILED = "not graphed"  # a row's note where the CUDA graph capture or replay failed
 
-SPEEDUP_TARGET = 1.3  # SwitchBack vs nn.Linear, where int8 pays: wide layers, many tokens
-TARGET_MIN_WIDTH = 1280
-TARGET_MIN_TOKENS = 32768
-
 
 @dataclass(frozen=True)
 class LinearCase:
@@ -112,10 +99,6 @@ class LinearCase:
     def flops(self) -> float:
         """Forward 2·N·in·out, input gradient and weight gradient as much again each."""
         return 6.0 * self.tokens * self.in_features * self.out_features
-
-    @property
-    def in_target(self) -> bool:
-        return self.width >= TARGET_MIN_WIDTH and self.tokens >= TARGET_MIN_TOKENS
 
 
 def linear_cases(widths: Sequence[int], shapes: Sequence[str],
@@ -195,6 +178,11 @@ def build_layer(provider: str, case: LinearCase, inputs: LinearInputs, backend: 
         layer.weight.copy_(inputs.weight)
         layer.bias.copy_(inputs.bias)
     return layer
+
+
+def switchback_backend(device: torch.device) -> str:
+    """The ``backend`` of every SwitchBack layer: triton on CUDA, torch elsewhere."""
+    return "triton" if common.uses_cuda(device) else "torch"
 
 
 def layer_call_text(provider: str, backend: str, dtype: torch.dtype) -> str:
@@ -284,11 +272,11 @@ class LinearCaseResult:
 
 def measure_linear(provider: str, case: LinearCase, inputs: LinearInputs,
                    reference: tuple[Tensor, Tensor, Tensor], backend: str,
-                   device: torch.device, timing: TimingSettings, graphs: bool = True,
+                   device: torch.device, timing: TimingSettings,
                    notes: list[str] | None = None) -> LinearResult:
-    """The provider's row on the case. With ``graphs``, a step that cannot be captured in a
-    CUDA graph keeps its eager figures: its graphed time stays None and the capture's error
-    goes to the row's note and to ``notes``."""
+    """The provider's row on the case. A step that cannot be captured in a CUDA graph keeps
+    its eager figures: its graphed time stays None and the capture's error goes to the row's
+    note and to ``notes``."""
     result = LinearResult(provider=provider, label=LINEAR_LABELS[provider], case=case.key,
                           call=layer_call_text(provider, backend, inputs.x.dtype))
     with common.failures_recorded(result, device):
@@ -321,28 +309,25 @@ def measure_linear(provider: str, case: LinearCase, inputs: LinearInputs,
                     (("y", result.y_error), ("dx", result.dx_error), ("dw", result.dw_error))
                     if not math.isfinite(value)]
         common.mark_wrong(result, problems)
-        if graphs:
-            try:
-                result.graphed_ms = graphed_ms(layer, inputs, device, timing)
-            except Exception as error:  # the eager figures stand; the run goes on
-                problem = f"{GRAPH_FAILED}: {common.describe_error(error)}"
-                result.note = "; ".join(filter(None, (result.note, problem)))
-                if notes is not None:
-                    notes.append(f"{case.key}: {result.label} {problem}")
+        try:
+            result.graphed_ms = graphed_ms(layer, inputs, device, timing)
+        except Exception as error:  # the eager figures stand; the run goes on
+            problem = f"{GRAPH_FAILED}: {common.describe_error(error)}"
+            result.note = "; ".join(filter(None, (result.note, problem)))
+            if notes is not None:
+                notes.append(f"{case.key}: {result.label} {problem}")
         clear_grads(layer, inputs)
     return result
 
 
 def run_linear(cases: Sequence[LinearCase], providers: Sequence[str], backend: str,
                dtype: torch.dtype, seed: int, device: torch.device, timing: TimingSettings,
-               notes: list[str], log: Callable[[str], None],
-               graphs: bool = True) -> list[LinearCaseResult]:
+               notes: list[str], log: Callable[[str], None]) -> list[LinearCaseResult]:
     case_results = []
     for case in cases:
         inputs = make_linear_inputs(case, dtype, seed, device)
         reference = float32_reference(inputs)
-        results = {p: measure_linear(p, case, inputs, reference, backend, device, timing,
-                                     graphs, notes)
+        results = {p: measure_linear(p, case, inputs, reference, backend, device, timing, notes)
                    for p in providers}
         del inputs, reference
         common.release_memory(device)
@@ -381,8 +366,6 @@ OPTIMIZER_LABELS = {
     ADAMW_FOREACH: "AdamW foreach",
     ADAMW_FUSED: "AdamW fused",
 }
-OPTIMIZER_TARGET = 1.2  # StableAdamW ms ≤ this × fused AdamW's
-TOWER_STEP = "image tower step"  # the optimizer targets' case
 # The same hyper-parameters for every optimizer (CLIP's: β2 0.99 as the paper recommends for
 # StableAdamW, ε 1e-6, weight decay 0.1 on every tensor here).
 HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
@@ -499,13 +482,11 @@ VARIANT_LABELS = {BF16: "nn.Linear", E2E_SWITCHBACK: "SwitchBack int8", E2E_FP8:
 SWAP_INCLUDE = "blocks.*"  # the transformer blocks' linears; not the patch embedding or head
 
 DEFAULT_STEPS, QUICK_STEPS = 300, 3
-DEFAULT_WARMUP_STEPS, QUICK_WARMUP_STEPS = 20, 1
-DEFAULT_BATCH, QUICK_BATCH = 256, 8
-DEFAULT_LR = 5e-4
-TRAIN_OPTIMIZERS = ("stable-adamw", "adamw")
+WARMUP_STEPS, QUICK_WARMUP_STEPS = 20, 1  # left out of the step-time median
+BATCH, QUICK_BATCH = 256, 8
+LR = 5e-4  # StableAdamW's peak
 LR_WARMUP_FRACTION = 0.1
 FINAL_LOSS_STEPS = 10  # the final loss: the mean over the last steps
-FP16_LOSS_SCALE = 2.0**16
 
 
 @dataclass(frozen=True)
@@ -514,7 +495,6 @@ class TrainSettings:
     warmup_steps: int  # steps left out of the step-time median (their losses count)
     batch: int
     lr: float
-    optimizer: str
     seed: int
 
 
@@ -535,24 +515,19 @@ def lr_factor(step: int, steps: int) -> float:
     warmup = max(1, round(LR_WARMUP_FRACTION * steps))
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+    return cosine_decay((step - warmup) / max(1, steps - warmup), 0.1)
 
 
-def make_train_optimizer(name: str, model: nn.Module, lr: float,
-                         device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay 0.1 on matrices, none on gains, biases, the class token and the
-    temperature (open_clip's grouping)."""
+def make_train_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """StableAdamW; weight decay 0.1 on matrices, none on gains, biases, the class token and
+    the temperature (open_clip's grouping)."""
+    from fusedloss.optim import StableAdamW
+
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": HYPER["weight_decay"]},
               {"params": no_decay, "weight_decay": 0.0}]
-    options = dict(lr=lr, betas=HYPER["betas"], eps=HYPER["eps"])
-    if name == "stable-adamw":
-        from fusedloss.optim import StableAdamW
-
-        return StableAdamW(groups, **options)
-    return torch.optim.AdamW(groups, **options, fused=common.uses_cuda(device))
+    return StableAdamW(groups, lr=lr, betas=HYPER["betas"], eps=HYPER["eps"])
 
 
 def train_variant(variant: str, vision: vit.VisionConfig, text: vit.TextConfig,
@@ -562,7 +537,6 @@ def train_variant(variant: str, vision: vit.VisionConfig, text: vit.TextConfig,
     each step between CUDA events with the device synchronized around it (wall clock
     without CUDA), the batch drawn before the step."""
     import fusedloss
-    from fusedloss.amp import PerTensorScaler
 
     result = TrainResult(provider=variant, label=VARIANT_LABELS[variant])
     options = VARIANTS[variant]
@@ -585,24 +559,17 @@ def train_variant(variant: str, vision: vit.VisionConfig, text: vit.TextConfig,
             except UNAVAILABLE_ERRORS as error:
                 result.status, result.note = UNAVAILABLE, common.describe_error(error)
                 return result
-        optimizer = make_train_optimizer(settings.optimizer, model, settings.lr, device)
+        optimizer = make_train_optimizer(model, settings.lr)
         result.optimizer = type(optimizer).__name__
-        scaler = PerTensorScaler(scale=FP16_LOSS_SCALE) if dtype == torch.float16 else None
         loss_fn = fusedloss.ClipLoss()
         source = vit.SyntheticPairs(vision, text, settings.seed, device)
-        autocast = dtype != torch.float32
 
         def step(images: Tensor, texts: Tensor) -> Tensor:
-            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            with torch.autocast(device.type, dtype=dtype):
                 image_features, text_features, scale = model(images, texts)
             loss = loss_fn(image_features, text_features, scale)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+            loss.backward()
+            optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss.detach()
 
@@ -614,7 +581,7 @@ def train_variant(variant: str, vision: vit.VisionConfig, text: vit.TextConfig,
                 group["lr"] = settings.lr * lr_factor(index, settings.steps)
             images, texts = source.batch(settings.batch)
             try:
-                ms, loss = _timed(step, device, images, texts)
+                ms, loss = timed(step, device, images, texts)
             except UNAVAILABLE_ERRORS as error:
                 if index:
                     raise
@@ -624,8 +591,8 @@ def train_variant(variant: str, vision: vit.VisionConfig, text: vit.TextConfig,
             if index >= settings.warmup_steps:
                 result.step_ms.append(ms)
         result.losses = [float(v) for v in torch.stack(losses).cpu()]
-        timed = result.step_ms or [ms]  # fewer steps than warm-up steps: the last one
-        result.ms = statistics.median(timed)
+        # fewer steps than warm-up steps: the last one
+        result.ms = statistics.median(result.step_ms or [ms])
         result.images_per_s = settings.batch / (result.ms * 1e-3)
         if common.uses_cuda(device):
             result.peak_gib = torch.cuda.max_memory_allocated(device) / GIB
@@ -637,27 +604,11 @@ def train_variant(variant: str, vision: vit.VisionConfig, text: vit.TextConfig,
     return result
 
 
-def _timed(fn: Callable[..., Tensor], device: torch.device, *args: Any) -> tuple[float, Tensor]:
-    """(ms, result) of ``fn(*args)``: CUDA events around it (wall clock without CUDA)."""
-    if common.uses_cuda(device):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        value = fn(*args)
-        end.record()
-        torch.cuda.synchronize(device)
-        return float(start.elapsed_time(end)), value
-    begin = time.perf_counter()
-    value = fn(*args)
-    return (time.perf_counter() - begin) * 1e3, value
-
-
-def run_e2e(variants: Sequence[str], vision: vit.VisionConfig, text: vit.TextConfig,
+def run_e2e(vision: vit.VisionConfig, text: vit.TextConfig,
             settings: TrainSettings, dtype: torch.dtype, backend: str, device: torch.device,
             notes: list[str], log: Callable[[str], None]) -> list[TrainResult]:
     results = []
-    for variant in variants:
+    for variant in VARIANTS:
         result = train_variant(variant, vision, text, settings, dtype, backend, device)
         common.note_problem(notes, "e2e", result)
         results.append(result)
@@ -670,8 +621,8 @@ def run_e2e(variants: Sequence[str], vision: vit.VisionConfig, text: vit.TextCon
 
 
 def _train_progress(result: TrainResult) -> str:
-    return (f"{common.format_ms(result.ms)} ms/step, {_count(result.images_per_s)} images/s, "
-            f"loss {_loss(result.losses[0])} → {_loss(result.final_loss)}")
+    return (f"{common.format_ms(result.ms)} ms/step, {count_text(result.images_per_s)} images/s, "
+            f"loss {loss_text(result.losses[0])} → {loss_text(result.final_loss)}")
 
 
 def plot_losses(path: Path, results: Sequence[TrainResult]) -> Path | None:
@@ -698,85 +649,20 @@ def plot_losses(path: Path, results: Sequence[TrainResult]) -> Path | None:
     return path
 
 
-# ----------------------------------------------------------------------------- targets
-
-
-@dataclass(frozen=True)
-class Target:
-    case_key: str  # the cases it covers
-    provider: str
-    kind: str
-    factor: float
-    description: str
-
-
-def evaluate_targets(linear: Sequence[LinearCaseResult],
-                     optimizer: Sequence[OptimizerResult]) -> list[common.TargetOutcome]:
-    outcomes = []
-    covered = [c for c in linear if c.case.in_target]
-    scope = f"d ≥ {TARGET_MIN_WIDTH}, N ≥ {TARGET_MIN_TOKENS}"
-    for provider in SWITCHBACK_OPTIONS:
-        rows = [c.results[provider] for c in covered if provider in c.results]
-        if not rows:
-            continue
-        description = f"≥ {SPEEDUP_TARGET}× nn.Linear's speed on every case with {scope}"
-        target = Target(scope, provider, "speed-up", SPEEDUP_TARGET, description)
-        measured = [r for r in rows if r.speedup is not None]
-        if not measured:
-            why = next((r.status for r in rows if not r.measured), "nn.Linear not run")
-            outcomes.append(common.TargetOutcome(target, f"n/a ({why})"))
-            continue
-        worst = min(measured, key=lambda r: r.speedup)
-        geomean = math.exp(statistics.fmean(math.log(r.speedup) for r in measured))
-        text = (f"min {common.format_ratio(worst.speedup)}× ({worst.case}), geomean "
-                f"{common.format_ratio(geomean)}× over {len(measured)} of {len(rows)} cases")
-        status = PASS if worst.speedup >= SPEEDUP_TARGET else FAIL
-        outcomes.append(common.TargetOutcome(target, status, text, worst.speedup))
-    by_key = {r.provider: r for r in optimizer}
-    stable = by_key.get(STABLE_ADAMW)
-    if stable is not None:
-        target = Target(TOWER_STEP, STABLE_ADAMW, "time", OPTIMIZER_TARGET,
-                        f"step ≤ {OPTIMIZER_TARGET}× fused AdamW's")
-        if stable.vs_fused is None:
-            fused = by_key.get(ADAMW_FUSED)
-            why = stable.status if not stable.measured else f"fused AdamW {fused.status}"
-            outcomes.append(common.TargetOutcome(target, f"n/a ({why})"))
-        else:
-            outcomes.append(common.TargetOutcome(
-                target, PASS if stable.vs_fused <= OPTIMIZER_TARGET else FAIL,
-                f"{common.format_ms(stable.ms)} ms vs {common.format_ms(by_key[ADAMW_FUSED].ms)}"
-                f" ms = {common.format_ratio(stable.vs_fused)}×", stable.vs_fused))
-        target = Target(TOWER_STEP, STABLE_ADAMW, "host syncs", 0.0,
-                        "no host synchronization in a step")
-        syncs = stable.host_syncs
-        if not syncs:
-            status = f"n/a ({stable.status})"
-        elif syncs.startswith("n/a"):
-            status = syncs
-        else:
-            status = PASS if syncs == "none" else FAIL
-        outcomes.append(common.TargetOutcome(target, status, syncs))
-    return outcomes
-
-
 # ----------------------------------------------------------------------------- reporting
 
 
 @dataclass
 class Settings:
     parts: list[str]
-    providers: list[str]
     widths: list[int]
-    shapes: list[str]
     tokens: list[int]
-    backend: str
-    variants: list[str]
+    backend: str  # SwitchBack's
     train: TrainSettings
     dtype: str
     seed: int
     quick: bool
     timing: TimingSettings
-    graphs: bool = True  # linear: also time the step replayed from a CUDA graph
 
 
 @dataclass
@@ -792,45 +678,34 @@ class RunInfo:
 
 
 DEFINITIONS = {
-    "linear ms": "median time of one `y = layer(x); y.backward(dy)` with x (N, in) requiring "
-    "grad and the layer's gradients set to None before it: {timing}",
+    "linear ms": "median time of one `y = layer(x); y.backward(dy)`, gradients set to None "
+    "before it: {timing}",
     "speed-up": "nn.Linear's ms ÷ the provider's ms on the same case",
-    "graphed ms": "the same forward+backward captured once in a torch.cuda.CUDAGraph (after "
-    f"{GRAPH_WARMUP_STEPS} eager steps on a side stream) and timed by replaying it: the "
-    "device's time for the step without the host's launch overhead, what "
-    "torch.compile(mode='reduce-overhead') gives; the gradients are set to None before the "
-    "capture, allocated by the captured backward from the graph's pool and rewritten in place "
-    "by every replay (the eager step's work); CUDA only, — without CUDA, with --no-graphs or "
-    "where the capture failed (the note says why): {timing}",
+    "graphed ms": "the same step captured once in a torch.cuda.CUDAGraph (after "
+    f"{GRAPH_WARMUP_STEPS} eager steps on a side stream) and replayed: the device's time "
+    "without the host's launch overhead; CUDA only, — where the capture failed (the note says "
+    "why): {timing}",
     "graphed ×": "nn.Linear's graphed ms ÷ the provider's graphed ms on the same case",
-    "TFLOP/s": "6·N·in·out ÷ ms (forward, input gradient and weight gradient: 2·N·in·out each)",
-    "peak MB": "(torch.cuda.max_memory_allocated() during one forward+backward − "
-    "torch.cuda.memory_allocated() just before it − the bytes of dx, dw and db) / 2^20; inputs, "
-    "dy and the layer are allocated before, the allocator cache emptied and the peak counter "
-    "reset right before the call",
-    "saved MB": "bytes of the tensors the forward saves for the backward (through "
-    "torch.autograd.graph.saved_tensors_hooks; each storage once; the layer's parameters left "
-    "out, the input x counted: a network keeps it alive only for this) / 2^20",
-    "y / dx / dw err": "relative L2 error ‖a − r‖₂ / ‖r‖₂ (float64) against a float32 "
-    "nn.Linear (TF32 off) on the same dtype-rounded x, W, b and dy; the nn.Linear row is "
-    "PyTorch's own error in the dtype, the scale to read the others by",
-    "first call ms": "wall time of the untimed first forward+backward (compilation and "
-    "autotuning included)",
+    "TFLOP/s": "6·N·in·out ÷ ms",
+    "peak MB": "(max_memory_allocated() during one step − memory_allocated() before it − the "
+    "bytes of dx, dw and db) / 2^20",
+    "saved MB": "bytes of the tensors the forward saves for the backward (each storage once, "
+    "parameters left out, x counted) / 2^20",
+    "y / dx / dw err": "relative L2 error against a float32 nn.Linear (TF32 off) on the same "
+    "inputs; the nn.Linear row is PyTorch's own error in the dtype",
+    "first call ms": "wall time of the untimed first step (compilation, autotuning)",
     "optimizer ms": "median time of `optimizer.step()` over the tower's parameters with fixed "
     "random gradients, after a first step that creates the state: {timing}",
     "× fused": "the optimizer's ms ÷ torch.optim.AdamW(fused=True)'s ms",
     "optimizer peak MB": "(max_memory_allocated during one step − memory_allocated before it) "
-    "/ 2^20: the step's temporaries",
-    "host syncs": "two steps of a fresh optimizer (the state-creating first and a steady one) "
-    "under torch.cuda.set_sync_debug_mode('error'): 'none', or the error of the first "
-    "operation that synchronized",
+    "/ 2^20",
+    "host syncs": "two steps of a fresh optimizer under torch.cuda.set_sync_debug_mode('error'):"
+    " 'none', or the first synchronizing operation's error",
     "e2e ms/step": "median over the steps after the warm-up steps of one training step "
-    "(forward under autocast, fusedloss.ClipLoss, backward, optimizer step, zero_grad), each "
-    "between CUDA events with the device synchronized before and after (wall clock without "
-    "CUDA); the batch is drawn before the step",
+    "(autocast forward, ClipLoss, backward, optimizer step, zero_grad) between CUDA events "
+    "(wall clock without CUDA)",
     "images/s": "batch ÷ ms/step",
-    "peak GiB": "torch.cuda.max_memory_allocated() over the whole run / 2^30 (weights, "
-    "gradients, optimizer state, activations)",
+    "peak GiB": "torch.cuda.max_memory_allocated() over the whole run / 2^30",
     "final loss": f"mean loss of the last {FINAL_LOSS_STEPS} steps; Δ = it − nn.Linear's",
 }
 
@@ -848,21 +723,7 @@ def timing_text(info: RunInfo) -> str:
 def graphs_text(info: RunInfo) -> str:
     if not common.uses_cuda(info.environment["device"]):
         return "n/a (no CUDA)"
-    return "on: step replayed from a CUDA graph" if info.settings.graphs else "off (--no-graphs)"
-
-
-def _count(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
-        return "—"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def _loss(value: float | None) -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:.4f}"
-
-
-def _gib(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
+    return "on: step replayed from a CUDA graph"
 
 
 def _speedup(value: float | None) -> str:
@@ -892,7 +753,7 @@ def model_text(config: vit.VisionConfig, text: vit.TextConfig) -> str:
 
 def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
                     optimizer: Sequence[OptimizerResult], e2e: Sequence[TrainResult],
-                    outcomes: Sequence[common.TargetOutcome], plot: str | None) -> str:
+                    plot: str | None) -> str:
     env, s = info.environment, info.settings
     lines = [f"# Low-precision training companions: {env['device_name']}, {env['date']}", ""]
     if s.quick:
@@ -912,7 +773,7 @@ def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
     lines += [f"- **{k}**: {v}" for k, v in definitions(timing_text(info)).items()] + [""]
     if LINEAR in s.parts:
         lines += ["## Linear layer forward+backward", "",
-                  f"Widths {', '.join(map(str, s.widths))}; shapes {', '.join(s.shapes)} (in → "
+                  f"Widths {', '.join(map(str, s.widths))}; shapes {', '.join(SHAPES)} (in → "
                   f"out as multiples of d); tokens {', '.join(map(str, s.tokens))}; {s.dtype}.",
                   ""]
         headers = ["case", "provider", "status", "ms", "speed-up", "graphed ms", "graphed ×",
@@ -947,7 +808,7 @@ def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
     if E2E in s.parts:
         t = s.train
         lines += ["## End-to-end CLIP training", "",
-                  f"{model_text(info.vision, info.text)}; fusedloss.ClipLoss; {t.optimizer} "
+                  f"{model_text(info.vision, info.text)}; fusedloss.ClipLoss; StableAdamW "
                   f"(lr {t.lr:g}, 10 % linear warm-up then cosine to 0.1, betas "
                   f"{HYPER['betas']}, eps {HYPER['eps']}, weight decay {HYPER['weight_decay']} "
                   f"on matrices); autocast {s.dtype}; batch {t.batch}; {t.steps} steps, the "
@@ -957,8 +818,8 @@ def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
         headers = ["variant", "status", "swapped linears", "ms/step", "images/s", "peak GiB",
                    "first loss", "final loss", "Δ final loss", "note"]
         rows = [[r.label, r.status, r.swapped, _cell(r, common.format_ms(r.ms)),
-                 _count(r.images_per_s), _gib(r.peak_gib),
-                 _loss(r.losses[0] if r.losses else None), _loss(r.final_loss),
+                 count_text(r.images_per_s), gib_text(r.peak_gib),
+                 loss_text(r.losses[0] if r.losses else None), loss_text(r.final_loss),
                  "—" if r.final_loss_delta is None else f"{r.final_loss_delta:+.4f}", r.note]
                 for r in e2e]
         lines += [common.markdown_table(headers, rows), ""]
@@ -966,20 +827,18 @@ def render_markdown(info: RunInfo, linear: Sequence[LinearCaseResult],
         if curves:
             every = max(1, t.steps // 10)
             marks = sorted({*range(0, t.steps, every), t.steps - 1})
-            rows = [[step, *(_loss(r.losses[step]) if step < len(r.losses) else "—"
+            rows = [[step, *(loss_text(r.losses[step]) if step < len(r.losses) else "—"
                              for r in curves)] for step in marks]
             lines += ["Loss curve (every step in the JSON):", "",
                       common.markdown_table(["step", *(r.label for r in curves)], rows), ""]
         lines += [f"Plot: `{plot}`" if plot else "No plot: matplotlib is not installed.", ""]
-    lines += common.targets_section(outcomes, PASS + "/" + FAIL,
-                                    "No target applies to the parts and cases run.")
     lines += common.closing_sections(info.calls, info.notes)
     return "\n".join(lines)
 
 
 def results_json(info: RunInfo, linear: Sequence[LinearCaseResult],
                  optimizer: Sequence[OptimizerResult], e2e: Sequence[TrainResult],
-                 outcomes: Sequence[common.TargetOutcome], plot: str | None) -> dict[str, Any]:
+                 plot: str | None) -> dict[str, Any]:
     return {
         "suite": NAME,
         "environment": info.environment,
@@ -993,14 +852,13 @@ def results_json(info: RunInfo, linear: Sequence[LinearCaseResult],
                       "results": [asdict(r) for r in optimizer]} if optimizer else None,
         "e2e": {"vision": asdict(info.vision), "text": asdict(info.text), "plot": plot,
                 "results": [asdict(r) for r in e2e]} if e2e else None,
-        "targets": [common.target_json(o) for o in outcomes],
         "calls": info.calls,
         "notes": info.notes,
     }
 
 
 def short_tables(linear: Sequence[LinearCaseResult], optimizer: Sequence[OptimizerResult],
-                 e2e: Sequence[TrainResult], outcomes: Sequence[common.TargetOutcome]) -> str:
+                 e2e: Sequence[TrainResult]) -> str:
     parts = []
     if linear:
         providers = list(linear[0].results)
@@ -1014,7 +872,7 @@ def short_tables(linear: Sequence[LinearCaseResult], optimizer: Sequence[Optimiz
         headers = ["linear fwd+bwd", "nn.Linear ms", *(f"{LINEAR_LABELS[p]} ×"
                                                         for p in switchbacks)]
         parts += [common.text_table(headers, rows), ""]
-        # the graphed figures beside them, where the run took any (CUDA, without --no-graphs)
+        # the graphed figures beside them, where the run took any (CUDA)
         if any(r.graphed_ms is not None or GRAPH_FAILED in r.note
                for c in linear for r in c.results.values()):
             rows = []
@@ -1034,14 +892,10 @@ def short_tables(linear: Sequence[LinearCaseResult], optimizer: Sequence[Optimiz
         parts += [common.text_table(["optimizer", "ms/step", "× fused", "host syncs"], rows),
                   ""]
     if e2e:
-        rows = [[r.label, _cell(r, common.format_ms(r.ms)), _count(r.images_per_s),
-                 _loss(r.final_loss)] for r in e2e]
+        rows = [[r.label, _cell(r, common.format_ms(r.ms)), count_text(r.images_per_s),
+                 loss_text(r.final_loss)] for r in e2e]
         parts += [common.text_table(["e2e variant", "ms/step", "images/s", "final loss"], rows),
                   ""]
-    if outcomes:
-        rows = [[o.status, o.target.provider, o.target.description, o.measured]
-                for o in outcomes]
-        parts += [common.text_table(["", "provider", "target", "measured"], rows)]
     return "\n".join(parts).rstrip()
 
 
@@ -1061,40 +915,16 @@ def comma_ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", type=common.comma_list(PARTS), default=list(PARTS),
                         help=f"comma list of {', '.join(PARTS)} (default: all)")
-    parser.add_argument("--providers", type=common.comma_list(LINEAR_PROVIDERS),
-                        default=list(LINEAR_PROVIDERS),
-                        help=f"linear: comma list of {', '.join(LINEAR_PROVIDERS)} (default: all)")
-    parser.add_argument("--no-graphs", dest="graphs", action="store_false",
-                        help="linear: skip the second timing of each step, captured in a CUDA "
-                        "graph and replayed (default: timed on CUDA)")
     parser.add_argument("--widths", type=comma_ints, default=None,
                         help=f"linear: widths d (default {','.join(map(str, WIDTHS))}; "
                         f"{','.join(map(str, QUICK_WIDTHS))} with --quick)")
-    parser.add_argument("--shapes", type=common.comma_list(list(SHAPES)), default=list(SHAPES),
-                        help=f"linear: (in, out) shapes, comma list of {', '.join(SHAPES)} "
-                        "(default: all)")
     parser.add_argument("--tokens", type=comma_ints, default=None,
                         help=f"linear: token counts N (default {','.join(map(str, TOKENS))}; "
                         f"{','.join(map(str, QUICK_TOKENS))} with --quick)")
-    parser.add_argument("--backend", default=None,
-                        help="SwitchBack backend passed to every SwitchBack layer (default: "
-                        "triton on CUDA, torch elsewhere)")
-    parser.add_argument("--variants", type=common.comma_list(list(VARIANTS)),
-                        default=list(VARIANTS),
-                        help=f"e2e: comma list of {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"e2e: training steps per variant (default {DEFAULT_STEPS}; "
                         f"{QUICK_STEPS} with --quick)")
-    parser.add_argument("--warmup-steps", type=int, default=None,
-                        help=f"e2e: first steps left out of the step time (default "
-                        f"{DEFAULT_WARMUP_STEPS}; {QUICK_WARMUP_STEPS} with --quick)")
-    parser.add_argument("--batch", type=int, default=None,
-                        help=f"e2e: image–text pairs per step (default {DEFAULT_BATCH}; "
-                        f"{QUICK_BATCH} with --quick)")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="e2e: peak learning rate")
-    parser.add_argument("--optimizer", choices=TRAIN_OPTIMIZERS, default=TRAIN_OPTIMIZERS[0],
-                        help="e2e: optimizer (default stable-adamw; adamw is fused on CUDA)")
-    common.add_dtype_seed_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, a tiny tower and 3 steps: a smoke test that runs on "
                         "the CPU in seconds")
@@ -1122,19 +952,15 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> Settings:
     )
     train = TrainSettings(
         steps=max(1, pick(args.steps, DEFAULT_STEPS, QUICK_STEPS)),
-        warmup_steps=max(0, pick(args.warmup_steps, DEFAULT_WARMUP_STEPS, QUICK_WARMUP_STEPS)),
-        batch=max(2, pick(args.batch, DEFAULT_BATCH, QUICK_BATCH)),
-        lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+        warmup_steps=QUICK_WARMUP_STEPS if quick else WARMUP_STEPS,
+        batch=QUICK_BATCH if quick else BATCH, lr=LR, seed=args.seed,
     )
     return Settings(
         parts=[p for p in PARTS if p in args.parts],
-        providers=list(args.providers),
         widths=list(pick(args.widths, WIDTHS, QUICK_WIDTHS)),
-        shapes=list(args.shapes),
         tokens=list(pick(args.tokens, TOKENS, QUICK_TOKENS)),
-        backend=args.backend or ("triton" if common.uses_cuda(device) else "torch"),
-        variants=list(args.variants), train=train, dtype=args.dtype, seed=args.seed,
-        quick=quick, timing=timing, graphs=bool(args.graphs),
+        backend=switchback_backend(device), train=train, dtype=DTYPE, seed=args.seed,
+        quick=quick, timing=timing,
     )
 
 
@@ -1142,9 +968,8 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> Settings:
 def garbage_collector_frozen() -> Iterator[None]:
     """Objects that exist now are left out of garbage collection until the block ends.
 
-    ``common.release_memory`` runs ``gc.collect()`` before every memory figure and after every
-    provider, a few hundred times per run; with torch and triton imported each collection
-    scans ~300k objects (0.1 s or more). Frozen, it scans only what the run created."""
+    ``common.release_memory`` runs ``gc.collect()`` a few hundred times per run; frozen, each
+    collection scans only what the run created, not all of torch and triton."""
     gc.collect()
     gc.freeze()
     try:
@@ -1186,13 +1011,12 @@ def _run(args: argparse.Namespace, settings: Settings, device: torch.device, not
 
     linear: list[LinearCaseResult] = []
     if LINEAR in settings.parts:
-        cases = linear_cases(settings.widths, settings.shapes, settings.tokens)
-        graphed = settings.graphs and common.uses_cuda(device)
-        log(f"linear forward+backward: {len(cases)} cases × {len(settings.providers)} providers"
-            + (", eager and replayed from a CUDA graph" if graphed else ""))
-        linear = run_linear(cases, settings.providers, settings.backend, dtype, settings.seed,
-                            device, settings.timing, notes, log, settings.graphs)
-        for provider in settings.providers:
+        cases = linear_cases(settings.widths, list(SHAPES), settings.tokens)
+        log(f"linear forward+backward: {len(cases)} cases × {len(LINEAR_PROVIDERS)} providers"
+            + (", eager and replayed from a CUDA graph" if common.uses_cuda(device) else ""))
+        linear = run_linear(cases, LINEAR_PROVIDERS, settings.backend, dtype, settings.seed,
+                            device, settings.timing, notes, log)
+        for provider in LINEAR_PROVIDERS:
             info.calls[f"linear {provider}"] = layer_call_text(provider, settings.backend, dtype)
     optimizer: list[OptimizerResult] = []
     if OPTIMIZER in settings.parts:
@@ -1204,11 +1028,9 @@ def _run(args: argparse.Namespace, settings: Settings, device: torch.device, not
     if E2E in settings.parts:
         log(f"e2e: {model_text(vision, text)}; batch {settings.train.batch}, "
             f"{settings.train.steps} steps per variant")
-        e2e = run_e2e(settings.variants, vision, text, settings.train, dtype, settings.backend,
-                      device, notes, log)
+        e2e = run_e2e(vision, text, settings.train, dtype, settings.backend, device, notes, log)
         for r in e2e:
             info.calls[f"e2e {r.provider}"] = r.call
-    outcomes = evaluate_targets(linear, optimizer)
 
     plot = None
     if e2e:
@@ -1220,9 +1042,9 @@ def _run(args: argparse.Namespace, settings: Settings, device: torch.device, not
         notes.append(f"plot: {plot}" if plot else "no plot: matplotlib not installed")
     common.report_results(
         args.out, RESULTS_PREFIX, args.tag, info,
-        markdown=render_markdown(info, linear, optimizer, e2e, outcomes, plot),
-        payload=results_json(info, linear, optimizer, e2e, outcomes, plot),
-        tables=short_tables(linear, optimizer, e2e, outcomes), log=log,
+        markdown=render_markdown(info, linear, optimizer, e2e, plot),
+        payload=results_json(info, linear, optimizer, e2e, plot),
+        tables=short_tables(linear, optimizer, e2e), log=log,
     )
     return 0
 

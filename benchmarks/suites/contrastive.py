@@ -1,19 +1,9 @@
 """Suite ``contrastive``: CLIP, NT-Xent and SigLIP losses, ours against PyTorch and inf-cl.
 
-For every case (shape × regime) and provider, one run records:
-
-- a correctness check (untimed; also the warm-up that compiles the Triton kernels): the loss
-  against a reference, and where a float64 reference is affordable the relative L2 errors of
-  every gradient (features, logit_scale, logit_bias);
-- peak device memory above inputs and gradient buffers (:data:`MEMORY_DEFINITION`);
-- the median time of forward+backward (``torch.autograd.grad`` w.r.t. the features and the
-  tensor logit_scale / logit_bias): ``do_bench`` for calls under ``--slow-ms``, a fixed
-  number of individually timed calls above (``do_bench`` would run a 6-second call 8+ times).
-
-Every provider runs inside its own ``try``: an exception or an out-of-memory becomes the
-row's status and the run goes on; device memory is released between providers. The inputs
-and the references are in ``benchmarks/inputs.py`` (:func:`make_pair_features`) and
-:func:`contrastive_reference`.
+Per case (shape × regime) and provider: an untimed check against a reference (also the
+warm-up), the peak memory (:data:`MEMORY_DEFINITION`) and the median forward+backward time
+(``do_bench``; calls over :data:`SLOW_MS` are timed individually, see :class:`SlowTiming`).
+A provider's exception or out-of-memory becomes its row's status and the run goes on.
 """
 
 from __future__ import annotations
@@ -31,14 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks import common
-from benchmarks.common import (
-    FAILED,
-    NOT_INSTALLED,
-    OK,
-    UNAVAILABLE,
-    TargetOutcome,
-    TimingSettings,
-)
+from benchmarks.common import FAILED, NOT_INSTALLED, OK, UNAVAILABLE, TimingSettings
 from benchmarks.inputs import (
     PAIR_REGIMES,
     TRAINED_CLUSTER_SIZE,
@@ -62,12 +45,11 @@ NAME = "contrastive"
 RESULTS_PREFIX = "contrastive"
 
 FUSEDLOSS = "fusedloss"
-FUSEDLOSS_EXACT = "fusedloss-exact"
 FUSEDLOSS_COMPILE = "fusedloss-compile"
 TORCH = "torch"
 INF_CL = "inf-cl"
-PROVIDER_KEYS = (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_COMPILE, TORCH, INF_CL)
-DEFAULT_PROVIDERS = (FUSEDLOSS, TORCH, INF_CL)  # fusedloss-exact, -compile on request
+PROVIDER_KEYS = (FUSEDLOSS, FUSEDLOSS_COMPILE, TORCH, INF_CL)
+DEFAULT_PROVIDERS = (FUSEDLOSS, TORCH, INF_CL)  # fusedloss-compile on request
 
 # Loss parameters. CLIP's logit_scale comes with the regime (1/0.07 random, 100 trained).
 SIGLIP_LOGIT_SCALE = 10.0  # SigLIP's initialization: t' = log 10, b = −10
@@ -87,33 +69,21 @@ SCALAR_ERROR_BOUND = 0.5
 REFERENCE_GRADS_MAX_WORK = 1 << 40
 REFERENCE_LOSS_MAX_ROWS = 262_144
 
-# Calls slower than this are timed individually instead of by do_bench (see SlowTiming).
-DEFAULT_SLOW_MS = 500.0
-DEFAULT_SLOW_REPS = 3
+# Calls slower than SLOW_MS are timed individually instead of by do_bench (see SlowTiming).
+SLOW_MS = 500.0
+SLOW_REPS = 3
 SLOW_BUDGET_MS = 10_000.0
-
-MEMORY_LIMIT_MIB = 64.0  # b = 16384 target
 
 MEMORY_DEFINITION = (
     "peak MB above inputs and gradient buffers = (torch.cuda.max_memory_allocated() during "
-    "one forward+backward call `torch.autograd.grad(loss(...), leaves)` − "
-    "torch.cuda.memory_allocated() just before it − gradient bytes) / 2^20, where the leaves "
-    "are the feature matrices and the tensor logit_scale (and logit_bias for SigLIP) and the "
-    "gradient bytes are theirs in their own dtypes (dI and dT, or dZ, which a training step "
-    "holds anyway). Inputs are allocated before the call; the caching allocator is emptied "
-    "and the peak counter reset right before it. MB = 2^20 bytes."
+    "one forward+backward call − memory_allocated() just before it − the gradients' bytes) "
+    "/ 2^20; allocator cache emptied and peak counter reset right before the call"
 )
 ERROR_DEFINITION = (
-    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of each gradient of the mean loss (dI, dT "
-    "and d logit_scale for CLIP; dZ for NT-Xent; plus d logit_bias for SigLIP) against a "
-    "float64 reference of the same (dtype-rounded) inputs, computed on the benchmark device "
-    "a block of rows at a time (never the full matrix in float64); only where rows²·c ≤ 2^40. "
-    "'err ratio' = a method's error ÷ the materialized PyTorch loss's error in the input "
-    "dtype (its b×b logits in that dtype)."
+    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of each gradient of the mean loss against a "
+    "float64 reference of the same inputs, where rows²·c ≤ 2^40; 'err ratio' = that error ÷ "
+    "the materialized PyTorch loss's (b×b logits in the input dtype)"
 )
-
-MET = "✓ met"
-NOT_MET = "✗ NOT MET"
 
 
 # ----------------------------------------------------------------------------- shapes, cases
@@ -131,8 +101,8 @@ class ContrastiveShape:
     providers: tuple[str, ...]  # providers that run on it (when selected)
 
 
-_ALL = (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_COMPILE, TORCH, INF_CL)
-_OURS = (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_COMPILE)
+_ALL = (FUSEDLOSS, FUSEDLOSS_COMPILE, TORCH, INF_CL)
+_OURS = (FUSEDLOSS, FUSEDLOSS_COMPILE)
 _BOTH = ("random", "trained")
 
 SHAPES: dict[str, ContrastiveShape] = {
@@ -433,8 +403,8 @@ class SlowTiming:
     """Calls estimated at ≥ ``threshold_ms`` are timed ``reps`` times individually, with
     ``reps = clamp(budget_ms / estimate, 2, max_reps)`` (1 if ``max_reps`` is 1)."""
 
-    threshold_ms: float = DEFAULT_SLOW_MS
-    max_reps: int = DEFAULT_SLOW_REPS
+    threshold_ms: float = SLOW_MS
+    max_reps: int = SLOW_REPS
     budget_ms: float = SLOW_BUDGET_MS
 
     def reps(self, estimate_ms: float) -> int:
@@ -647,144 +617,12 @@ def _figures_text(result: ProviderResult) -> str:
     return text
 
 
-# ----------------------------------------------------------------------------- targets
-
-
-@dataclass(frozen=True)
-class Target:
-    """One goal of the issue, checked for fusedloss.
-
-    kind "time": ms ≤ factor × the baseline provider's ms (same case); "memory": MB ≤
-    factor × the baseline's MB; "memory-abs": MB ≤ factor; "floor": ms ≤ factor × 8·b²·c/R;
-    "completes": the forward+backward ran and passed the check; "regime": the trained-like
-    case of a shape ran faster than its random case (``case_key`` is then the shape name).
-    """
-
-    case_key: str
-    provider: str
-    kind: str
-    factor: float = 1.0
-    baseline: str = ""
-    baseline_label: str = ""
-
-    @property
-    def description(self) -> str:
-        if self.kind == "time":
-            return f"time ≤ {self.factor:g}× {self.baseline_label}"
-        if self.kind == "memory":
-            return f"memory ≤ {self.factor:g}× {self.baseline_label}'s"
-        if self.kind == "memory-abs":
-            return f"extra memory ≤ {self.factor:g} MB"
-        if self.kind == "floor":
-            return f"time ≤ {self.factor:g}× floor 8b²c/R"
-        if self.kind == "completes":
-            return "forward+backward completes"
-        return "trained-like faster than random"
-
-
-def targets_for(case_results: Sequence[CaseResult]) -> list[Target]:
-    """The issue's targets that apply to the cases run (fusedloss only)."""
-    targets: list[Target] = []
-    regimes_by_shape: dict[str, set[str]] = {}
-    for cr in case_results:
-        if FUSEDLOSS not in cr.results:
-            continue
-        key, shape = cr.case.key, cr.case.shape.name
-        if cr.case.loss == CLIP:
-            regimes_by_shape.setdefault(shape, set()).add(cr.case.regime)
-        if shape == "clip-16k":
-            targets += [
-                Target(key, FUSEDLOSS, "time", 0.35, TORCH, "torch materialized"),
-                Target(key, FUSEDLOSS, "memory-abs", MEMORY_LIMIT_MIB),
-            ]
-        elif shape in ("clip-64k", "clip-128k"):
-            targets += [
-                Target(key, FUSEDLOSS, "time", 0.04, INF_CL, "inf-cl"),
-                Target(key, FUSEDLOSS, "memory", 1.0, INF_CL, "inf-cl"),
-                Target(key, FUSEDLOSS, "floor", 1.5),
-            ]
-        elif shape == "clip-1m":
-            targets.append(Target(key, FUSEDLOSS, "completes"))
-    for shape, regimes in regimes_by_shape.items():
-        if set(PAIR_REGIMES) <= regimes:
-            targets.append(Target(shape, FUSEDLOSS, "regime"))
-    return targets
-
-
-def evaluate_target(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome[Target]:
-    """MET or NOT_MET, with the measured ratio."""
-    if target.kind == "regime":
-        return _evaluate_regime(target, case_results)
-    case_result = next((cr for cr in case_results if cr.case.key == target.case_key), None)
-    ours = case_result.results.get(target.provider) if case_result else None
-    if ours is None:
-        return TargetOutcome(target, "n/a (not run)")
-    if target.kind == "completes":
-        text = f"{common.format_ms(ours.ms)} ms, {common.format_mib(ours.peak_extra_mib)} MB"
-        if ours.status == OK and ours.ms is not None:
-            return TargetOutcome(target, MET, text)
-        return TargetOutcome(target, f"{NOT_MET} ({ours.status})", ours.note)
-    if not ours.measured:
-        return TargetOutcome(target, f"{NOT_MET} ({ours.provider} {ours.status})")
-    if target.kind == "floor":
-        ratio = ours.times_floor
-        if ratio is None:
-            return TargetOutcome(target, "n/a (no floor)")
-        text = f"{common.format_ms(ours.ms)} ms = {ratio:.2f}× floor"
-        return TargetOutcome(target, MET if ratio <= target.factor else NOT_MET, text, ratio)
-    if target.kind == "memory-abs":
-        if ours.peak_extra_mib is None:
-            return TargetOutcome(target, "n/a (no memory figures without CUDA)")
-        text = f"{common.format_mib(ours.peak_extra_mib)} MB"
-        met = ours.peak_extra_mib <= target.factor
-        return TargetOutcome(target, MET if met else NOT_MET, text, ours.peak_extra_mib)
-
-    value_of = common.figure_of(target.kind)
-    if value_of(ours) is None:
-        return TargetOutcome(target, "n/a (no memory figures without CUDA)")
-    baseline = case_result.results.get(target.baseline)
-    if baseline is None:
-        return TargetOutcome(target, f"n/a ({target.baseline_label} not run)")
-    if not baseline.measured:
-        if baseline.status == NOT_INSTALLED:
-            return TargetOutcome(target, "n/a (peer not installed)")
-        return TargetOutcome(target, f"n/a ({baseline.label} {baseline.status})")
-    if value_of(baseline) is None:
-        return TargetOutcome(target, "n/a (no memory figures without CUDA)")
-    ratio, text = common.baseline_ratio(target.kind, ours, baseline)
-    return TargetOutcome(target, MET if ratio <= target.factor else NOT_MET, text, ratio)
-
-
-def _evaluate_regime(target: Target, case_results: Sequence[CaseResult]) -> TargetOutcome[Target]:
-    found: dict[str, ProviderResult | None] = {}
-    for cr in case_results:
-        if cr.case.shape.name == target.case_key:
-            found[cr.case.regime] = cr.results.get(target.provider)
-    random, trained = found.get("random"), found.get("trained")
-    if random is None or trained is None:
-        return TargetOutcome(target, "n/a (not run)")
-    if not (random.measured and trained.measured):
-        failed = trained if not trained.measured else random
-        return TargetOutcome(target, f"{NOT_MET} ({failed.status})")
-    ratio = trained.ms / random.ms
-    text = (
-        f"trained {common.format_ms(trained.ms)} ms vs random {common.format_ms(random.ms)} ms "
-        f"= {ratio:.2f}×"
-    )
-    return TargetOutcome(target, MET if ratio < 1.0 else NOT_MET, text, ratio)
-
-
-def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome[Target]]:
-    return [evaluate_target(t, case_results) for t in targets_for(case_results)]
-
-
 # ----------------------------------------------------------------------------- reports
 
 
 @dataclass(kw_only=True)
 class RunInfo(common.RunInfoBase):
-    """Everything about a run that is not a per-case figure: the shared settings, then the
-    timing of slow calls and the fusedloss backend."""
+    """The shared run settings, plus the slow-call timing and the fusedloss backend."""
 
     slow: SlowTiming
     backend: str
@@ -813,32 +651,7 @@ def _loss_text(case_result: CaseResult) -> str:
     return text
 
 
-def memory_growth_rows(case_results: Sequence[CaseResult]) -> list[list[str]]:
-    """fusedloss's memory on the CLIP cases of width 512, by b: linear growth is a constant
-    number of bytes per pair."""
-    rows = []
-    for cr in sorted(case_results, key=lambda r: (r.case.regime, r.case.rows)):
-        ours = cr.results.get(FUSEDLOSS)
-        if cr.case.loss != CLIP or cr.case.shape.width != 512:  # quick runs: c = 64
-            continue
-        if ours is None or not ours.measured or ours.peak_extra_mib is None:
-            continue
-        per_pair = ours.peak_extra_mib * common.MIB / cr.case.rows
-        rows.append(
-            [
-                cr.case.regime,
-                str(cr.case.rows),
-                common.format_mib(ours.peak_extra_mib),
-                f"{per_pair:.1f}",
-                common.format_ms(ours.ms),
-            ]
-        )
-    return rows
-
-
-def render_markdown(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
-) -> str:
+def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
     env = info.environment
     lines = [f"# Contrastive losses: {env['device_name']}, {env['date']}", ""]
     if info.quick:
@@ -873,10 +686,9 @@ def render_markdown(
             f"{TRAINED_CLUSTER_SIZE} clusters with random unit centres c_k, pair i in a random "
             f"cluster k_i (random order), image_i = normalize(c_k + {TRAINED_LATENT:g}·w_i + "
             f"{TRAINED_NOISE:g}·n_i), text_i = normalize(c_k + {TRAINED_LATENT:g}·w_i + "
-            f"{TRAINED_NOISE:g}·n'_i) with w, n, n' random unit vectors; CLIP logit_scale 100 "
-            "(calibrated: mean loss ≈ 1.35 nats per direction at b = 16384, c = 512). NT-Xent: "
-            "the two views are the image and text features of B pairs, stacked (2B × c), "
-            f"τ = {NT_XENT_TEMPERATURE:g}. SigLIP: logit_scale {SIGLIP_LOGIT_SCALE:g}, "
+            f"{TRAINED_NOISE:g}·n'_i) with w, n, n' random unit vectors; CLIP logit_scale 100. "
+            "NT-Xent: the two views are the image and text features of B pairs, stacked "
+            f"(2B × c), τ = {NT_XENT_TEMPERATURE:g}. SigLIP: logit_scale {SIGLIP_LOGIT_SCALE:g}, "
             f"logit_bias {SIGLIP_LOGIT_BIAS:g} (SigLIP's initialization)",
         ),
         (
@@ -926,17 +738,6 @@ def render_markdown(
         ]
         lines += [common.markdown_table(["case"] + [lbl for _, lbl in columns], rows), ""]
 
-    growth = memory_growth_rows(case_results)
-    if growth:
-        lines += [
-            "## Memory growth (fusedloss, CLIP, c = 512)",
-            "",
-            "Linear growth in b shows as a constant number of bytes per pair.",
-            "",
-        ]
-        headers = ["regime", "b", "MB", "bytes per pair", "ms"]
-        lines += [common.markdown_table(headers, growth), ""]
-
     lines += ["## Losses", ""]
     rows = [
         [
@@ -964,10 +765,6 @@ def render_markdown(
     ]
     headers = ["case", "8·r²·c/R", "4·r²·c/R", "fastest measured"]
     lines += [common.markdown_table(headers, rows), ""]
-
-    lines += common.targets_section(
-        outcomes, "met / NOT MET", "No target applies to the cases and providers run."
-    )
 
     lines += ["## All figures", ""]
     rows = []
@@ -1007,9 +804,7 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def results_json(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
-) -> dict[str, Any]:
+def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str, Any]:
     return {
         "suite": NAME,
         "environment": info.environment,
@@ -1065,22 +860,16 @@ def results_json(
             }
             for cr in case_results
         ],
-        "targets": [common.target_json(o, baseline=o.target.baseline) for o in outcomes],
         "calls": info.calls,
         "notes": info.notes,
     }
 
 
-def short_tables(
-    case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
-) -> str:
-    """The terminal summary: mean losses, targets, then one line per case and provider."""
+def short_tables(case_results: Sequence[CaseResult]) -> str:
+    """The terminal summary: mean losses, then one line per case and provider."""
     parts = ["mean loss per case (reference)"]
     rows = [[cr.case.key, cr.case.parameters_text, _loss_text(cr)] for cr in case_results]
     parts += [common.text_table(["case", "parameters", "loss"], rows), ""]
-    if outcomes:
-        rows = [[o.status, o.target.case_key, o.target.description, o.measured] for o in outcomes]
-        parts += ["targets", common.text_table(["", "case", "target", "measured"], rows), ""]
     rows = [
         [
             *common.summary_cells(cr.case.key, result),
@@ -1118,28 +907,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports",
     )
     common.add_dtype_seed_arguments(parser)
-    parser.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "triton", "torch"],
-        help="fusedloss backend (default auto: triton on CUDA, torch on the CPU)",
-    )
     common.add_quick_device_timing_arguments(
         parser, "rows/256, widths/8 and short timing: a smoke test that also runs on CPU"
-    )
-    parser.add_argument(
-        "--slow-ms",
-        type=float,
-        default=DEFAULT_SLOW_MS,
-        help=f"calls slower than this are timed individually, not by do_bench "
-        f"(default {DEFAULT_SLOW_MS:g})",
-    )
-    parser.add_argument(
-        "--slow-reps",
-        type=int,
-        default=DEFAULT_SLOW_REPS,
-        help=f"at most this many timed calls of a slow method (default {DEFAULT_SLOW_REPS}; "
-        f"fewer when a call is long: clamp({SLOW_BUDGET_MS / 1e3:g} s / call, 2, this))",
     )
     common.add_matmul_output_arguments(parser)
 
@@ -1149,20 +918,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     if not common.uses_cuda(device) and not args.quick:
         log("the contrastive suite needs a CUDA device at full size; use --quick on a CPU")
         return 2
-    if args.slow_reps < 1:
-        log("--slow-reps must be at least 1")
-        return 2
     quick = bool(args.quick)
     dtype = common.parse_dtype(args.dtype)
-    backend = args.backend
-    if backend == "auto":
-        backend = "triton" if common.uses_cuda(device) else "torch"
+    backend = "triton" if common.uses_cuda(device) else "torch"
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
-    slow = SlowTiming(threshold_ms=args.slow_ms, max_reps=args.slow_reps)
+    slow = SlowTiming()
     notes: list[str] = [common.QUICK_NOTE] if quick else []
-    uses_ours = any(p.startswith(FUSEDLOSS) for p in args.providers)
-    if not common.uses_cuda(device) and backend == "triton" and uses_ours:
-        notes.append(common.use_triton_interpreter())
 
     all_providers = contrastive_providers(backend)
     providers = [all_providers[key] for key in args.providers]
@@ -1188,7 +949,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         )
     finally:
         destroy_benchmark_process_group()
-    outcomes = evaluate_targets(case_results)
 
     for provider in providers:
         process_group_note = getattr(provider, "process_group_note", "")
@@ -1221,9 +981,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         RESULTS_PREFIX,
         args.tag,
         info,
-        markdown=render_markdown(info, case_results, outcomes),
-        payload=results_json(info, case_results, outcomes),
-        tables=short_tables(case_results, outcomes),
+        markdown=render_markdown(info, case_results),
+        payload=results_json(info, case_results),
+        tables=short_tables(case_results),
         log=log,
     )
     return 0

@@ -1,26 +1,13 @@
 """Suite ``grad-cache``: the largest CLIP global batch one training step completes on K GPUs.
 
-Launched with one process per GPU (NCCL; gloo on the CPU for ``--quick``)::
+    torchrun --nproc_per_node=K benchmarks/run.py grad-cache [options]   # gloo with --quick
 
-    torchrun --nproc_per_node=K benchmarks/run.py grad-cache [options]
-
-A small two-tower CLIP model (a ViT-style image tower on 32×32 images and a text transformer
-on 16 tokens, both projecting to c features; :class:`Tower`) is trained one step at a time,
-each tower wrapped in ``DistributedDataParallel``, with ``fusedloss.distributed.clip_loss``
-(the ring) as the loss. Every rank holds b_r = B / K image–text pairs of the global batch B.
-Two methods, each swept over the global batches until one fails:
-
-- ``plain``: the towers run on the rank's whole batch with grad, the ring loss, one backward:
-  activation memory grows with b_r;
-- ``grad-cache``: :func:`fusedloss.distributed.grad_cache_step` with the same towers and loss,
-  micro-batches of ``--micro-batch`` rows: activations of one micro-batch, features and their
-  cached gradients (2·b_r·c·2 elements per rank), the ring's O(b_r·c) memory.
-
-Per method and batch: the time of one step (forward, backward, AdamW step; max over ranks of
-each rank's median over ``--steps`` timed steps after one warm-up step), the peak memory per
-rank above the model, optimizer state and inputs, and the loss. The sweep of a method stops at
-its first out-of-memory (every rank agrees) or once a step took longer than ``--max-step-s``.
-The first batch also checks that the two methods give the same loss and parameter gradients.
+A small two-tower CLIP model (:class:`Tower`, each in DDP) trains one step at a time with
+``fusedloss.distributed.clip_loss``; every rank holds b_r = B / K pairs. Methods: ``plain``
+(one forward and backward over the rank's batch: activations grow with b_r) and ``grad-cache``
+(:func:`fusedloss.distributed.grad_cache_step`, micro-batches of ``--micro-batch`` rows). Each
+is swept over the global batches until a step runs out of memory or takes longer than
+``--max-step-s``. The first batch also checks that both give the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -40,13 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks import common
 from benchmarks.common import OK, OUT_OF_MEMORY
 from benchmarks.suites import Suite
-from benchmarks.suites.ring import (
-    DEFAULT_GROUP_TIMEOUT_S,
-    Ranks,
-    positive_int_list,
-    run_distributed,
-    stage,
-)
+from benchmarks.suites.ring import Context, Ranks, positive_int_list, run_distributed, stage
 
 NAME = "grad-cache"
 RESULTS_PREFIX = "grad_cache"
@@ -61,7 +43,7 @@ DEFAULT_WIDTH = 512
 QUICK_WIDTH = 32
 DEFAULT_MICRO_BATCH = 16_384
 QUICK_MICRO_BATCH = 16
-DEFAULT_STEPS = 2
+STEPS = 2  # timed steps per figure
 DEFAULT_MAX_STEP_S = 60.0
 CHECK_TOLERANCE = 1e-4  # relative L2 of the parameter gradients, float32 towers
 
@@ -83,15 +65,14 @@ QUICK_TOWERS = {"image": TowerShape(32, 1, 2), "text": TowerShape(32, 1, 2)}
 
 TIMING_DEFINITION = (
     "ms = max over the ranks of each rank's median wall time (between CUDA synchronizations) of "
-    "one training step: zero_grad, the method's forward and backward over the rank's b_r pairs "
-    "(bf16 autocast), DDP's gradient all-reduce, the logit scale's gradient averaged over the "
-    "ranks, AdamW step; {steps} timed steps after one warm-up step"
+    "one training step (zero_grad, the method's forward and backward in bf16 autocast, DDP's "
+    "all-reduce, the logit scale's gradient averaged, AdamW step); {steps} timed steps after "
+    "one warm-up step"
 )
 MEMORY_DEFINITION = (
-    "peak MB per rank = (torch.cuda.max_memory_allocated() during one step − "
-    "torch.cuda.memory_allocated() before it) / 2^20, max over the ranks; what exists before "
-    "the step (model, AdamW state from the warm-up step, the rank's inputs, the gradient "
-    "buffers) is not counted"
+    "peak MB per rank = (max_memory_allocated() during one step − memory_allocated() before "
+    "it) / 2^20, max over the ranks; the model, AdamW state, inputs and gradient buffers that "
+    "exist before the step are not counted"
 )
 
 
@@ -250,16 +231,10 @@ class Check:
 def _timed_step(trainer: Trainer, method: str, images: Tensor, texts: Tensor,
                 device: torch.device) -> tuple[float, float]:
     common.synchronize(device)
-    begin = _now()
+    begin = time.perf_counter()
     loss = trainer.step(method, images, texts)
     common.synchronize(device)
-    return (_now() - begin) * 1e3, float(loss)
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
+    return (time.perf_counter() - begin) * 1e3, float(loss)
 
 
 def measure(trainer: Trainer, method: str, batch: int, ranks: Ranks, seed: int,
@@ -344,23 +319,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick)")
     parser.add_argument("--methods", type=common.comma_list(METHODS), default=list(METHODS),
                         help="comma list of plain, grad-cache (default both)")
-    parser.add_argument("--width", type=int, default=None,
-                        help=f"feature width c (default {DEFAULT_WIDTH})")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"timed steps per figure (default {DEFAULT_STEPS})")
     parser.add_argument("--max-step-s", type=float, default=DEFAULT_MAX_STEP_S,
                         help="stop a method's sweep after a step this long (default "
                         f"{DEFAULT_MAX_STEP_S:g} s)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
-                        help="fusedloss backend (default auto: triton on CUDA, torch on CPU)")
     common.add_dtype_seed_arguments(parser)
     common.add_quick_device_timing_arguments(
         parser, "batches 64,128, tiny towers: a smoke test that also runs on CPU (gloo)")
-    parser.add_argument("--min-reps", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
-                        help="torch.distributed collective timeout")
     parser.add_argument("--out", default=common.RESULTS_DIR, help="results directory")
     parser.add_argument("--tag", default=None, help="suffix for the results file names")
 
@@ -369,36 +335,26 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     return run_distributed(args, NAME, _run, log)
 
 
-def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
-         log: Callable[[str], None]) -> int:
-    quick = bool(args.quick)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ranks = Ranks(rank, world, device if dist_backend == "nccl" else torch.device("cpu"))
-    say = log if rank == 0 else (lambda _text: None)
-    batches = sorted(args.batches or (QUICK_BATCHES if quick else DEFAULT_BATCHES))
+def _run(args: argparse.Namespace, ctx: Context) -> int:
+    ranks, device, say = ctx.ranks, ctx.device, ctx.say
+    world = ranks.world
+    batches = sorted(args.batches or (QUICK_BATCHES if ctx.quick else DEFAULT_BATCHES))
     if any(b % world for b in batches):
         say(f"every global batch must be a multiple of the world size {world}: {batches}")
         return 2
-    width = args.width or (QUICK_WIDTH if quick else DEFAULT_WIDTH)
-    micro = args.micro_batch or (QUICK_MICRO_BATCH if quick else DEFAULT_MICRO_BATCH)
-    towers = QUICK_TOWERS if quick else FULL_TOWERS
-    dtype = common.parse_dtype(args.dtype)
-    backend = args.backend if args.backend != "auto" else (
-        "triton" if common.uses_cuda(device) else "torch")
-    if not common.uses_cuda(device):
-        torch.set_num_threads(1)
-    else:
-        # cuDNN's attention refuses batches of 131072 sequences (an execution error, not an
-        # out-of-memory); the other SDPA kernels let the plain step go as far as memory allows
+    width = QUICK_WIDTH if ctx.quick else DEFAULT_WIDTH
+    micro = args.micro_batch or (QUICK_MICRO_BATCH if ctx.quick else DEFAULT_MICRO_BATCH)
+    towers = QUICK_TOWERS if ctx.quick else FULL_TOWERS
+    if common.uses_cuda(device):
+        # cuDNN's attention fails (an execution error, not an out-of-memory) at large batches
         torch.backends.cuda.enable_cudnn_sdp(False)
 
     def make() -> Trainer:
-        return make_trainer(width, towers, device, dtype, backend, micro, args.seed)
+        return make_trainer(width, towers, device, ctx.dtype, ctx.backend, micro, ctx.seed)
 
-    environment = common.collect_environment(device) if rank == 0 else {}
-    say(f"grad-cache on {world} × {environment.get('device_name')} ({dist_backend}): c = "
+    say(f"grad-cache on {world} × {ctx.environment.get('device_name')} ({ctx.dist_backend}): c = "
         f"{width}, micro-batch {micro}, batches {batches}, methods {args.methods}")
-    check = check_methods(make, batches[0], ranks, args.seed) if len(args.methods) == 2 else None
+    check = check_methods(make, batches[0], ranks, ctx.seed) if len(args.methods) == 2 else None
     if check is not None:
         say(f"check at B={batches[0]}: loss {check.loss_plain} vs {check.loss_grad_cache}, "
             f"max gradient error {check.max_gradient_error} ({check.status}) {check.note}")
@@ -406,7 +362,7 @@ def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
     for method in args.methods:
         trainer = make()
         for batch in batches:
-            row = measure(trainer, method, batch, ranks, args.seed, args.steps)
+            row = measure(trainer, method, batch, ranks, ctx.seed, STEPS)
             rows.append(row)
             say(f"{method:10s} B={batch:>9d} (b_r {row.per_rank}): {row.status} "
                 f"{common.format_ms(row.ms)} ms, {common.format_mib(row.peak_mib)} MB, loss "
@@ -415,9 +371,8 @@ def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
                 break
         del trainer
         common.release_memory(device)
-    if rank == 0:
-        _report(args, environment, world, dist_backend, width, micro, towers, dtype, check,
-                rows, say)
+    if ranks.rank == 0:
+        _report(args, ctx, width, micro, towers, check, rows)
     ranks.barrier()
     return 0
 
@@ -427,18 +382,18 @@ def largest_batch(rows: Sequence[Row], method: str) -> int | None:
     return max(done) if done else None
 
 
-def _report(args, environment, world, dist_backend, width, micro, towers, dtype, check, rows,
-            say) -> None:
+def _report(args, ctx: Context, width, micro, towers, check, rows) -> None:
+    environment, world, say = ctx.environment, ctx.ranks.world, ctx.say
     settings = common.environment_rows(environment, {})[:3] + [
         ("date", environment["timestamp"]),
-        ("ranks", f"K = {world}, torch.distributed backend {dist_backend}"),
+        ("ranks", f"K = {world}, torch.distributed backend {ctx.dist_backend}"),
         ("model", f"image tower ViT-style {IMAGE_SIZE}×{IMAGE_SIZE} px, patch {PATCH}, "
          f"{towers['image']}; text tower {TOKENS} tokens, {towers['text']}; features c = "
          f"{width}; each tower in DistributedDataParallel; AdamW"),
         ("loss", "fusedloss.distributed.clip_loss (ring), learnable logit scale"),
-        ("dtype", f"{common.dtype_name(dtype)} autocast"),
+        ("dtype", f"{common.dtype_name(ctx.dtype)} autocast"),
         ("Gradient Cache", f"micro-batches of {micro} rows per rank"),
-        ("timing", TIMING_DEFINITION.format(steps=args.steps)),
+        ("timing", TIMING_DEFINITION.format(steps=STEPS)),
         ("memory", MEMORY_DEFINITION),
     ]
     lines = [f"# Gradient Cache + ring CLIP training step on {world} × "
@@ -465,12 +420,12 @@ def _report(args, environment, world, dist_backend, width, micro, towers, dtype,
     kind = "gpu" if common.uses_cuda(environment["device"]) else "proc"
     stem = common.results_stem(RESULTS_PREFIX, environment["date"],
                                f"{environment['device_slug']}_{world}{kind}", args.tag)
-    payload = {"environment": environment, "world": world, "backend": dist_backend,
-               "width": width, "micro_batch": micro, "steps": args.steps,
+    payload = {"environment": environment, "world": world, "backend": ctx.dist_backend,
+               "width": width, "micro_batch": micro, "steps": STEPS,
                "towers": {k: asdict(v) for k, v in towers.items()},
                "check": asdict(check) if check else None,
                "rows": [asdict(r) for r in rows], "largest": largest,
-               "timing": TIMING_DEFINITION.format(steps=args.steps),
+               "timing": TIMING_DEFINITION.format(steps=STEPS),
                "memory": MEMORY_DEFINITION}
     md, js = common.write_results(args.out, stem, "\n".join(lines), payload)
     say(f"results: {md}\n         {js}")

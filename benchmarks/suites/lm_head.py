@@ -1,19 +1,10 @@
 """Suite ``lm-head``: linear cross-entropy of an LM head, ours against torch and the peers.
 
-For every case (shape × regime × N × mode) and provider, one run records:
-
-- a correctness check (untimed; it is also the warm-up that compiles ``torch.compile``):
-  loss against a float64 reference, gradients' relative L2 errors (forward+backward), and
-  for fusedloss's Triton backward the share of its tiles that filtering skipped in that call;
-- peak device memory above inputs and gradient buffers (:data:`MEMORY_DEFINITION`);
-- the median time of ``do_bench`` (forward, or forward+backward w.r.t. E and C), and its
-  ratio to the case's "products": the cuBLAS products an exact method cannot avoid, timed
-  the same way (:func:`time_products`, :data:`PRODUCTS_DEFINITION`).
-
-Every provider, the float64 reference and the yardsticks apply the head's logit soft-cap
-(``LMHeadShape.softcap``: gemma2's 30). The float64 reference is computed a block of rows at
-a time on the benchmark device (:func:`reference_float64`); torch eager in the benchmark
-dtype is the accuracy yardstick.
+Per case (shape × regime × N × mode) and provider: an untimed check (loss and gradients
+against a float64 reference, tiles skipped by fusedloss's filter; it also compiles), peak
+memory, and the ``do_bench`` median with its ratio to the cuBLAS "products" of the case.
+Everything applies the head's logit soft-cap; torch eager in the input dtype is the accuracy
+yardstick.
 """
 
 from __future__ import annotations
@@ -34,7 +25,6 @@ from benchmarks.common import (
     OK,
     PASS,
     UNAVAILABLE,
-    TargetOutcome,
     TimingSettings,
 )
 from benchmarks.inputs import (
@@ -70,47 +60,31 @@ DEFAULT_CASES: tuple[tuple[str, str, str], ...] = (
     ("gemma2-2b", "peaked", "fwd"),
 )
 
-# Sanity bounds of the correctness check. They catch a broken provider (wrong loss, zero or
-# garbage gradients); accuracy itself is judged by the error-ratio target.
+# Sanity bounds of the correctness check: they catch a broken provider, not inaccuracy.
 LOSS_TOLERANCE = 1e-2  # |loss − reference| ≤ LOSS_TOLERANCE · max(1, |reference|)
 GRADIENT_ERROR_BOUND = 5e-2  # relative L2 error of dE and dC
 
 MEMORY_DEFINITION = (
-    "peak MB above inputs and gradient buffers = (torch.cuda.max_memory_allocated() during "
-    "one call − torch.cuda.memory_allocated() just before it − gradient bytes) / 2^20, where "
-    "the call is forward+backward `torch.autograd.grad(loss(E, C, y), (E, C))` (gradient bytes "
-    "= (N·D + V·D) × element size of the input dtype: the dE and dC a training step holds "
-    "anyway) or forward only `loss(E, C, y)` with E and C requiring grad as in training "
-    "(gradient bytes = 0; whatever the forward saves or precomputes for the backward counts). "
-    "Inputs E, C, y are allocated before the call; the caching allocator is emptied and the "
-    "peak counter reset right before it. MB = MiB = 2^20 bytes."
+    "peak MiB above inputs and gradient buffers = torch.cuda.max_memory_allocated() during one "
+    "call (autograd.grad of the loss w.r.t. (E, C), or the forward alone with E, C requiring "
+    "grad) − memory_allocated() before it − the bytes of dE and dC (fwd+bwd only); the cache "
+    "emptied and the peak reset right before the call"
 )
 PRODUCTS_CHUNK_ROWS = 16384
 PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
 PRODUCTS_DEFINITION = (
-    "the cuBLAS products an exact method computes at least, timed as the providers are: "
-    "forward+backward Z = E @ C.T (bf16 (N, V) out), dE = G @ C and dC = G.T @ E with a "
-    "random bf16 (N, V) G in place of the softmax gradient; forward only Z = E @ C.T. Whole, "
-    f"unless Z and G would take more than {PRODUCTS_MEMORY_SHARE:.0%} of the free device "
-    f"memory: then on chunks of {PRODUCTS_CHUNK_ROWS} rows in one timed call (Z and dE per "
-    "chunk, dC accumulated with addmm_ into one (V, D) buffer). '× products' = a provider's "
-    "ms ÷ the products' ms."
+    "the cuBLAS products an exact method cannot avoid, timed as the providers are: Z = E @ C.T, "
+    "and for fwd+bwd dE = G @ C, dC = G.T @ E with a random (N, V) G; in chunks of "
+    f"{PRODUCTS_CHUNK_ROWS} rows when Z and G would take over {PRODUCTS_MEMORY_SHARE:.0%} of "
+    "the free memory. '× products' = a provider's ms ÷ the products' ms"
 )
 ERROR_DEFINITION = (
-    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of dE and dC from forward+backward of the mean "
-    "loss, against a float64 reference of the same (bf16-rounded) inputs and soft-cap, computed "
-    "on the benchmark device a block of ≤1024 rows at a time (logits, softmax and dE per block; "
-    "dC accumulated in float64), never the full N×V in float64. 'err ratio' = a method's error "
-    "÷ torch eager's error in the input dtype (the torch-eager provider), given as dE / dC."
+    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of dE and dC (mean loss) against a float64 "
+    "reference of the same inputs, computed ≤1024 rows at a time; 'err ratio' = a method's "
+    "error ÷ torch eager's in the input dtype, dE / dC"
 )
 
 FUSEDLOSS = "fusedloss"
-FUSEDLOSS_EXACT = "fusedloss-exact"
-FUSEDLOSS_FILTERED = "fusedloss-filtered"
-TORCH_EAGER = "torch-eager"
-TORCH_COMPILE = "torch-compile"
-CCE_FAMILY = ("cce", "cce-nofilter")
-LIGER = "liger"
 
 
 # ----------------------------------------------------------------------------- cases
@@ -212,10 +186,8 @@ def reference_float64(
     """Mean cross-entropy of ``hidden @ classifier.T`` (soft-capped: ``s·tanh(z/s)`` for
     ``softcap`` s) and its gradients, in float64.
 
-    Works a block of rows at a time so that at most ``rows × V`` float64 logits exist
-    (default: ≤1024 rows and ≤2 GiB of logits; twice that with a soft-cap, whose slope
-    1 − tanh² is kept): logits → log-sum-exp → softmax − one-hot in place (× the slope) →
-    dE of the block, dC accumulated over blocks.
+    A block of rows at a time (default ≤1024 rows and ≤2 GiB of float64 logits, twice that
+    with a soft-cap): dE per block, dC accumulated over blocks.
     """
     n, _ = hidden.shape
     vocab = classifier.shape[0]
@@ -562,140 +534,12 @@ def _figures_text(result: ProviderResult) -> str:
     return text
 
 
-# ----------------------------------------------------------------------------- targets
-
-
-@dataclass(frozen=True)
-class Target:
-    """One goal of the project issue for one case, as a ratio against a baseline.
-
-    kind "time": provider's ms ≤ factor × the fastest measured baseline provider's ms;
-    "memory": provider's MB ≤ factor × baseline's MB; "error": provider's dE and dC errors
-    ≤ factor × torch eager's in the input dtype (baselines unused).
-    """
-
-    case_key: str
-    provider: str
-    kind: str
-    factor: float
-    baselines: tuple[str, ...] = ()
-    baseline_label: str = ""
-
-    @property
-    def description(self) -> str:
-        factor = f"{self.factor:g}" if self.factor % 1 else f"{self.factor:.1f}"
-        if self.kind == "time":
-            return f"time ≤ {factor}× {self.baseline_label}"
-        if self.kind == "memory":
-            return f"memory ≤ {self.factor:.0%} of {self.baseline_label}"
-        return f"gradient error ≤ {factor}× torch bf16 (dE and dC)"
-
-
-def targets_for_case(case: Case, providers: Sequence[str]) -> list[Target]:
-    """The project's goals that apply to ``case`` for the selected fusedloss providers."""
-    targets: list[Target] = []
-    compile_label = "torch.compile"
-    if FUSEDLOSS in providers:
-        speed: list[tuple[float, tuple[str, ...], str]] = []
-        if case.mode == "fwd":
-            speed.append((1.0, (TORCH_COMPILE,), compile_label))
-        elif case.regime == "flat":
-            speed.append((1.3, (TORCH_COMPILE,), compile_label))
-        elif case.shape.name in ("gemma2-2b", "llama3-8b"):
-            speed += [
-                (0.7, (TORCH_COMPILE,), compile_label),
-                (0.35, CCE_FAMILY, "cut-cross-entropy (faster variant)"),
-                (0.35, (LIGER,), "liger-kernel"),
-            ]
-        elif case.shape.name == "phi3.5":
-            speed.append((1.0, (TORCH_COMPILE,), compile_label))
-        targets += [
-            Target(case.key, FUSEDLOSS, "time", factor, baselines, label)
-            for factor, baselines, label in speed
-        ]
-    if case.with_backward and FUSEDLOSS_EXACT in providers:
-        # the default and filtering (with its bookkeeping) must never cost time, on any regime
-        targets += [Target(case.key, ours, "time", 1.0, (FUSEDLOSS_EXACT,),
-                           "fusedloss exact (filter_eps=None)")
-                    for ours in (FUSEDLOSS, FUSEDLOSS_FILTERED) if ours in providers]
-    for ours in (FUSEDLOSS, FUSEDLOSS_EXACT, FUSEDLOSS_FILTERED):
-        if ours not in providers:
-            continue
-        targets.append(Target(case.key, ours, "memory", 0.01, (TORCH_COMPILE,), compile_label))
-        if case.with_backward:
-            # the default and the filtered call: within PyTorch's own bf16 error; the product's
-            # bar: 1.5×
-            targets.append(Target(case.key, ours, "error",
-                                  1.5 if ours == FUSEDLOSS_EXACT else 1.0))
-    return targets
-
-
-def evaluate_target(target: Target, case_result: CaseResult) -> TargetOutcome[Target]:
-    """PASS or FAIL, with the ratio against the baseline (error: the worse of dE, dC)."""
-    ours = case_result.results.get(target.provider)
-    if ours is None:
-        return TargetOutcome(target, "n/a (not run)")
-    if not ours.measured:
-        return TargetOutcome(target, f"{FAIL} ({ours.provider} {ours.status})")
-    if target.kind == "error":
-        return _evaluate_error(target, ours, case_result.yardstick)
-
-    value_of = common.figure_of(target.kind)
-    if value_of(ours) is None:
-        return TargetOutcome(target, "n/a (no memory figures without CUDA)")
-    candidates = [case_result.results.get(key) for key in target.baselines]
-    measured = [r for r in candidates if r is not None and r.measured and value_of(r) is not None]
-    if not measured:
-        return TargetOutcome(target, _missing_baseline_status(target, candidates))
-    baseline = min(measured, key=value_of)
-    ratio, text = common.baseline_ratio(target.kind, ours, baseline)
-    return TargetOutcome(target, PASS if ratio <= target.factor else FAIL, text, ratio)
-
-
-def _missing_baseline_status(target: Target, candidates: list[ProviderResult | None]) -> str:
-    present = [r for r in candidates if r is not None]
-    if not present:
-        return f"n/a ({target.baseline_label} not run)"
-    if all(r.status == NOT_INSTALLED for r in present):
-        return "n/a (peer not installed)"
-    if any(r.measured for r in present):  # measured but no figure (memory on CPU)
-        return "n/a (no memory figures without CUDA)"
-    worst = present[0]
-    return f"n/a ({worst.label} {worst.status})"
-
-
-def _evaluate_error(
-    target: Target, ours: ProviderResult, yardstick: Yardstick
-) -> TargetOutcome[Target]:
-    if not yardstick.err_hidden or not yardstick.err_classifier:
-        return TargetOutcome(target, "n/a (torch bf16 yardstick unavailable)")
-    if ours.err_hidden is None or ours.err_classifier is None:
-        return TargetOutcome(target, f"{FAIL} (no gradient)")
-    ratio_hidden = ours.err_hidden / yardstick.err_hidden
-    ratio_classifier = ours.err_classifier / yardstick.err_classifier
-    ratio = max(ratio_hidden, ratio_classifier)
-    text = (
-        f"dE {ours.err_hidden:.1e} ({ratio_hidden:.2f}×), "
-        f"dC {ours.err_classifier:.1e} ({ratio_classifier:.2f}×)"
-    )
-    return TargetOutcome(target, PASS if ratio <= target.factor else FAIL, text, ratio)
-
-
-def evaluate_targets(case_results: Sequence[CaseResult]) -> list[TargetOutcome[Target]]:
-    outcomes = []
-    for case_result in case_results:
-        for target in targets_for_case(case_result.case, list(case_result.results)):
-            outcomes.append(evaluate_target(target, case_result))
-    return outcomes
-
-
 # ----------------------------------------------------------------------------- reports
 
 
 @dataclass(kw_only=True)
 class RunInfo(common.RunInfoBase):
-    """Everything about a run that is not a per-case figure: the shared settings, then the
-    token counts N."""
+    """The run's settings (:class:`common.RunInfoBase`) and its token counts N."""
 
     n: list[int]
 
@@ -715,9 +559,7 @@ def _ratio_cell(result: ProviderResult) -> str:
     return f"{result.ratio_hidden:.2f} / {result.ratio_classifier:.2f}"
 
 
-def render_markdown(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
-) -> str:
+def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
     env = info.environment
     tflops = info.matmul["tflops"]
     title = f"# LM-head linear cross-entropy: {env['device_name']}, {env['date']}"
@@ -804,10 +646,6 @@ def render_markdown(
                "fastest measured"]
     lines += [common.markdown_table(headers, rows), ""]
 
-    lines += common.targets_section(
-        outcomes, PASS + "/" + FAIL, "No fusedloss provider was selected, so no targets apply."
-    )
-
     lines += ["## All figures", ""]
     rows = [
         [cr.case.key, result.label, result.status, common.format_ms(result.ms),
@@ -860,9 +698,7 @@ def _skipped_cell(result: ProviderResult) -> str:
     return "—" if result.tiles_skipped is None else f"{100 * result.tiles_skipped:.2f}%"
 
 
-def results_json(
-    info: RunInfo, case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
-) -> dict[str, Any]:
+def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str, Any]:
     return {
         "suite": NAME,
         "environment": info.environment,
@@ -895,23 +731,13 @@ def results_json(
             }
             for cr in case_results
         ],
-        "targets": [common.target_json(o, baselines=list(o.target.baselines)) for o in outcomes],
         "calls": info.calls,
         "notes": info.notes,
     }
 
 
-def short_tables(
-    case_results: Sequence[CaseResult], outcomes: Sequence[TargetOutcome[Target]]
-) -> str:
-    """The terminal summary: targets, then per case a line for the products and one per
-    provider (ms, peak MiB, × products, × floor, ...)."""
-    parts = []
-    if outcomes:
-        rows = [[o.status, o.target.case_key, o.target.provider, o.target.description, o.measured]
-                for o in outcomes]
-        parts += ["targets", common.text_table(["", "case", "provider", "target", "measured"],
-                                               rows), ""]
+def short_tables(case_results: Sequence[CaseResult]) -> str:
+    """The terminal summary: per case a line for the products and one per provider."""
     rows = []
     for cr in case_results:
         products = f"products ({cr.products.method})"
@@ -925,8 +751,7 @@ def short_tables(
                 (PASS if result.status == OK else FAIL) if result.measured else ""])
     headers = ["case", "provider", "ms", "MiB", "× products", "× floor", "err ratio dE/dC",
                "skipped", "check"]
-    parts += [common.text_table(headers, rows)]
-    return "\n".join(parts)
+    return common.text_table(headers, rows)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -999,7 +824,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     case_results = run_cases(
         cases, providers, device=device, dtype=dtype, seed=args.seed, timing=timing,
         tflops=matmul["tflops"], log=log, trained_lm=args.trained_lm)
-    outcomes = evaluate_targets(case_results)
 
     calls: dict[str, str] = {}
     for cr in case_results:
@@ -1017,9 +841,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         calls=calls, notes=notes)
     common.report_results(
         args.out, RESULTS_PREFIX, args.tag, info,
-        markdown=render_markdown(info, case_results, outcomes),
-        payload=results_json(info, case_results, outcomes),
-        tables=short_tables(case_results, outcomes), log=log)
+        markdown=render_markdown(info, case_results),
+        payload=results_json(info, case_results),
+        tables=short_tables(case_results), log=log)
     return 0
 
 

@@ -1,32 +1,13 @@
 """Suite ``ring``: CLIP over K processes, fusedloss's ring against inf-cl and open_clip.
 
-Launched with one process per GPU (NCCL; gloo on the CPU for ``--quick``)::
+    torchrun --nproc_per_node=K benchmarks/run.py ring [options]   # NCCL; gloo with --quick on CPU
 
-    torchrun --nproc_per_node=K benchmarks/run.py ring [options]
-
-Every rank holds b_r = B / K pairs of the global batch B (rank r the rows r·b_r … (r+1)·b_r − 1
-of one global batch drawn from the seed, so that the same B gives the same loss for every K)
-and calls the provider's loss on its own rows; the loss is the global batch's. For every case
-(global batch × regime) and provider, one run records:
-
-- a correctness check, the first (untimed) call: forward and backward, each followed by an
-  agreement of the ranks (so that a failure or an out-of-memory on one rank ends the provider
-  on every rank); the mean over the ranks of their losses against a reference of the global
-  batch (float64 with gradients at small sizes, a float32 loss up to 262144 rows), and where
-  there is none, the peers' losses against fusedloss's;
-- peak device memory per rank above inputs and gradient buffers (the contrastive suite's
-  definition), max over the ranks;
-- the time of one forward+backward step: each rank's median over the same number of calls on
-  every rank (:func:`time_on_all_ranks`), max over the ranks;
-- for fusedloss, the overlap of communication with compute (:data:`OVERLAP_DEFINITION`): the
-  ring step (a), the same step without its transfers (b: every ``Shift`` of the ring replaced
-  by one that hands over, without copying, the tensors a recorded real step received), and the
-  transfers alone (c: the recorded sequence of shifts, same sizes, tags, directions and
-  order, no compute); overlap = (b + c − a) / min(b, c) clamped to [0, 1], exposed
-  communication a − b.
-
-Every rank takes part in every collective; only rank 0 prints and writes the results files
-(``ring_<date>_<gpu-slug>_<K>gpu[_tag].md/.json``).
+Rank r holds the rows r·B/K … (r+1)·B/K − 1 of one global batch B drawn from the seed (the
+same loss for every K). Per case and provider: a checked first call, peak memory per rank,
+the step time (max over ranks of each rank's median), and for fusedloss the overlap of its
+transfers with compute (:data:`OVERLAP_DEFINITION`). The ``Ranks``/``stage``/
+``run_distributed`` frame here is shared by the other torchrun suites. Only rank 0 writes
+``ring_<date>_<gpu-slug>_<K>gpu[_tag].md/.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +16,6 @@ import argparse
 import contextlib
 import datetime as _dt
 import importlib
-import importlib.util
 import math
 import os
 import socket
@@ -55,7 +35,7 @@ from torch import Tensor
 
 from benchmarks import common
 from benchmarks.common import FAILED, NOT_INSTALLED, OK, OUT_OF_MEMORY, UNAVAILABLE, WRONG
-from benchmarks.inputs import PAIR_REGIMES, make_pair_features, pair_logit_scale
+from benchmarks.inputs import make_pair_features, pair_logit_scale
 from benchmarks.providers import Unavailable, inf_cl_head_dim, inf_clip_loss
 from benchmarks.suites import Suite
 from benchmarks.suites.contrastive import (
@@ -87,44 +67,32 @@ QUICK_WIDTH = 64
 DEFAULT_MIN_REPS = 3
 MAX_REPS = 1000
 MAX_WARMUP = 100
-DEFAULT_GROUP_TIMEOUT_S = 1800.0
+GROUP_TIMEOUT_S = 1800.0  # torch.distributed's timeout of a collective
+REGIME = "random"  # make_pair_features' regime of every case
 
 TIMING_DEFINITION = (
     "ms = max over the ranks of each rank's median time of one step, forward+backward "
     "`torch.autograd.grad(loss(image_r, text_r, logit_scale), (image_r, text_r, logit_scale))` "
-    "on the rank's b_r = B/K pairs. Every rank makes the same number of calls (every call holds "
-    "collectives): n = clamp(rep_ms / estimate, min_reps, 1000) after min(warmup_ms / estimate, "
-    "100) warm-up calls, the estimate being the slowest rank's time of one synchronized call; "
-    "the ranks start together after a barrier; each call is timed between CUDA events (wall "
-    "clock without CUDA), without an L2 flush"
+    "on the rank's b_r = B/K pairs. Every rank makes the same number of calls: n = clamp(rep_ms "
+    "/ estimate, min_reps, 1000) after min(warmup_ms / estimate, 100) warm-up calls (estimate: "
+    "the slowest rank's synchronized call), starting together after a barrier; CUDA events "
+    "(wall clock without CUDA), no L2 flush"
 )
 OVERLAP_DEFINITION = (
-    "fusedloss only. (a) ring ms: the step as timed above. (b) compute only: the same step with "
-    "the ring's transfers removed: every `Shift` of fusedloss/distributed/ring.py (its "
-    "batch_isend_irecv to the next and from the previous rank) is replaced by one that copies "
-    "into the receive buffers the tensors that a real step recorded just before received (a "
-    "device copy of the same bytes: the ring reads what it received through views of its "
-    "receive buffers, so handing over the tensors without a copy would leave the views "
-    "unfilled; at B = 65536 on 4 GPUs the copies are ~0.1 ms of the step, which (b) "
-    "includes), so every engine call (row_stats, grads per b_r × b_r block, K blocks per "
-    "direction) sees the same blocks, column statistics and filtering masses as in (a); what "
-    "else the call does (argument checks, the one small all-gather of facts per call, the "
-    "reductions) stays in. (c) transfers only: the recorded sequence of shifts (same tensor "
-    "sizes, dtypes, tags, directions, posting and waiting order, through the same Shift "
-    "class) without "
-    "compute. Each is timed like (a) (max over ranks of each rank's median). overlap = "
-    "(b + c − a) / min(b, c), clamped to [0, 1]: 1 when the transfers hide entirely behind "
-    "compute (a = max(b, c)), 0 when nothing overlaps (a ≥ b + c); exposed communication = "
-    "a − b (negative values are noise). With K = 1 the ring makes no transfers: (c) and the "
-    "overlap are then —"
+    "fusedloss only. (a) ring: the step as timed above. (b) compute only: the same step with "
+    "every `Shift` of fusedloss/distributed/ring.py replaced by one that copies into the "
+    "receive buffers the tensors a recorded real step received (the ring reads them through "
+    "views of those buffers; (b) includes the copies), so every engine call sees the same "
+    "blocks, statistics and masses as in (a). (c) transfers only: the recorded shifts (sizes, "
+    "dtypes, tags, posting and waiting order, same Shift class) without compute. Each timed "
+    "like (a). overlap = (b + c − a) / min(b, c) clamped to [0, 1]; exposed communication = "
+    "a − b (negative: noise). K = 1 makes no transfers: (c) and overlap —"
 )
 GRAPH_DEFINITION = (
     "fusedloss only, with --graph, on CUDA: the step captured once in a torch.cuda.CUDAGraph "
-    "(after warm-up calls on a side stream, as capture asks; the captured call reuses the last "
-    "eager call's exchange of facts, fusedloss.distributed's rule under capture) and timed like "
-    "(a) by replaying it: the same kernels and NCCL transfers without the host's launches. The "
-    "graph reads the step's input tensors in place, as when the towers that produce them are "
-    "captured too. Before timing, one replay's gradients must equal an eager call's bit for bit"
+    "(warm-up on a side stream; the captured call reuses the last eager call's exchange of "
+    "facts) and timed like (a) by replaying it, reading the inputs in place. One replay's "
+    "gradients must equal an eager call's bit for bit"
 )
 RING_MEMORY_DEFINITION = (
     MEMORY_DEFINITION + " Per rank, on its b_r rows (gradient bytes: its dI, dT and d "
@@ -132,16 +100,13 @@ RING_MEMORY_DEFINITION = (
     "PyTorch's caching allocator and are not counted."
 )
 CHECK_DEFINITION = (
-    "first, untimed call: the mean over the ranks of their losses (each rank returns K × its "
-    "rows' share of the global loss L or its rows' mean, so the mean is L for every provider) "
+    "first, untimed call: the ranks' mean loss (= the global loss L for every provider) "
     f"within {LOSS_TOLERANCE}·max(1, |ref|) of a reference of the global batch: float64 with "
-    f"gradients while B²·c ≤ 2^40, a float32 loss (TF32 products) while B ≤ "
-    f"{REFERENCE_LOSS_MAX_ROWS}; above, the peers' losses against fusedloss's (fusedloss "
-    "only checked finite). Gradients (where the reference has them): relative L2 error over "
-    "the global batch of the ranks' dI, dT ÷ K (every rank's features get K·∂L/∂f) and of d "
-    "logit_scale (summed over the ranks ÷ K; inf-cl all-reduces it itself: its value ÷ K), "
-    f"bounds {GRADIENT_ERROR_BOUND} (features) and {SCALAR_ERROR_BOUND} (scale). Failing rows "
-    "have status 'wrong' and are still timed"
+    f"gradients while B²·c ≤ 2^40, a float32 loss (TF32) while B ≤ {REFERENCE_LOSS_MAX_ROWS}; "
+    "above, the peers' losses against fusedloss's (fusedloss only checked finite). Gradients: "
+    "relative L2 error over the global batch of dI, dT ÷ K and of d logit_scale (summed over "
+    f"the ranks ÷ K; inf-cl sums it itself), bounds {GRADIENT_ERROR_BOUND} (features), "
+    f"{SCALAR_ERROR_BOUND} (scale). Failing rows are 'wrong' and still timed"
 )
 
 
@@ -150,12 +115,12 @@ CHECK_DEFINITION = (
 
 @dataclass(frozen=True)
 class Case:
-    """One global batch B of pairs of width c over K ranks, in a regime."""
+    """One global batch B of pairs of width c over K ranks."""
 
     batch: int  # B, global
     world: int  # K
     width: int  # c
-    regime: str
+    regime: str = REGIME
 
     @property
     def per_rank(self) -> int:
@@ -186,10 +151,8 @@ class Case:
         return self.batch <= REFERENCE_LOSS_MAX_ROWS
 
 
-def select_cases(
-    batches: Sequence[int], regimes: Sequence[str], width: int, world: int
-) -> list[Case]:
-    """Every global batch × regime; each batch must split evenly over the ``world`` ranks."""
+def select_cases(batches: Sequence[int], width: int, world: int) -> list[Case]:
+    """Every global batch; each must split evenly over the ``world`` ranks."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if width < 1:
@@ -200,17 +163,13 @@ def select_cases(
             f"global batches {uneven} do not split evenly over {world} ranks "
             "(each rank holds B / K pairs)"
         )
-    return [Case(batch, world, width, regime) for batch in batches for regime in regimes]
+    return [Case(batch, world, width) for batch in batches]
 
 
 def overlap_fraction(ring_ms: float | None, compute_ms: float | None,
                      comm_ms: float | None) -> float | None:
-    """How much of the communication hides behind compute: (b + c − a) / min(b, c) in [0, 1].
-
-    ``ring_ms`` = a, the full step; ``compute_ms`` = b, without transfers; ``comm_ms`` = c, the
-    transfers alone. 1 where a = max(b, c) (the shorter one fully hidden), 0 where a ≥ b + c.
-    None where a figure is missing or not finite, or min(b, c) ≤ 0 (nothing to overlap).
-    """
+    """(b + c − a) / min(b, c) clamped to [0, 1] (a: step, b: compute only, c: transfers
+    only); None where a figure is missing or not finite, or min(b, c) ≤ 0."""
     values = (ring_ms, compute_ms, comm_ms)
     if any(v is None or not math.isfinite(v) for v in values):
         return None
@@ -278,6 +237,13 @@ class Ranks:
     def sum(self, value: float) -> float:
         return math.fsum(self.gather(value))
 
+    def relative_error(self, actual: Tensor, reference: Tensor) -> float:
+        """Relative L2 error of a tensor split over the ranks: (Σ_r ‖a_r − ref_r‖² /
+        Σ_r ‖ref_r‖²)^½ in float64."""
+        a, r = actual.double(), reference.double()
+        diff, norm = self.sum(float(((a - r) ** 2).sum())), self.sum(float((r**2).sum()))
+        return math.sqrt(diff / norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
+
     def objects(self, value: Any) -> list[Any]:
         """Every rank's picklable ``value``, in rank order."""
         out: list[Any] = [None] * self.world
@@ -327,6 +293,51 @@ def stage(ranks: Ranks, result: Any, device: torch.device,
     del value
     common.release_memory(device)
     return False, None
+
+
+@dataclass
+class Context:
+    """What a torchrun suite's body starts from (made by :func:`run_distributed`)."""
+
+    ranks: Ranks
+    device: torch.device
+    dist_backend: str  # nccl or gloo
+    backend: str  # fusedloss's: triton on CUDA, torch on the CPU
+    dtype: torch.dtype
+    seed: int
+    quick: bool
+    timing: common.TimingSettings
+    min_reps: int
+    notes: list[str]
+    environment: dict[str, Any]  # rank 0's; {} on the others
+    say: Callable[[str], None]  # rank 0's log; silent on the others
+
+    def probe_matmul(self, size: int | None) -> dict[str, Any]:
+        """Rank 0's matmul-rate probe; {} on the others."""
+        if self.ranks.rank != 0:
+            return {}
+        return common.probe_matmul(self.device, size, self.quick, self.timing, self.dtype,
+                                   self.say)
+
+
+def make_context(args: argparse.Namespace, device: torch.device, dist_backend: str,
+                 log: Callable[[str], None]) -> Context:
+    rank, cuda = dist.get_rank(), common.uses_cuda(device)
+    notes = [common.QUICK_NOTE] if args.quick else []
+    if not cuda:
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)  # K processes share the cores; gloo crawls with more threads
+        notes.append(f"CPU: {torch.get_num_threads()} thread(s) per rank")
+    return Context(
+        ranks=Ranks(rank, dist.get_world_size(),
+                    device if dist_backend == "nccl" else torch.device("cpu")),
+        device=device, dist_backend=dist_backend, backend="triton" if cuda else "torch",
+        dtype=common.parse_dtype(args.dtype), seed=args.seed, quick=bool(args.quick),
+        timing=common.timing_settings(args.warmup_ms, args.rep_ms, bool(args.quick)),
+        min_reps=getattr(args, "min_reps", 1), notes=notes,
+        environment=common.collect_environment(device) if rank == 0 else {},
+        say=log if rank == 0 else (lambda _text: None),
+    )
 
 
 # ----------------------------------------------------------------------------- timing
@@ -481,10 +492,9 @@ def recording_shift(recording: ShiftRecording) -> type:
 
 
 class ComputeOnly:
-    """Replays a recording without transfers: each ``Shift`` of the ring copies the recorded
-    tensors into its receive buffers (a device copy: the ring reads what arrives through views
-    of its receive buffers, which ``Tensor.set_`` on the buffer would not fill) and returns;
-    ``wait`` is free."""
+    """Replays a recording without transfers: each ``Shift`` copies the recorded tensors into
+    its receive buffers (the ring reads them through views, which ``Tensor.set_`` would not
+    fill); ``wait`` is free."""
 
     def __init__(self, recording: ShiftRecording):
         self.recording = recording
@@ -564,16 +574,6 @@ def transfers_only(recording: ShiftRecording, device: torch.device) -> Callable[
 # ----------------------------------------------------------------------------- providers
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (image_r, text_r, logit_scale) -> loss
-
-
-@dataclass
-class Context:
-    """What a provider needs to build its loss on this rank."""
-
-    ranks: Ranks
-    device: torch.device
-    backend: str  # fusedloss's
-    dtype: torch.dtype
 
 
 def _import_module(module: str, hint: str) -> Any:
@@ -666,11 +666,7 @@ class InfCLRing(RingProvider):
 class OpenClipRing(RingProvider):
     """open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True,
     rank=r, world_size=K)``: all-gathers both feature matrices (with gradient) and forms the
-    rank's b_r × B logits in both directions.
-
-    ``open_clip/__init__`` imports the whole library (timm, torchvision, …); where that fails
-    but the package is there (installed ``--no-deps``), its ``loss.py``, which needs torch
-    only, is loaded on its own."""
+    rank's b_r × B logits in both directions."""
 
     key = OPEN_CLIP
     label = "open_clip ClipLoss"
@@ -678,11 +674,8 @@ class OpenClipRing(RingProvider):
     is_peer = True
     install_hint = "pip install open-clip-torch --no-deps"
 
-    def __init__(self) -> None:
-        self.source = "open_clip.loss"
-
     def build(self, ctx: Context, case: Case) -> LossFn:
-        module = self._loss_module()
+        module = _import_module("open_clip.loss", self.install_hint)
         loss_class = getattr(module, "ClipLoss", None)
         if loss_class is None:
             raise Unavailable("open_clip.loss has no ClipLoss")
@@ -693,32 +686,9 @@ class OpenClipRing(RingProvider):
                           rank=ctx.ranks.rank, world_size=ctx.ranks.world)
         return lambda image, text, scale: loss(image, text, scale)
 
-    def _loss_module(self) -> Any:
-        try:
-            module = importlib.import_module("open_clip.loss")
-            self.source = "open_clip.loss"
-            return module
-        except ImportError as error:
-            try:
-                spec = importlib.util.find_spec("open_clip")
-            except (ImportError, ValueError):
-                spec = None
-            locations = list(spec.submodule_search_locations or []) if spec else []
-            path = Path(locations[0]) / "loss.py" if locations else None
-            if path is None or not path.is_file():
-                raise Unavailable(
-                    f"open_clip not importable: {error} ({self.install_hint})"
-                ) from error
-            loader_spec = importlib.util.spec_from_file_location("_ring_open_clip_loss", path)
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-            self.source = f"{path} loaded alone (importing open_clip: {error})"
-            return module
-
     def describe(self) -> str:
         return ("open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, "
-                "cache_labels=True, rank=r, world_size=K)(image_r, text_r, logit_scale)"
-                + (f" [{self.source}]" if self.source != "open_clip.loss" else ""))
+                "cache_labels=True, rank=r, world_size=K)(image_r, text_r, logit_scale)")
 
     def required_bytes(self, case: Case, dtype: torch.dtype) -> int:
         """The two b_r × B log-softmax outputs its backward keeps (a lower bound)."""
@@ -841,13 +811,7 @@ class CaseResult:
 
 @dataclass
 class Settings:
-    device: torch.device
-    dtype: torch.dtype
-    seed: int
-    timing: common.TimingSettings
-    min_reps: int
-    backend: str
-    overlap: bool
+    overlap: bool = True
     graph: bool = False
 
 
@@ -871,7 +835,7 @@ def run_provider(provider: RingProvider, case: Case, inputs: RingInputs,
     result.call = provider.describe()
     assert loss_fn is not None
 
-    needed = provider.required_bytes(case, settings.dtype)
+    needed = provider.required_bytes(case, ctx.dtype)
     if needed and common.uses_cuda(device):
         common.release_memory(device)
         free = ranks.min(float(torch.cuda.mem_get_info(device)[0]))
@@ -914,7 +878,7 @@ def run_provider(provider: RingProvider, case: Case, inputs: RingInputs,
         result.peak_extra_mib = max(result.peak_per_rank)
 
     ok, timed = stage(ranks, result, device, lambda: time_on_all_ranks(
-        forward_backward, device, ranks, settings.timing, settings.min_reps,
+        forward_backward, device, ranks, ctx.timing, ctx.min_reps,
         host=provider.key == FUSEDLOSS))
     if not ok:
         return result
@@ -962,14 +926,9 @@ def _check(result: ProviderResult, provider: RingProvider, ranks: Ranks, inputs:
 def _gradient_errors(provider: RingProvider, ranks: Ranks, inputs: RingInputs,
                      grads: Sequence[Tensor], reference: dict[str, Tensor]) -> dict[str, float]:
     """Relative L2 errors over the global batch of the ranks' gradients ÷ K."""
-    errors = {}
     rows = slice(inputs.offset, inputs.offset + inputs.image.shape[0])
-    for name, grad in zip(("dI", "dT"), grads[:2], strict=True):
-        ref = reference[name][rows]
-        diff = float(((grad.double() / ranks.world - ref) ** 2).sum())
-        norm = float((ref**2).sum())
-        diff, norm = ranks.sum(diff), ranks.sum(norm)
-        errors[name] = math.sqrt(diff / norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
+    errors = {name: ranks.relative_error(grad.double() / ranks.world, reference[name][rows])
+              for name, grad in zip(("dI", "dT"), grads[:2], strict=True)}
     scale = float(grads[2].double())
     total = scale if provider.scale_grad_summed else ranks.sum(scale)
     ref_scale = float(reference["ds"])
@@ -1000,7 +959,7 @@ def measure_overlap(result: ProviderResult, forward_backward: Callable[[], Any],
             def compute_only() -> RankTiming:
                 with ring_shift_replaced(replay.shift_class()):
                     return time_on_all_ranks(replay.wrap(forward_backward), device, ranks,
-                                             settings.timing, settings.min_reps)
+                                             ctx.timing, ctx.min_reps)
 
             ok, compute = stage(ranks, probe, device, compute_only)
             if ok:
@@ -1012,8 +971,8 @@ def measure_overlap(result: ProviderResult, forward_backward: Callable[[], Any],
             result.overlap_note = f"K = {ranks.world}: the ring makes no transfers"
         elif ok:
             ok, comm = stage(ranks, probe, device, lambda: time_on_all_ranks(
-                transfers_only(recording, device), device, ranks, settings.timing,
-                settings.min_reps))
+                transfers_only(recording, device), device, ranks, ctx.timing,
+                ctx.min_reps))
             if ok:
                 result.comm_ms, result.comm_per_rank = comm.ms, comm.per_rank_ms
                 result.overlap = overlap_fraction(result.ms, result.compute_ms, result.comm_ms)
@@ -1054,7 +1013,7 @@ def measure_graphed(result: ProviderResult, forward_backward: Callable[[], Any],
                       lambda: replay.append(graphed_step(forward_backward, device)))
         if ok:
             ok, timed = stage(ranks, probe, device, lambda: time_on_all_ranks(
-                replay[0], device, ranks, settings.timing, settings.min_reps))
+                replay[0], device, ranks, ctx.timing, ctx.min_reps))
             if ok:
                 result.graphed_ms, result.graphed_per_rank = timed.ms, timed.per_rank_ms
     finally:
@@ -1102,7 +1061,7 @@ def run_cases(cases: Sequence[Case], providers: Sequence[RingProvider], ctx: Con
 
         def make(case: Case = case) -> tuple[RingInputs, Reference | None, str]:
             inputs, pair = make_ring_inputs(
-                case, ranks.rank, dtype=settings.dtype, device=device, seed=settings.seed,
+                case, ranks.rank, dtype=ctx.dtype, device=device, seed=ctx.seed,
                 keep_global=case.reference_loss)
             reference, note = make_reference(case, pair)
             del pair
@@ -1165,7 +1124,6 @@ class RunInfo(common.RunInfoBase):
     backend: str
     width: int
     batches: list[int]
-    regimes: list[str]
     min_reps: int
     overlap: bool
     graph: bool = False
@@ -1181,11 +1139,11 @@ def _signed_ms(value: float | None) -> str:
     return ("−" if value < 0 else "") + common.format_ms(abs(value))
 
 
-def _per_rank(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+def per_rank_text(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     return " / ".join(fmt(v) for v in values) if values else "—"
 
 
-def _errors_text(result: ProviderResult) -> str:
+def errors_text(result: ProviderResult) -> str:
     if not result.errors:
         return "—"
     return ", ".join(f"{name} {value:.1e}" for name, value in result.errors.items())
@@ -1229,9 +1187,9 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
         ("CUDA graph", GRAPH_DEFINITION if info.graph else "not measured (without --graph)"),
         ("check", CHECK_DEFINITION),
         ("inputs", "one global batch B × c from benchmarks/inputs.py make_pair_features(B, c, "
-                   "regime, seed) (bf16 unit vectors; random: logit_scale 1/0.07, trained: "
-                   "100), rank r holding pairs r·B/K … (r+1)·B/K − 1: the same batch for every "
-                   "K; logit_scale a learnable fp32 tensor"),
+                   "random, seed) (bf16 unit vectors), rank r holding pairs r·B/K … "
+                   "(r+1)·B/K − 1: the same batch for every K; logit_scale a learnable fp32 "
+                   "tensor, 1/0.07"),
         ("floor", "the one-pass cost floor (docs/design.md) of one rank's share: 8·b_r·B·c / R"),
     ]
     lines += [common.markdown_table(["setting", "value"], rows), ""]
@@ -1306,13 +1264,13 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
         for result in cr.results.values():
             rows.append([
                 cr.case.key, result.label, result.status, common.format_ms(result.ms),
-                _per_rank(result.ms_per_rank, common.format_ms),
+                per_rank_text(result.ms_per_rank, common.format_ms),
                 "—" if result.reps is None else str(result.reps),
                 common.format_mib(result.peak_extra_mib),
-                _per_rank(result.peak_per_rank, common.format_mib),
+                per_rank_text(result.peak_per_rank, common.format_mib),
                 common.format_ratio(result.times_floor),
                 "—" if result.loss is None else f"{result.loss:.5f}",
-                _check_text(result), _errors_text(result),
+                _check_text(result), errors_text(result),
                 common.format_ms(result.first_call_ms), result.note,
             ])
     headers = ["case", "provider", "status", "ms", "ms per rank", "calls", "MB", "MB per rank",
@@ -1333,7 +1291,7 @@ def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str,
             "dtype": info.dtype,
             "width": info.width,
             "batches": info.batches,
-            "regimes": info.regimes,
+            "regimes": [REGIME],
             "seed": info.seed,
             "quick": info.quick,
             "warmup_ms": info.timing.warmup_ms,
@@ -1446,24 +1404,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"feature width c (default {DEFAULT_WIDTH}; {QUICK_WIDTH} with --quick)",
     )
     parser.add_argument(
-        "--regimes",
-        type=common.comma_list(PAIR_REGIMES),
-        default=["random"],
-        help="comma list of random, trained (default random)",
-    )
-    parser.add_argument(
         "--providers",
         type=common.comma_list(PROVIDER_KEYS),
         default=list(PROVIDER_KEYS),
         help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: all)",
     )
     common.add_dtype_seed_arguments(parser)
-    parser.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "triton", "torch"],
-        help="fusedloss backend (default auto: triton on CUDA, torch on the CPU)",
-    )
     common.add_quick_device_timing_arguments(
         parser, "batches 256,512, c = 64, short timing: a smoke test that also runs on CPU "
         "(gloo)"
@@ -1480,11 +1426,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--graph", action="store_true",
         help="also time fusedloss's step replayed from a CUDA graph (CUDA only)",
     )
-    parser.add_argument(
-        "--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
-        help="torch.distributed timeout of a collective (default "
-        f"{DEFAULT_GROUP_TIMEOUT_S:g} s)",
-    )
     common.add_matmul_output_arguments(parser)
 
 
@@ -1492,26 +1433,25 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     return run_distributed(args, "ring", _run, log)
 
 
-def run_distributed(args: argparse.Namespace, name: str, body, log: Callable[[str], None]) -> int:
+def run_distributed(args: argparse.Namespace, name: str,
+                    body: Callable[[argparse.Namespace, Context], int],
+                    log: Callable[[str], None]) -> int:
     """A torchrun suite's frame: checks the device and --min-reps, joins (or creates) the
-    process group, runs ``body(args, device, dist_backend, log)`` and leaves the group; shared
-    by the suites launched with torchrun."""
+    process group, runs ``body(args, context)`` and leaves the group."""
     device = pick_device(args.device)
     if not common.uses_cuda(device) and not args.quick:
         if int(os.environ.get("RANK", "0")) == 0:
             log(f"the {name} suite needs CUDA devices at full size; use --quick on a CPU")
         return 2
-    if args.min_reps < 1:
+    if getattr(args, "min_reps", 1) < 1:
         log("--min-reps must be at least 1")
         return 2
-    created, dist_backend = init_process_group(device, args.group_timeout_s)
-    # torch 2.13's gloo, after point-to-point transfers, aborts about every other process at
-    # interpreter exit ("terminate called without an active exception", SIGABRT; a 10-line
-    # isend/irecv script does the same). Once the work is done and the group destroyed, such a
-    # process leaves without running the C++ destructors.
+    created, dist_backend = init_process_group(device, GROUP_TIMEOUT_S)
+    # gloo can abort (SIGABRT) at interpreter exit after point-to-point transfers: such a
+    # process leaves, once the group is destroyed, without running the C++ destructors.
     hard_exit = created and dist_backend == "gloo" and dist.get_world_size() > 1
     try:
-        code = body(args, device, dist_backend, log)
+        code = body(args, make_context(args, device, dist_backend, log))
     except Exception:
         if not hard_exit:
             raise
@@ -1527,91 +1467,76 @@ def run_distributed(args: argparse.Namespace, name: str, body, log: Callable[[st
     return code
 
 
-def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
-         log: Callable[[str], None]) -> int:
-    quick = bool(args.quick)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ranks = Ranks(rank, world, device if dist_backend == "nccl" else torch.device("cpu"))
-    say = log if rank == 0 else (lambda _text: None)
-    batches = args.batches or list(QUICK_BATCHES if quick else DEFAULT_BATCHES)
-    width = args.width or (QUICK_WIDTH if quick else DEFAULT_WIDTH)
+def _run(args: argparse.Namespace, ctx: Context) -> int:
+    ranks, say = ctx.ranks, ctx.say
+    batches = args.batches or list(QUICK_BATCHES if ctx.quick else DEFAULT_BATCHES)
+    width = args.width or (QUICK_WIDTH if ctx.quick else DEFAULT_WIDTH)
     try:
-        cases = select_cases(batches, args.regimes, width, world)
+        cases = select_cases(batches, width, ranks.world)
     except ValueError as error:
         say(str(error))
         return 2
-    dtype = common.parse_dtype(args.dtype)
-    backend = args.backend
-    if backend == "auto":
-        backend = "triton" if common.uses_cuda(device) else "torch"
-    timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
-    notes: list[str] = [common.QUICK_NOTE] if quick else []
-    if not common.uses_cuda(device):
-        if "OMP_NUM_THREADS" not in os.environ:
-            # K processes share the cores; and on a 2-core machine one process with 2 threads
-            # measured 100× slower than with 1 (gloo's threads and OpenMP's spinning).
-            torch.set_num_threads(1)
-        notes.append(f"CPU: {torch.get_num_threads()} thread(s) per rank")
-        if backend == "triton" and FUSEDLOSS in args.providers:
-            notes.append(common.use_triton_interpreter())
-    settings = Settings(device, dtype, args.seed, timing, args.min_reps, backend,
-                        overlap=not args.no_overlap, graph=args.graph)
-    all_providers = ring_providers(backend)
+    settings = Settings(overlap=not args.no_overlap, graph=args.graph)
+    all_providers = ring_providers(ctx.backend)
     providers = [all_providers[key] for key in args.providers]
-    ctx = Context(ranks, device, backend, dtype)
-
-    environment: dict[str, Any] = {}
-    matmul: dict[str, Any] = {}
-    if rank == 0:
-        environment = common.collect_environment(device)
-        say(f"ring on {world} × {environment['device_name']} ({dist_backend}): torch "
-            f"{environment['torch']}, triton {environment['triton']}, "
-            f"{common.dtype_name(dtype)}, c = {width}, fusedloss backend {backend}, cases: "
+    env = ctx.environment
+    if ranks.rank == 0:
+        say(f"ring on {ranks.world} × {env['device_name']} ({ctx.dist_backend}): torch "
+            f"{env['torch']}, triton {env['triton']}, {common.dtype_name(ctx.dtype)}, "
+            f"c = {width}, fusedloss backend {ctx.backend}, cases: "
             f"{', '.join(case.key for case in cases)}")
-        matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, say)
+    matmul = ctx.probe_matmul(args.matmul_size)
+
     def summary(results: Sequence[CaseResult]) -> RunInfo:
-        return info_of(args, results, environment, matmul, list(notes), world, dist_backend,
-                       settings, batches, width)
+        return info_of(args, results, ctx, matmul, settings, batches, width)
 
     def write_so_far(results: list[CaseResult]) -> None:
-        if rank == 0:
+        if ranks.rank == 0:
             write_report_files(args, summary(results), results)
 
     case_results = run_cases(cases, providers, ctx, settings, say, write_so_far)
     try:
-        if rank == 0:
+        if ranks.rank == 0:
             report(args, summary(case_results), case_results, say)
     finally:
         ranks.barrier()  # every rank leaves once the results are written
     return 0
 
 
-def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult],
-            environment: dict[str, Any], matmul: dict[str, Any], notes: list[str], world: int,
-            dist_backend: str, settings: Settings, batches: Sequence[int],
+def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult], ctx: Context,
+            matmul: dict[str, Any], settings: Settings, batches: Sequence[int],
             width: int) -> RunInfo:
     """Rank 0's summary of the run: floors, the calls measured, the notes."""
+    calls, notes = collect_calls_notes(case_results, ctx.notes)
+    for cr in case_results:
+        for result in cr.results.values():
+            result.times_floor = (result.ms / cr.case.floor_ms(matmul["tflops"])
+                                  if result.measured else None)
+    return RunInfo(
+        environment=ctx.environment, matmul=matmul, dtype=common.dtype_name(ctx.dtype),
+        seed=ctx.seed, quick=ctx.quick, timing=ctx.timing, providers=list(args.providers),
+        peer_versions={name: common.package_version(name)
+                       for name in ("inf-cl", "open-clip-torch")},
+        calls=calls, notes=notes, world=ctx.ranks.world, dist_backend=ctx.dist_backend,
+        backend=ctx.backend, width=width, batches=list(batches), min_reps=ctx.min_reps,
+        overlap=settings.overlap, graph=settings.graph,
+    )
+
+
+def collect_calls_notes(case_results: Sequence[Any], notes: Sequence[str]
+                        ) -> tuple[dict[str, str], list[str]]:
+    """The calls measured (by provider label) and the run's notes: ``notes``, then each case's
+    note and problems."""
     calls: dict[str, str] = {}
+    notes = list(notes)
     for cr in case_results:
         if cr.note:
             notes.append(f"{cr.case.key}: {cr.note}")
         for result in cr.results.values():
-            result.times_floor = (result.ms / cr.case.floor_ms(matmul["tflops"])
-                                  if result.measured else None)
             if result.call:
                 calls.setdefault(result.label, result.call)
             common.note_problem(notes, cr.case.key, result)
-    return RunInfo(
-        environment=environment, matmul=matmul, dtype=common.dtype_name(settings.dtype),
-        seed=settings.seed, quick=bool(args.quick), timing=settings.timing,
-        providers=list(args.providers),
-        peer_versions={name: common.package_version(name)
-                       for name in ("inf-cl", "open-clip-torch")},
-        calls=calls, notes=notes, world=world, dist_backend=dist_backend,
-        backend=settings.backend, width=width, batches=list(batches),
-        regimes=list(args.regimes), min_reps=settings.min_reps, overlap=settings.overlap,
-        graph=settings.graph,
-    )
+    return calls, notes
 
 
 def write_report_files(args: argparse.Namespace, info: RunInfo,

@@ -5,15 +5,12 @@
                                    [--methods fusedloss,fusedloss-tiled,fusedloss-materialized,
                                               torch,torch-compile]
 
-For each loss and size: forward + backward of the mean loss by fusedloss (eager), by the
-materialized PyTorch loss (its b × b or N × V logits in the input dtype, as a user writes it)
-eager and under ``torch.compile``; median ms (``triton.testing.do_bench``), the peak memory
-above the inputs and gradients, and the host time to issue one call (the wall time of a call
-made with the GPU idle and not waited for: what the CPU spends per call when it runs ahead).
-The materialized loss runs where its logits take at most a quarter of the free memory.
-A plot of ms against size per loss goes next to the results (``--plot``). ``--steps`` also
-times a tiny model's training step with each loss inside, eager and (CUDA) with the loss
-function captured in CUDA graphs (``torch.compile(mode="reduce-overhead")``).
+Per loss and size (bf16): forward + backward of the mean loss by fusedloss and by the
+materialized PyTorch loss (logits in the input dtype) eager and compiled; median ms, peak memory
+above inputs and gradients, and the host time to issue one call with the GPU idle. The
+materialized loss runs where its logits take at most a quarter of the free memory. ``--plot``
+draws ms against size; ``--steps`` also times a tiny model's training step with each loss,
+eager and (CUDA) under ``torch.compile(mode="reduce-overhead")``.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from benchmarks.suites import Suite
 
 METHODS = ("fusedloss", "fusedloss-tiled", "fusedloss-materialized", "torch", "torch-compile")
 DEFAULT_METHODS = ("fusedloss", "torch", "torch-compile")
+DTYPE = torch.bfloat16
 CONTRASTIVE_SIZES = (128, 256, 1024, 4096, 16384, 65536, 262144)
 LM_SIZES = (256, 512, 2048, 8192, 32768, 131072, 262144)
 
@@ -136,8 +134,8 @@ _COMPILED: dict[str, Any] = {}
 
 
 def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dict[str, Any]:
-    dtype, device = common.parse_dtype(args.dtype), args.device
-    x = make_inputs(loss, size, dtype, device)
+    device = args.device
+    x = make_inputs(loss, size, DTYPE, device)
     leaves = [t for t in x.values() if t.requires_grad]
     if method == "torch-compile" and loss.name not in _COMPILED:
         # one graph for every size (dynamic shapes): a compile per size would take minutes
@@ -245,8 +243,7 @@ def measure_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
     for name in STEPS:
         for method in methods:
-            step = step_fn(name, method, args.device, common.parse_dtype(args.dtype),
-                           args.quick)
+            step = step_fn(name, method, args.device, DTYPE, args.quick)
             for _ in range(3):  # compile, record and warm the graphs
                 step()
             row = dict(step=name, method=method, value=float(step().detach()),
@@ -381,7 +378,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{','.join(DEFAULT_METHODS)}; fusedloss-tiled and "
                              "fusedloss-materialized: the contrastive losses on their tiled "
                              "or on their materialized kernels at every size)")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup-ms", type=float, default=None)
     parser.add_argument("--rep-ms", type=float, default=None)

@@ -5,27 +5,16 @@ with random weights from its published config (no download): bf16 weights, gradi
 checkpointing on, fixed random token data from the seed. Methods (``--methods``):
 
 - ``hf``: the unpatched model; ``hf-compile``: the same under ``torch.compile(model)``;
-- ``liger``, "liger-kernel (all kernels)":
-  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(fused_linear_cross_entropy=True,
-  cross_entropy=False, model=model)``; liger's other default kernels (RoPE, RMSNorm, SwiGLU or
-  GeGLU) stay on, as for a user of the one-line patch, so more of the step than the loss
-  differs: reported, but not what the targets compare with;
-- ``liger-flce``, "liger-kernel (loss only)": the same function with every other kernel flag off
-  (``rope``, ``rms_norm``, ``swiglu`` / ``geglu``, ``cross_entropy`` = False) and
-  ``fused_linear_cross_entropy=True``: only the loss differs from ``hf``, as for fusedloss;
-- ``cce``, "cut-cross-entropy (loss via a generic forward)": :func:`patch_cce`, the model's
-  forward replaced by one that calls ``cut_cross_entropy.linear_cross_entropy`` on the final
-  hidden states (see :data:`CCE_NOTE` for why not cut-cross-entropy's own ``cce_patch``);
-- ``fusedloss``: ``fusedloss.integrations.transformers.apply_fusedloss(model)``;
-  ``fusedloss-compile``: the same under ``torch.compile(model)``.
+- ``liger``: ``apply_liger_kernel_to_<family>`` with fused linear cross-entropy and liger's
+  other default kernels on (more of the step than the loss differs); ``liger-flce``: the same
+  with every other kernel off (only the loss differs);
+- ``cce`` / ``cce-exact``: :func:`patch_cce` (``linear_cross_entropy`` on the final hidden
+  states; ``cce-exact`` with its gradient filter off);
+- ``fusedloss``: ``apply_fusedloss(model)``; ``fusedloss-compile``: under ``torch.compile``.
 
-Every method builds its model from the same seed and trains on the same batches, so their
-losses must agree within bf16 noise (checked against ``hf``). Per method: median step time
-over ``--steps`` steps after ``--warmup-steps`` (CUDA events), tokens/s, peak memory
-(``torch.cuda.max_memory_allocated`` from before the first step: weights, gradients, AdamW
-state and activations), the losses; with ``--find-max-batch``, the largest batch (sequence
-fixed) whose step completes without running out of memory, and the tokens/s and peak memory
-of every batch tried (the plot's points).
+Same seed and batches for every method, so the losses must agree within bf16 noise (checked
+against ``hf``). Per method: median step time, tokens/s, peak memory, the losses; with
+``--find-max-batch``, the largest batch that fits and the figures of every batch tried.
 """
 
 from __future__ import annotations
@@ -47,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from benchmarks.common import FAIL, NOT_INSTALLED, OK, PASS, UNAVAILABLE
+from benchmarks.common import NOT_INSTALLED, OK, UNAVAILABLE
 from benchmarks.suites import Suite
 
 NAME = "train"
@@ -74,18 +63,12 @@ PEERS = {LIGER: "liger-kernel", LIGER_FLCE: "liger-kernel", CCE: "cut-cross-entr
          CCE_EXACT: "cut-cross-entropy"}
 PEER_MODULES = {LIGER: "liger_kernel", LIGER_FLCE: "liger_kernel", CCE: "cut_cross_entropy",
                 CCE_EXACT: "cut_cross_entropy"}
-# Methods whose step differs from ours by more than the loss: reported, left out of the targets.
-OTHER_WORK = (LIGER,)
-# The peers the throughput target names (same work as ours: only the loss replaced).
-# cut-cross-entropy without its gradient filter (CCE_EXACT) is reported beside them: its
-# default filter drops most of the backward on the flat softmax of untrained weights.
-THROUGHPUT_PEERS = (LIGER_FLCE, CCE)
 INSTALL_HINT = "pip install cut-cross-entropy==25.1.1 liger-kernel==0.8.5 --no-deps"
 
 DEFAULT_SEQ, DEFAULT_BATCH, DEFAULT_STEPS, DEFAULT_WARMUP = 4096, 2, 5, 2
 QUICK_SEQ, QUICK_BATCH, QUICK_STEPS, QUICK_WARMUP = 32, 2, 2, 1
-DEFAULT_MAX_BATCH_LIMIT, QUICK_MAX_BATCH_LIMIT = 256, 8
-DEFAULT_LR = 1e-4
+MAX_BATCH_LIMIT, QUICK_MAX_BATCH_LIMIT = 256, 8  # largest batch --find-max-batch tries
+LR = 1e-4  # AdamW
 
 # Losses of the methods against hf's (same init, same data): first step (forward only differs)
 # and last step (after the AdamW updates, which amplify bf16 differences a little).
@@ -306,9 +289,8 @@ def patch_liger(method: str, model: Any, spec: ModelSpec) -> tuple[Any, str]:
 
     ``liger``: only the loss flags are set (fused linear cross-entropy on, plain cross-entropy
     off); the function's other kernels keep their defaults (on). ``liger-flce``: every other
-    boolean flag of the function (in liger-kernel 0.8.5: ``rope``, ``cross_entropy``,
-    ``rms_norm`` and ``swiglu``, or ``geglu`` for Gemma) is set False, read from its signature
-    so that a kernel flag a family adds is switched off too."""
+    boolean flag of the function is set False, read from its signature so that a kernel flag
+    a family adds is switched off too."""
     module = _import_peer("liger_kernel.transformers")
     name = f"apply_liger_kernel_to_{spec.liger_family}"
     apply = getattr(module, name, None)
@@ -329,20 +311,6 @@ def patch_liger(method: str, model: Any, spec: ModelSpec) -> tuple[Any, str]:
     return model, f"liger_kernel.transformers.{name}({text}, model=model)"
 
 
-CCE_NOTE = (
-    "cut-cross-entropy runs through a generic forward (patch_cce), not its own cce_patch: the "
-    "latest PyPI release (25.1.1) has no cut_cross_entropy.transformers, and the one in its "
-    "GitHub repository (apple/ml-cross-entropy main, d42911f, version 25.6.4) targets "
-    "transformers 4.48 (its 'transformers' extra pins 4.48.2) and does not import under 5.x "
-    "(HybridCache, _CONFIG_FOR_DOC, LLAMA_INPUTS_DOCSTRING and KwargsForCausalLM are gone; its "
-    "forwards take 4.x's num_logits_to_keep). The generic forward runs the base model and calls "
-    "cut_cross_entropy.linear_cross_entropy(hidden, lm_head.weight, labels, shift=True) with "
-    "HF's loss semantics (ignore_index -100, the mean over the valid tokens or their sum / "
-    "num_items_in_batch, Gemma 2's final_logit_softcapping as softcap), as apply_fusedloss "
-    "does with fusedloss's loss"
-)
-
-
 def patch_cce(model: Any, exact: bool = False) -> tuple[Any, str]:
     """Replaces this model instance's forward by one whose training loss is
     ``cut_cross_entropy.linear_cross_entropy`` of the final hidden states and
@@ -355,7 +323,8 @@ def patch_cce(model: Any, exact: bool = False) -> tuple[Any, str]:
     mean over the valid tokens, or with ``num_items_in_batch`` their sum divided by it; the
     config's ``final_logit_softcapping`` (Gemma 2) is cut-cross-entropy's ``softcap``. Returns
     the family's ``CausalLMOutputWithPast`` with ``logits=None``. Otherwise (no labels,
-    evaluation, ``logits_to_keep``): the class's forward. Why not ``cce_patch``: CCE_NOTE."""
+    evaluation, ``logits_to_keep``): the class's forward. Not cut-cross-entropy's own
+    ``cce_patch``: it does not import under transformers 5."""
     module = _import_peer("cut_cross_entropy")
     linear_cross_entropy = getattr(module, "linear_cross_entropy", None)
     if linear_cross_entropy is None:
@@ -466,7 +435,7 @@ class MethodResult:
     loss_error: float | None = None  # |last loss − reference's|
     first_loss_error: float | None = None
     max_batch: int | None = None
-    max_batch_limited: bool = False  # the search stopped at --max-batch-limit, not at OOM
+    max_batch_limited: bool = False  # the search stopped at the batch limit, not at OOM
     max_batch_tokens_per_s: float | None = None
     max_batch_peak_gib: float | None = None
     sweep: list[SweepPoint] = field(default_factory=list)
@@ -490,7 +459,6 @@ class Settings:
     batch: int
     steps: int
     warmup_steps: int
-    lr: float
     seed: int
     quick: bool
     layers: int | None  # decoder layers instead of the model's
@@ -502,10 +470,10 @@ class Settings:
 class Trainer:
     """A model (as the method prepared it) and its AdamW; runs timed steps."""
 
-    def __init__(self, call: Callable[..., Any], model: Any, device: torch.device, lr: float):
+    def __init__(self, call: Callable[..., Any], model: Any, device: torch.device):
         self.call, self.model, self.device = call, model, device
         fused = common.uses_cuda(device)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
 
     def step(self, ids: Any) -> Any:
         output = self.call(input_ids=ids, labels=ids, use_cache=False)
@@ -515,21 +483,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
-
-    def timed_step(self, ids: Any) -> tuple[float, Any]:
-        """(ms, loss) of one step: CUDA events around it (wall clock without CUDA)."""
-        if common.uses_cuda(self.device):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            start.record()
-            loss = self.step(ids)
-            end.record()
-            torch.cuda.synchronize(self.device)
-            return float(start.elapsed_time(end)), loss
-        begin = time.perf_counter()
-        loss = self.step(ids)
-        return (time.perf_counter() - begin) * 1e3, loss
 
     def run(
         self, batches: Sequence[Any], warmup: int
@@ -541,7 +494,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         times, losses = [], []
         for index, ids in enumerate(batches):
-            ms, loss = self.timed_step(ids)
+            ms, loss = timed(self.step, self.device, ids)
             losses.append(loss)
             if index >= warmup:
                 times.append(ms)
@@ -553,6 +506,22 @@ class Trainer:
     def free_step_memory(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         common.release_memory(self.device)
+
+
+def timed(fn: Callable[..., Any], device: torch.device, *args: Any) -> tuple[float, Any]:
+    """(ms, result) of ``fn(*args)``: CUDA events around it (wall clock without CUDA)."""
+    if common.uses_cuda(device):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        value = fn(*args)
+        end.record()
+        torch.cuda.synchronize(device)
+        return float(start.elapsed_time(end)), value
+    begin = time.perf_counter()
+    value = fn(*args)
+    return (time.perf_counter() - begin) * 1e3, value
 
 
 def find_max_batch(
@@ -627,7 +596,7 @@ def run_method(
                 result.status = NOT_INSTALLED if missing else UNAVAILABLE
                 result.note = str(error)
                 return result
-            trainer = Trainer(call, model, device, settings.lr)
+            trainer = Trainer(call, model, device)
             if common.uses_cuda(device):
                 result.static_gib = torch.cuda.memory_allocated(device) / GIB
             vocab = model.config.vocab_size
@@ -696,8 +665,8 @@ def _search_max_batch(result: MethodResult, trainer: Trainer, vocab: int, settin
 def _point_text(point: SweepPoint) -> str:
     if point.status != OK:
         return point.status
-    return (f"{common.format_ms(point.ms)} ms, {_tps(point.tokens_per_s)} tokens/s, "
-            f"peak {_gib(point.peak_gib)} GiB")
+    return (f"{common.format_ms(point.ms)} ms, {count_text(point.tokens_per_s)} tokens/s, "
+            f"peak {gib_text(point.peak_gib)} GiB")
 
 
 def check_losses(results: Sequence[MethodResult]) -> None:
@@ -719,103 +688,21 @@ def check_losses(results: Sequence[MethodResult]) -> None:
             common.mark_wrong(result, [p + f" ({reference.label})" for p in problems])
 
 
-# ----------------------------------------------------------------------------- targets
-
-
-@dataclass(frozen=True)
-class Target:
-    case_key: str  # the model
-    provider: str  # the method checked (ours)
-    kind: str
-    factor: float
-    description: str
-
-
-def evaluate_targets(model: str, results: Sequence[MethodResult]) -> list[common.TargetOutcome]:
-    """The targets of each of our methods that ran (TARGETS_DEFINITION), against the other
-    methods that do the same work (all but OTHER_WORK)."""
-    by_method = {r.method: r for r in results}
-    outcomes = []
-    for ours_key in OURS:
-        ours = by_method.get(ours_key)
-        if ours is None:
-            continue
-        others = [r for r in results
-                  if r.method not in OURS and r.method not in OTHER_WORK and r.measured]
-
-        def outcome(kind: str, description: str, ok: bool | None, measured: str,
-                    why: str = "", key: str = ours_key) -> None:
-            status = (PASS if ok else FAIL) if ok is not None else f"n/a ({why})"
-            outcomes.append(common.TargetOutcome(
-                Target(model, key, kind, 1.0, description), status, measured))
-
-        if not ours.measured and ours.status in (UNAVAILABLE, NOT_INSTALLED):
-            continue
-        if not ours.measured:
-            outcome("peak memory", "lowest peak memory", None, "", f"{ours_key} {ours.status}")
-            continue
-        # 1. lowest peak memory at the fixed batch
-        peaks = [r for r in others if r.peak_gib is not None]
-        if ours.peak_gib is None or not peaks:
-            outcome("peak memory", "lowest peak memory of the same-work methods", None, "",
-                    "no memory figures" if ours.peak_gib is None else "no same-work method")
-        else:
-            lowest = min(peaks, key=lambda r: r.peak_gib)
-            outcome("peak memory", "lowest peak memory of the same-work methods",
-                    ours.peak_gib <= lowest.peak_gib,
-                    f"{_gib(ours.peak_gib)} GiB vs {_gib(lowest.peak_gib)} GiB ({lowest.label})")
-        # 2. largest tokens per step
-        searched = [r for r in others if r.max_batch is not None]
-        if ours.max_batch is None or not searched:
-            outcome("max tokens", "largest tokens per step of the same-work methods", None, "",
-                    "no --find-max-batch" if ours.max_batch is None else "no same-work method")
-        else:
-            most = max(searched, key=lambda r: r.max_batch)
-            limited = " (search limit)" if ours.max_batch_limited else ""
-            outcome("max tokens", "largest tokens per step of the same-work methods",
-                    ours.max_batch >= most.max_batch,
-                    f"{ours.max_tokens_per_step}{limited} vs {most.max_tokens_per_step} "
-                    f"({most.label})")
-        # 3. tokens/s at the fixed batch ≥ each peer's
-        for peer in THROUGHPUT_PEERS:
-            base = by_method.get(peer)
-            description = f"tokens/s at batch {ours.batch} ≥ {LABELS[peer]}'s"
-            if base is None or not base.measured:
-                why = "not run" if base is None else f"{LABELS[peer]} {base.status}"
-                outcome("throughput", description, None, "", why)
-            else:
-                outcome("throughput", description, ours.tokens_per_s >= base.tokens_per_s,
-                        f"{_tps(ours.tokens_per_s)} vs {_tps(base.tokens_per_s)}")
-        # 4. tokens/s at the largest batch ≥ every other method's at its largest batch
-        at_max = [r for r in searched if r.max_batch_tokens_per_s is not None]
-        description = "tokens/s at own largest batch ≥ every same-work method's at theirs"
-        if ours.max_batch_tokens_per_s is None or not at_max:
-            outcome("max throughput", description, None, "", "no --find-max-batch"
-                    if ours.max_batch is None else "no same-work method")
-        else:
-            fastest = max(at_max, key=lambda r: r.max_batch_tokens_per_s)
-            outcome("max throughput", description,
-                    ours.max_batch_tokens_per_s >= fastest.max_batch_tokens_per_s,
-                    f"{_tps(ours.max_batch_tokens_per_s)} (batch {ours.max_batch}) vs "
-                    f"{_tps(fastest.max_batch_tokens_per_s)} ({fastest.label}, batch "
-                    f"{fastest.max_batch})")
-    return outcomes
-
-
 # ----------------------------------------------------------------------------- reporting
 
 
-def _gib(value: float | None) -> str:
+def gib_text(value: float | None) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
 
 
-def _tps(value: float | None) -> str:
+def count_text(value: float | None) -> str:
+    """A rate (tokens/s, images/s): thousands separated, 3 significant digits below 100."""
     if value is None or not math.isfinite(value):
         return "—"
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _loss(value: float | None) -> str:
+def loss_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.4f}"
 
 
@@ -831,29 +718,14 @@ class RunInfo:
 
 
 MEASURE_DEFINITION = (
-    "one step = forward (labels = input ids, the model shifts them), backward, AdamW step "
-    "(lr {lr}, fused on CUDA), zero_grad(set_to_none=True); bf16 weights, gradient "
-    "checkpointing (use_reentrant=False), batches of uniform random tokens drawn from the seed; "
-    "every method's model built from the same seed. ms = median over the timed steps after "
-    "the warm-up steps, each between CUDA events (wall clock without CUDA); tokens/s = "
-    "batch·seq / ms. Peak GiB = torch.cuda.max_memory_allocated() from just before the first "
-    "step to the last (weights, gradients, AdamW state, activations, logits) / 2^30."
+    f"one step = forward (labels = input ids), backward, AdamW step (lr {LR}, fused on CUDA), "
+    "zero_grad; bf16 weights, gradient checkpointing, uniform random tokens from the seed. "
+    "ms = median of the timed steps (CUDA events); tokens/s = batch·seq / ms; peak GiB = "
+    "torch.cuda.max_memory_allocated() over the steps / 2^30"
 )
 
 
-TARGETS_DEFINITION = (
-    "for fusedloss and fusedloss torch.compile, against the same-work methods: every method but "
-    "liger-kernel (all kernels), whose RoPE, RMSNorm and SwiGLU/GeGLU kernels replace more of "
-    "the step than the loss (its row is reported, not compared). Targets: the lowest peak memory "
-    "at the fixed batch; the largest tokens per step (--find-max-batch); tokens/s at the fixed "
-    "batch ≥ liger-kernel (loss only)'s (liger's fused linear cross-entropy and nothing else) "
-    "and ≥ cut-cross-entropy's; tokens/s at its own largest batch ≥ every same-work method's at "
-    "theirs"
-)
-
-
-def render_markdown(info: RunInfo, results: dict[str, list[MethodResult]],
-                    outcomes: Sequence[common.TargetOutcome]) -> str:
+def render_markdown(info: RunInfo, results: dict[str, list[MethodResult]]) -> str:
     env, s = info.environment, info.settings
     lines = [f"# End-to-end training step: {env['device_name']}, {env['date']}", ""]
     if s.quick:
@@ -866,10 +738,9 @@ def render_markdown(info: RunInfo, results: dict[str, list[MethodResult]],
          f"{s.steps} timed steps, seed {s.seed}"),
         ("max-batch search", f"on, limit {s.max_batch_limit}, 1 warm-up + {s.sweep_steps} timed "
          "steps per batch" if s.find_max_batch else "off"),
-        ("measured", MEASURE_DEFINITION.format(lr=s.lr)),
+        ("measured", MEASURE_DEFINITION),
         ("loss check", f"first-step loss within {FIRST_LOSS_TOLERANCE}·max(1, |ref|) and last "
          f"within {LAST_LOSS_TOLERANCE}·max(1, |ref|) of HF eager's; otherwise 'wrong'"),
-        ("targets", TARGETS_DEFINITION),
     ]
     lines += [common.markdown_table(["setting", "value"], rows), ""]
     lines += ["## Models", ""]
@@ -884,32 +755,29 @@ def render_markdown(info: RunInfo, results: dict[str, list[MethodResult]],
         for r in model_results:
             rows.append([
                 r.label, r.status, r.batch, r.tokens_per_step, common.format_ms(r.ms),
-                _tps(r.tokens_per_s), _gib(r.peak_gib),
-                _loss(r.losses[0] if r.losses else None), _loss(r.loss),
+                count_text(r.tokens_per_s), gib_text(r.peak_gib),
+                loss_text(r.losses[0] if r.losses else None), loss_text(r.loss),
                 common.format_error(r.loss_error),
                 "—" if r.max_batch is None else
                 f"{r.max_batch}{'+' if r.max_batch_limited else ''} ({r.max_tokens_per_step})",
-                _tps(r.max_batch_tokens_per_s), _gib(r.max_batch_peak_gib), r.note,
+                count_text(r.max_batch_tokens_per_s), gib_text(r.max_batch_peak_gib), r.note,
             ])
         headers = ["method", "status", "batch", "tokens/step", "ms/step", "tokens/s", "peak GiB",
                    "first loss", "last loss", "|Δ last loss|", "max batch (tokens)",
                    "tokens/s at max", "peak GiB at max", "note"]
         lines += [common.markdown_table(headers, rows), ""]
         sweep_rows = [[r.label, p.batch, p.tokens, p.status, common.format_ms(p.ms),
-                       _tps(p.tokens_per_s), _gib(p.peak_gib)]
+                       count_text(p.tokens_per_s), gib_text(p.peak_gib)]
                       for r in model_results for p in r.sweep]
         if any(len(r.sweep) > 1 for r in model_results):
             lines += ["Batches tried:", "", common.markdown_table(
                 ["method", "batch", "tokens", "status", "ms", "tokens/s", "peak GiB"],
                 sweep_rows), ""]
-    lines += common.targets_section(outcomes, PASS + "/" + FAIL,
-                                    "No fusedloss method was selected, so no targets apply.")
     lines += common.closing_sections(info.calls, info.notes)
     return "\n".join(lines)
 
 
-def results_json(info: RunInfo, results: dict[str, list[MethodResult]],
-                 outcomes: Sequence[common.TargetOutcome]) -> dict[str, Any]:
+def results_json(info: RunInfo, results: dict[str, list[MethodResult]]) -> dict[str, Any]:
     return {
         "suite": NAME,
         "environment": info.environment,
@@ -917,35 +785,25 @@ def results_json(info: RunInfo, results: dict[str, list[MethodResult]],
         "methods": info.methods,
         "peer_versions": info.peer_versions,
         "transformers": common.package_version("transformers"),
-        "definitions": {"measured": MEASURE_DEFINITION.format(lr=info.settings.lr),
-                        "targets": TARGETS_DEFINITION, "other_work": list(OTHER_WORK)},
+        "definitions": {"measured": MEASURE_DEFINITION},
         "models": [
             {"model": name, **info.models[name],
              "results": [{**asdict(r), "loss": r.loss, "max_tokens_per_step":
                           r.max_tokens_per_step} for r in model_results]}
             for name, model_results in results.items()
         ],
-        "targets": [common.target_json(o) for o in outcomes],
         "calls": info.calls,
         "notes": info.notes,
     }
 
 
-def short_tables(results: dict[str, list[MethodResult]],
-                 outcomes: Sequence[common.TargetOutcome]) -> str:
-    parts = []
-    if outcomes:
-        rows = [[o.status, o.target.case_key, o.target.provider, o.target.description,
-                 o.measured] for o in outcomes]
-        parts += ["targets", common.text_table(["", "model", "method", "target", "measured"],
-                                               rows), ""]
+def short_tables(results: dict[str, list[MethodResult]]) -> str:
     rows = [[model, r.label, common.format_ms(r.ms) if r.measured else r.status,
-             _tps(r.tokens_per_s), _gib(r.peak_gib), _loss(r.loss),
+             count_text(r.tokens_per_s), gib_text(r.peak_gib), loss_text(r.loss),
              "—" if r.max_batch is None else str(r.max_batch)]
             for model, model_results in results.items() for r in model_results]
-    parts.append(common.text_table(["model", "method", "ms/step", "tokens/s", "peak GiB",
-                                    "loss", "max batch"], rows))
-    return "\n".join(parts)
+    return common.text_table(["model", "method", "ms/step", "tokens/s", "peak GiB", "loss",
+                              "max batch"], rows)
 
 
 def plot_results(path: Path, results: dict[str, list[MethodResult]]) -> Path | None:
@@ -1002,14 +860,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help=f"untimed steps first (default {DEFAULT_WARMUP}; {QUICK_WARMUP} "
                         "with --quick); their losses count")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers instead of each model's (real vocabulary and width)")
     parser.add_argument("--find-max-batch", action="store_true",
-                        help="also grow the batch until out of memory (then bisect)")
-    parser.add_argument("--max-batch-limit", type=int, default=None,
-                        help=f"largest batch tried (default {DEFAULT_MAX_BATCH_LIMIT}; "
-                        f"{QUICK_MAX_BATCH_LIMIT} with --quick)")
+                        help=f"also grow the batch until out of memory (then bisect), up to "
+                        f"{MAX_BATCH_LIMIT} ({QUICK_MAX_BATCH_LIMIT} with --quick)")
     parser.add_argument("--sweep-steps", type=int, default=2,
                         help="timed steps per batch tried by --find-max-batch (default 2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -1034,12 +889,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         batch=pick(args.batch, DEFAULT_BATCH, QUICK_BATCH),
         steps=max(1, pick(args.steps, DEFAULT_STEPS, QUICK_STEPS)),
         warmup_steps=max(0, pick(args.warmup_steps, DEFAULT_WARMUP, QUICK_WARMUP)),
-        lr=args.lr,
         seed=args.seed,
         quick=quick,
         layers=args.layers,
         find_max_batch=bool(args.find_max_batch),
-        max_batch_limit=pick(args.max_batch_limit, DEFAULT_MAX_BATCH_LIMIT, QUICK_MAX_BATCH_LIMIT),
+        max_batch_limit=QUICK_MAX_BATCH_LIMIT if quick else MAX_BATCH_LIMIT,
         sweep_steps=max(1, args.sweep_steps),
     )
 
@@ -1051,8 +905,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         return 2
     settings = settings_from(args)
     notes: list[str] = [common.QUICK_NOTE] if settings.quick else []
-    if CCE in args.methods or CCE_EXACT in args.methods:
-        notes.append(CCE_NOTE)
     environment = common.collect_environment(device)
     log(f"train on {environment['device_name']}: torch {environment['torch']}, transformers "
         f"{common.package_version('transformers')}, seq {settings.seq}, batch {settings.batch}")
@@ -1079,8 +931,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
             if result.call and calls.setdefault(method, result.call) != result.call:
                 calls[f"{method}, {name}"] = result.call  # e.g. liger's function per family
             log(f"  {result.label}: " + (
-                f"{common.format_ms(result.ms)} ms/step, {_tps(result.tokens_per_s)} tokens/s, "
-                f"peak {_gib(result.peak_gib)} GiB, loss {_loss(result.loss)}"
+                f"{common.format_ms(result.ms)} ms/step, "
+                f"{count_text(result.tokens_per_s)} tokens/s, "
+                f"peak {gib_text(result.peak_gib)} GiB, loss {loss_text(result.loss)}"
                 + (f", max batch {result.max_batch}" if result.max_batch else "")
                 if result.measured else f"{result.status}: {result.note}"))
         check_losses(model_results)
@@ -1088,7 +941,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
             common.note_problem(notes, name, result)
         results[name] = model_results
         models[name].update(_model_facts(spec, settings.quick, settings.layers))
-    outcomes = [o for name, rs in results.items() for o in evaluate_targets(name, rs)]
     info = RunInfo(
         environment=environment, settings=settings, methods=list(args.methods),
         peer_versions={d: common.package_version(d) for d in PEERS.values()},
@@ -1101,9 +953,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     notes.append(f"plot: {plot.name}" if plot else "no plot: matplotlib not installed")
     common.report_results(
         args.out, RESULTS_PREFIX, args.tag, info,
-        markdown=render_markdown(info, results, outcomes),
-        payload=results_json(info, results, outcomes),
-        tables=short_tables(results, outcomes), log=log,
+        markdown=render_markdown(info, results),
+        payload=results_json(info, results),
+        tables=short_tables(results), log=log,
     )
     return 0
 

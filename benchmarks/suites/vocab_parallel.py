@@ -1,38 +1,19 @@
 """Suite ``vocab-parallel``: the vocabulary-parallel LM head over K processes.
 
-Launched with one process per GPU (NCCL; gloo on the CPU for ``--quick``)::
+    torchrun --nproc_per_node=K benchmarks/run.py vocab-parallel [options]   # gloo with --quick
 
-    torchrun --nproc_per_node=K benchmarks/run.py vocab-parallel [options]
-
-Every rank builds the same full inputs from the seed (``benchmarks/inputs.py``: E (N, D),
-C (V, D), y (N,)), keeps E and y, and its shard of the classifier: the rows
-[⌊r·V/K⌋, ⌊(r+1)·V/K⌋) (uneven shards allowed). Each provider runs forward+backward,
-``torch.autograd.grad(loss, (E, C_r))``:
-
-- ``fusedloss``: ``fusedloss.linear_cross_entropy(E, C_r, y, process_group=WORLD)``, the
-  sharded head (the loss of the whole head on every rank, dE all-reduced);
-- ``megatron``: Megatron-LM's layout with materialized logits: E through a copy-to-tensor-
-  parallel region (identity forward, all-reduce of dE backward), logits_r = E @ C_rᵀ in the
-  input dtype then ``.float()``, and :class:`VocabParallelCrossEntropy`, a transcription of
-  Megatron's ``_VocabParallelCrossEntropy`` (all-reduce max, target logit and sum of exps;
-  backward softmax − one-hot on the shard), mean over the tokens;
-- ``single-gpu``: the single-GPU fusedloss head on the full weight, on rank 0 only while the
-  other ranks wait (the baseline the sharded head should beat by about K).
-
-The single-GPU head's first call on rank 0 is also the reference of the check: its loss is
-broadcast, its dE broadcast and its dC scattered by shard, so that every rank compares its
-own gradients (at ``--quick``, or with ``--f64-reference``, also against a float64 reference
-computed on every rank). Timing, the agreement of the ranks after each stage, the peak
-memory per rank and the gloo exit workaround come from the ``ring`` suite
-(:mod:`benchmarks.suites.ring`). Only rank 0 prints and writes
-``vocab_parallel_<date>_<gpu-slug>_<K>gpu[_tag].md/.json`` (``_<K>proc`` on the CPU).
+Every rank builds the same inputs (E (N, D), C (V, D), y (N,)) and keeps C's rows
+[⌊r·V/K⌋, ⌊(r+1)·V/K⌋). Providers, each forward+backward ``torch.autograd.grad(loss, (E, C_r))``:
+``fusedloss`` (``linear_cross_entropy(E, C_r, y, process_group=WORLD)``), ``megatron`` (a
+transcription of Megatron-LM's ``_VocabParallelCrossEntropy`` on materialized logits) and
+``single-gpu`` (fusedloss on the full C, rank 0 alone). The single-GPU head's first call is the
+check's reference (with --quick also a float64 one). The distributed frame comes from the
+``ring`` suite. Only rank 0 writes ``vocab_parallel_<date>_<gpu-slug>_<K>gpu[_tag].md/.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,8 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks import common
-from benchmarks.common import FAIL, PASS
-from benchmarks.inputs import LM_HEAD_SHAPES, REGIMES, LMHeadShape, make_lm_head_inputs, quick_shape
+from benchmarks.inputs import LM_HEAD_SHAPES, LMHeadShape, make_lm_head_inputs, quick_shape
 from benchmarks.suites import Suite
 from benchmarks.suites.lm_head import (
     DEFAULT_N,
@@ -54,10 +34,13 @@ from benchmarks.suites.lm_head import (
     reference_float64,
 )
 from benchmarks.suites.ring import (
-    DEFAULT_GROUP_TIMEOUT_S,
     DEFAULT_MIN_REPS,
+    Context,
     Ranks,
     RankTiming,
+    collect_calls_notes,
+    errors_text,
+    per_rank_text,
     run_distributed,
     stage,
     time_on_all_ranks,
@@ -76,32 +59,26 @@ LABELS = {
     SINGLE_GPU: "fusedloss single GPU",
 }
 DEFAULT_SHAPES = ("gemma2-2b", "llama3-8b")
+REGIME = "peaked"
 QUICK_N = 128
-
-# Targets of the sharded fusedloss head.
-TIME_FACTOR = 1.2  # ms ≤ 1.2 × single-GPU ms / K
 
 TIMING_DEFINITION = (
     "ms = max over the ranks of each rank's median time of one forward+backward step "
-    "`torch.autograd.grad(loss(E, C_r, y), (E, C_r))`; every rank makes the same number of "
-    "calls (the ring suite's time_on_all_ranks: n = clamp(rep_ms / estimate, min_reps, 1000) "
-    "after min(warmup_ms / estimate, 100) warm-up calls, the ranks starting together after a "
-    "barrier, each call between CUDA events, wall clock without CUDA). single-gpu: the same "
-    "procedure on rank 0 alone with the full C while the other ranks wait at a barrier"
+    "`torch.autograd.grad(loss(E, C_r, y), (E, C_r))`, timed as in the ring suite (the same "
+    "number of calls on every rank). single-gpu: rank 0 alone with the full C while the other "
+    "ranks wait at a barrier"
 )
 MEMORY_DEFINITION = (
     "peak MB per rank above inputs and gradient buffers: max_memory_allocated() during one "
-    "step − memory_allocated() just before it − the bytes of dE and dC_r in the input dtype "
-    "((N·D + V_r·D) × element size; single-gpu: (N·D + V·D)); MB = the max over the ranks. "
-    "NCCL's own buffers are not allocated by PyTorch and not counted"
+    "step − memory_allocated() before it − (N·D + V_r·D) × element size (single-gpu: V for "
+    "V_r); max over the ranks; NCCL's own buffers not counted"
 )
 CHECK_DEFINITION = (
-    "first, untimed call: the loss (every rank's, the max deviation over the ranks) within "
-    f"{LOSS_TOLERANCE}·max(1, |ref|) of the single-GPU fusedloss head's loss on the full "
-    "weight (rank 0, broadcast); relative L2 errors of dE (max over the ranks) and of dC "
-    "(over the whole weight: Σ_r ‖dC_r − ref_r‖² / Σ_r ‖ref_r‖²) against the single-GPU "
-    f"head's gradients, bound {GRADIENT_ERROR_BOUND}; with a float64 reference (--quick, "
-    "--f64-reference) the same against it. Failing rows are 'wrong' and still timed"
+    "first, untimed call: every rank's loss within "
+    f"{LOSS_TOLERANCE}·max(1, |ref|) of the single-GPU head's loss (rank 0, broadcast); "
+    "relative L2 errors of dE (max over the ranks) and dC (over the whole weight) against "
+    f"its gradients, bound {GRADIENT_ERROR_BOUND}; with --quick the same against a float64 "
+    "reference. Failing rows are 'wrong' and still timed"
 )
 
 
@@ -135,16 +112,15 @@ def shard_bounds(vocab: int, world: int, rank: int) -> tuple[int, int]:
     return rank * vocab // world, (rank + 1) * vocab // world
 
 
-def select_cases(shapes: Sequence[str], regimes: Sequence[str], n: int, world: int,
-                 quick: bool) -> list[Case]:
-    """Every shape × regime; --quick shrinks the shapes (V/128, D/32). Each rank needs ≥ 1 row."""
+def select_cases(shapes: Sequence[str], n: int, world: int, quick: bool) -> list[Case]:
+    """One case per shape; --quick shrinks the shapes (V/128, D/32). Each rank needs ≥ 1 row."""
     cases = []
     for name in shapes:
         shape = quick_shape(LM_HEAD_SHAPES[name]) if quick else LM_HEAD_SHAPES[name]
         if shape.vocab_size < world:
             raise ValueError(f"{name}: V = {shape.vocab_size} rows cannot be shared by "
                              f"{world} ranks")
-        cases.extend(Case(shape, regime, n, world) for regime in regimes)
+        cases.append(Case(shape, REGIME, n, world))
     return cases
 
 
@@ -280,13 +256,11 @@ class CaseReference:
 
 
 def share_single_gpu_reference(ranks: Ranks, case: Case, device: torch.device, dtype: torch.dtype,
-                               loss: float | None, grads: tuple[Tensor, Tensor] | None,
-                               with_grads: bool) -> CaseReference:
+                               loss: float | None, grads: tuple[Tensor, Tensor] | None
+                               ) -> CaseReference:
     """Rank 0's single-GPU loss (and dE, dC) to every rank: loss and dE broadcast, dC's rows
     of rank r kept by rank r. A collective."""
     reference = CaseReference(loss=ranks.objects(loss)[0])
-    if not with_grads:
-        return reference
     n, d = case.n, case.shape.hidden_size
     grad_hidden = grads[0] if ranks.rank == 0 else torch.empty(n, d, dtype=dtype, device=device)
     if ranks.world > 1:
@@ -326,33 +300,11 @@ class ProviderResult(common.ProviderResultBase):
 
 
 @dataclass
-class Target:
-    case_key: str
-    provider: str
-    kind: str  # "time" | "memory" | "megatron"
-    factor: float
-    description: str
-
-
-@dataclass
 class CaseResult:
     case: Case
     reference: dict[str, Any] = field(default_factory=dict)
     results: dict[str, ProviderResult] = field(default_factory=dict)
-    targets: list[common.TargetOutcome[Target]] = field(default_factory=list)
     note: str = ""
-
-
-@dataclass
-class Settings:
-    device: torch.device
-    dtype: torch.dtype
-    seed: int
-    timing: common.TimingSettings
-    min_reps: int
-    backend: str
-    f64_reference: bool
-    grad_check: bool
 
 
 class LocalRanks:
@@ -401,17 +353,6 @@ def build_loss(key: str, inputs: RankInputs, backend: str) -> tuple[LossFn, str]
     raise ValueError(f"unknown provider {key!r}")
 
 
-def _relative_error_parts(actual: Tensor, reference: Tensor) -> tuple[float, float]:
-    a, r = actual.double(), reference.double()
-    return float(((a - r) ** 2).sum()), float((r**2).sum())
-
-
-def _ratio(diff: float, norm: float) -> float:
-    if norm > 0:
-        return math.sqrt(diff / norm)
-    return 0.0 if diff == 0 else math.inf
-
-
 def check_sharded(result: ProviderResult, ranks: Ranks, loss: Tensor,
                   grads: Sequence[Tensor], reference: CaseReference) -> None:
     """A sharded provider's first call against the single-GPU head (and float64). Collective."""
@@ -434,9 +375,8 @@ def check_sharded(result: ProviderResult, ranks: Ranks, loss: Tensor,
                                            reference.f64_grad_shard)):
         if ref_hidden is None or ref_shard is None:
             continue
-        de = ranks.max(_ratio(*_relative_error_parts(grads[0], ref_hidden)))
-        diff, norm = _relative_error_parts(grads[1], ref_shard)
-        dc = _ratio(ranks.sum(diff), ranks.sum(norm))
+        de = ranks.max(common.relative_l2_error(grads[0], ref_hidden))
+        dc = ranks.relative_error(grads[1], ref_shard)
         result.errors[f"dE{suffix}"], result.errors[f"dC{suffix}"] = de, dc
         for name, err in ((f"dE{suffix}", de), (f"dC{suffix}", dc)):
             if not err <= GRADIENT_ERROR_BOUND:
@@ -445,11 +385,11 @@ def check_sharded(result: ProviderResult, ranks: Ranks, loss: Tensor,
 
 
 def run_sharded(key: str, case: Case, inputs: RankInputs, reference: CaseReference,
-                ranks: Ranks, settings: Settings) -> ProviderResult:
+                ctx: Context) -> ProviderResult:
     """Check, peak memory and time of a sharded provider on every rank; never raises."""
-    device = settings.device
+    ranks, device = ctx.ranks, ctx.device
     result = ProviderResult(key, LABELS[key])
-    ok, built = stage(ranks, result, device, lambda: build_loss(key, inputs, settings.backend))
+    ok, built = stage(ranks, result, device, lambda: build_loss(key, inputs, ctx.backend))
     if not ok:
         return result
     loss_fn, result.call = built
@@ -480,7 +420,7 @@ def run_sharded(key: str, case: Case, inputs: RankInputs, reference: CaseReferen
         result.peak_per_rank = ranks.gather(peak)
         result.peak_extra_mib = max(result.peak_per_rank)
     ok, timed = stage(ranks, result, device, lambda: time_on_all_ranks(
-        forward_backward, device, ranks, settings.timing, settings.min_reps))
+        forward_backward, device, ranks, ctx.timing, ctx.min_reps))
     if not ok:
         return result
     _store_timing(result, timed, device, "max over ranks")
@@ -495,15 +435,15 @@ def _store_timing(result: ProviderResult, timed: RankTiming, device: torch.devic
     result.timing = f"median of {timed.reps} calls ({how}), {over}"
 
 
-def run_single_gpu(case: Case, inputs: RankInputs, ranks: Ranks, settings: Settings,
-                   measure: bool, f64: Any = None) -> tuple[ProviderResult, CaseReference]:
+def run_single_gpu(case: Case, inputs: RankInputs, ctx: Context,
+                   f64: Any = None) -> tuple[ProviderResult, CaseReference]:
     """The single-GPU head on rank 0 (the others wait): its first call is the case's
-    reference (shared with every rank); where ``measure``, also its memory and time."""
-    device = settings.device
+    reference (shared with every rank), then its memory and time."""
+    ranks, device = ctx.ranks, ctx.device
     result = ProviderResult(SINGLE_GPU, LABELS[SINGLE_GPU])
     is_root = ranks.rank == 0
     ok, built = stage(ranks, result, device, lambda: build_loss(
-        SINGLE_GPU, inputs, settings.backend) if is_root else (None, ""))
+        SINGLE_GPU, inputs, ctx.backend) if is_root else (None, ""))
     if not ok:
         return result, CaseReference(note=f"no single-GPU reference: {result.note}")
     loss_fn = built[0]
@@ -526,7 +466,7 @@ def run_single_gpu(case: Case, inputs: RankInputs, ranks: Ranks, settings: Setti
         return result, CaseReference(note=f"no single-GPU reference: {result.note}")
     loss, grads = first if is_root else (None, None)
     ok, reference = stage(ranks, result, device, lambda: share_single_gpu_reference(
-        ranks, case, device, settings.dtype, loss, grads, settings.grad_check))
+        ranks, case, device, ctx.dtype, loss, grads))
     if not ok:
         return result, CaseReference(note=f"single-GPU reference not shared: {result.note}")
     result.loss = reference.loss
@@ -542,8 +482,6 @@ def run_single_gpu(case: Case, inputs: RankInputs, ranks: Ranks, settings: Setti
         result.note = "gradients not finite"
     grads = first = None
     common.release_memory(device)
-    if not measure:
-        return result, reference
 
     def on_root(action: Callable[[], Any]) -> Callable[[], Any]:
         return action if is_root else (lambda: None)
@@ -558,59 +496,18 @@ def run_single_gpu(case: Case, inputs: RankInputs, ranks: Ranks, settings: Setti
         result.peak_per_rank = [result.peak_extra_mib]
     ok, timed = stage(ranks, result, device, on_root(lambda: time_on_all_ranks(
         lambda: torch.autograd.grad(loss_fn(), leaves), device, LocalRanks(device),
-        settings.timing, settings.min_reps)))
+        ctx.timing, ctx.min_reps)))
     if ok:
         _store_timing(result, ranks.objects(timed)[0], device, "rank 0 alone")
     common.release_memory(device)
     return result, reference
 
 
-# ----------------------------------------------------------------------------- targets
-
-
-def targets_for_case(case: Case, providers: Sequence[str]) -> list[Target]:
-    if FUSEDLOSS not in providers:
-        return []
-    return [
-        Target(case.key, FUSEDLOSS, "time", TIME_FACTOR,
-               f"ms ≤ {TIME_FACTOR:g} × single-GPU ms / K (K = {case.world})"),
-        Target(case.key, FUSEDLOSS, "memory", 1.0, "MB per rank ≤ single-GPU MB"),
-        Target(case.key, FUSEDLOSS, "megatron", 1.0, "ms < megatron-style ms"),
-    ]
-
-
-def evaluate_target(target: Target, case_result: CaseResult) -> common.TargetOutcome[Target]:
-    """``time``: ours ÷ (single-GPU ms / K) ≤ factor; ``memory``: ours ÷ single-GPU MB ≤
-    factor; ``megatron``: ours ÷ megatron ms < factor."""
-    ours = case_result.results.get(target.provider)
-    baseline_key = MEGATRON if target.kind == "megatron" else SINGLE_GPU
-    baseline = case_result.results.get(baseline_key)
-    kind = "memory" if target.kind == "memory" else "time"
-    value_of = common.figure_of(kind)
-    if ours is None or not ours.measured:
-        return common.TargetOutcome(target, "n/a (fusedloss not measured)")
-    if baseline is None or not baseline.measured:
-        return common.TargetOutcome(target, f"n/a ({baseline_key} not measured)")
-    if value_of(ours) is None or value_of(baseline) is None:
-        return common.TargetOutcome(target, "n/a (no memory figures without CUDA)")
-    if target.kind == "time":
-        world = case_result.case.world
-        share = baseline.ms / world
-        ratio = ours.ms / share if share > 0 else math.inf
-        text = (f"{common.format_ms(ours.ms)} ms vs {common.format_ms(baseline.ms)} ms / {world} "
-                f"= {common.format_ms(share)} ms = {common.format_ratio(ratio)}×")
-    else:
-        ratio, text = common.baseline_ratio(kind, ours, baseline)
-    met = ratio < target.factor if target.kind == "megatron" else ratio <= target.factor
-    return common.TargetOutcome(target, PASS if met else FAIL, text, ratio)
-
-
 # ----------------------------------------------------------------------------- the run
 
 
-def run_cases(cases: Sequence[Case], providers: Sequence[str], ranks: Ranks,
-              settings: Settings, log: Callable[[str], None]) -> list[CaseResult]:
-    device = settings.device
+def run_cases(cases: Sequence[Case], ctx: Context) -> list[CaseResult]:
+    ranks, device, log = ctx.ranks, ctx.device, ctx.say
     case_results = []
     for case in cases:
         case_result = CaseResult(case)
@@ -618,12 +515,12 @@ def run_cases(cases: Sequence[Case], providers: Sequence[str], ranks: Ranks,
         made = ProviderResult("inputs", "inputs")
 
         def make(case: Case = case) -> tuple[RankInputs, CaseReference | None]:
-            inputs, full = make_rank_inputs(case, ranks.rank, dtype=settings.dtype,
-                                            device=device, seed=settings.seed,
+            inputs, full = make_rank_inputs(case, ranks.rank, dtype=ctx.dtype,
+                                            device=device, seed=ctx.seed,
                                             keep_full=ranks.rank == 0)
             f64 = None
-            if settings.f64_reference:
-                f64 = reference_float64(*full, with_grads=settings.grad_check)
+            if ctx.quick:
+                f64 = reference_float64(*full, with_grads=True)
             del full
             return inputs, f64
 
@@ -634,8 +531,7 @@ def run_cases(cases: Sequence[Case], providers: Sequence[str], ranks: Ranks,
             continue
         inputs, f64 = value
         del value
-        single, reference = run_single_gpu(case, inputs, ranks, settings,
-                                           measure=SINGLE_GPU in providers, f64=f64)
+        single, reference = run_single_gpu(case, inputs, ctx, f64=f64)
         if f64 is not None:
             reference.f64_loss = f64.loss
             if f64.grad_hidden is not None:
@@ -654,18 +550,16 @@ def run_cases(cases: Sequence[Case], providers: Sequence[str], ranks: Ranks,
         ref_text = "—" if reference.loss is None else f"{reference.loss:.5f}"
         log(f"[{case.key}] {case.label}: single-GPU loss {ref_text}"
             + ("" if reference.f64_loss is None else f", float64 {reference.f64_loss:.5f}"))
-        for key in providers:
+        for key in PROVIDER_KEYS:
             if key == SINGLE_GPU:
                 outcome = single
             else:
-                outcome = run_sharded(key, case, inputs, reference, ranks, settings)
+                outcome = run_sharded(key, case, inputs, reference, ctx)
             case_result.results[key] = outcome
             log(f"  {case.key:<20} {outcome.label:<26} "
                 f"{common.progress_line(outcome, _figures_text)}")
         del inputs, reference
         common.release_memory(device)
-        for target in targets_for_case(case, providers):
-            case_result.targets.append(evaluate_target(target, case_result))
     return case_results
 
 
@@ -688,19 +582,7 @@ class RunInfo(common.RunInfoBase):
     backend: str
     n: int
     shapes: list[str]
-    regimes: list[str]
     min_reps: int
-    f64_reference: bool
-
-
-def _per_rank(values: Sequence[float], fmt: Callable[[float], str]) -> str:
-    return " / ".join(fmt(v) for v in values) if values else "—"
-
-
-def _errors_text(result: ProviderResult) -> str:
-    if not result.errors:
-        return "—"
-    return ", ".join(f"{name} {value:.1e}" for name, value in result.errors.items())
 
 
 def _loss_check_text(result: ProviderResult) -> str:
@@ -746,22 +628,19 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
                                 for key, _ in columns] for cr in case_results]
     lines += [common.markdown_table(["case"] + [label for _, label in columns], table), ""]
 
-    outcomes = [o for cr in case_results for o in cr.targets]
-    lines += common.targets_section(outcomes, "met", "No targets (fusedloss not run).")
-
     lines += ["## All figures", ""]
     table = []
     for cr in case_results:
         for result in cr.results.values():
             table.append([
                 cr.case.key, result.label, result.status, common.format_ms(result.ms),
-                _per_rank(result.ms_per_rank, common.format_ms),
+                per_rank_text(result.ms_per_rank, common.format_ms),
                 "—" if result.reps is None else str(result.reps),
                 common.format_mib(result.peak_extra_mib),
-                _per_rank(result.peak_per_rank, common.format_mib),
+                per_rank_text(result.peak_per_rank, common.format_mib),
                 common.format_ratio(result.times_floor),
                 "—" if result.loss is None else f"{result.loss:.5f}",
-                _loss_check_text(result), _errors_text(result),
+                _loss_check_text(result), errors_text(result),
                 common.format_ms(result.first_call_ms), result.note,
             ])
     headers = ["case", "provider", "status", "ms", "ms per rank", "calls", "MB", "MB per rank",
@@ -777,10 +656,10 @@ def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str,
         "environment": info.environment,
         "settings": {
             "world_size": info.world, "dist_backend": info.dist_backend, "dtype": info.dtype,
-            "n": info.n, "shapes": info.shapes, "regimes": info.regimes, "seed": info.seed,
+            "n": info.n, "shapes": info.shapes, "regimes": [REGIME], "seed": info.seed,
             "quick": info.quick, "warmup_ms": info.timing.warmup_ms,
             "rep_ms": info.timing.rep_ms, "min_reps": info.min_reps, "backend": info.backend,
-            "providers": info.providers, "f64_reference": info.f64_reference,
+            "providers": info.providers, "f64_reference": info.quick,
         },
         "matmul": info.matmul,
         "definitions": {"timing": TIMING_DEFINITION, "memory": MEMORY_DEFINITION,
@@ -794,7 +673,6 @@ def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str,
                 "shards": [cr.case.bounds(r) for r in range(cr.case.world)],
                 "reference": cr.reference, "note": cr.note,
                 "results": [asdict(r) for r in cr.results.values()],
-                "targets": [common.target_json(o) for o in cr.targets],
             }
             for cr in case_results
         ],
@@ -809,13 +687,8 @@ def short_tables(case_results: Sequence[CaseResult]) -> str:
         for result in cr.results.values():
             rows.append([*common.summary_cells(cr.case.key, result),
                          _loss_check_text(result) if result.measured else "",
-                         _errors_text(result) if result.measured else ""])
-    text = common.text_table([*common.SUMMARY_HEADERS, "|loss − ref|", "gradient errors"], rows)
-    targets = [[o.target.case_key, o.target.description, o.measured, o.status]
-               for cr in case_results for o in cr.targets]
-    if targets:
-        text += "\n\n" + common.text_table(["case", "target", "measured", "met"], targets)
-    return text
+                         errors_text(result) if result.measured else ""])
+    return common.text_table([*common.SUMMARY_HEADERS, "|loss − ref|", "gradient errors"], rows)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -826,34 +699,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)), default=list(DEFAULT_SHAPES),
         help=f"comma list of {', '.join(LM_HEAD_SHAPES)} (default {','.join(DEFAULT_SHAPES)})",
     )
-    parser.add_argument(
-        "--regimes", type=common.comma_list(REGIMES), default=["peaked"],
-        help="comma list of peaked, flat (default peaked)",
-    )
-    parser.add_argument(
-        "--providers", type=common.comma_list(PROVIDER_KEYS), default=list(PROVIDER_KEYS),
-        help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: all)",
-    )
-    parser.add_argument("--n", type=int, default=None,
-                        help=f"tokens N (default {DEFAULT_N}; {QUICK_N} with --quick)")
     common.add_dtype_seed_arguments(parser)
-    parser.add_argument(
-        "--backend", default="auto", choices=["auto", "triton", "torch"],
-        help="fusedloss backend (default auto: triton on CUDA, torch on the CPU)",
-    )
     common.add_quick_device_timing_arguments(
         parser, "shapes V/128, D/32, N = 128, short timing: a smoke test that also runs on CPU "
         "(gloo)")
     parser.add_argument("--min-reps", type=int, default=DEFAULT_MIN_REPS,
                         help=f"at least this many timed calls (default {DEFAULT_MIN_REPS})")
-    parser.add_argument("--f64-reference", action="store_true",
-                        help="also check against a float64 reference on every rank (always with "
-                        "--quick; full size: V·D float64 twice per rank)")
-    parser.add_argument("--no-grad-check", action="store_true",
-                        help="check the loss only (no dE / dC reference on the ranks)")
-    parser.add_argument("--group-timeout-s", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
-                        help="torch.distributed collective timeout "
-                        f"(default {DEFAULT_GROUP_TIMEOUT_S:g} s)")
     common.add_matmul_output_arguments(parser)
 
 
@@ -861,48 +712,25 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     return run_distributed(args, "vocab-parallel", _run, log)
 
 
-def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
-         log: Callable[[str], None]) -> int:
-    quick = bool(args.quick)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ranks = Ranks(rank, world, device if dist_backend == "nccl" else torch.device("cpu"))
-    say = log if rank == 0 else (lambda _text: None)
-    n = args.n or (QUICK_N if quick else DEFAULT_N)
+def _run(args: argparse.Namespace, ctx: Context) -> int:
+    ranks, say, env = ctx.ranks, ctx.say, ctx.environment
+    n = QUICK_N if ctx.quick else DEFAULT_N
     try:
-        cases = select_cases(args.shapes, args.regimes, n, world, quick)
+        cases = select_cases(args.shapes, n, ranks.world, ctx.quick)
     except ValueError as error:
         say(str(error))
         return 2
-    dtype = common.parse_dtype(args.dtype)
-    backend = args.backend
-    if backend == "auto":
-        backend = "triton" if common.uses_cuda(device) else "torch"
-    timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
-    notes: list[str] = [common.QUICK_NOTE] if quick else []
-    if not common.uses_cuda(device):
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)  # K processes share the cores (see the ring suite)
-        notes.append(f"CPU: {torch.get_num_threads()} thread(s) per rank")
-        if backend == "triton":
-            notes.append(common.use_triton_interpreter())
-    settings = Settings(device, dtype, args.seed, timing, args.min_reps, backend,
-                        f64_reference=quick or args.f64_reference,
-                        grad_check=not args.no_grad_check)
-    environment: dict[str, Any] = {}
-    matmul: dict[str, Any] = {}
-    if rank == 0:
-        environment = common.collect_environment(device)
-        say(f"vocab-parallel on {world} × {environment['device_name']} ({dist_backend}): "
-            f"{common.dtype_name(dtype)}, N = {n}, fusedloss backend {backend}, cases: "
+    if ranks.rank == 0:
+        say(f"vocab-parallel on {ranks.world} × {env['device_name']} ({ctx.dist_backend}): "
+            f"{common.dtype_name(ctx.dtype)}, N = {n}, fusedloss backend {ctx.backend}, cases: "
             f"{', '.join(case.key for case in cases)}")
-        matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, say)
-    case_results = run_cases(cases, list(args.providers), ranks, settings, say)
+    matmul = ctx.probe_matmul(args.matmul_size)
+    case_results = run_cases(cases, ctx)
     try:
-        if rank == 0:
-            info = info_of(args, case_results, environment, matmul, notes, world, dist_backend,
-                           settings, n)
-            stem = results_stem(environment["date"], environment["device_slug"], world,
-                                common.uses_cuda(device), args.tag)
+        if ranks.rank == 0:
+            info = info_of(args, case_results, ctx, matmul, n)
+            stem = results_stem(env["date"], env["device_slug"], ranks.world,
+                                common.uses_cuda(ctx.device), args.tag)
             md_path, json_path = common.write_results(
                 args.out, stem, render_markdown(info, case_results),
                 results_json(info, case_results))
@@ -919,28 +747,22 @@ def _run(args: argparse.Namespace, device: torch.device, dist_backend: str,
     return 0
 
 
-def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult],
-            environment: dict[str, Any], matmul: dict[str, Any], notes: list[str], world: int,
-            dist_backend: str, settings: Settings, n: int) -> RunInfo:
-    calls: dict[str, str] = {}
+def info_of(args: argparse.Namespace, case_results: Sequence[CaseResult], ctx: Context,
+            matmul: dict[str, Any], n: int) -> RunInfo:
+    world = ctx.ranks.world
+    calls, notes = collect_calls_notes(case_results, ctx.notes)
     for cr in case_results:
-        if cr.note:
-            notes.append(f"{cr.case.key}: {cr.note}")
         full_floor = 8.0 * n * cr.case.shape.vocab_size * cr.case.shape.hidden_size \
             / (matmul["tflops"] * 1e12) * 1e3
         for result in cr.results.values():
             floor = full_floor if result.provider == SINGLE_GPU else full_floor / world
             result.times_floor = result.ms / floor if result.measured else None
-            if result.call:
-                calls.setdefault(result.label, result.call)
-            common.note_problem(notes, cr.case.key, result)
     return RunInfo(
-        environment=environment, matmul=matmul, dtype=common.dtype_name(settings.dtype),
-        seed=settings.seed, quick=bool(args.quick), timing=settings.timing,
-        providers=list(args.providers), peer_versions={}, calls=calls, notes=notes,
-        world=world, dist_backend=dist_backend, backend=settings.backend, n=n,
-        shapes=list(args.shapes), regimes=list(args.regimes), min_reps=settings.min_reps,
-        f64_reference=settings.f64_reference,
+        environment=ctx.environment, matmul=matmul, dtype=common.dtype_name(ctx.dtype),
+        seed=ctx.seed, quick=ctx.quick, timing=ctx.timing, providers=list(PROVIDER_KEYS),
+        peer_versions={}, calls=calls, notes=notes, world=world,
+        dist_backend=ctx.dist_backend, backend=ctx.backend, n=n, shapes=list(args.shapes),
+        min_reps=ctx.min_reps,
     )
 
 
