@@ -74,32 +74,17 @@ QUICK_N = 128
 
 
 def quick_shape(shape: LMHeadShape) -> LMHeadShape:
-    """The small stand-in for ``shape`` used by ``--quick`` (same name and soft-cap, smaller
-    V and D)."""
-    return dataclasses.replace(
-        shape,
-        vocab_size=max(2, shape.vocab_size // QUICK_VOCAB_DIVISOR),
-        hidden_size=max(2, shape.hidden_size // QUICK_HIDDEN_DIVISOR),
-    )
+    """``shape`` for ``--quick``: same name and soft-cap, smaller V and D."""
+    return dataclasses.replace(shape, vocab_size=max(2, shape.vocab_size // QUICK_VOCAB_DIVISOR),
+                               hidden_size=max(2, shape.hidden_size // QUICK_HIDDEN_DIVISOR))
 
 
-def make_lm_head_inputs(
-    n: int,
-    vocab_size: int,
-    hidden_size: int,
-    regime: str,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Hidden states, classifier and labels for one LM-head case.
-
-    Returns ``(E, C, y)``: ``E`` (n, D) and ``C`` (V, D) in ``dtype``, ``y`` (n,) int64 in
-    [0, V). Random numbers are drawn in float32 on ``device`` from a generator seeded with
-    ``seed``, in the order C, y, then E's noise, then the rank permutation, so one seed
-    gives one input per device.
-    """
+def make_lm_head_inputs(n: int, vocab_size: int, hidden_size: int, regime: str, *,
+                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                        seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """``(E, C, y)``: E (n, D) and C (V, D) in ``dtype``, y (n,) int64 in [0, V). Drawn in
+    float32 on ``device`` from one generator seeded with ``seed``, in the order C, y, E's
+    noise, the rank permutation (keep this order: results depend on it)."""
     _check_regime(regime, REGIMES)
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -138,27 +123,21 @@ def trained_lm_path(path: str | os.PathLike[str] | None = None) -> Path:
     if path is None:
         path = os.environ.get(TRAINED_LM_ENV) or None
     if path is None:
-        raise FileNotFoundError(
-            f'the "{TRAINED_REGIME}" regime needs the hidden states of a trained model: '
-            f"{TRAINED_LM_ENV} is not set and no path was given; {_MAKE_TRAINED_LM}"
-        )
+        raise FileNotFoundError(f'the "{TRAINED_REGIME}" regime needs the hidden states of a '
+                                f"trained model: {TRAINED_LM_ENV} is not set and no path was "
+                                f"given; {_MAKE_TRAINED_LM}")
     file = Path(path)
     if file.is_dir():
         file = file / TRAINED_LM_FILE
     if not file.is_file():
-        raise FileNotFoundError(
-            f'the "{TRAINED_REGIME}" regime\'s file {file} does not exist; {_MAKE_TRAINED_LM}'
-        )
+        raise FileNotFoundError(f'the "{TRAINED_REGIME}" regime\'s file {file} does not exist; '
+                                f"{_MAKE_TRAINED_LM}")
     return file
 
 
-def load_trained_regime(
-    path: str | os.PathLike[str] | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-    *,
-    n: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+def load_trained_regime(path: str | os.PathLike[str] | None = None,
+                        device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                        *, n: int | None = None) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
     """``(E, C, y, metadata)`` of the "trained" regime: E (N, D) and C (V, D) in ``dtype`` on
     ``device``, y (N,) int64, and the dict ``benchmarks.trained_lm`` wrote. ``n`` keeps the
     first ``n`` rows; ``path`` is a directory holding ``trained_lm.pt`` or the file (None:
@@ -170,12 +149,9 @@ def load_trained_regime(
         if not 0 < n <= hidden.shape[0]:
             raise ValueError(f"n must be in [1, {hidden.shape[0]}] for {file}, got {n}")
         hidden, labels = hidden[:n], labels[:n]
-    return (
-        hidden.to(device=device, dtype=dtype).contiguous(),
-        classifier.to(device=device, dtype=dtype).contiguous(),
-        labels.to(device=device, dtype=torch.int64).contiguous(),
-        dict(payload["metadata"]),
-    )
+    return (hidden.to(device=device, dtype=dtype).contiguous(),
+            classifier.to(device=device, dtype=dtype).contiguous(),
+            labels.to(device=device, dtype=torch.int64).contiguous(), dict(payload["metadata"]))
 
 
 def trained_shape(path: str | os.PathLike[str] | None = None) -> LMHeadShape:
@@ -214,18 +190,10 @@ def pair_logit_scale(regime: str) -> float:
     return RANDOM_LOGIT_SCALE if regime == "random" else TRAINED_LOGIT_SCALE
 
 
-def make_pair_features(
-    b: int,
-    c: int,
-    regime: str,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    cluster_size: int = TRAINED_CLUSTER_SIZE,
-    latent: float = TRAINED_LATENT,
-    noise: float = TRAINED_NOISE,
-) -> tuple[Tensor, Tensor]:
+def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torch.bfloat16,
+                       device: str | torch.device = "cpu", seed: int = 0,
+                       cluster_size: int = TRAINED_CLUSTER_SIZE, latent: float = TRAINED_LATENT,
+                       noise: float = TRAINED_NOISE) -> tuple[Tensor, Tensor]:
     """Paired, L2-normalized features ``(image, text)``, each (b, c) in ``dtype``: row i of
     each forms pair i (SimCLR: the two views of sample i). Drawn in float32 on ``device`` from
     a generator seeded with ``seed``, normalized in float32, then cast.
@@ -252,8 +220,7 @@ def make_pair_features(
 
     if regime == "random":
         image = unit(b).to(dtype)
-        text = unit(b).to(dtype)
-        return image, text
+        return image, unit(b).to(dtype)
     clusters = max(1, b // max(1, cluster_size))
     centres = unit(clusters)
     assignment = torch.randint(0, clusters, (b,), generator=generator, device=device)

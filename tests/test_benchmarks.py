@@ -117,8 +117,9 @@ def test_products_yardstick_runs_whole_or_in_chunks(rows_per_chunk):
     timing = common.TimingSettings(warmup_ms=0.0, rep_ms=1.0)
     for with_backward in (True, False):
         products = lm_head.time_products(hidden, classifier, with_backward, timing, rows_per_chunk)
-        assert products.ms > 0 and not products.note
-        assert products.method == ("whole" if rows_per_chunk is None else "5 chunks of 5 rows")
+        assert products["ms"] > 0 and not products["note"]
+        assert products["method"] == ("whole" if rows_per_chunk is None else "5 chunks of 5 rows")
+        assert products["rows_per_chunk"] == (23 if rows_per_chunk is None else 5)
     assert lm_head.products_chunk_rows(10**6, 256000, True, 2, torch.device("cpu")) == 10**6
 
 
@@ -146,7 +147,7 @@ def _case_result(case, *results, yardstick=(4.4e-3, 4.4e-3)):
         case,
         case.floors_ms(723.0),
         3.0,
-        lm_head.Yardstick(*yardstick),
+        lm_head.yardstick(*yardstick),
         {r.provider: r for r in results},
     )
 
@@ -254,7 +255,7 @@ def test_results_files_written(tmp_path):
         _result("fusedloss", ms=30.0, mib=1.0, err=(1e-3, 2e-3)),
         _result("torch-compile", ms=46.6, mib=4000.0),
     )
-    case_result.products = lm_head.Products(ms=20.0, rows_per_chunk=8192, method="whole")
+    case_result.products.update(ms=20.0, rows_per_chunk=8192, method="whole")
     case_result.results["fusedloss"].times_products = 1.5
     info = _run_info()
     stem = common.results_stem("lm_head", "2026-11-22", "nvidia-h100-80gb-hbm3", "subset A")
@@ -266,13 +267,17 @@ def test_results_files_written(tmp_path):
         lm_head.results_json(info, [case_result]),
     )
     markdown = md_path.read_text(encoding="utf-8")
-    for text in ("723 TFLOP/s", "max_memory_allocated", "float64", "## Gradient accuracy",
-                 "softcap 30", "| 30.0 / 1.0 (1.50×) |", "fwd+bwd: products"):
-        assert text in markdown
+    for text in ("723 TFLOP/s", "max_memory_allocated", "float64", "torch bf16 dE / dC",
+                 "4.4e-03 / 4.4e-03", "3.00000", "1.0e-03", "2.0e-03", "20.0 (whole)",
+                 "softcap 30", "| 30.0 / 1.0 (1.50×) |", "fwd+bwd: products", "1.50"):
+        assert text in markdown, text
     data = json.loads(json_path.read_text(encoding="utf-8"))
     assert data["cases"][0]["results"][0]["ms"] == 30.0
     assert data["cases"][0]["products"]["ms"] == 20.0 and data["cases"][0]["softcap"] == 30.0
     assert data["cases"][0]["results"][0]["times_products"] == 1.5
+    assert data["cases"][0]["torch_bf16_error"] == {"dE": 4.4e-3, "dC": 4.4e-3, "note": ""}
+    assert data["cases"][0]["products"] == {"ms": 20.0, "rows_per_chunk": 8192,
+                                            "method": "whole", "note": ""}
     assert "targets" not in data and "## Targets" not in markdown
     assert common.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert common.json_safe({"x": [math.inf, 1.0]}) == {"x": ["inf", 1.0]}
@@ -292,8 +297,7 @@ def test_plot_script_draws_the_suites_results(tmp_path):
                     lm_head.Case(inputs.LM_HEAD_SHAPES[shape], "flat", mode, n),
                     _result("fusedloss", ms=ms, mib=1.0), _result("torch-compile", ms=2 * ms),
                     _result("liger", status=common.NOT_INSTALLED))
-                case_result.products = lm_head.Products(ms=0.8 * ms, rows_per_chunk=n,
-                                                        method="whole")
+                case_result.products.update(ms=0.8 * ms, rows_per_chunk=n, method="whole")
                 case_results.append(case_result)
     payload = common.json_safe(lm_head.results_json(_run_info(n=(4096, 16384, 65536)),
                                                     case_results))
@@ -445,7 +449,7 @@ def test_check_records_the_tiles_filtering_skipped():
                                                   filter_eps=eps, reduction="none").mean()
 
         lm_head._check(result, forward, (hidden, classifier), case, reference,
-                       lm_head.Yardstick())
+                       lm_head.yardstick())
         skipped[name] = result.tiles_skipped
     assert skipped["exact"] == 0.0 and skipped["torch"] is None
     assert 0.0 < skipped["filtered"] < 1.0

@@ -344,8 +344,9 @@ def test_case_selection_quick_sizes_and_floors():
     ]
     assert quick[1].label == "nt-xent 2×128×32 trained"
     clip16k = cases[0]
-    assert clip16k.floor_ms(723.0) == pytest.approx(8 * 16384**2 * 512 / 723e12 * 1e3)
-    assert clip16k.floors_ms(723.0)["one_pass_reuse"] == pytest.approx(clip16k.floor_ms(723) / 2)
+    floors = clip16k.floors_ms(723.0)
+    assert floors["one_pass"] == pytest.approx(8 * 16384**2 * 512 / 723e12 * 1e3)
+    assert floors["one_pass_reuse"] == pytest.approx(floors["one_pass"] / 2)
     assert clip16k.reference_grads and clip16k.reference_loss
     by_key = {c.key: c for c in cases}
     assert by_key["nt-xent-64k random"].reference_grads
@@ -405,7 +406,8 @@ def test_results_files_written(tmp_path):
         "723 TFLOP/s",
         "max_memory_allocated",
         "i→t 9.8000",
-        "## Cost floors",
+        "| floor 8r²c/R | 4r²c/R | fusedloss × floor |",
+        "| 3.00 / 10.0 | 13.1 / — | 3.00 (fusedloss) | 1.52 | 0.76 | 2.00 |",
         "inf-cl not installed",
         "torch / triton / CUDA",
     ):

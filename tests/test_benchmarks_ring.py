@@ -299,3 +299,54 @@ def test_graph_option_on_the_cpu_says_why_nothing_was_graphed(tmp_path):
     assert data["settings"]["graph"] is True and ours["graphed_ms"] is None
     assert ours["graphed_note"] == "not graphed: CUDA graphs need a CUDA device"
     assert "torch.cuda.CUDAGraph" in markdown and "| graphed |" in markdown
+
+
+def test_report_keeps_every_figure():
+    """render_markdown and results_json on made-up results: each figure appears in both."""
+    ours = ring.ProviderResult(
+        "fusedloss", "fusedloss", ms=12.5, reps=7, ms_per_rank=[12.5, 11.25], host_ms=0.75,
+        host_per_rank=[0.75, 0.5], first_call_ms=99.5, peak_extra_mib=321.0,
+        peak_per_rank=[321.0, 300.0], loss=6.54321, rank_losses=[6.5, 6.58642],
+        loss_error=2e-7, check="float64", errors={"dI": 1e-3, "dT": 2e-3, "ds": 3e-8},
+        compute_ms=10.5, compute_per_rank=[10.5, 10.0], comm_ms=4.0, comm_per_rank=[4.0, 3.5],
+        exposed_comm_ms=2.0, overlap=0.5, comm_bytes=3 * 2**20, graphed_ms=11.75,
+        graphed_per_rank=[11.75, 11.5], call="clip_loss(...)")
+    peer = ring.ProviderResult("inf-cl", "inf-cl", status="not installed", note="no inf_cl")
+    case = ring.CaseResult(ring.Case(256, 2, 64), None, {"fusedloss": ours, "inf-cl": peer})
+    env = {"device_name": "cpu", "device": "cpu", "date": "2026-12-01", "timestamp": "t",
+           "torch": "2", "triton": "3", "cuda": None}
+    settings = {"world_size": 2, "dist_backend": "gloo", "dtype": "bf16", "width": 64,
+                "batches": [256], "seed": 0, "quick": True, "warmup_ms": 5.0, "rep_ms": 20.0,
+                "min_reps": 3, "backend": "torch", "overlap": True, "graph": True}
+    info = {"environment": env, "settings": settings,
+            "matmul": {"dtype": "bf16", "size": 256, "ms": 1.0, "tflops": 1.0},
+            "peer_versions": {"inf-cl": None}, "calls": {"fusedloss": "clip_loss(...)"},
+            "notes": ["a note"]}
+    markdown = ring.render_markdown(info, [case])
+    for text in ("| 12.5 |", "12.5 / 11.2", "| 0.75 |", "| 11.8 |", "| 10.5 |", "| 4.00 |",
+                 "| 2.00 |", "| 50% |", "| 3.0 |", "| 0.8 |", "| 12.5 / 321 |", "321 / 300",
+                 "6.54321", "2.0e-07 (float64)", "dI 1.0e-03, dT 2.0e-03, ds 3.0e-08", "99.5",
+                 "| 7 |", "not installed",
+                 "no inf_cl", "`clip_loss(...)`", "- a note", "— (none)"):
+        assert text in markdown, text
+    data = ring.results_json(info, [case])
+    (row, other) = data["cases"][0]["results"]
+    assert row["comm_gbps"] == pytest.approx(3 * 2**20 / 4e-3 / 1e9)
+    for key in ("ms", "ms_per_rank", "host_per_rank", "peak_per_rank", "rank_losses", "errors",
+                "compute_per_rank", "comm_per_rank", "exposed_comm_ms", "overlap", "graphed_ms",
+                "graphed_per_rank", "first_call_ms", "reps"):
+        assert row[key] == getattr(ours, key), key
+    assert other["status"] == "not installed" and data["notes"] == ["a note"]
+    assert data["cases"][0]["floor_ms"] == pytest.approx(8 * 128 * 256 * 64 / 1e12 * 1e3)
+
+
+def test_providers():
+    providers = ring.ring_providers("torch")
+    assert list(providers) == list(ring.PROVIDER_KEYS)
+    assert 'backend="torch"' in providers["fusedloss"].call
+    assert providers["fusedloss"].display_name() == "fusedloss"
+    assert providers["inf-cl"].scale_grad_summed and not providers["fusedloss"].scale_grad_summed
+    case = ring.Case(256, 2, 64)
+    # open_clip keeps two b_r × B log-softmax outputs; the others need no prediction.
+    assert providers["open-clip"].required_bytes(case, 2) == 2 * 128 * 256 * 2
+    assert providers["fusedloss"].required_bytes(case, 2) == 0

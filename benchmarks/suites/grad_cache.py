@@ -1,13 +1,11 @@
 """Suite ``grad-cache``: the largest CLIP global batch one training step completes on K GPUs.
 
-    torchrun --nproc_per_node=K benchmarks/run.py grad-cache [options]   # gloo with --quick
+    torchrun --nproc_per_node=K benchmarks/run.py grad-cache --batches … --tag T   # gloo: --quick
 
-A small two-tower CLIP model (:class:`Tower`, each in DDP) trains one step at a time with
-``fusedloss.distributed.clip_loss``; every rank holds b_r = B / K pairs. Methods: ``plain``
-(one forward and backward over the rank's batch: activations grow with b_r) and ``grad-cache``
-(:func:`fusedloss.distributed.grad_cache_step`, micro-batches of ``--micro-batch`` rows). Each
-is swept over the global batches until a step runs out of memory or takes longer than
-``--max-step-s``. The first batch also checks that both give the same loss and gradients.
+A small two-tower CLIP model (each tower in DDP) trains with ``fusedloss.distributed.clip_loss``,
+b_r = B / K pairs per rank. ``plain`` (one forward+backward) and ``grad-cache``
+(``grad_cache_step``, ``--micro-batch`` rows) are each swept over the global batches until a
+step runs out of memory or exceeds ``--max-step-s``; the first batch checks that both agree.
 """
 
 from __future__ import annotations
@@ -32,21 +30,15 @@ from benchmarks.suites.ring import Context, Ranks, positive_int_list, run_distri
 
 NAME = "grad-cache"
 RESULTS_PREFIX = "grad_cache"
-
-PLAIN = "plain"
-GRAD_CACHE = "grad-cache"
+PLAIN, GRAD_CACHE = "plain", "grad-cache"
 METHODS = (PLAIN, GRAD_CACHE)
-
 DEFAULT_BATCHES = (65_536, 131_072, 262_144, 524_288, 1_048_576)
 QUICK_BATCHES = (64, 128)
-DEFAULT_WIDTH = 512
-QUICK_WIDTH = 32
-DEFAULT_MICRO_BATCH = 16_384
-QUICK_MICRO_BATCH = 16
+DEFAULT_WIDTH, QUICK_WIDTH = 512, 32
+DEFAULT_MICRO_BATCH, QUICK_MICRO_BATCH = 16_384, 16
 STEPS = 2  # timed steps per figure
 DEFAULT_MAX_STEP_S = 60.0
 CHECK_TOLERANCE = 1e-4  # relative L2 of the parameter gradients, float32 towers
-
 IMAGE_SIZE, PATCH, TOKENS, VOCAB = 32, 8, 16, 1024
 
 
@@ -76,11 +68,8 @@ MEMORY_DEFINITION = (
 )
 
 
-# ----------------------------------------------------------------------------- the model
-
-
 class Block(nn.Module):
-    """Pre-norm transformer block: attention (scaled_dot_product_attention) and a 4× MLP."""
+    """Pre-norm transformer block: attention and a 4× MLP."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -99,13 +88,12 @@ class Block(nn.Module):
 
 
 class Tower(nn.Module):
-    """A ViT-style image tower (uint8 images (m, 3, 32, 32) → patches of 8×8) or a text tower
-    (token ids (m, 16)); transformer blocks, the first token's state projected to c features."""
+    """ViT-style image tower (uint8 (m, 3, 32, 32), 8×8 patches) or text tower (ids (m, 16));
+    the first token's state projected to c features."""
 
     def __init__(self, kind: str, shape: TowerShape, features: int):
         super().__init__()
-        self.kind = kind
-        w = shape.width
+        self.kind, w = kind, shape.width
         if kind == "image":
             self.embed = nn.Conv2d(3, w, PATCH, stride=PATCH)
             positions = (IMAGE_SIZE // PATCH) ** 2 + 1
@@ -130,14 +118,9 @@ class Tower(nn.Module):
         return F.normalize(self.head(self.norm(x[:, 0])), dim=-1)
 
 
-# ----------------------------------------------------------------------------- one step
-
-
 @dataclass
 class Trainer:
-    """The towers (each in DDP), the learnable logit scale, AdamW, and one rank's batch."""
-
-    towers: list[nn.Module]
+    towers: list[nn.Module]  # each in DDP
     logit_scale: Tensor
     optimizer: torch.optim.Optimizer
     device: torch.device
@@ -149,8 +132,7 @@ class Trainer:
     def loss(self, image_features: Tensor, text_features: Tensor) -> Tensor:
         from fusedloss.distributed import clip_loss
 
-        # the towers' features leave F.normalize in float32 under autocast: the loss runs in
-        # the training dtype, as a CLIP trainer's would
+        # features leave F.normalize in float32 under autocast: the loss runs in self.dtype
         return clip_loss(image_features.to(self.dtype), text_features.to(self.dtype),
                          self.logit_scale.exp(), backend=self.backend)
 
@@ -158,9 +140,8 @@ class Trainer:
         from fusedloss.distributed import grad_cache_step
 
         self.optimizer.zero_grad(set_to_none=True)
-        autocast = torch.autocast(self.device.type, dtype=self.dtype,
-                                  enabled=self.dtype != torch.float32)
-        with autocast:
+        with torch.autocast(self.device.type, dtype=self.dtype,
+                            enabled=self.dtype != torch.float32):
             if method == PLAIN:
                 loss = self.loss(self.towers[0](images), self.towers[1](texts))
                 loss.backward()
@@ -193,15 +174,10 @@ def make_trainer(width: int, towers: dict[str, TowerShape], device: torch.device
 
 
 def make_batch(per_rank: int, rank: int, seed: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Rank ``rank``'s pairs: uint8 images (b_r, 3, 32, 32) and token ids (b_r, 16)."""
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
     images = torch.randint(0, 256, (per_rank, 3, IMAGE_SIZE, IMAGE_SIZE), generator=g,
                            device=device, dtype=torch.uint8)
-    texts = torch.randint(0, VOCAB, (per_rank, TOKENS), generator=g, device=device)
-    return images, texts
-
-
-# ----------------------------------------------------------------------------- measurements
+    return images, torch.randint(0, VOCAB, (per_rank, TOKENS), generator=g, device=device)
 
 
 @dataclass
@@ -228,43 +204,40 @@ class Check:
     note: str = ""
 
 
-def _timed_step(trainer: Trainer, method: str, images: Tensor, texts: Tensor,
-                device: torch.device) -> tuple[float, float]:
-    common.synchronize(device)
+def _timed_step(trainer: Trainer, method: str, images: Tensor, texts: Tensor
+                ) -> tuple[float, float]:
+    common.synchronize(trainer.device)
     begin = time.perf_counter()
     loss = trainer.step(method, images, texts)
-    common.synchronize(device)
+    common.synchronize(trainer.device)
     return (time.perf_counter() - begin) * 1e3, float(loss)
 
 
 def measure(trainer: Trainer, method: str, batch: int, ranks: Ranks, seed: int,
             steps: int) -> Row:
     """One method at one global batch on every rank; failures agreed on every rank."""
-    per_rank = batch // ranks.world
-    row = Row(method, batch, per_rank)
+    row = Row(method, batch, batch // ranks.world)
     device = trainer.device
-    ok, data = stage(ranks, row, device, lambda: make_batch(per_rank, ranks.rank, seed, device))
+    ok, data = stage(ranks, row, device, lambda: make_batch(row.per_rank, ranks.rank, seed,
+                                                            device))
     if not ok:
         return row
-    images, texts = data
-    ok, first = stage(ranks, row, device, lambda: _timed_step(trainer, method, images, texts,
-                                                               device))
+    ok, first = stage(ranks, row, device, lambda: _timed_step(trainer, method, *data))
     if not ok:
         return row
     row.first_step_ms = ranks.max(first[0])
+    cuda = common.uses_cuda(device)
 
     def timed() -> tuple[list[float], float, float | None]:
-        peak = None
-        if common.uses_cuda(device):
+        if cuda:
             common.release_memory(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         samples, loss = [], math.nan
         for _ in range(steps):
-            ms, loss = _timed_step(trainer, method, images, texts, device)
+            ms, loss = _timed_step(trainer, method, *data)
             samples.append(ms)
-        if common.uses_cuda(device):
-            peak = (torch.cuda.max_memory_allocated(device) - before) / common.MIB
+        peak = (torch.cuda.max_memory_allocated(device) - before) / common.MIB if cuda else None
         return samples, loss, peak
 
     ranks.barrier()
@@ -281,15 +254,14 @@ def measure(trainer: Trainer, method: str, batch: int, ranks: Ranks, seed: int,
 
 
 def check_methods(make: Callable[[], Trainer], batch: int, ranks: Ranks, seed: int) -> Check:
-    """Both methods from the same initial model on the same batch, in float32 (no autocast):
-    the same loss and parameter gradients up to the order of float additions."""
+    """Both methods from the same initial model and batch in float32: the same loss and
+    parameter gradients up to the order of float additions."""
     check = Check(batch)
-    per_rank = batch // ranks.world
     results = {}
     for method in METHODS:
         trainer = make()
         trainer.dtype = torch.float32
-        images, texts = make_batch(per_rank, ranks.rank, seed, trainer.device)
+        images, texts = make_batch(batch // ranks.world, ranks.rank, seed, trainer.device)
         trainer.optimizer.step = lambda: None  # keep the parameters: gradients only
         ok, loss = stage(ranks, check, trainer.device,
                          lambda t=trainer, m=method, i=images, x=texts: float(t.step(m, i, x)))
@@ -308,27 +280,23 @@ def check_methods(make: Callable[[], Trainer], batch: int, ranks: Ranks, seed: i
     return check
 
 
-# ----------------------------------------------------------------------------- the run
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--batches", type=positive_int_list, default=None,
+    add = parser.add_argument
+    add("--batches", type=positive_int_list, default=None,
         help="comma list of global batches B, increasing (default "
         f"{','.join(map(str, DEFAULT_BATCHES))}; {','.join(map(str, QUICK_BATCHES))} with "
         "--quick)")
-    parser.add_argument("--methods", type=common.comma_list(METHODS), default=list(METHODS),
-                        help="comma list of plain, grad-cache (default both)")
-    parser.add_argument("--micro-batch", type=int, default=None,
-                        help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
-    parser.add_argument("--max-step-s", type=float, default=DEFAULT_MAX_STEP_S,
-                        help="stop a method's sweep after a step this long (default "
-                        f"{DEFAULT_MAX_STEP_S:g} s)")
+    add("--methods", type=common.comma_list(METHODS), default=list(METHODS),
+        help="comma list of plain, grad-cache (default both)")
+    add("--micro-batch", type=int, default=None,
+        help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
+    add("--max-step-s", type=float, default=DEFAULT_MAX_STEP_S,
+        help=f"stop a method's sweep after a step this long (default {DEFAULT_MAX_STEP_S:g} s)")
     common.add_dtype_seed_arguments(parser)
     common.add_quick_device_timing_arguments(
         parser, "batches 64,128, tiny towers: a smoke test that also runs on CPU (gloo)")
-    parser.add_argument("--out", default=common.RESULTS_DIR, help="results directory")
-    parser.add_argument("--tag", default=None, help="suffix for the results file names")
+    add("--out", default=common.RESULTS_DIR, help="results directory")
+    add("--tag", default=None, help="suffix for the results file names")
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
@@ -336,8 +304,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
 
 
 def _run(args: argparse.Namespace, ctx: Context) -> int:
-    ranks, device, say = ctx.ranks, ctx.device, ctx.say
-    world = ranks.world
+    ranks, device, say, world = ctx.ranks, ctx.device, ctx.say, ctx.ranks.world
     batches = sorted(args.batches or (QUICK_BATCHES if ctx.quick else DEFAULT_BATCHES))
     if any(b % world for b in batches):
         say(f"every global batch must be a multiple of the world size {world}: {batches}")
@@ -378,14 +345,27 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def largest_batch(rows: Sequence[Row], method: str) -> int | None:
-    done = [r.batch for r in rows if r.method == method and r.status == OK]
-    return max(done) if done else None
+    return max((r.batch for r in rows if r.method == method and r.status == OK), default=None)
+
+
+def _stop_reason(rows: Sequence[Row], method: str, max_step_s: float) -> str:
+    mine = [r for r in rows if r.method == method]
+    if not mine:
+        return "not run"
+    last = mine[-1]
+    if last.status == OUT_OF_MEMORY:
+        return f"out of memory at B = {last.batch}"
+    if last.status != OK:
+        return f"{last.status} at B = {last.batch}: {last.note}"
+    if last.ms is not None and last.ms > max_step_s * 1e3:
+        return f"step time above {max_step_s:g} s at B = {last.batch} (memory did not stop it)"
+    return "the largest batch asked for (memory did not stop it)"
 
 
 def _report(args, ctx: Context, width, micro, towers, check, rows) -> None:
-    environment, world, say = ctx.environment, ctx.ranks.world, ctx.say
-    settings = common.environment_rows(environment, {})[:3] + [
-        ("date", environment["timestamp"]),
+    env, world, timing = ctx.environment, ctx.ranks.world, TIMING_DEFINITION.format(steps=STEPS)
+    settings = common.environment_rows(env, {})[:3] + [
+        ("date", env["timestamp"]),
         ("ranks", f"K = {world}, torch.distributed backend {ctx.dist_backend}"),
         ("model", f"image tower ViT-style {IMAGE_SIZE}×{IMAGE_SIZE} px, patch {PATCH}, "
          f"{towers['image']}; text tower {TOKENS} tokens, {towers['text']}; features c = "
@@ -393,12 +373,10 @@ def _report(args, ctx: Context, width, micro, towers, check, rows) -> None:
         ("loss", "fusedloss.distributed.clip_loss (ring), learnable logit scale"),
         ("dtype", f"{common.dtype_name(ctx.dtype)} autocast"),
         ("Gradient Cache", f"micro-batches of {micro} rows per rank"),
-        ("timing", TIMING_DEFINITION.format(steps=STEPS)),
-        ("memory", MEMORY_DEFINITION),
+        ("timing", timing), ("memory", MEMORY_DEFINITION),
     ]
-    lines = [f"# Gradient Cache + ring CLIP training step on {world} × "
-             f"{environment['device_name']}, {environment['date']}", "",
-             common.markdown_table(["setting", "value"], settings), ""]
+    lines = [f"# Gradient Cache + ring CLIP training step on {world} × {env['device_name']}, "
+             f"{env['date']}", "", common.markdown_table(["setting", "value"], settings), ""]
     if check is not None:
         lines += ["## Check", "", f"At B = {check.batch}, both methods from the same initial "
                   f"model, float32: loss plain {check.loss_plain}, Gradient Cache "
@@ -417,35 +395,20 @@ def _report(args, ctx: Context, width, micro, towers, check, rows) -> None:
         ["method", "largest B", "why the sweep stopped"],
         [[m, largest[m] or "—", _stop_reason(rows, m, args.max_step_s)]
          for m in args.methods]), ""]
-    kind = "gpu" if common.uses_cuda(environment["device"]) else "proc"
-    stem = common.results_stem(RESULTS_PREFIX, environment["date"],
-                               f"{environment['device_slug']}_{world}{kind}", args.tag)
-    payload = {"environment": environment, "world": world, "backend": ctx.dist_backend,
+    kind = "gpu" if common.uses_cuda(env["device"]) else "proc"
+    stem = common.results_stem(RESULTS_PREFIX, env["date"], f"{env['device_slug']}_{world}{kind}",
+                               args.tag)
+    payload = {"environment": env, "world": world, "backend": ctx.dist_backend,
                "width": width, "micro_batch": micro, "steps": STEPS,
                "towers": {k: asdict(v) for k, v in towers.items()},
                "check": asdict(check) if check else None,
                "rows": [asdict(r) for r in rows], "largest": largest,
-               "timing": TIMING_DEFINITION.format(steps=STEPS),
-               "memory": MEMORY_DEFINITION}
+               "timing": timing, "memory": MEMORY_DEFINITION}
     md, js = common.write_results(args.out, stem, "\n".join(lines), payload)
-    say(f"results: {md}\n         {js}")
-    say(common.text_table(["method", "B", "status", "ms", "MB/rank"],
-                          [[r.method, r.batch, r.status, common.format_ms(r.ms),
-                            common.format_mib(r.peak_mib)] for r in rows]))
-
-
-def _stop_reason(rows: Sequence[Row], method: str, max_step_s: float) -> str:
-    mine = [r for r in rows if r.method == method]
-    if not mine:
-        return "not run"
-    last = mine[-1]
-    if last.status == OUT_OF_MEMORY:
-        return f"out of memory at B = {last.batch}"
-    if last.status != OK:
-        return f"{last.status} at B = {last.batch}: {last.note}"
-    if last.ms is not None and last.ms > max_step_s * 1e3:
-        return f"step time above {max_step_s:g} s at B = {last.batch} (memory did not stop it)"
-    return "the largest batch asked for (memory did not stop it)"
+    ctx.say(f"results: {md}\n         {js}")
+    ctx.say(common.text_table(["method", "B", "status", "ms", "MB/rank"],
+                              [[r.method, r.batch, r.status, common.format_ms(r.ms),
+                                common.format_mib(r.peak_mib)] for r in rows]))
 
 
 SUITE = Suite(

@@ -1,9 +1,4 @@
-"""Every loss against the PyTorch loss it replaces, from small sizes up.
-
-    python benchmarks/run.py sizes [--losses clip,siglip,info-nce,nt-xent,lm-llama3,lm-gemma2]
-                                   [--sizes 128,256,...]
-                                   [--methods fusedloss,fusedloss-tiled,fusedloss-materialized,
-                                              torch,torch-compile]
+"""Suite ``sizes``: every loss against the PyTorch loss it replaces, from small sizes up.
 
 Per loss and size (bf16): forward + backward of the mean loss by fusedloss and by the
 materialized PyTorch loss (logits in the input dtype) eager and compiled; median ms, peak memory
