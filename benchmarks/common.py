@@ -146,6 +146,21 @@ def call_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
     return elapsed
 
 
+def timed(fn: Callable[..., Any], device: torch.device, *args: Any) -> tuple[float, Any]:
+    """(ms, result) of ``fn(*args)``: CUDA events around it (wall clock without CUDA)."""
+    if uses_cuda(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        value = fn(*args)
+        end.record()
+        torch.cuda.synchronize(device)
+        return float(start.elapsed_time(end)), value
+    begin = time.perf_counter()
+    value = fn(*args)
+    return (time.perf_counter() - begin) * 1e3, value
+
+
 def synchronize(device: torch.device | str) -> None:
     if uses_cuda(device):
         torch.cuda.synchronize(device)
@@ -515,6 +530,22 @@ def format_ratio(value: float | None) -> str:
     return f"{value:.2f}"
 
 
+def gib_text(value: float | None) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+def count_text(value: float | None) -> str:
+    """A rate (tokens/s, images/s): thousands separated, 3 significant digits below 100."""
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def loss_text(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4f}"
+
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     def cell(value: Any) -> str:
         return str(value).replace("|", "\\|").replace("\n", " ")
@@ -544,6 +575,19 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     out = [line(list(headers)), line(["-" * w for w in widths])]
     out.extend(line(row) for row in body)
     return "\n".join(out)
+
+
+def table(columns: Sequence[tuple[str, Callable[[Any], Any]]], items: Iterable[Any],
+          text: bool = False) -> str:
+    """A markdown (or with ``text`` a plain) table: one row per item, ``(header, cell)``."""
+    render = text_table if text else markdown_table
+    return render([h for h, _ in columns], [[cell(i) for _, cell in columns] for i in items])
+
+
+def section(title: str, intro: str, columns: Sequence[tuple[str, Callable[[Any], Any]]],
+            items: Iterable[Any]) -> list[str]:
+    """A report section: ``## title``, the intro paragraph (if any), the table."""
+    return [f"## {title}", "", *([intro, ""] if intro else []), table(columns, items), ""]
 
 
 def _looks_numeric(text: str) -> bool:
@@ -680,6 +724,33 @@ def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str
     return lines
 
 
+def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list]], columns: int = 1,
+              size: tuple[float, float] = (8, 5), **style: Any) -> Path | None:
+    """Line plots, panels row-major; a panel is (title, xlabel, ylabel, [(label, xs, ys)]).
+    ``None`` (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = max(1, math.ceil(len(panels) / columns))
+    figure, axes = plt.subplots(rows, columns, figsize=(size[0] * columns, size[1] * rows),
+                                squeeze=False)
+    for axis, (title, xlabel, ylabel, lines) in zip(axes.flat, panels, strict=False):
+        for label, xs, ys in lines:
+            axis.plot(xs, ys, label=label, **style)
+        axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        axis.grid(True, alpha=0.3)
+        if lines:
+            axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 # ----------------------------------------------------------------------------- results files
 
 
@@ -725,20 +796,25 @@ def report_results(
     out_dir: Path | str,
     suite_slug: str,
     tag: str | None,
-    info: RunInfoBase,
+    environment: Mapping[str, Any],
+    notes: Sequence[str],
     *,
     markdown: str,
     payload: dict[str, Any],
     tables: str,
+    world: int | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Writes a suite's results files (named by :func:`results_stem`), then logs the run's
+    """Writes a suite's results files (named by :func:`results_stem`; a run over ``world``
+    ranks adds ``_<K>gpu``, or ``_<K>proc`` off CUDA, to the device), then logs the run's
     notes, the files' paths and the short tables (last, so that they end the output)."""
-    env = info.environment
-    stem = results_stem(suite_slug, env["date"], env["device_slug"], tag)
+    device = environment["device_slug"]
+    if world is not None:
+        device += f"_{world}{'gpu' if uses_cuda(environment['device']) else 'proc'}"
+    stem = results_stem(suite_slug, environment["date"], device, tag)
     md_path, json_path = write_results(out_dir, stem, markdown, payload)
     log("")
-    for note in info.notes:
+    for note in notes:
         log(f"note: {note}")
     log(f"results: {md_path}")
     log(f"         {json_path}")

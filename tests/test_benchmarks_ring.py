@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import REPO_ROOT, import_benchmarks, read_results
 
-(ring,) = import_benchmarks("suites.ring")
+(common, ring) = import_benchmarks("common", "suites.ring")
 
 RUN_TIMEOUT_S = 240
 
@@ -96,12 +96,19 @@ def test_defaults_and_batches_option():
     assert args.width is None and not args.no_overlap and not args.graph
 
 
-def test_results_stem():
-    stem = ring.results_stem("2026-12-01", "nvidia-h100-80gb-hbm3", 8, True, None)
-    assert stem == "ring_2026-12-01_nvidia-h100-80gb-hbm3_8gpu"
-    assert ring.results_stem("2026-12-01", "cpu", 2, False, "Quick Run") == (
-        "ring_2026-12-01_cpu_2proc_quick-run"
-    )
+def test_results_files_are_named_after_the_ranks(tmp_path):
+    def names(device, slug, world, tag):
+        env = {"device": device, "device_slug": slug, "date": "2026-12-01"}
+        common.report_results(tmp_path / tag, ring.NAME, tag if tag != "none" else None, env,
+                              [], markdown="", payload={}, tables="", world=world,
+                              log=lambda _line: None)
+        return sorted(p.name for p in (tmp_path / tag).iterdir())
+
+    assert names("cuda", "nvidia-h100-80gb-hbm3", 8, "none") == [
+        "ring_2026-12-01_nvidia-h100-80gb-hbm3_8gpu.json",
+        "ring_2026-12-01_nvidia-h100-80gb-hbm3_8gpu.md"]
+    assert names("cpu", "cpu", 2, "Quick Run") == [
+        "ring_2026-12-01_cpu_2proc_quick-run.json", "ring_2026-12-01_cpu_2proc_quick-run.md"]
 
 
 def test_cross_check_without_reference_compares_peers_with_fusedloss():

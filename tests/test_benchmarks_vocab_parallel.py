@@ -47,10 +47,6 @@ def test_case_list_quick_shapes_and_stem():
     assert full[0].shape.vocab_size == 256000 and full[0].bounds(7) == (224000, 256000)
     with pytest.raises(ValueError, match="cannot be shared"):
         vp.select_cases(["phi3.5"], 8, 1000, quick=True)
-    assert vp.results_stem("2026-12-01", "nvidia-h100", 8, True, None) == (
-        "vocab_parallel_2026-12-01_nvidia-h100_8gpu")
-    assert vp.results_stem("2026-12-01", "cpu", 2, False, "A b") == (
-        "vocab_parallel_2026-12-01_cpu_2proc_a-b")
 
 
 def test_parser_defaults():

@@ -27,9 +27,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks import common, vit
-from benchmarks.common import UNAVAILABLE, TimingSettings
+from benchmarks.common import (
+    UNAVAILABLE,
+    TimingSettings,
+    count_text,
+    gib_text,
+    loss_text,
+    save_plot,
+    table,
+    timed,
+)
 from benchmarks.suites import Suite
-from benchmarks.suites.train import count_text, gib_text, loss_text, save_plot, table, timed
 from benchmarks.trained_lm import cosine_decay
 
 NAME = RESULTS_PREFIX = "companions"
@@ -860,7 +868,7 @@ def _run(args: argparse.Namespace, s: Settings, device: torch.device, notes: lis
         plot = path.name if path else None
         notes.append(f"plot: {plot}" if plot else "no plot: matplotlib not installed")
     common.report_results(
-        args.out, RESULTS_PREFIX, args.tag, info,
+        args.out, RESULTS_PREFIX, args.tag, info.environment, info.notes,
         markdown=render_markdown(info, linear, optimizer, e2e, plot),
         payload=results_json(info, linear, optimizer, e2e, plot),
         tables=short_tables(linear, optimizer, e2e), log=log)

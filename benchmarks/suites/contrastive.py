@@ -488,12 +488,6 @@ def _loss_text(cr: CaseResult) -> str:
 Column = tuple[str, Callable[[Any], Any]]  # header, cell of one row item
 
 
-def _section(title: str, intro: str, columns: Sequence[Column], items: Sequence[Any]) -> list[str]:
-    table = common.markdown_table([h for h, _ in columns], [[f(x) for _, f in columns]
-                                                            for x in items])
-    return [f"## {title}", "", *([intro, ""] if intro else []), table, ""]
-
-
 def _provider_columns(case_results: Sequence[CaseResult], cell: Callable) -> list[Column]:
     return [(label, lambda cr, k=key: cell(cr.results.get(k)))
             for key, label in common.provider_columns(case_results)]
@@ -541,7 +535,7 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
     label: Column = ("case (loss b×c regime)", lambda cr: cr.case.label)
     ours = ("fusedloss × floor", lambda cr: common.format_ratio(
         r.times_floor) if (r := cr.results.get(FUSEDLOSS)) else "—")
-    lines += _section(
+    lines += common.section(
         "Time and memory",
         "Median ms / peak MB above inputs and gradient buffers, forward+backward (— = not run "
         "on this shape); cost floors (docs/design.md) 8·r²·c/R, 4·r²·c/R with reuse.",
@@ -552,19 +546,19 @@ def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
     )
     accuracy = [cr for cr in case_results if any(r.errors for r in cr.results.values())]
     if accuracy:
-        lines += _section(
+        lines += common.section(
             "Gradient accuracy",
             "Relative L2 error against the float64 reference (÷ torch materialized's error in "
             "parentheses).",
             [label, *_provider_columns(case_results, _errors_text)], accuracy,
         )
-    lines += _section("Losses", "", [
+    lines += common.section("Losses", "", [
         label, ("parameters", lambda cr: cr.case.parameters_text),
         ("mean loss (reference)", _loss_text),
         ("reference", lambda cr: cr.reference.dtype if cr.reference else "—"),
     ], case_results)
     rows = [(cr, r) for cr in case_results for r in cr.results.values()]
-    lines += _section("All figures", "", [
+    lines += common.section("All figures", "", [
         ("case", lambda x: x[0].case.key), ("provider", lambda x: x[1].label),
         ("status", lambda x: x[1].status), ("ms", lambda x: common.format_ms(x[1].ms)),
         ("timing", lambda x: x[1].timing),
@@ -683,7 +677,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
                    seed=args.seed, quick=quick, timing=timing, slow=slow, backend=backend,
                    providers=list(args.providers), calls=calls, notes=notes,
                    peer_versions={"inf-cl": common.package_version("inf-cl")})
-    common.report_results(args.out, NAME, args.tag, info,
+    common.report_results(args.out, NAME, args.tag, info.environment, info.notes,
                           markdown=render_markdown(info, case_results),
                           payload=results_json(info, case_results),
                           tables=short_tables(case_results), log=log)

@@ -395,21 +395,18 @@ def _report(args, ctx: Context, width, micro, towers, check, rows) -> None:
         ["method", "largest B", "why the sweep stopped"],
         [[m, largest[m] or "—", _stop_reason(rows, m, args.max_step_s)]
          for m in args.methods]), ""]
-    kind = "gpu" if common.uses_cuda(env["device"]) else "proc"
-    stem = common.results_stem(RESULTS_PREFIX, env["date"], f"{env['device_slug']}_{world}{kind}",
-                               args.tag)
     payload = {"environment": env, "world": world, "backend": ctx.dist_backend,
                "width": width, "micro_batch": micro, "steps": STEPS,
                "towers": {k: asdict(v) for k, v in towers.items()},
                "check": asdict(check) if check else None,
                "rows": [asdict(r) for r in rows], "largest": largest,
                "timing": timing, "memory": MEMORY_DEFINITION}
-    md, js = common.write_results(args.out, stem, "\n".join(lines), payload)
-    ctx.say(f"results: {md}\n         {js}")
-    ctx.say(common.text_table(["method", "B", "status", "ms", "MB/rank"],
-                              [[r.method, r.batch, r.status, common.format_ms(r.ms),
-                                common.format_mib(r.peak_mib)] for r in rows]))
-
+    common.report_results(
+        args.out, RESULTS_PREFIX, args.tag, env, (), markdown="\n".join(lines), payload=payload,
+        tables=common.text_table(["method", "B", "status", "ms", "MB/rank"],
+                                 [[r.method, r.batch, r.status, common.format_ms(r.ms),
+                                   common.format_mib(r.peak_mib)] for r in rows]),
+        world=world, log=ctx.say)
 
 SUITE = Suite(
     name=NAME,

@@ -608,7 +608,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         peer_versions={name: common.package_version(name)
                        for name in ("cut-cross-entropy", "liger-kernel")},
         calls=calls, notes=notes)
-    common.report_results(args.out, RESULTS_PREFIX, args.tag, info,
+    common.report_results(args.out, RESULTS_PREFIX, args.tag, info.environment, info.notes,
                           markdown=render_markdown(info, case_results),
                           payload=results_json(info, case_results),
                           tables=short_tables(case_results), log=log)

@@ -166,12 +166,6 @@ def exposed_comm_ms(ring_ms: float | None, compute_ms: float | None) -> float | 
     return None if ring_ms is None or compute_ms is None else ring_ms - compute_ms
 
 
-def results_stem(date: str, device_slug: str, world: int, cuda: bool, tag: str | None) -> str:
-    """``ring_<date>_<gpu>_<K>gpu[_tag]``; K CPU processes: ``ring_<date>_cpu_<K>proc``."""
-    return common.results_stem(NAME, date, f"{device_slug}_{world}{'gpu' if cuda else 'proc'}",
-                               tag)
-
-
 def positive_int_list(text: str) -> list[int]:
     """An argparse ``type``: ``65536,131_072`` → [65536, 131072] (each ≥ 1)."""
     try:
@@ -965,8 +959,14 @@ def _check_text(r: ProviderResult) -> str:
 
 Column = tuple[str, Callable[..., str]]
 
+
+def _on_pairs(columns: Sequence[Column]) -> list[Column]:
+    """Columns of ``cell(cr, r)`` as columns of one ``(cr, r)`` row item each."""
+    return [(header, lambda row, cell=cell: cell(*row)) for header, cell in columns]
+
+
 # (case result, fusedloss's result) of a case where fusedloss was measured
-OVERLAP_COLUMNS: list[Column] = [
+OVERLAP_COLUMNS: list[Column] = _on_pairs([
     ("case", lambda cr, r: cr.case.label),
     ("a: ring", lambda cr, r: _ms(r.ms)),
     ("host", lambda cr, r: _ms(r.host_ms)),
@@ -979,9 +979,9 @@ OVERLAP_COLUMNS: list[Column] = [
                                               else r.comm_bytes / 2**20, ".1f")),
     ("GB/s", lambda cr, r: _number(r.comm_gbps, ".1f")),
     ("note", lambda cr, r: "; ".join(n for n in (r.overlap_note, r.graphed_note) if n)),
-]
+])
 # (case result, a provider's result)
-ALL_FIGURES_COLUMNS: list[Column] = [
+ALL_FIGURES_COLUMNS: list[Column] = _on_pairs([
     ("case", lambda cr, r: cr.case.key),
     ("provider", lambda cr, r: r.label),
     ("status", lambda cr, r: r.status),
@@ -996,8 +996,8 @@ ALL_FIGURES_COLUMNS: list[Column] = [
     ("gradient errors", lambda cr, r: errors_text(r)),
     ("first call ms", lambda cr, r: _ms(r.first_call_ms)),
     ("note", lambda cr, r: r.note),
-]
-SHORT_COLUMNS: list[Column] = [
+])
+SHORT_COLUMNS: list[Column] = _on_pairs([
     (header, lambda cr, r, i=i: common.summary_cells(cr.case.key, r)[i])
     for i, header in enumerate(common.SUMMARY_HEADERS)
 ] + [
@@ -1005,12 +1005,7 @@ SHORT_COLUMNS: list[Column] = [
     ("exposed ms", lambda cr, r: _signed_ms(r.exposed_comm_ms) if r.provider == FUSEDLOSS
      else ""),
     ("|loss − ref|", lambda cr, r: _check_text(r) if r.measured else ""),
-]
-
-
-def _table(columns: Sequence[Column], rows: Sequence[tuple[Any, ...]],
-           render: Callable[..., str] = common.markdown_table) -> str:
-    return render([h for h, _ in columns], [[cell(*row) for _, cell in columns] for row in rows])
+])
 
 
 def _all_rows(case_results: Sequence[CaseResult]) -> list[tuple[CaseResult, ProviderResult]]:
@@ -1056,7 +1051,7 @@ def render_markdown(info: dict[str, Any], case_results: Sequence[CaseResult]) ->
               "ms per forward+backward step (max over ranks of each rank's median) / peak MB per "
               "rank above inputs and gradient buffers (max over ranks); — = not run. Losses (mean "
               "over the ranks) in \"All figures\".", "",
-              _table(time_memory, [(cr,) for cr in case_results]), ""]
+              common.table(time_memory, case_results), ""]
 
     ours = [(cr, cr.results[FUSEDLOSS]) for cr in case_results
             if FUSEDLOSS in cr.results and cr.results[FUSEDLOSS].measured]
@@ -1066,9 +1061,9 @@ def render_markdown(info: dict[str, Any], case_results: Sequence[CaseResult]) ->
             "ms, max over ranks (settings: overlap, CUDA graph); host: the time to issue one "
             f"step started on an idle GPU (median of {HOST_REPS} calls); MB sent per rank per "
             "step and the rate (c) implies.", "",
-            _table(OVERLAP_COLUMNS, ours), ""]
+            common.table(OVERLAP_COLUMNS, ours), ""]
 
-    lines += ["## All figures", "", _table(ALL_FIGURES_COLUMNS, _all_rows(case_results)), ""]
+    lines += ["## All figures", "", common.table(ALL_FIGURES_COLUMNS, _all_rows(case_results)), ""]
     lines += common.closing_sections(info["calls"], info["notes"])
     return "\n".join(lines)
 
@@ -1149,9 +1144,10 @@ def run_distributed(args: argparse.Namespace, name: str,
         log("--min-reps must be at least 1")
         return 2
     created, dist_backend = init_process_group(device, GROUP_TIMEOUT_S)
-    # gloo can abort (SIGABRT) at interpreter exit after point-to-point transfers: such a
-    # process leaves, once the group is destroyed, without running the C++ destructors.
-    hard_exit = created and dist_backend == "gloo" and dist.get_world_size() > 1
+    # gloo can abort (SIGABRT) at interpreter exit ("terminate called without an active
+    # exception"), after point-to-point transfers and, rarely, in a group of one: a process whose
+    # group this created leaves, once the group is destroyed, without the C++ destructors.
+    hard_exit = created and dist_backend == "gloo"
     try:
         code = body(args, make_context(args, device, dist_backend, log))
     except Exception:
@@ -1243,14 +1239,11 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
             "calls": calls,
             "notes": notes,
         }
-        stem = results_stem(env["date"], env["device_slug"], ranks.world,
-                            common.uses_cuda(env["device"]), args.tag)
-        md_path, json_path = common.write_results(
-            args.out, stem, render_markdown(info, results), results_json(info, results))
-        if final:
-            say("\n".join(["", *(f"note: {note}" for note in notes), f"results: {md_path}",
-                            f"         {json_path}", "",
-                            _table(SHORT_COLUMNS, _all_rows(results), common.text_table)]))
+        common.report_results(
+            args.out, NAME, args.tag, env, notes, markdown=render_markdown(info, results),
+            payload=results_json(info, results), world=ranks.world,
+            tables=common.table(SHORT_COLUMNS, _all_rows(results), text=True),
+            log=say if final else lambda _line: None)
 
     case_results = run_cases(cases, providers, ctx, overlap, graph, write)
     try:

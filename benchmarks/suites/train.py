@@ -15,9 +15,7 @@ import contextlib
 import gc
 import importlib
 import inspect
-import math
 import statistics
-import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,7 +25,17 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from benchmarks.common import NOT_INSTALLED, OK, UNAVAILABLE
+from benchmarks.common import (
+    NOT_INSTALLED,
+    OK,
+    UNAVAILABLE,
+    count_text,
+    gib_text,
+    loss_text,
+    save_plot,
+    table,
+    timed,
+)
 from benchmarks.suites import Suite
 
 NAME = RESULTS_PREFIX = "train"
@@ -366,19 +374,7 @@ class Settings:
     sweep_steps: int
 
 
-def timed(fn: Callable[..., Any], device: torch.device, *args: Any) -> tuple[float, Any]:
-    """(ms, result) of ``fn(*args)``: CUDA events around it (wall clock without CUDA)."""
-    if common.uses_cuda(device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        value = fn(*args)
-        end.record()
-        torch.cuda.synchronize(device)
-        return float(start.elapsed_time(end)), value
-    begin = time.perf_counter()
-    value = fn(*args)
-    return (time.perf_counter() - begin) * 1e3, value
+
 
 
 def train_steps(step: Callable[[Any], Any], batches: Sequence[Any], warmup: int,
@@ -548,55 +544,6 @@ def check_losses(results: Sequence[MethodResult]) -> None:
 
 
 # ----------------------------------------------------------------------------- reporting
-
-
-def gib_text(value: float | None) -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
-
-
-def count_text(value: float | None) -> str:
-    """A rate (tokens/s, images/s): thousands separated, 3 significant digits below 100."""
-    if value is None or not math.isfinite(value):
-        return "—"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def loss_text(value: float | None) -> str:
-    return "—" if value is None else f"{value:.4f}"
-
-
-def table(columns: Sequence[tuple[str, Callable[[Any], Any]]], items: Sequence[Any],
-          text: bool = False) -> str:
-    """A markdown (or with ``text`` a plain) table: one row per item, ``(header, cell)``."""
-    render = common.text_table if text else common.markdown_table
-    return render([h for h, _ in columns], [[cell(i) for _, cell in columns] for i in items])
-
-
-def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list]], columns: int = 1,
-              size: tuple[float, float] = (8, 5), **style: Any) -> Path | None:
-    """Line plots, panels row-major; a panel is (title, xlabel, ylabel, [(label, xs, ys)]).
-    ``None`` (nothing written) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = max(1, math.ceil(len(panels) / columns))
-    figure, axes = plt.subplots(rows, columns, figsize=(size[0] * columns, size[1] * rows),
-                                squeeze=False)
-    for axis, (title, xlabel, ylabel, lines) in zip(axes.flat, panels, strict=False):
-        for label, xs, ys in lines:
-            axis.plot(xs, ys, label=label, **style)
-        axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
-        axis.grid(True, alpha=0.3)
-        if lines:
-            axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
 
 
 MEASURE_DEFINITION = (
@@ -796,8 +743,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     plot = plot_results(Path(args.out) / f"{stem}.png", results)
     notes.append(f"plot: {plot.name}" if plot else "no plot: matplotlib not installed")
     common.report_results(
-        args.out, RESULTS_PREFIX, args.tag, info, markdown=render_markdown(info, results),
-        payload=results_json(info, results),
+        args.out, RESULTS_PREFIX, args.tag, info.environment, info.notes,
+        markdown=render_markdown(info, results), payload=results_json(info, results),
         tables=table(SHORT_COLUMNS, [(m, r) for m, rs in results.items() for r in rs], True),
         log=log)
     return 0

@@ -12,7 +12,6 @@ writes ``vocab_parallel_<date>_<gpu-slug>_<K>gpu[_tag].md/.json``; see benchmark
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -112,11 +111,6 @@ def select_cases(shapes: Sequence[str], n: int, world: int, quick: bool) -> list
                              f"{world} ranks")
         cases.append(Case(shape, REGIME, n, world))
     return cases
-
-
-def results_stem(date: str, device_slug: str, world: int, cuda: bool, tag: str | None) -> str:
-    unit = "gpu" if cuda else "proc"
-    return common.results_stem(RESULTS_PREFIX, date, f"{device_slug}_{world}{unit}", tag)
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -550,9 +544,9 @@ def render_markdown(s: dict[str, Any], case_results: Sequence[CaseResult]) -> st
                   [cr.case.label] + [common.time_and_memory_cell(cr.results.get(key), "—")
                                      for key, _ in columns] for cr in case_results]), "",
               "## All figures", "",
-              common.markdown_table([h for h, _ in FIGURE_COLUMNS], [
-                  [cell(cr.case, r) for _, cell in FIGURE_COLUMNS]
-                  for cr in case_results for r in cr.results.values()]), ""]
+              common.table([(h, lambda item, f=f: f(*item)) for h, f in FIGURE_COLUMNS],
+                           [(cr.case, r) for cr in case_results for r in cr.results.values()]),
+              ""]
     return "\n".join(lines + common.closing_sections(s["calls"], s["notes"]))
 
 
@@ -598,15 +592,9 @@ def _report(args: argparse.Namespace, ctx: Context, matmul: dict[str, Any], n: i
     markdown = render_markdown({**settings, "environment": env, "matmul": matmul,
                                 "timing": ctx.timing, "calls": calls, "notes": notes},
                                case_results)
-    stem = results_stem(env["date"], env["device_slug"], world, common.uses_cuda(ctx.device),
-                        args.tag)
-    md_path, json_path = common.write_results(args.out, stem, markdown, payload)
-    ctx.say("")
-    for note in notes:
-        ctx.say(f"note: {note}")
-    ctx.say(f"results: {md_path}\n         {json_path}\n")
-    ctx.say(short_tables(case_results))
-    sys.stdout.flush()
+    common.report_results(args.out, RESULTS_PREFIX, args.tag, env, notes, markdown=markdown,
+                          payload=payload, tables=short_tables(case_results), world=world,
+                          log=ctx.say)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
