@@ -1,10 +1,6 @@
-"""What every suite shares: timing, peak memory, errors, environment, command-line options,
-result statuses and checks, report pieces, results files.
-
-Timing is ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")`` on a CUDA
-device. Without CUDA (``--quick`` smoke runs) a plain wall-clock median stands in; those
-figures only show that the pipeline works and are labelled as such.
-"""
+"""What every suite shares: timing, memory, errors, environment, options, statuses, report
+pieces, results files. Timing is ``triton.testing.do_bench(..., return_mode="median")`` on
+CUDA; without CUDA (``--quick`` smoke runs) a wall-clock median, labelled as such."""
 
 from __future__ import annotations
 
@@ -35,11 +31,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MIB = float(1 << 20)
 
-PASS = "✓"
-FAIL = "✗"
+PASS, FAIL = "✓", "✗"
 
-# Result statuses of one provider on one case. A "wrong" result failed its suite's sanity
-# check but is still timed, so it counts as measured.
+# A provider's status on a case; "wrong" failed the sanity check but was timed (measured).
 OK, WRONG = "ok", "wrong"
 NOT_INSTALLED, UNAVAILABLE = "not installed", "unavailable"
 FAILED, OUT_OF_MEMORY = "failed", "out of memory"
@@ -51,13 +45,10 @@ MEASURED = (OK, WRONG)
 
 @dataclass(frozen=True)
 class TimingSettings:
-    """How long to warm up and repeat each timed function (milliseconds of work)."""
-
     warmup_ms: float = 100.0
     rep_ms: float = 1000.0
 
 
-# --quick budgets: enough for a smoke run to show the pipeline works, not for figures.
 QUICK_TIMING = TimingSettings(warmup_ms=5.0, rep_ms=20.0)
 MATMUL_SIZE = 8192
 QUICK_MATMUL_SIZE = 256
@@ -66,10 +57,8 @@ QUICK_MATMUL_SIZE = 256
 def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool) -> TimingSettings:
     """``--warmup-ms`` / ``--rep-ms`` where given, else the (quick) defaults."""
     default = QUICK_TIMING if quick else TimingSettings()
-    return TimingSettings(
-        warmup_ms=default.warmup_ms if warmup_ms is None else warmup_ms,
-        rep_ms=default.rep_ms if rep_ms is None else rep_ms,
-    )
+    return TimingSettings(default.warmup_ms if warmup_ms is None else warmup_ms,
+                          default.rep_ms if rep_ms is None else rep_ms)
 
 
 def uses_cuda(device: torch.device | str) -> bool:
@@ -77,20 +66,12 @@ def uses_cuda(device: torch.device | str) -> bool:
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingSettings) -> float:
-    """Median wall time of ``fn()`` in milliseconds.
-
-    CUDA: ``triton.testing.do_bench(..., return_mode="median")`` (CUDA events, L2 flushed
-    between calls). Elsewhere: a wall-clock median, good for smoke runs only.
-    """
+    """Median ms of ``fn()``: ``do_bench`` on CUDA (L2 flushed between calls); elsewhere a
+    wall-clock median of ~rep_ms worth of calls (one call if it alone takes rep_ms)."""
     if uses_cuda(device):
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, return_mode="median"))
-    return _wall_clock_median_ms(fn, timing)
-
-
-def _wall_clock_median_ms(fn: Callable[[], Any], timing: TimingSettings) -> float:
-    """Median of ~rep_ms worth of calls; a call slower than rep_ms is timed once."""
     start = time.perf_counter()
     fn()
     first_ms = (time.perf_counter() - start) * 1e3
@@ -108,35 +89,15 @@ def _wall_clock_median_ms(fn: Callable[[], Any], timing: TimingSettings) -> floa
 
 
 def median_ms_fixed(fn: Callable[[], Any], device: torch.device | str, reps: int) -> float:
-    """Median of exactly ``reps`` timed calls of ``fn`` in milliseconds, for slow functions.
-
-    ``do_bench`` runs a function at least eight times (one call, five for its estimate, then
-    warm-up and repetitions): too many for calls of seconds. Here each call is timed on its
-    own, between CUDA events with the device synchronized before it (wall clock without
-    CUDA); no L2 flush, which a call of ≥ 100 ms does not notice. The caller warms up.
-    """
+    """Median ms of exactly ``reps`` calls, each timed by :func:`timed`, for calls of seconds
+    (``do_bench`` makes at least eight; no L2 flush). The caller warms up."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    samples = []
-    for _ in range(reps):
-        if uses_cuda(device):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            samples.append(float(start.elapsed_time(end)))
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(timed(fn, torch.device(device))[0] for _ in range(reps))
 
 
 def call_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
-    """Wall time of one synchronized call of ``fn`` in ms (its result is dropped)."""
+    """Wall-clock ms of one synchronized call of ``fn``."""
     synchronize(device)
     begin = time.perf_counter()
     output = fn()
@@ -169,10 +130,8 @@ def synchronize(device: torch.device | str) -> None:
 def capture_graph(warm_up: Callable[[], Any], captured: Callable[[], Any],
                   device: torch.device, calls: int,
                   before_capture: Callable[[], None] | None = None) -> tuple[Any, Any]:
-    """``captured`` recorded once in a ``torch.cuda.CUDAGraph`` after ``calls`` calls of
-    ``warm_up`` on a side stream (as capture asks: compilation, autotuning and the first
-    allocations happen outside it); returns the graph and what ``captured`` returned (the
-    graph's static outputs)."""
+    """(graph, static outputs): ``captured`` recorded in a CUDA graph after ``calls`` calls of
+    ``warm_up`` on a side stream (compilation, autotuning, first allocations outside it)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -188,7 +147,6 @@ def capture_graph(warm_up: Callable[[], Any], captured: Callable[[], Any],
 
 
 def release_memory(device: torch.device | str) -> None:
-    """Drop garbage and cached blocks so the next measurement starts clean."""
     gc.collect()
     if uses_cuda(device):
         torch.cuda.synchronize(device)
@@ -198,13 +156,9 @@ def release_memory(device: torch.device | str) -> None:
 def peak_extra_mib(
     fn: Callable[[], Any], device: torch.device | str, accounted_bytes: int = 0
 ) -> float | None:
-    """Peak device memory of one ``fn()`` call above what was allocated before it, in MiB.
-
-    ``(max_memory_allocated during the call − memory_allocated just before it −
-    accounted_bytes) / 2^20``, where ``accounted_bytes`` is memory the caller counts as
-    output (e.g. the gradient buffers a training step must hold anyway). Everything
-    ``fn`` returns is kept alive until the peak is read. ``None`` without CUDA.
-    """
+    """MiB of ``max_memory_allocated`` during one ``fn()`` above ``memory_allocated`` before
+    it, less ``accounted_bytes`` (output the caller counts, e.g. gradient buffers); what
+    ``fn`` returns stays alive until the peak is read. ``None`` without CUDA."""
     if not uses_cuda(device):
         return None
     release_memory(device)
@@ -218,44 +172,24 @@ def peak_extra_mib(
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return True
-    return "out of memory" in str(error).lower()
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def matmul_tflops(
-    device: torch.device | str, size: int, timing: TimingSettings, dtype: torch.dtype
-) -> dict[str, Any]:
-    """Measured matmul rate: ``size``³ random ``dtype`` product, median time → TFLOP/s."""
+def probe_matmul(device: torch.device | str, size: int | None, quick: bool,
+                 timing: TimingSettings, dtype: torch.dtype,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The matmul rate R every cost floor divides by: median ms of a ``size``³ random product
+    (``--matmul-size``, else the default) → TFLOP/s, logged."""
+    size = size or (QUICK_MATMUL_SIZE if quick else MATMUL_SIZE)
     generator = torch.Generator(device=device)
     generator.manual_seed(1234)
     a = torch.randn(size, size, generator=generator, device=device).to(dtype)
     b = torch.randn(size, size, generator=generator, device=device).to(dtype)
     ms = median_ms(lambda: torch.mm(a, b), device, timing)
-    return {
-        "size": size,
-        "dtype": dtype_name(dtype),
-        "ms": ms,
-        "tflops": 2.0 * size**3 / (ms * 1e-3) / 1e12,
-    }
-
-
-def probe_matmul(
-    device: torch.device | str,
-    size: int | None,
-    quick: bool,
-    timing: TimingSettings,
-    dtype: torch.dtype,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """:func:`matmul_tflops` at ``--matmul-size`` (or its default), logged: the rate R that
-    every cost floor divides by."""
-    size = size or (QUICK_MATMUL_SIZE if quick else MATMUL_SIZE)
-    matmul = matmul_tflops(device, size, timing, dtype)
-    log(
-        f"matmul {matmul['dtype']} {size}³: {matmul['ms']:.3f} ms → "
-        f"{format_tflops(matmul['tflops'])} TFLOP/s"
-    )
+    matmul = {"size": size, "dtype": dtype_name(dtype), "ms": ms,
+              "tflops": 2.0 * size**3 / (ms * 1e-3) / 1e12}
+    log(f"matmul {matmul['dtype']} {size}³: {ms:.3f} ms → "
+        f"{format_tflops(matmul['tflops'])} TFLOP/s")
     return matmul
 
 
@@ -264,8 +198,7 @@ def probe_matmul(
 
 @dataclass
 class ProviderResultBase:
-    """What every suite records of one provider on one case. A suite's ``ProviderResult``
-    adds its own figures; they follow these fields in the JSON, in declaration order."""
+    """One provider on one case; a suite's ``ProviderResult`` adds its figures (JSON order)."""
 
     provider: str  # command-line key
     label: str  # column title (with version for peers)
@@ -280,7 +213,7 @@ class ProviderResultBase:
 
 
 class Figures(Protocol):
-    """What the shared helpers below read of a suite's ``ProviderResult``."""
+    """What the helpers below read of a suite's ``ProviderResult``."""
 
     label: str
     status: str
@@ -295,13 +228,6 @@ class Figures(Protocol):
     def measured(self) -> bool: ...
 
 
-class CaseFigures(Protocol):
-    """What the shared helpers below read of a suite's ``CaseResult``."""
-
-    @property
-    def results(self) -> Mapping[str, Figures]: ...
-
-
 def describe_error(error: BaseException) -> str:
     """The exception's type and first line, short enough for a table cell."""
     first_line = (str(error).strip().splitlines() or [""])[0]
@@ -310,8 +236,8 @@ def describe_error(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def failures_recorded(result: Figures, device: torch.device | str) -> Iterator[None]:
-    """Turns an exception inside the block into ``result``'s status and note, and releases
-    device memory afterwards either way: one provider's failure must not end the run."""
+    """An exception in the block becomes ``result``'s status and note (the run goes on);
+    device memory is released either way."""
     try:
         yield
     except Exception as error:  # report and go on with the next provider
@@ -322,8 +248,8 @@ def failures_recorded(result: Figures, device: torch.device | str) -> Iterator[N
 
 
 def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, list[str]]:
-    """``|loss − reference|``, and the problem if it exceeds ``tolerance · max(1, |reference|)``
-    (as a NaN loss does)."""
+    """``|loss − reference|``, and a problem if above ``tolerance · max(1, |reference|)``
+    (or NaN)."""
     error = abs(loss - reference)
     if error <= tolerance * max(1.0, abs(reference)):
         return error, []
@@ -331,15 +257,13 @@ def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, 
 
 
 def mark_wrong(result: Figures, problems: Sequence[str]) -> None:
-    """A result with problems stays measured (and timed) but is marked wrong."""
     if problems:
         result.status = WRONG
         result.note = "; ".join(problems)
 
 
 def progress_line(result: Figures, figures_text: Callable[[Figures], str]) -> str:
-    """A provider's line in the progress log: ``figures_text(result)``, flagged when wrong,
-    for a measured result; its status and note otherwise."""
+    """A provider's progress-log line: its figures (flagged when wrong), else its status."""
     if not result.measured:
         return f"{result.status}: {result.note}"
     text = figures_text(result)
@@ -349,7 +273,7 @@ def progress_line(result: Figures, figures_text: Callable[[Figures], str]) -> st
 
 
 def note_problem(notes: list[str], case_key: str, result: Figures) -> None:
-    """Adds a note, once, for a provider that was skipped, failed or got a wrong result."""
+    """Notes, once, a provider that was skipped, failed or wrong."""
     if result.measured and result.status != WRONG:
         return
     note = f"{case_key}: {result.label} {result.status}: {result.note}"
@@ -363,19 +287,15 @@ def note_problem(notes: list[str], case_key: str, result: Figures) -> None:
 
 
 def relative_l2_error(actual: Tensor, reference: Tensor, rows_per_chunk: int = 0) -> float:
-    """``‖actual − reference‖₂ / ‖reference‖₂`` in float64, a block of rows at a time.
-
-    Chunking keeps the float64 temporaries small (a 256000×2304 gradient would need
-    4.7 GB per full-size float64 copy).
-    """
+    """``‖actual − reference‖₂ / ‖reference‖₂`` in float64, a block of rows at a time (a
+    full float64 copy of a 256000×2304 gradient would take 4.7 GB)."""
     if actual.shape != reference.shape:
         raise ValueError(f"shape mismatch: {tuple(actual.shape)} vs {tuple(reference.shape)}")
     actual2d = actual.reshape(actual.shape[0], -1) if actual.dim() else actual.reshape(1, 1)
     reference2d = reference.reshape(actual2d.shape)
     if rows_per_chunk <= 0:
         rows_per_chunk = max(1, (32 << 20) // max(1, actual2d.shape[1]))
-    diff_sq = 0.0
-    ref_sq = 0.0
+    diff_sq = ref_sq = 0.0
     for start in range(0, actual2d.shape[0], rows_per_chunk):
         a = actual2d[start : start + rows_per_chunk].to(torch.float64)
         r = reference2d[start : start + rows_per_chunk].to(torch.float64)
@@ -415,26 +335,19 @@ def package_version(distribution: str) -> str | None:
         return None
 
 
-def _git(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["git", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-    )
-
-
 def git_revision() -> str | None:
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10, check=False)
+
     try:
-        out = _git("rev-parse", "--short", "HEAD")
+        out = git("rev-parse", "--short", "HEAD")
     except (OSError, subprocess.SubprocessError):
         return None
     revision = out.stdout.strip()
     if out.returncode != 0 or not revision:
         return None
-    dirty = _git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     return revision + ("+dirty" if dirty else "")
 
 
@@ -481,9 +394,7 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
 
 
 def fusedloss_environment() -> dict[str, str]:
-    """The library's tuning fields the run changed from their defaults
-    (``fusedloss.core.config.Tuning``: TMA, tiles, ...; set through ``FUSEDLOSS_*``
-    variables): they change what the kernels do, so a result records them."""
+    """The ``fusedloss.core.config.Tuning`` fields (``FUSEDLOSS_*``) changed from defaults."""
     from fusedloss.core import config
 
     tuning, default = config.tuning(), config.Tuning()
@@ -515,9 +426,7 @@ def format_mib(mib: float | None) -> str:
 
 
 def format_error(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value:.1e}"
+    return "—" if value is None else f"{value:.1e}"
 
 
 def format_tflops(tflops: float) -> str:
@@ -525,13 +434,10 @@ def format_tflops(tflops: float) -> str:
 
 
 def format_ratio(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
-        return "—"
-    return f"{value:.2f}"
-
-
-def gib_text(value: float | None) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+gib_text = format_ratio
 
 
 def count_text(value: float | None) -> str:
@@ -543,7 +449,6 @@ def count_text(value: float | None) -> str:
 
 def loss_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.4f}"
-
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -586,7 +491,6 @@ def table(columns: Sequence[tuple[str, Callable[[Any], Any]]], items: Iterable[A
 
 def section(title: str, intro: str, columns: Sequence[tuple[str, Callable[[Any], Any]]],
             items: Iterable[Any]) -> list[str]:
-    """A report section: ``## title``, the intro paragraph (if any), the table."""
     return [f"## {title}", "", *([intro, ""] if intro else []), table(columns, items), ""]
 
 
@@ -603,14 +507,12 @@ def _looks_numeric(text: str) -> bool:
 # ----------------------------------------------------------------------------- report pieces
 
 WALL_CLOCK_TIMING = "wall-clock median (no CUDA: not comparable with GPU figures)"
-# Next to summary_cells, which fills these columns, so that the two stay in step.
 SUMMARY_HEADERS = ["case", "provider", "ms", "MB", "× floor"]
 
 
 @dataclass(kw_only=True)
 class RunInfoBase:
-    """Everything about a run that is not a per-case figure; a suite's ``RunInfo`` adds its
-    own settings."""
+    """A run's settings (not per-case figures); a suite's ``RunInfo`` adds its own."""
 
     environment: dict[str, Any]
     matmul: dict[str, Any]
@@ -641,16 +543,11 @@ def environment_rows(
         for name, version in peer_versions.items()
     )
     return [
-        (
-            "GPU / device",
-            env["device_name"] + (f" (compute capability {capability})" if capability else ""),
-        ),
+        ("GPU / device",
+         env["device_name"] + (f" (compute capability {capability})" if capability else "")),
         ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
-        (
-            "fusedloss version (git revision)",
-            f"{env.get('fusedloss_version') or 'unknown'} "
-            f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}",
-        ),
+        ("fusedloss version (git revision)", f"{env.get('fusedloss_version') or 'unknown'} "
+         f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}"),
         ("peers", peers),
         *([("fusedloss tuning", ", ".join(f"{k}={v}" for k, v in settings.items()))]
           if (settings := env.get("fusedloss_environment")) else []),
@@ -659,14 +556,11 @@ def environment_rows(
 
 
 def matmul_row(matmul: Mapping[str, Any]) -> tuple[str, str]:
-    return (
-        "matmul rate R",
-        f"{matmul['dtype']} {matmul['size']}³ random: "
-        f"{matmul['ms']:.3f} ms median → {format_tflops(matmul['tflops'])} TFLOP/s",
-    )
+    return ("matmul rate R", f"{matmul['dtype']} {matmul['size']}³ random: "
+            f"{matmul['ms']:.3f} ms median → {format_tflops(matmul['tflops'])} TFLOP/s")
 
 
-def provider_columns(case_results: Iterable[CaseFigures]) -> list[tuple[str, str]]:
+def provider_columns(case_results: Iterable[Any]) -> list[tuple[str, str]]:
     """(key, label) of every provider that ran on some case, in order of first appearance."""
     columns: dict[str, str] = {}
     for case_result in case_results:
@@ -676,8 +570,7 @@ def provider_columns(case_results: Iterable[CaseFigures]) -> list[tuple[str, str
 
 
 def time_and_memory_cell(result: Figures | None, missing: str) -> str:
-    """``ms / MB`` of a measured result, its status otherwise, ``missing`` where it did not
-    run at all."""
+    """``ms / MB`` if measured, else its status; ``missing`` if it did not run."""
     if result is None:
         return missing
     if result.measured:
@@ -695,21 +588,13 @@ def fastest_cell(results: Iterable[Figures]) -> str:
 
 def loss_cells(result: Figures) -> list[str]:
     """The "loss" and "|loss − ref|" cells of a result's row in "All figures"."""
-    return [
-        "—" if result.loss is None else f"{result.loss:.5f}",
-        "—" if result.loss_error is None else f"{result.loss_error:.1e}",
-    ]
+    return ["—" if result.loss is None else f"{result.loss:.5f}", format_error(result.loss_error)]
 
 
 def summary_cells(case_key: str, result: Figures) -> list[str]:
-    """The cells under :data:`SUMMARY_HEADERS` of one provider's line of the summary."""
-    return [
-        case_key,
-        result.label,
-        format_ms(result.ms) if result.measured else result.status,
-        format_mib(result.peak_extra_mib),
-        format_ratio(result.times_floor),
-    ]
+    """One provider's summary line, under :data:`SUMMARY_HEADERS`."""
+    return [case_key, result.label, format_ms(result.ms) if result.measured else result.status,
+            format_mib(result.peak_extra_mib), format_ratio(result.times_floor)]
 
 
 def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:
@@ -755,7 +640,7 @@ def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list]], columns:
 
 
 def json_safe(value: Any) -> Any:
-    """Recursively replace non-finite floats (not valid JSON) with strings."""
+    """Non-finite floats (not valid JSON) replaced by strings, recursively."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
@@ -774,7 +659,6 @@ def results_stem(suite_slug: str, date: str, device_slug: str, tag: str | None =
 def write_results(
     out_dir: Path | str, stem: str, markdown: str, data: dict[str, Any]
 ) -> tuple[Path, Path]:
-    """Write ``<stem>.md`` and ``<stem>.json`` under ``out_dir``; returns both paths."""
     md_path = Path(out_dir) / f"{stem}.md"
     json_path = write_json(out_dir, stem, data)
     md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
@@ -782,44 +666,27 @@ def write_results(
 
 
 def write_json(out_dir: Path | str, stem: str, data: dict[str, Any]) -> Path:
-    """Write ``<stem>.json`` under ``out_dir`` (created if missing); returns its path."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{stem}.json"
-    json_path.write_text(
-        json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    json_path = Path(out_dir) / f"{stem}.json"
+    json_path.write_text(json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n",
+                         encoding="utf-8")
     return json_path
 
 
-def report_results(
-    out_dir: Path | str,
-    suite_slug: str,
-    tag: str | None,
-    environment: Mapping[str, Any],
-    notes: Sequence[str],
-    *,
-    markdown: str,
-    payload: dict[str, Any],
-    tables: str,
-    world: int | None = None,
-    log: Callable[[str], None] = print,
-) -> None:
-    """Writes a suite's results files (named by :func:`results_stem`; a run over ``world``
-    ranks adds ``_<K>gpu``, or ``_<K>proc`` off CUDA, to the device), then logs the run's
-    notes, the files' paths and the short tables (last, so that they end the output)."""
+def report_results(out_dir: Path | str, suite_slug: str, tag: str | None,
+                   environment: Mapping[str, Any], notes: Sequence[str], *, markdown: str,
+                   payload: dict[str, Any], tables: str, world: int | None = None,
+                   log: Callable[[str], None] = print) -> None:
+    """Writes the results files (a ``world``-rank run adds ``_<K>gpu`` / ``_<K>proc`` to the
+    device in the name), then logs the notes, the paths and the tables (last)."""
     device = environment["device_slug"]
     if world is not None:
         device += f"_{world}{'gpu' if uses_cuda(environment['device']) else 'proc'}"
     stem = results_stem(suite_slug, environment["date"], device, tag)
     md_path, json_path = write_results(out_dir, stem, markdown, payload)
-    log("")
-    for note in notes:
-        log(f"note: {note}")
-    log(f"results: {md_path}")
-    log(f"         {json_path}")
-    log("")
-    log(tables)
+    for line in ["", *(f"note: {note}" for note in notes), f"results: {md_path}",
+                 f"         {json_path}", "", tables]:
+        log(line)
     sys.stdout.flush()
 
 
@@ -834,15 +701,13 @@ def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
         unknown = [v for v in values if v not in choices]
         if unknown or not values:
             raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}"
-            )
+                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}")
         return values
 
     return parse
 
 
-# The options every suite takes come in three groups, so that each suite can put its own
-# options between them where they belong in --help.
+# The options every suite takes, in three groups a suite puts its own options between.
 
 
 def add_dtype_seed_arguments(parser: argparse.ArgumentParser) -> None:
@@ -853,42 +718,24 @@ def add_dtype_seed_arguments(parser: argparse.ArgumentParser) -> None:
 def add_quick_device_timing_arguments(parser: argparse.ArgumentParser, quick_help: str) -> None:
     default = TimingSettings()
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument(
-        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
-    )
-    parser.add_argument(
-        "--warmup-ms",
-        type=float,
-        default=None,
-        help=f"do_bench warmup in ms (default {default.warmup_ms:g}; "
-        f"{QUICK_TIMING.warmup_ms:g} with --quick)",
-    )
-    parser.add_argument(
-        "--rep-ms",
-        type=float,
-        default=None,
-        help=f"do_bench rep in ms (default {default.rep_ms:g}; "
-        f"{QUICK_TIMING.rep_ms:g} with --quick)",
-    )
+    parser.add_argument("--device", default=None,
+                        help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--warmup-ms", type=float, default=None,
+                        help=f"do_bench warmup in ms (default {default.warmup_ms:g}; "
+                        f"{QUICK_TIMING.warmup_ms:g} with --quick)")
+    parser.add_argument("--rep-ms", type=float, default=None,
+                        help=f"do_bench rep in ms (default {default.rep_ms:g}; "
+                        f"{QUICK_TIMING.rep_ms:g} with --quick)")
 
 
 def add_matmul_output_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--matmul-size",
-        type=int,
-        default=None,
-        help=f"size of the matmul-rate probe (default {MATMUL_SIZE}; "
-        f"{QUICK_MATMUL_SIZE} with --quick)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=RESULTS_DIR,
-        help="directory for the .md and .json results (default benchmarks/results)",
-    )
-    parser.add_argument(
-        "--tag", default=None, help="suffix for the results file names (e.g. a subset's name)"
-    )
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help=f"size of the matmul-rate probe (default {MATMUL_SIZE}; "
+                        f"{QUICK_MATMUL_SIZE} with --quick)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help="directory for the .md and .json results (default benchmarks/results)")
+    parser.add_argument("--tag", default=None,
+                        help="suffix for the results file names (e.g. a subset's name)")
 
 
 QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"
@@ -900,12 +747,8 @@ def pick_device(name: str | None) -> torch.device:
 
 
 def use_triton_interpreter() -> str:
-    """Without CUDA, Triton kernels run only on Triton's CPU interpreter: turns it on unless
-    the caller already chose, and returns the note that says so."""
-    if "TRITON_INTERPRET" not in os.environ:
-        # Triton reads this when a kernel is decorated, i.e. when fusedloss is imported.
-        os.environ["TRITON_INTERPRET"] = "1"
-    return (
-        f"no CUDA: Triton kernels ran on the CPU interpreter "
-        f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
-    )
+    """Without CUDA: turns Triton's CPU interpreter on (read when fusedloss is imported)
+    unless already chosen; returns the note that says so."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return ("no CUDA: Triton kernels ran on the CPU interpreter "
+            f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})")

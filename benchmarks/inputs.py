@@ -1,21 +1,6 @@
-"""Benchmark inputs: LM-head shapes and logit regimes, and contrastive feature pairs.
-
-LM head (V×D classifier C, N×D hidden states E, labels y), the peers' published protocol::
-
-    C = randn(V, D) / sqrt(D);  y = randint(0, V, (N,))
-    flat:   E = randn(N, D)                                   (random init: p ≈ 1/V)
-    peaked: E = 13·C[y] + 2·randn(N, D); then a Zipf frequency prior in feature 0:
-            C[:, 0] = −log(rank) / 4 with rank a random permutation of 1..V;  E[:, 0] = 4
-    both cast to the benchmark dtype afterwards
-
-"peaked" looks like a trained model; "flat" is the worst case for gradient filtering. The
-"trained" regime is the final normed hidden states, head and next-token targets of a small GPT
-trained on Python sources (held-out text), made once by ``python -m benchmarks.trained_lm
---out DIR`` and read by :func:`load_trained_regime`.
-
-Contrastive pairs (b × c L2-normalized image and text features, or two views):
-:func:`make_pair_features`, regimes "random" and "trained".
-"""
+"""Benchmark inputs (benchmarks/README.md gives the formulas): LM-head (E, C, y) in the "peaked"
+and "flat" regimes, the "trained" regime's file (``python -m benchmarks.trained_lm``), and
+contrastive feature pairs. Keep the order of the random draws: results depend on it."""
 
 from __future__ import annotations
 
@@ -39,52 +24,41 @@ def _check_regime(regime: str, regimes: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class LMHeadShape:
-    """A language-model head: vocabulary size V, hidden size D, and the logit soft-cap s of
-    its model (``s·tanh(z/s)`` before the softmax, Gemma 2's ``final_logit_softcapping``)."""
+    """V, D and the model's logit soft-cap s (``s·tanh(z/s)``, Gemma 2)."""
 
     name: str
-    vocab_size: int  # V
-    hidden_size: int  # D
+    vocab_size: int
+    hidden_size: int
     softcap: float | None = None
 
     @property
     def label(self) -> str:
-        """``gemma2-2b (256000, 2304, softcap 30)``: the name, (V, D) and the soft-cap."""
         softcap = f", softcap {self.softcap:g}" if self.softcap else ""
         return f"{self.name} ({self.vocab_size}, {self.hidden_size}{softcap})"
 
 
-LM_HEAD_SHAPES: dict[str, LMHeadShape] = {
-    shape.name: shape
-    for shape in (
-        LMHeadShape("llama3-1b", 128_256, 2048),  # Llama 3.2 1B
-        LMHeadShape("llama3-8b", 128_256, 4096),
-        LMHeadShape("qwen2.5-1.5b", 151_936, 1536),
-        LMHeadShape("qwen2.5-7b", 151_936, 3584),
-        LMHeadShape("gemma2-2b", 256_000, 2304, softcap=30.0),
-        LMHeadShape("phi3.5", 32_064, 3072),
-    )
-}
-
-# --quick shrinks every shape by these factors (V/128, D/32: odd sizes such as 2000×72
-# and 250×96 on purpose) so that a suite runs on a CPU, Triton's interpreter included.
-QUICK_VOCAB_DIVISOR = 128
-QUICK_HIDDEN_DIVISOR = 32
+LM_HEAD_SHAPES: dict[str, LMHeadShape] = {s.name: s for s in (
+    LMHeadShape("llama3-1b", 128_256, 2048),  # Llama 3.2 1B
+    LMHeadShape("llama3-8b", 128_256, 4096),
+    LMHeadShape("qwen2.5-1.5b", 151_936, 1536),
+    LMHeadShape("qwen2.5-7b", 151_936, 3584),
+    LMHeadShape("gemma2-2b", 256_000, 2304, softcap=30.0),
+    LMHeadShape("phi3.5", 32_064, 3072),
+)}
 QUICK_N = 128
 
 
 def quick_shape(shape: LMHeadShape) -> LMHeadShape:
-    """``shape`` for ``--quick``: same name and soft-cap, smaller V and D."""
-    return dataclasses.replace(shape, vocab_size=max(2, shape.vocab_size // QUICK_VOCAB_DIVISOR),
-                               hidden_size=max(2, shape.hidden_size // QUICK_HIDDEN_DIVISOR))
+    """``--quick``: V/128, D/32 (odd sizes such as 2000×72 on purpose), CPU-sized."""
+    return dataclasses.replace(shape, vocab_size=max(2, shape.vocab_size // 128),
+                               hidden_size=max(2, shape.hidden_size // 32))
 
 
 def make_lm_head_inputs(n: int, vocab_size: int, hidden_size: int, regime: str, *,
                         dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                         seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """``(E, C, y)``: E (n, D) and C (V, D) in ``dtype``, y (n,) int64 in [0, V). Drawn in
-    float32 on ``device`` from one generator seeded with ``seed``, in the order C, y, E's
-    noise, the rank permutation (keep this order: results depend on it)."""
+    """``(E, C, y)``: float32 draws from one generator in the order C, y, E's noise, the rank
+    permutation; E and C then cast to ``dtype``."""
     _check_regime(regime, REGIMES)
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -104,46 +78,36 @@ def make_lm_head_inputs(n: int, vocab_size: int, hidden_size: int, regime: str, 
     return hidden.to(dtype), classifier.to(dtype), labels
 
 
-# ----------------------------------------------------------------------------- trained
-
 TRAINED_REGIME = "trained"
 TRAINED_LM_ENV = "FUSEDLOSS_TRAINED_LM"  # a directory holding TRAINED_LM_FILE, or the file
 TRAINED_LM_FILE = "trained_lm.pt"
-_MAKE_TRAINED_LM = (
-    "create it on a CUDA machine with `python -m benchmarks.trained_lm --out DIR` (from the "
-    "repository root, a few minutes; `--quick` makes a tiny CPU one for tests), then pass "
-    f"DIR or set {TRAINED_LM_ENV}=DIR"
-)
 
 
-def trained_lm_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """The file of the "trained" regime: ``path`` (a directory or the file), else the
-    environment variable ``FUSEDLOSS_TRAINED_LM``. Raises ``FileNotFoundError`` saying how
-    to create it when there is none."""
+def _load_trained(path: str | os.PathLike[str] | None) -> tuple[Path, dict[str, Any]]:
+    """(file, payload) of ``path`` (a directory or the file), else ``$FUSEDLOSS_TRAINED_LM``."""
+    how = ("create it on a CUDA machine with `python -m benchmarks.trained_lm --out DIR` (from "
+           "the repository root, a few minutes; `--quick` makes a tiny CPU one for tests), then "
+           f"pass DIR or set {TRAINED_LM_ENV}=DIR")
     if path is None:
         path = os.environ.get(TRAINED_LM_ENV) or None
     if path is None:
         raise FileNotFoundError(f'the "{TRAINED_REGIME}" regime needs the hidden states of a '
                                 f"trained model: {TRAINED_LM_ENV} is not set and no path was "
-                                f"given; {_MAKE_TRAINED_LM}")
+                                f"given; {how}")
     file = Path(path)
     if file.is_dir():
         file = file / TRAINED_LM_FILE
     if not file.is_file():
         raise FileNotFoundError(f'the "{TRAINED_REGIME}" regime\'s file {file} does not exist; '
-                                f"{_MAKE_TRAINED_LM}")
-    return file
+                                f"{how}")
+    return file, torch.load(file, map_location="cpu", weights_only=True)
 
 
 def load_trained_regime(path: str | os.PathLike[str] | None = None,
                         device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                         *, n: int | None = None) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
-    """``(E, C, y, metadata)`` of the "trained" regime: E (N, D) and C (V, D) in ``dtype`` on
-    ``device``, y (N,) int64, and the dict ``benchmarks.trained_lm`` wrote. ``n`` keeps the
-    first ``n`` rows; ``path`` is a directory holding ``trained_lm.pt`` or the file (None:
-    ``$FUSEDLOSS_TRAINED_LM``)."""
-    file = trained_lm_path(path)
-    payload = torch.load(file, map_location="cpu", weights_only=True)
+    """``(E, C, y, metadata)`` of the "trained" regime's file, its first ``n`` rows."""
+    file, payload = _load_trained(path)
     hidden, classifier, labels = payload["E"], payload["C"], payload["y"]
     if n is not None:
         if not 0 < n <= hidden.shape[0]:
@@ -155,37 +119,27 @@ def load_trained_regime(path: str | os.PathLike[str] | None = None,
 
 
 def trained_shape(path: str | os.PathLike[str] | None = None) -> LMHeadShape:
-    """The LM head of the "trained" regime's file: ``LMHeadShape("trained", V, D)``."""
-    payload = torch.load(trained_lm_path(path), map_location="cpu", weights_only=True)
-    vocab_size, hidden_size = payload["C"].shape
+    vocab_size, hidden_size = _load_trained(path)[1]["C"].shape
     return LMHeadShape(TRAINED_REGIME, int(vocab_size), int(hidden_size))
 
 
 def trained_rows(path: str | os.PathLike[str] | None = None) -> int:
-    """N, the rows the "trained" regime's file holds."""
-    payload = torch.load(trained_lm_path(path), map_location="cpu", weights_only=True)
-    return int(payload["E"].shape[0])
+    return int(_load_trained(path)[1]["E"].shape[0])
 
-
-# ----------------------------------------------------------------------------- contrastive
 
 PAIR_REGIMES = ("random", "trained")
-
-# logit_scale (already exp()-ed, open_clip's convention) that goes with each regime:
-# 1/0.07 is CLIP's initial temperature, 100 the value trained CLIP models reach (open_clip
-# clamps logit_scale there).
+# logit_scale (exp()-ed, open_clip's convention): CLIP's initial 1/0.07, and 100, where
+# trained CLIP models end (open_clip clamps there)
 RANDOM_LOGIT_SCALE = 1.0 / 0.07
 TRAINED_LOGIT_SCALE = 100.0
-
-# The "trained" generator's parameters (see make_pair_features): a mean CLIP loss of a few
-# nats at logit_scale 100 (calibration: docs; every run reports its own loss).
-TRAINED_CLUSTER_SIZE = 8  # C = b // 8 clusters: ≈ 8 pairs share a cluster (Poisson sizes)
-TRAINED_LATENT = 0.45  # a: weight of the pair's shared instance latent
-TRAINED_NOISE = 1.5  # s: weight of each side's own noise
+# the "trained" pairs: ≈ 8 pairs a cluster, shared-latent and noise weights (calibration:
+# benchmarks/README.md)
+TRAINED_CLUSTER_SIZE = 8
+TRAINED_LATENT = 0.45
+TRAINED_NOISE = 1.5
 
 
 def pair_logit_scale(regime: str) -> float:
-    """The CLIP ``logit_scale`` of a regime: 1/0.07 (random) or 100 (trained)."""
     _check_regime(regime, PAIR_REGIMES)
     return RANDOM_LOGIT_SCALE if regime == "random" else TRAINED_LOGIT_SCALE
 
@@ -194,20 +148,11 @@ def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torc
                        device: str | torch.device = "cpu", seed: int = 0,
                        cluster_size: int = TRAINED_CLUSTER_SIZE, latent: float = TRAINED_LATENT,
                        noise: float = TRAINED_NOISE) -> tuple[Tensor, Tensor]:
-    """Paired, L2-normalized features ``(image, text)``, each (b, c) in ``dtype``: row i of
-    each forms pair i (SimCLR: the two views of sample i). Drawn in float32 on ``device`` from
-    a generator seeded with ``seed``, normalized in float32, then cast.
+    """``(image, text)``, each (b, c) L2-normalized in float32, then cast; row i of each is
+    pair i. "random": independent unit vectors. "trained"::
 
-    ``"random"``, an untrained model: independent random unit vectors (with CLIP's initial
-    logit_scale 1/0.07 every softmax is almost flat: the worst case for gradient filtering).
-
-    ``"trained"``, a model that has learnt something: pairs share a latent, and the batch has
-    cluster structure (near-duplicate captions, several photos of one kind of thing)::
-
-        C = max(1, b // cluster_size) clusters with random unit centres c_k
-        k_i = randint(C) for every pair i      (clusters in random order, as in real batches)
-        w_i, n_i, n'_i random unit vectors     (pair latent, image noise, text noise)
-        image_i = normalize(c_k + latent·w_i + noise·n_i)
+        k_i = randint(max(1, b // cluster_size)) with random unit centres c_k
+        image_i = normalize(c_k + latent·w_i + noise·n_i)   (w, n, n' random unit vectors)
         text_i  = normalize(c_k + latent·w_i + noise·n'_i)
     """
     _check_regime(regime, PAIR_REGIMES)
@@ -223,9 +168,8 @@ def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torc
         return image, unit(b).to(dtype)
     clusters = max(1, b // max(1, cluster_size))
     centres = unit(clusters)
-    assignment = torch.randint(0, clusters, (b,), generator=generator, device=device)
-    base = centres[assignment]
-    del centres, assignment
+    base = centres[torch.randint(0, clusters, (b,), generator=generator, device=device)]
+    del centres
     base.add_(unit(b), alpha=latent)
     image = torch.nn.functional.normalize(base + noise * unit(b), dim=1).to(dtype)
     text = torch.nn.functional.normalize(base.add_(unit(b), alpha=noise), dim=1).to(dtype)

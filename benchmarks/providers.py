@@ -15,6 +15,7 @@ import importlib
 import inspect
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,48 +25,78 @@ from torch import Tensor
 from benchmarks.common import package_version
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (E (N, D), C (V, D), y (N,)) -> loss
+ContrastiveFn = Callable[..., Tensor]
+
+CLIP, NT_XENT, SIGLIP = "clip", "nt-xent", "siglip"
+CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP)
+# What a contrastive provider's loss function takes (all features (rows, c), same dtype):
+CONTRASTIVE_SIGNATURES = {
+    CLIP: "loss(image, text, logit_scale)",  # logit_scale: 0-dim fp32 tensor (gets a gradient)
+    NT_XENT: "loss(features, temperature)",  # features (2B, c): two views stacked; τ a float
+    SIGLIP: "loss(image, text, logit_scale, logit_bias)",  # both 0-dim fp32 tensors
+}
 
 
 class Unavailable(Exception):
     """The provider cannot run here (package or API missing); the message says why."""
 
 
+@dataclass(eq=False)
 class Provider:
-    """``key``: command-line name; ``label``: column title; ``distribution``: the package whose
-    version is reported; ``is_peer``: third-party (its absence is "not installed")."""
+    """``key``: command-line name; ``label``: column title; ``builder(provider, device, arg)``
+    makes the loss function (``arg``: the LM head's soft-cap, or the contrastive loss);
+    ``call``: the exact call measured (``s``: the head's soft-cap), a dict by loss for
+    contrastive providers; ``install_hint`` marks a peer (third party: its absence is "not
+    installed"), whose display name is ``versioned`` with ``{v}`` → " <version>"."""
 
     key: str = ""
     label: str = ""
+    builder: Callable[..., Callable[..., Tensor]] | None = None
+    call: str | dict[str, str] = ""
     distribution: str | None = None
-    is_peer: bool = False
     install_hint: str = ""
+    versioned: str = ""
+    losses: tuple[str, ...] = CONTRASTIVE_LOSSES  # contrastive: the losses it has
+    is_peer: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.is_peer = bool(self.install_hint)
 
     def version(self) -> str | None:
         return package_version(self.distribution) if self.distribution else None
 
     def display_name(self) -> str:
         version = self.version() if self.is_peer else None
+        if self.versioned:
+            return self.versioned.format(v=f" {version}" if version else "")
         return f"{self.label} {version}" if version else self.label
 
+    def build(self, device: torch.device, arg: Any = None) -> Callable[..., Tensor]:
+        """The loss function (raise Unavailable)."""
+        assert self.builder is not None
+        return self.builder(self, device, arg)
 
-class LMHeadProvider(Provider):
-    """One linear-cross-entropy implementation."""
+    def describe(self, loss: str | None = None) -> str:
+        return self.call[loss] if isinstance(self.call, dict) else self.call
 
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        """The loss function for logits soft-capped at ``softcap`` (raise Unavailable)."""
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        """The exact call measured (``s``: the head's soft-cap), for the results file."""
-        return ""
+    def supports(self, loss: str) -> bool:
+        return loss in self.losses
 
 
-def _import(module: str, provider: Provider) -> Any:
+LMHeadProvider = ContrastiveProvider = Provider
+
+
+def _function(provider: Provider, module: str, name: str, missing: str = "") -> Any:
+    """``module.name``, else Unavailable (with the install hint when the import fails)."""
     try:
-        return importlib.import_module(module)
+        found = importlib.import_module(module)
     except ImportError as error:
         hint = f" ({provider.install_hint})" if provider.install_hint else ""
         raise Unavailable(f"{module} not importable: {error}{hint}") from error
+    function = getattr(found, name, None)
+    if function is None:
+        raise Unavailable(missing or f"{module.split('.')[0]} has no {name}")
+    return function
 
 
 def _compiled(function: Callable[..., Tensor], **options: Any) -> Callable[..., Tensor]:
@@ -77,40 +108,7 @@ def _compiled(function: Callable[..., Tensor], **options: Any) -> Callable[..., 
     return torch.compile(function, **options)
 
 
-# ----------------------------------------------------------------------------- ours
-
-
-class FusedLossProvider(LMHeadProvider):
-    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")``, with an explicit
-    ``filter_eps=None`` (``exact``) or inside ``torch.compile(fullgraph=True)`` (``compiled``)."""
-
-    distribution = "fusedloss"
-
-    def __init__(self, exact: bool = False, compiled: bool = False):
-        self.exact, self.compiled = exact, compiled
-        self.key = "fusedloss-exact" if exact else "fusedloss-compile" if compiled else "fusedloss"
-        self.label = ("fusedloss (exact)" if exact else
-                      "fusedloss (compiled)" if compiled else "fusedloss")
-
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        fusedloss = _import("fusedloss", self)
-        linear_cross_entropy = getattr(fusedloss, "linear_cross_entropy", None)
-        if linear_cross_entropy is None:
-            raise Unavailable("fusedloss has no linear_cross_entropy yet")
-        extra: dict[str, Any] = {"filter_eps": None} if self.exact else {}
-
-        def loss(e: Tensor, c: Tensor, y: Tensor) -> Tensor:
-            return linear_cross_entropy(e, c, y, backend="triton", softcap=softcap, **extra)
-
-        return _compiled(loss, fullgraph=True) if self.compiled else loss
-
-    def describe(self) -> str:
-        extra = ", filter_eps=None" if self.exact else ""
-        call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton", softcap=s{extra})'
-        return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
-
-
-# ----------------------------------------------------------------------------- torch
+# ============================================================================= LM head
 
 
 def torch_eager_loss(e: Tensor, c: Tensor, y: Tensor, softcap: float | None = None) -> Tensor:
@@ -125,174 +123,118 @@ def torch_eager_loss(e: Tensor, c: Tensor, y: Tensor, softcap: float | None = No
 TORCH_EAGER_CALL = "F.cross_entropy(cap(F.linear(E, C).float()), y), cap(z) = s·tanh(z/s) or z"
 
 
-class TorchEagerProvider(LMHeadProvider):
-    key = "torch-eager"
-    label = "torch eager"
+def _fusedloss_lce(exact: bool = False, compiled: bool = False) -> Callable[..., LossFn]:
+    """``fusedloss.linear_cross_entropy(E, C, y, backend="triton")``, with an explicit
+    ``filter_eps=None`` (``exact``) or inside ``torch.compile(fullgraph=True)``."""
 
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        return functools.partial(torch_eager_loss, softcap=softcap)
+    def build(p: Provider, device: torch.device, softcap: float | None = None) -> LossFn:
+        function = _function(p, "fusedloss", "linear_cross_entropy",
+                             "fusedloss has no linear_cross_entropy yet")
+        extra: dict[str, Any] = {"filter_eps": None} if exact else {}
 
-    def describe(self) -> str:
-        return TORCH_EAGER_CALL
+        def loss(e: Tensor, c: Tensor, y: Tensor) -> Tensor:
+            return function(e, c, y, backend="triton", softcap=softcap, **extra)
 
+        return _compiled(loss, fullgraph=True) if compiled else loss
 
-class TorchCompileProvider(LMHeadProvider):
-    """The eager function under ``torch.compile`` (static shapes, compiled per case; a compile
-    error surfaces in the untimed first call as the provider's failure)."""
-
-    key = "torch-compile"
-    label = "torch.compile"
-
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        return _compiled(functools.partial(torch_eager_loss, softcap=softcap), dynamic=False)
-
-    def describe(self) -> str:
-        return f"torch.compile({TORCH_EAGER_CALL}, dynamic=False)"
+    return build
 
 
-# ----------------------------------------------------------------------------- peers
+def _fusedloss_lce_call(exact: bool = False, compiled: bool = False) -> str:
+    extra = ", filter_eps=None" if exact else ""
+    call = f'fusedloss.linear_cross_entropy(E, C, y, backend="triton", softcap=s{extra})'
+    return f"torch.compile({call}, fullgraph=True)" if compiled else call
 
 
-class CutCrossEntropyProvider(LMHeadProvider):
-    """apple/ml-cross-entropy: ``linear_cross_entropy(e, c, targets)`` (default filter)."""
+def _cce(no_filter: bool) -> Callable[..., LossFn]:
+    """apple/ml-cross-entropy's ``linear_cross_entropy(e, c, targets)`` (default filter, or
+    ``filter_eps=None``)."""
 
-    distribution = "cut-cross-entropy"
-    is_peer = True
-    install_hint = "pip install cut-cross-entropy==25.1.1 --no-deps"
-
-    def __init__(self, no_filter: bool = False):
-        self.no_filter = no_filter
-        self.key = "cce-nofilter" if no_filter else "cce"
-        self.label = "cut-cross-entropy, no filter" if no_filter else "cut-cross-entropy"
-
-    def display_name(self) -> str:
-        version = self.version()
-        base = f"cut-cross-entropy {version}" if version else "cut-cross-entropy"
-        return f"{base}, no filter" if self.no_filter else base
-
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        module = _import("cut_cross_entropy", self)
-        function = getattr(module, "linear_cross_entropy", None)
-        if function is None:
-            raise Unavailable("cut_cross_entropy has no linear_cross_entropy")
+    def build(p: Provider, device: torch.device, softcap: float | None = None) -> LossFn:
+        function = _function(p, "cut_cross_entropy", "linear_cross_entropy")
         extra: dict[str, Any] = {"softcap": softcap}
-        if self.no_filter:
+        if no_filter:
             if "filter_eps" not in inspect.signature(function).parameters:
                 raise Unavailable("this cut_cross_entropy has no filter_eps argument")
             extra["filter_eps"] = None
         return lambda e, c, y: function(e, c, y, **extra)
 
-    def describe(self) -> str:
-        extra = ", filter_eps=None" if self.no_filter else ""
-        return f"cut_cross_entropy.linear_cross_entropy(E, C, y, softcap=s{extra})"
+    return build
 
 
-class LigerProvider(LMHeadProvider):
+def _liger(p: Provider, device: torch.device, softcap: float | None = None) -> LossFn:
     """liger-kernel's fused linear cross-entropy (gradients computed inside the forward), whose
     ``forward(lin_weight, _input, target)`` (0.8.x) takes the classifier first."""
-
-    key = "liger"
-    label = "liger-kernel FLCE"
-    distribution = "liger-kernel"
-    is_peer = True
-    install_hint = "pip install liger-kernel==0.8.5 --no-deps"
-
-    def display_name(self) -> str:
-        version = self.version()
-        return f"liger-kernel {version} FLCE" if version else self.label
-
-    def build(self, device: torch.device, softcap: float | None = None) -> LossFn:
-        module = _import("liger_kernel.transformers.fused_linear_cross_entropy", self)
-        loss_class = getattr(module, "LigerFusedLinearCrossEntropyLoss", None)
-        if loss_class is None:
-            raise Unavailable("liger_kernel has no LigerFusedLinearCrossEntropyLoss")
-        loss_module = loss_class(reduction="mean", softcap=softcap)
-        return lambda e, c, y: loss_module(c, e, y)  # the loss alone: no return_* flag set
-
-    def describe(self) -> str:
-        return "LigerFusedLinearCrossEntropyLoss(reduction='mean', softcap=s)(C, E, y)"
+    loss_class = _function(p, "liger_kernel.transformers.fused_linear_cross_entropy",
+                           "LigerFusedLinearCrossEntropyLoss")
+    loss_module = loss_class(reduction="mean", softcap=softcap)
+    return lambda e, c, y: loss_module(c, e, y)  # the loss alone: no return_* flag set
 
 
-def lm_head_providers() -> dict[str, LMHeadProvider]:
+CCE_HINT = "pip install cut-cross-entropy==25.1.1 --no-deps"
+CCE_CALL = "cut_cross_entropy.linear_cross_entropy(E, C, y, softcap=s{})"
+
+
+def lm_head_providers() -> dict[str, Provider]:
     """All LM-head providers by command-line key, in table order."""
-    providers: list[LMHeadProvider] = [
-        FusedLossProvider(),
-        FusedLossProvider(exact=True),
-        FusedLossProvider(compiled=True),
-        TorchEagerProvider(),
-        TorchCompileProvider(),
-        CutCrossEntropyProvider(),
-        CutCrossEntropyProvider(no_filter=True),
-        LigerProvider(),
+    fusedloss = (("fusedloss", "fusedloss", False, False),
+                 ("fusedloss-exact", "fusedloss (exact)", True, False),
+                 ("fusedloss-compile", "fusedloss (compiled)", False, True))
+    providers = [
+        *(Provider(key, label, _fusedloss_lce(exact, compiled),
+                   _fusedloss_lce_call(exact, compiled), "fusedloss")
+          for key, label, exact, compiled in fusedloss),
+        Provider("torch-eager", "torch eager",
+                 lambda p, device, softcap=None: functools.partial(torch_eager_loss,
+                                                                   softcap=softcap),
+                 TORCH_EAGER_CALL),
+        # compile errors surface in the untimed first call as the provider's failure
+        Provider("torch-compile", "torch.compile",
+                 lambda p, device, softcap=None: _compiled(
+                     functools.partial(torch_eager_loss, softcap=softcap), dynamic=False),
+                 f"torch.compile({TORCH_EAGER_CALL}, dynamic=False)"),
+        Provider("cce", "cut-cross-entropy", _cce(False), CCE_CALL.format(""),
+                 "cut-cross-entropy", CCE_HINT, "cut-cross-entropy{v}"),
+        Provider("cce-nofilter", "cut-cross-entropy, no filter", _cce(True),
+                 CCE_CALL.format(", filter_eps=None"), "cut-cross-entropy", CCE_HINT,
+                 "cut-cross-entropy{v}, no filter"),
+        Provider("liger", "liger-kernel FLCE", _liger,
+                 "LigerFusedLinearCrossEntropyLoss(reduction='mean', softcap=s)(C, E, y)",
+                 "liger-kernel", "pip install liger-kernel==0.8.5 --no-deps",
+                 "liger-kernel{v} FLCE"),
     ]
     return {provider.key: provider for provider in providers}
 
 
 # ============================================================================= contrastive
 
-CLIP, NT_XENT, SIGLIP = "clip", "nt-xent", "siglip"
-CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP)
-# What a contrastive provider's loss function takes (all features (rows, c), same dtype):
-CONTRASTIVE_SIGNATURES = {
-    CLIP: "loss(image, text, logit_scale)",  # logit_scale: 0-dim fp32 tensor (gets a gradient)
-    NT_XENT: "loss(features, temperature)",  # features (2B, c): two views stacked; τ a float
-    SIGLIP: "loss(image, text, logit_scale, logit_bias)",  # both 0-dim fp32 tensors
-}
-ContrastiveFn = Callable[..., Tensor]
 
-
-class ContrastiveProvider(Provider):
-    """One implementation of some contrastive losses (mean reduction, as the libraries')."""
-
-    losses: tuple[str, ...] = CONTRASTIVE_LOSSES
-
-    def supports(self, loss: str) -> bool:
-        return loss in self.losses
-
-    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
-        """Import what is needed and return the loss function (raise Unavailable)."""
-        raise NotImplementedError
-
-    def describe(self, loss: str) -> str:
-        """The exact call being measured, for the results file."""
-        return ""
-
-
-class FusedLossContrastiveProvider(ContrastiveProvider):
+def _fusedloss_contrastive(backend: str, compiled: bool) -> Callable[..., ContrastiveFn]:
     """``fusedloss.clip_loss`` / ``nt_xent_loss`` / ``siglip_loss`` with an explicit backend,
-    optionally inside ``torch.compile(fullgraph=True)`` (``compiled``)."""
+    optionally inside ``torch.compile(fullgraph=True)``."""
 
-    distribution = "fusedloss"
-
-    def __init__(self, backend: str = "triton", compiled: bool = False):
-        self.backend, self.compiled = backend, compiled
-        self.key = "fusedloss-compile" if compiled else "fusedloss"
-        self.label = "fusedloss (compiled)" if compiled else "fusedloss"
-
-    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
-        fusedloss = _import("fusedloss", self)
+    def build(p: Provider, device: torch.device, loss: str) -> ContrastiveFn:
         name = {CLIP: "clip_loss", NT_XENT: "nt_xent_loss", SIGLIP: "siglip_loss"}[loss]
-        function = getattr(fusedloss, name, None)
-        if function is None:
-            raise Unavailable(f"fusedloss has no {name}")
-        backend = self.backend
+        function = _function(p, "fusedloss", name)
         if loss == CLIP:
             call = lambda i, t, s: function(i, t, s, backend=backend)
         elif loss == NT_XENT:
             call = lambda z, tau: function(z, temperature=tau, backend=backend)
         else:
             call = lambda i, t, s, bias: function(i, t, s, bias, backend=backend)
-        return _compiled(call, fullgraph=True) if self.compiled else call
+        return _compiled(call, fullgraph=True) if compiled else call
 
-    def describe(self, loss: str) -> str:
-        backend = f'backend="{self.backend}"'
-        if loss == CLIP:
-            call = f"fusedloss.clip_loss(image, text, logit_scale, {backend})"
-        elif loss == NT_XENT:
-            call = f"fusedloss.nt_xent_loss(z, temperature=τ, {backend})"
-        else:
-            call = f"fusedloss.siglip_loss(image, text, logit_scale, logit_bias, {backend})"
-        return f"torch.compile({call}, fullgraph=True)" if self.compiled else call
+    return build
+
+
+def _fusedloss_contrastive_calls(backend: str, compiled: bool) -> dict[str, str]:
+    b = f'backend="{backend}"'
+    calls = {CLIP: f"fusedloss.clip_loss(image, text, logit_scale, {b})",
+             NT_XENT: f"fusedloss.nt_xent_loss(z, temperature=τ, {b})",
+             SIGLIP: f"fusedloss.siglip_loss(image, text, logit_scale, logit_bias, {b})"}
+    if compiled:
+        return {loss: f"torch.compile({call}, fullgraph=True)" for loss, call in calls.items()}
+    return calls
 
 
 def materialized_clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor) -> Tensor:
@@ -323,34 +265,16 @@ def materialized_siglip_loss(
     return -F.logsigmoid((labels * logits).float()).sum() / n
 
 
-class TorchMaterializedProvider(ContrastiveProvider):
-    """The plain PyTorch losses that hold the whole b×b (2B×2B) logits matrix."""
-
-    key = "torch"
-    label = "torch materialized"
-
-    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
-        return {
-            CLIP: materialized_clip_loss,
-            NT_XENT: materialized_nt_xent_loss,
-            SIGLIP: materialized_siglip_loss,
-        }[loss]
-
-    def describe(self, loss: str) -> str:
-        if loss == CLIP:
-            return (
-                "logits = logit_scale * image @ text.T; (F.cross_entropy(logits.float(), "
-                "arange(b)) + F.cross_entropy(logits.T.float(), arange(b))) / 2"
-            )
-        if loss == NT_XENT:
-            return (
-                "logits = (z @ z.T) / τ; logits.fill_diagonal_(-inf); "
-                "F.cross_entropy(logits.float(), (arange(2B) + B) % 2B)"
-            )
-        return (
-            "logits = logit_scale * image @ text.T + logit_bias; labels = 2·eye(b) − 1; "
-            "-F.logsigmoid((labels * logits).float()).sum() / b"
-        )
+MATERIALIZED = {CLIP: materialized_clip_loss, NT_XENT: materialized_nt_xent_loss,
+                SIGLIP: materialized_siglip_loss}
+MATERIALIZED_CALLS = {
+    CLIP: "logits = logit_scale * image @ text.T; (F.cross_entropy(logits.float(), "
+          "arange(b)) + F.cross_entropy(logits.T.float(), arange(b))) / 2",
+    NT_XENT: "logits = (z @ z.T) / τ; logits.fill_diagonal_(-inf); "
+             "F.cross_entropy(logits.float(), (arange(2B) + B) % 2B)",
+    SIGLIP: "logits = logit_scale * image @ text.T + logit_bias; labels = 2·eye(b) − 1; "
+            "-F.logsigmoid((labels * logits).float()).sum() / b",
+}
 
 
 # inf-cl's process group: created here only when none exists, destroyed at the suite's end.
@@ -443,60 +367,43 @@ def inf_clip_loss(cal_inf_loss: Callable[..., Tensor], scale_inside: bool = True
     return loss
 
 
-class InfCLProvider(ContrastiveProvider):
+def _inf_cl(p: Provider, device: torch.device, loss: str) -> ContrastiveFn:
     """Inf-CLIP's ``cal_inf_loss``, once per direction as its ``InfClipLoss`` calls it (fp32
     features, TF32 products). Without a process group the scale is applied outside
     (:func:`inf_clip_loss`), and the call says so."""
-
-    key = "inf-cl"
-    label = "inf-cl"
-    distribution = "inf-cl"
-    is_peer = True
-    install_hint = "pip install inf-cl==1.2.1 --no-deps"
-    losses = (CLIP,)
-
-    def __init__(self) -> None:
-        self.call = ""
-        self.process_group_note = ""
-
-    def build(self, device: torch.device, loss: str) -> ContrastiveFn:
-        module = _import("inf_cl", self)
-        function = getattr(module, "cal_inf_loss", None)
-        if function is None:
-            raise Unavailable("inf_cl has no cal_inf_loss")
-        if loss != CLIP:
-            raise Unavailable(f"inf-cl has no {loss} loss")
-        if device.type != "cuda":
-            raise Unavailable("inf-cl's Triton kernels need a CUDA device")
-        try:
-            self.process_group_note = ensure_single_process_group(device)
-        except Exception as error:  # no NCCL here: inf-cl's single-device path instead
-            self.process_group_note = (
-                f"no process group ({type(error).__name__}: {str(error)[:200]}); the scale is "
-                "applied outside cal_inf_loss (no GradientGather)"
-            )
-            self.call = (
-                "((cal_inf_loss(s * image, text, labels, head_dim=h) + "
-                "cal_inf_loss(s * text, image, labels, head_dim=h)) / 2).mean()"
-            )
-            return inf_clip_loss(function, scale_inside=False)
-        self.call = (
-            "((cal_inf_loss(image, text, labels, logit_scale, head_dim=h) + "
-            "cal_inf_loss(text, image, labels, logit_scale, head_dim=h)) / 2).mean()"
+    function = _function(p, "inf_cl", "cal_inf_loss")
+    if loss != CLIP:
+        raise Unavailable(f"inf-cl has no {loss} loss")
+    if device.type != "cuda":
+        raise Unavailable("inf-cl's Triton kernels need a CUDA device")
+    scale, scale_inside = "logit_scale, ", True
+    try:
+        p.process_group_note = ensure_single_process_group(device)
+    except Exception as error:  # no NCCL here: inf-cl's single-device path instead
+        p.process_group_note = (
+            f"no process group ({type(error).__name__}: {str(error)[:200]}); the scale is "
+            "applied outside cal_inf_loss (no GradientGather)"
         )
-        return inf_clip_loss(function, scale_inside=True)
+        scale, scale_inside = "", False
+    s = "" if scale_inside else "s * "
+    p.call = {CLIP: (
+        f"((cal_inf_loss({s}image, text, labels, {scale}head_dim=h) + "
+        f"cal_inf_loss({s}text, image, labels, {scale}head_dim=h)) / 2).mean(), "
+        f"labels = arange(b), h = 256 (c % 256 ≠ 0: 128, 64, …) [{p.process_group_note}]")}
+    return inf_clip_loss(function, scale_inside=scale_inside)
 
-    def describe(self, loss: str) -> str:
-        note = f" [{self.process_group_note}]" if self.process_group_note else ""
-        return f"{self.call}, labels = arange(b), h = 256 (c % 256 ≠ 0: 128, 64, …){note}"
 
-
-def contrastive_providers(backend: str = "triton") -> dict[str, ContrastiveProvider]:
+def contrastive_providers(backend: str = "triton") -> dict[str, Provider]:
     """All contrastive providers by command-line key, in table order."""
-    providers: list[ContrastiveProvider] = [
-        FusedLossContrastiveProvider(backend),
-        FusedLossContrastiveProvider(backend, compiled=True),
-        TorchMaterializedProvider(),
-        InfCLProvider(),
+    providers = [
+        Provider("fusedloss", "fusedloss", _fusedloss_contrastive(backend, False),
+                 _fusedloss_contrastive_calls(backend, False), "fusedloss"),
+        Provider("fusedloss-compile", "fusedloss (compiled)",
+                 _fusedloss_contrastive(backend, True),
+                 _fusedloss_contrastive_calls(backend, True), "fusedloss"),
+        Provider("torch", "torch materialized", lambda p, device, loss: MATERIALIZED[loss],
+                 MATERIALIZED_CALLS),
+        Provider("inf-cl", "inf-cl", _inf_cl, "", "inf-cl", "pip install inf-cl==1.2.1 --no-deps",
+                 losses=(CLIP,)),
     ]
     return {provider.key: provider for provider in providers}

@@ -1,18 +1,13 @@
-"""The "trained" LM-head regime: E, C, y of a small GPT trained here on the ``.py`` files of
-site-packages (no downloads), for a wall-clock budget, its head then run on held-out text.
-
-    python -m benchmarks.trained_lm --out DIR [--minutes M]   # CUDA, 4 min of training
-    python -m benchmarks.trained_lm --out DIR --quick         # tiny, CPU, seconds (tests)
-
-Writes DIR/trained_lm.pt ({"E", "C", "y", "x", "metadata"}, read by
-benchmarks.inputs.load_trained_regime), trained_lm.json (the metadata), tokenizer.json, and
-model.pt with Settings.save_model. benchmarks/README.md describes the steps.
-"""
+"""The "trained" LM-head regime (benchmarks/README.md): E, C, y of a small GPT trained on the
+``.py`` files of site-packages, run on held-out text. ``python -m benchmarks.trained_lm --out DIR
+[--minutes M | --quick]`` writes trained_lm.pt ({"E", "C", "y", "x", "metadata"}),
+trained_lm.json (the metadata), tokenizer.json, and model.pt with Settings.save_model."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import hashlib
 import json
 import math
@@ -45,10 +40,7 @@ SOFTMAX_TOP = (50, 1000, 10000)
 MB = 1_000_000
 
 Log = Callable[[str], None]
-
-
-def _print(message: str) -> None:
-    print(message, flush=True)
+_print = functools.partial(print, flush=True)
 
 
 @dataclass(frozen=True)
@@ -85,12 +77,6 @@ class Settings:
 QUICK = dict(steps=20, vocab=512, width=32, layers=1, heads=2, seq_len=64, batch_size=8, n=96,
              corpus_mb=0.2, tokenizer_mb=0.2, held_out_fraction=0.1, max_file_kb=64.0, lr=1e-2,
              warmup=0.1, eval_windows=4, device="cpu")  # --quick: tiny, CPU, seconds
-
-
-def resolve_device(settings: Settings) -> torch.device:
-    if settings.device:
-        return torch.device(settings.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
@@ -159,7 +145,7 @@ def _read_text(path: Path, max_bytes: float, seen: set[bytes]) -> tuple[bytes | 
 
 
 def collect_corpus(settings: Settings) -> Corpus:
-    """Files in a seeded hash order of their paths, each split filled up to its quota."""
+    """Files in a seeded hash order of their paths, each split filled to its quota."""
     roots = list(settings.roots) or default_roots()
     if not roots:
         raise RuntimeError("no site-packages directory found")
@@ -211,8 +197,8 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, max_bytes: float) -> 
         sample.append(text)
         size += len(text)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.pre_tokenizer, tokenizer.decoder = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
                                   special_tokens=[END_OF_TEXT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -253,8 +239,7 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        width = config.width
-        self.heads = config.heads
+        width, self.heads = config.width, config.heads
         self.attention_norm = nn.LayerNorm(width, bias=False)
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.attention_out = nn.Linear(width, width, bias=False)
@@ -442,9 +427,8 @@ def train(model: GPT, train_stream: Tensor, held_out_stream: Tensor, settings: S
 @torch.no_grad()
 def extract_rows(model: GPT, held_out_stream: Tensor, n: int, device: torch.device
                  ) -> dict[str, Any]:
-    """The first ``n`` positions of ceil(n / seq_len) windows spread evenly over the held-out
-    stream: hidden (n, D) float32, inputs x and targets y (n,), the model's own per-row loss
-    (its head, its precision), and the window starts."""
+    """hidden (n, D) float32, x, y, the model's own per-row loss and the window starts of
+    ceil(n / seq_len) windows spread evenly over the held-out stream, cut at n rows."""
     seq_len = model.config.seq_len
     count = math.ceil(n / seq_len)
     if held_out_stream.numel() < count * seq_len + 1:
@@ -469,8 +453,7 @@ def extract_rows(model: GPT, held_out_stream: Tensor, n: int, device: torch.devi
 @torch.no_grad()
 def softmax_shape(hidden: Tensor, classifier: Tensor, labels: Tensor,
                   rows_per_block: int = 0) -> dict[str, Any]:
-    """Statistics of softmax(hidden @ classifier.T) per row, float32 logits a block of rows
-    at a time (default ≤ 2^26 logits a block)."""
+    """Per-row statistics of softmax(hidden @ classifier.T), float32, ≤ 2^26 logits a block."""
     n, vocab = hidden.shape[0], classifier.shape[0]
     if rows_per_block <= 0:
         rows_per_block = max(1, min(n, (1 << 26) // vocab))
@@ -512,7 +495,7 @@ def build(settings: Settings, argv: Sequence[str] | None = None, log: Log = _pri
     """Runs every step and writes DIR; returns the path of ``trained_lm.pt``."""
     import tokenizers
 
-    device = resolve_device(settings)
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(settings.seed)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -622,11 +605,8 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.trained_lm",
-        description="Train a small GPT on the Python sources of this machine's packages and "
-        "save its held-out hidden states E, head C and targets y (the 'trained' LM-head "
-        "regime).")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.trained_lm", description=(
+        "Train a small GPT on this machine's Python packages; save its held-out E, C, y."))
     add = parser.add_argument
     add("--out", type=Path, required=True, help="output directory")
     add("--quick", action="store_true", help="tiny CPU run in seconds (tests); flags override")

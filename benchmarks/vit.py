@@ -1,11 +1,5 @@
-"""A compact CLIP model and synthetic image–text pairs for the companions suite.
-
-The image tower is a ViT in open_clip's layout (patch convolution, class token, learned
-positions, pre-norm blocks, ``ln_post``, projection); the linears inside the blocks
-(``blocks.<i>.attn.qkv``, ``.attn.proj``, ``.mlp.fc1``, ``.mlp.fc2``) are what
-``swap_linear_layers(visual, include="blocks.*")`` reaches. :data:`VIT_B_16` has CLIP
-ViT-B/16's shapes. The text side is a fixed random embedding per pair through a small MLP.
-"""
+"""A compact CLIP model (a ViT image tower in open_clip's layout, whose ``blocks.*`` linears
+``swap_linear_layers`` reaches; a text MLP) and synthetic image–text pairs."""
 
 from __future__ import annotations
 
@@ -32,8 +26,7 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
     @property
-    def tokens(self) -> int:
-        """Patches plus the class token."""
+    def tokens(self) -> int:  # patches and the class token
         return self.grid**2 + 1
 
 
@@ -44,9 +37,9 @@ class TextConfig:
     latent_dim: int = 64  # what an image and its text share (SyntheticPairs)
 
 
-VIT_B_16 = VisionConfig()
+VIT_B_16 = VisionConfig()  # CLIP ViT-B/16's shapes
 TEXT_SMALL = TextConfig()
-# --quick: a tower that runs a training step on a CPU in milliseconds.
+# --quick: a training step on a CPU in milliseconds
 VIT_TINY = VisionConfig(image_size=32, patch_size=8, width=32, layers=2, heads=2, mlp_width=128,
                         embed_dim=16)
 TEXT_TINY = TextConfig(text_dim=24, hidden=32, latent_dim=8)
@@ -102,9 +95,8 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(config.tokens, width))
         self.ln_pre = nn.LayerNorm(width)
-        self.blocks = nn.ModuleList(
-            Block(width, config.heads, config.mlp_width) for _ in range(config.layers)
-        )
+        self.blocks = nn.ModuleList(Block(width, config.heads, config.mlp_width)
+                                    for _ in range(config.layers))
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Linear(width, config.embed_dim, bias=False)
 
@@ -119,19 +111,14 @@ class VisionTransformer(nn.Module):
 
 
 class ClipModel(nn.Module):
-    """The image tower, a text MLP and CLIP's learnable temperature.
-
-    ``forward(images, texts)`` → (image features (B, embed), text features (B, embed), both
-    L2-normalized, and ``logit_scale.exp()`` clamped at 100, as open_clip passes them to its
-    ``ClipLoss``)."""
+    """``forward`` → L2-normalized image and text features (B, embed) and ``logit_scale.exp()``
+    clamped at 100, as open_clip passes them to its ``ClipLoss``."""
 
     def __init__(self, vision: VisionConfig, text: TextConfig) -> None:
         super().__init__()
         self.visual = VisionTransformer(vision)
-        self.text = nn.Sequential(
-            nn.Linear(text.text_dim, text.hidden), nn.GELU(), nn.Linear(text.hidden,
-                                                                         vision.embed_dim)
-        )
+        self.text = nn.Sequential(nn.Linear(text.text_dim, text.hidden), nn.GELU(),
+                                  nn.Linear(text.hidden, vision.embed_dim))
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -145,16 +132,10 @@ def parameter_count(module: nn.Module) -> int:
 
 
 class SyntheticPairs:
-    """Image–text pairs that share a latent, deterministic from the seed.
-
-    Pair i draws z_i ~ N(0, I_latent). Its image is a fixed random linear map of z_i to a
-    (3, grid, grid) picture, upsampled bilinearly to the image size, plus N(0, 0.5²) pixel noise;
-    its text embedding is a fixed random two-layer map tanh(z_i A) B (unit variance) plus
-    N(0, 0.25²) noise. Matching a pair needs z from both sides, which a model can learn.
-    The maps come from a CPU generator seeded with ``seed``; the batches from one device
-    generator seeded with ``seed`` too, so every run of the same seed sees the same batches in
-    the same order.
-    """
+    """Pairs sharing a latent z_i ~ N(0, I): image = a fixed random linear map of z_i to a
+    (3, grid, grid) picture, upsampled bilinearly, plus N(0, 0.5²) noise; text = tanh(z_i A) B
+    (unit variance) plus N(0, 0.25²) noise. Maps from a CPU generator, batches from a device
+    one, both seeded with ``seed``: the same batches in the same order every run."""
 
     IMAGE_NOISE = 0.5
     TEXT_NOISE = 0.25
@@ -176,13 +157,14 @@ class SyntheticPairs:
 
     def batch(self, batch_size: int) -> tuple[Tensor, Tensor]:
         """(images (B, 3, S, S), texts (B, text_dim)), float32 on the device."""
-        g, grid, size = self.generator, self.vision.grid, self.vision.image_size
-        z = torch.randn(batch_size, self.text.latent_dim, generator=g, device=self.device)
+        grid, size = self.vision.grid, self.vision.image_size
+
+        def randn(*shape: int) -> Tensor:
+            return torch.randn(shape, generator=self.generator, device=self.device)
+
+        z = randn(batch_size, self.text.latent_dim)
         small = (z @ self.image_map).view(batch_size, 3, grid, grid)
         images = F.interpolate(small, size=(size, size), mode="bilinear", align_corners=False)
-        images = images + self.IMAGE_NOISE * torch.randn(images.shape, generator=g,
-                                                         device=self.device)
+        images = images + self.IMAGE_NOISE * randn(*images.shape)
         texts = torch.tanh(z @ self.text_hidden) @ self.text_out
-        texts = texts + self.TEXT_NOISE * torch.randn(texts.shape, generator=g,
-                                                      device=self.device)
-        return images, texts
+        return images, texts + self.TEXT_NOISE * randn(*texts.shape)

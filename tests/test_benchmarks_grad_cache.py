@@ -1,6 +1,4 @@
-"""The ``grad-cache`` benchmark suite (benchmarks/suites/grad_cache.py) on CPU: ``--quick`` runs
-over 2 gloo processes (torchrun): the check of Gradient Cache against a plain step, the sweep,
-and its stop at the step-time limit. Memory figures and NCCL need GPUs."""
+"""The ``grad-cache`` suite's ``--quick`` run over 2 gloo processes: check, sweep, stop."""
 
 from __future__ import annotations
 

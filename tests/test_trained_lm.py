@@ -1,9 +1,5 @@
-"""The "trained" LM-head regime (benchmarks/trained_lm.py): a tiny run on CPU, checked.
-
-One ``--quick`` run (a one-layer GPT of width 32, V = 512, trained for a few steps on the
-sources of the installed packages) is made once per module; the tests check what it saved
-against the tokenizer, the model and float64 computations. A few seconds on a CPU.
-"""
+"""benchmarks/trained_lm.py: one ``--quick`` CPU run per module, its files checked against the
+tokenizer, the model and float64 computations."""
 
 from __future__ import annotations
 
@@ -40,8 +36,6 @@ def saved(run_dir: Path) -> dict:
 def quick_settings(out: Path):
     return trained_lm.parse_args(["--quick", "--out", str(out)])
 
-
-# ----------------------------------------------------------------------------- the saved file
 
 
 def test_saved_shapes_dtypes_and_metadata(run_dir, saved):
@@ -86,14 +80,8 @@ def saved_windows(saved: dict) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     rows = saved["metadata"]["rows"]
     seq_len, starts = rows["seq_len"], rows["window_starts"]
     assert len(starts) == math.ceil(saved["x"].numel() / seq_len)
-    return [
-        (
-            start,
-            saved["x"][w * seq_len : (w + 1) * seq_len],
-            saved["y"][w * seq_len : (w + 1) * seq_len],
-        )
-        for w, start in enumerate(starts)
-    ]
+    return [(start, saved["x"][w * seq_len : (w + 1) * seq_len],
+             saved["y"][w * seq_len : (w + 1) * seq_len]) for w, start in enumerate(starts)]
 
 
 def test_targets_are_next_tokens_of_held_out_text(run_dir, saved):
@@ -122,9 +110,8 @@ def test_cross_entropy_of_e_and_c_equals_the_models_loss(run_dir, saved):
         model_loss = F.cross_entropy(model.head(hidden).double(), saved["y"], reduction="none")
     torch.testing.assert_close(saved["E"].float(), hidden, rtol=2**-7, atol=1e-2)
     torch.testing.assert_close(saved["C"].float(), model.head.weight, rtol=2**-7, atol=1e-3)
-    stored_loss = F.cross_entropy(
-        saved["E"].double() @ saved["C"].double().T, saved["y"], reduction="none"
-    )
+    stored_loss = F.cross_entropy(saved["E"].double() @ saved["C"].double().T, saved["y"],
+                                  reduction="none")
     torch.testing.assert_close(stored_loss, model_loss, rtol=0, atol=3e-2)
     meta = saved["metadata"]
     assert abs(float(stored_loss.mean()) - float(model_loss.mean())) < 5e-3
@@ -132,26 +119,18 @@ def test_cross_entropy_of_e_and_c_equals_the_models_loss(run_dir, saved):
     assert meta["softmax"]["mean_loss"] == pytest.approx(float(stored_loss.mean()), abs=1e-4)
 
 
-# ----------------------------------------------------------------------------- softmax shape
-
 
 def softmax_shape_float64(hidden, classifier, labels) -> dict:
     p = torch.softmax(hidden.double() @ classifier.double().T, dim=1)
     counts = (p > trained_lm.SOFTMAX_THRESHOLD).sum(dim=1).tolist()
     vocab = classifier.shape[0]
     top = p.sort(dim=1, descending=True).values
-    outside = {
-        str(k): float((1.0 - top[:, :k].sum(dim=1)).mean()) if k < vocab else 0.0
-        for k in trained_lm.SOFTMAX_TOP
-    }
+    outside = {str(k): float((1.0 - top[:, :k].sum(dim=1)).mean()) if k < vocab else 0.0
+               for k in trained_lm.SOFTMAX_TOP}
     p_target = p.gather(1, labels[:, None]).squeeze(1)
-    return {
-        "mean": statistics.mean(counts),
-        "median": statistics.median(counts),
-        "outside": outside,
-        "loss": float(-p_target.log().mean()),
-        "p_target": float(p_target.mean()),
-    }
+    return {"mean": statistics.mean(counts), "median": statistics.median(counts),
+            "outside": outside, "loss": float(-p_target.log().mean()),
+            "p_target": float(p_target.mean())}
 
 
 def assert_softmax_shape(stats: dict, ref: dict, n: int) -> None:
@@ -186,8 +165,6 @@ def test_softmax_shape_peaked_rows(rows_per_block):
     assert_softmax_shape(stats, ref, n)
 
 
-# ----------------------------------------------------------------------------- loader
-
 
 def test_load_trained_regime(run_dir, saved, monkeypatch):
     hidden, classifier, labels, meta = inputs.load_trained_regime(run_dir, "cpu", torch.float32)
@@ -209,8 +186,6 @@ def test_load_trained_regime(run_dir, saved, monkeypatch):
         inputs.load_trained_regime(run_dir / "missing")
 
 
-# ----------------------------------------------------------------------------- pieces
-
 
 def test_corpus_split_order_and_skips(tmp_path):
     root = tmp_path / "site-packages"
@@ -224,25 +199,17 @@ def test_corpus_split_order_and_skips(tmp_path):
     (root / "pkg0" / "notes.txt").write_text("not python\n")
 
     def collect(seed: int):
-        settings = trained_lm.Settings(
-            out=tmp_path, roots=(str(root),), corpus_mb=1.0, held_out_fraction=0.25, seed=seed
-        )
-        return trained_lm.collect_corpus(settings)
+        return trained_lm.collect_corpus(trained_lm.Settings(
+            out=tmp_path, roots=(str(root),), corpus_mb=1.0, held_out_fraction=0.25, seed=seed))
 
     corpus = collect(0)
     assert corpus.info["python_files_found"] == 43
     assert corpus.info["skipped_files"] == {"duplicate": 1, "not_utf8": 1, "empty": 1}
     assert len(corpus.train) + len(corpus.held_out) == 40
     duplicated = {(root / "pkg0" / "copy.py").read_text()}  # either copy may be the one kept
-    assert (
-        set(corpus.held_out) - duplicated
-        == {
-            path.read_text()
-            for path in root.rglob("module*.py")
-            if trained_lm.is_held_out(str(path.relative_to(root)), 0.25)
-        }
-        - duplicated
-    )
+    held_out = {path.read_text() for path in root.rglob("module*.py")
+                if trained_lm.is_held_out(str(path.relative_to(root)), 0.25)}
+    assert set(corpus.held_out) - duplicated == held_out - duplicated
     assert 0 < len(corpus.held_out) < len(corpus.train)
     other = collect(1)
     assert set(other.held_out) == set(corpus.held_out)  # the split does not follow the seed
@@ -276,8 +243,6 @@ def test_learning_rate_schedule(tmp_path):
     assert trained_lm.learning_rate(settings, 1.5) == pytest.approx(1e-4)  # stays at the floor
     assert trained_lm.cosine_decay(0.0, 0.2) == 1.0 and trained_lm.cosine_decay(1.0, 0.2) == 0.2
 
-
-# ----------------------------------------------------------------------------- lm-head suite
 
 
 def test_lm_head_suite_runs_the_trained_regime(run_dir, saved, tmp_path):

@@ -1,12 +1,5 @@
-"""Suite ``grad-cache``: the largest CLIP global batch one training step completes on K GPUs.
-
-    torchrun --nproc_per_node=K benchmarks/run.py grad-cache --batches … --tag T   # gloo: --quick
-
-A small two-tower CLIP model (each tower in DDP) trains with ``fusedloss.distributed.clip_loss``,
-b_r = B / K pairs per rank. ``plain`` (one forward+backward) and ``grad-cache``
-(``grad_cache_step``, ``--micro-batch`` rows) are each swept over the global batches until a
-step runs out of memory or exceeds ``--max-step-s``; the first batch checks that both agree.
-"""
+"""Suite ``grad-cache`` (benchmarks/README.md): the largest CLIP global batch one training step
+completes on K GPUs, plain and with ``grad_cache_step``; the first batch checks both agree."""
 
 from __future__ import annotations
 
@@ -68,8 +61,7 @@ MEMORY_DEFINITION = (
 )
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: attention and a 4× MLP."""
+class Block(nn.Module):  # pre-norm attention and 4× MLP
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -80,16 +72,15 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, w = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2))
+        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads)
+        a = F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4))
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, w))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 class Tower(nn.Module):
-    """ViT-style image tower (uint8 (m, 3, 32, 32), 8×8 patches) or text tower (ids (m, 16));
-    the first token's state projected to c features."""
+    """Image (uint8 (m, 3, 32, 32), 8×8 patches) or text (ids (m, 16)) tower: the first
+    token's state projected to c features."""
 
     def __init__(self, kind: str, shape: TowerShape, features: int):
         super().__init__()
@@ -216,13 +207,11 @@ def _timed_step(trainer: Trainer, method: str, images: Tensor, texts: Tensor
 def measure(trainer: Trainer, method: str, batch: int, ranks: Ranks, seed: int,
             steps: int) -> Row:
     """One method at one global batch on every rank; failures agreed on every rank."""
-    row = Row(method, batch, batch // ranks.world)
-    device = trainer.device
+    row, device = Row(method, batch, batch // ranks.world), trainer.device
     ok, data = stage(ranks, row, device, lambda: make_batch(row.per_rank, ranks.rank, seed,
                                                             device))
-    if not ok:
-        return row
-    ok, first = stage(ranks, row, device, lambda: _timed_step(trainer, method, *data))
+    if ok:
+        ok, first = stage(ranks, row, device, lambda: _timed_step(trainer, method, *data))
     if not ok:
         return row
     row.first_step_ms = ranks.max(first[0])
@@ -256,8 +245,7 @@ def measure(trainer: Trainer, method: str, batch: int, ranks: Ranks, seed: int,
 def check_methods(make: Callable[[], Trainer], batch: int, ranks: Ranks, seed: int) -> Check:
     """Both methods from the same initial model and batch in float32: the same loss and
     parameter gradients up to the order of float additions."""
-    check = Check(batch)
-    results = {}
+    check, results = Check(batch), {}
     for method in METHODS:
         trainer = make()
         trainer.dtype = torch.float32
@@ -309,9 +297,8 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     if any(b % world for b in batches):
         say(f"every global batch must be a multiple of the world size {world}: {batches}")
         return 2
-    width = QUICK_WIDTH if ctx.quick else DEFAULT_WIDTH
+    width, towers = (QUICK_WIDTH, QUICK_TOWERS) if ctx.quick else (DEFAULT_WIDTH, FULL_TOWERS)
     micro = args.micro_batch or (QUICK_MICRO_BATCH if ctx.quick else DEFAULT_MICRO_BATCH)
-    towers = QUICK_TOWERS if ctx.quick else FULL_TOWERS
     if common.uses_cuda(device):
         # cuDNN's attention fails (an execution error, not an out-of-memory) at large batches
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -407,6 +394,7 @@ def _report(args, ctx: Context, width, micro, towers, check, rows) -> None:
                                  [[r.method, r.batch, r.status, common.format_ms(r.ms),
                                    common.format_mib(r.peak_mib)] for r in rows]),
         world=world, log=ctx.say)
+
 
 SUITE = Suite(
     name=NAME,
