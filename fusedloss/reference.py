@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "linear_cross_entropy_ref",
+    "linear_log_probs_ref",
     "clip_loss_ref",
     "info_nce_loss_ref",
     "nt_xent_loss_ref",
@@ -144,6 +145,34 @@ def linear_cross_entropy_ref(
     if return_lse:
         return loss, torch.where(not_ignored, lse, torch.zeros_like(lse))
     return loss
+
+
+def linear_log_probs_ref(
+    input: Tensor,  # (*, D)
+    linear_weight: Tensor,  # (V, D)
+    target: Tensor,  # (*) int64
+    *,
+    linear_bias: Tensor | None = None,  # (V,)
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(log p(target), entropy) per token of softmax(softcap(input Wᵀ + b) / T), float64, 0 at
+    ignored positions (``fusedloss.linear_log_probs``; with ``shift`` the last dim one shorter,
+    position t scored against ``target[..., t + 1]``)."""
+    if shift:
+        input, target = input[..., :-1, :], target[..., 1:]
+    logits = input.double() @ linear_weight.double().T
+    if linear_bias is not None:
+        logits = logits + linear_bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    valid = target != ignore_index
+    picked = logp_all.gather(-1, torch.where(valid, target, 0).long()[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return torch.where(valid, picked, 0.0), torch.where(valid, entropy, 0.0)
 
 
 def _contrastive_logits(

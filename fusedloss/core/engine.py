@@ -97,6 +97,8 @@ class RowStats:
     # (row blocks, column tiles) block maxima of the column log-masses.
     col_tile_log_mass: torch.Tensor | None = None
     sigmoid_sum: torch.Tensor | None = None  # (N,) fp32 Σ_j softplus(−z_ij X_ij), sigmoid mode
+    # (N,) fp32 Σ_j exp(X_ij − max_i)·(X_ij − max_i) ≤ 0, with Wants(entropy=True)
+    centered_sum: torch.Tensor | None = None
     # (max, sum, log sum, lse) as one (4, N) / (4, V) tensor, where the fields above are its
     # rows (the Triton forward writes them so): ``packed`` returns it without a copy.
     rows_packed: torch.Tensor | None = None
@@ -144,7 +146,8 @@ class RowStats:
 
 @dataclass(frozen=True)
 class GradCoefficients:
-    """Weights of dX = r·P + c·Q − t·onehot(y) − u·w: per row in compact order, c per column id.
+    """Weights of dX = r·P + c·Q − t·onehot(y) − u·w + e·P·(X − max): per row in compact
+    order, c per column id (the last term is an entropy's, never filtered).
 
     In sigmoid mode only ``lse`` (r) is used: dX = −r·z·σ(−zX).
     """
@@ -153,6 +156,7 @@ class GradCoefficients:
     target: torch.Tensor | None = None  # t (N,)
     uniform: torch.Tensor | None = None  # u (N,)
     col: torch.Tensor | None = None  # c (V,), needs RowStats.col_lse
+    logit: torch.Tensor | None = None  # e (N,)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -194,6 +198,7 @@ class Wants:
     col_stats: bool = False  # each column's LSE over the valid rows, from the same pass
     sigmoid: bool = False  # the pairwise sigmoid loss per row instead of the LSE (needs targets)
     record_tiles: bool = True  # the per-tile statistics that filtering reads
+    entropy: bool = False  # RowStats.centered_sum (a row's entropy is log_sum − centered / sum)
 
 
 def row_stats(
@@ -208,13 +213,13 @@ def row_stats(
 ) -> RowStats:
     """Row log-sum-exp (and target logit, and what ``wants`` asks for) of X without
     materializing it. Per-tile statistics are shaped as ``tile_stats_shapes`` says."""
-    sigmoid, col_stats, weighted_sum = wants.sigmoid, wants.col_stats, wants.weighted_sum
-    if sigmoid and (rows.target is None or col_stats or weighted_sum):
-        raise ValueError("sigmoid mode needs targets and takes no column or weighted statistics")
+    if wants.sigmoid and (rows.target is None or wants.col_stats or wants.weighted_sum
+                          or wants.entropy):
+        raise ValueError("sigmoid mode needs targets and takes no column, weighted or entropy "
+                         "statistics")
     if backend == "torch":
-        return _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid)
-    return _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
-                             wants.record_tiles)
+        return _row_stats_torch(a, b, logits, rows, col_weight, wants)
+    return _row_stats_triton(a, b, logits, rows, col_weight, wants)
 
 
 def forward_block(device: torch.device, dtype: torch.dtype, d: int, *, col_stats: bool = False,
@@ -346,11 +351,12 @@ def _resident_programs(cfg: config.TileConfig, element_size: int) -> int:
     return max(1, min(228 * 1024 // max(1, smem), 64 // cfg.num_warps // 4))
 
 
-def _sm90_operand(a, b, logits, rows, col_stats, sigmoid, weighted_sum) -> torch.Tensor | None:
+def _sm90_operand(a, b, logits, rows, wants: Wants) -> torch.Tensor | None:
     """A in compact row order where the Hopper kernel (``lse_forward_sm90``) computes this
     forward, else None: column statistics without the options it lacks (softcap, vocabulary
-    order, diagonal mask, weighted sums), on operands that TMA reads."""
-    if not (col_stats and not sigmoid and not weighted_sum and config.gluon_enabled(a.device)):
+    order, diagonal mask, weighted sums, entropy), on operands that TMA reads."""
+    if not (wants.col_stats and not wants.sigmoid and not wants.weighted_sum
+            and not wants.entropy and config.gluon_enabled(a.device)):
         return None
     if logits.softcap or logits.diag_mask:
         return None
@@ -370,19 +376,20 @@ def triton_cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
-def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, sigmoid,
-                      record_tiles) -> RowStats:
+def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     from .lse_forward import _lse_forward_kernel, _target_logit_kernel
+
+    sigmoid, col_stats, weighted_sum = wants.sigmoid, wants.col_stats, wants.weighted_sum
 
     n, (v, d) = rows.index.numel(), b.shape
     _check_ids(n, v)
     cfg = config.forward_config(a.device, a.dtype, d, sigmoid=sigmoid, col_stats=col_stats)
     n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
-    a_sm90 = _sm90_operand(a, b, logits, rows, col_stats, sigmoid, weighted_sum)
+    a_sm90 = _sm90_operand(a, b, logits, rows, wants)
     resident = 1 if a_sm90 is not None else _resident_programs(cfg, a.element_size())
     groups, blocks_per_group, splits, tiles_per_split = _forward_grid(
         n_rb, n_ct, col_stats, a.device, resident)
-    record_tiles = record_tiles and not sigmoid
+    record_tiles = wants.record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
     part_max = torch.empty((splits, n), **f32)
@@ -393,6 +400,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
     target_in_tiles = has_target and sigmoid
     part_target = torch.zeros((splits, n), **f32) if target_in_tiles else part_sum
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
+    part_centered = torch.empty((splits, n), **f32) if wants.entropy else part_sum
     # Block maxima start at −inf (blocks without valid rows are never visited).
     tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
@@ -423,7 +431,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             logits.col_order if logits.col_order is not None else rows.index,
             rows.target if has_target else rows.index,
             col_weight if col_weight is not None else dummy,
-            part_max, part_sum, part_target, part_wsum, tiles,
+            part_max, part_sum, part_target, part_wsum, part_centered, tiles,
             col_max if col_stats else dummy, col_sum if col_stats else dummy,
             col_tiles if col_stats else dummy,
             n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
@@ -432,6 +440,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
             HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum,
             HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles,
             COL_STATS=col_stats, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
+            ENTROPY=wants.entropy,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
             PRECISE=config.precise_math(a.dtype), USE_TMA=a_desc is not None,
@@ -476,6 +485,9 @@ def _row_stats_triton(a, b, logits, rows, col_weight, weighted_sum, col_stats, s
         col_tile_log_mass=col_tiles if col_stats and record_tiles else None,
         rows_packed=row_out,
     )
+    if wants.entropy:
+        stats.centered_sum = _combine_centered(part_max, part_sum, part_centered, row_out[0],
+                                               rows.n_valid)
     if col_stats:
         stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = col_out.unbind(0)
         stats.cols_packed = col_out
@@ -539,6 +551,16 @@ def merge_stats(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = Non
     return out
 
 
+def _combine_centered(part_max: torch.Tensor, part_sum: torch.Tensor, part_centered: torch.Tensor,
+                      top: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """Σ_j exp(X − top)·(X − top) per row from the splits' partials (parts, N), each about its
+    own max m_k: Σ_k exp(m_k − top)·(C_k + (m_k − top)·S_k); 0 on rows ≥ ``n_valid``."""
+    shift = part_max - top
+    moved = (part_centered + shift * part_sum) * torch.exp(shift)
+    centered = torch.where(part_sum > 0, moved, 0.0).sum(dim=0)
+    return torch.where(torch.arange(top.shape[0], device=top.device) < n_valid, centered, 0.0)
+
+
 def _combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor):
     """(max, Σ exp(· − max)) of partial (max_k, Σ_k) pairs over dim 0.
 
@@ -573,8 +595,8 @@ def _softplus_neg_zx(x: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.softplus(torch.where(hit, -x, x))
 
 
-def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
-                     sigmoid) -> RowStats:
+def _row_stats_torch(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
+    sigmoid, col_stats, weighted_sum = wants.sigmoid, wants.col_stats, wants.weighted_sum
     n, v = rows.index.numel(), b.shape[0]
     n_valid = n if rows.all_valid else int(rows.n_valid)  # a read-back only when unknown
     acc = accumulation_dtype(a.dtype)
@@ -583,6 +605,7 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
     target_logit = torch.zeros_like(row_max) if rows.target is not None else None
     wsum = torch.zeros_like(row_max) if weighted_sum else None
     sig = torch.zeros_like(row_max) if sigmoid else None
+    centered = torch.zeros_like(row_max) if wants.entropy else None
     if col_stats:  # running (max, Σ exp(X − max)) per column
         col_max = torch.full((v,), float("-inf"), dtype=acc, device=a.device)
         col_sum = torch.zeros(v, dtype=acc, device=a.device)
@@ -601,6 +624,10 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
             sig[pos] = _softplus_neg_zx(x, hit).sum(dim=1)
             continue
         row_max[pos], row_sum[pos] = _max_sum(x, dim=1)
+        if wants.entropy:
+            shifted = x - row_max[pos, None]
+            e = torch.exp(shifted)
+            centered[pos] = torch.where(e > 0, e * shifted, 0.0).sum(dim=1)
         if col_stats:
             top, total = _max_sum(x, dim=0)
             new_max = torch.maximum(col_max, top)
@@ -612,7 +639,7 @@ def _row_stats_torch(a, b, logits, rows, col_weight, weighted_sum, col_stats,
     row_log_sum = torch.log(row_sum)
     stats = RowStats(lse=row_max + row_log_sum, max=row_max, log_sum=row_log_sum, sum=row_sum,
                      target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None,
-                     sigmoid_sum=sig)
+                     sigmoid_sum=sig, centered_sum=centered)
     if col_stats:
         stats.set_columns(*_combine_partials(col_max[None], col_sum[None]))
     return stats
@@ -742,18 +769,22 @@ def grads(
     # The kernels read coefficients by offset: a stride-0 expand (a reduction's gradient) won't do.
     acc = accumulation_dtype(a.dtype)
     coef = GradCoefficients(*(None if c is None else c.to(acc).contiguous() for c in (
-        coef.lse, coef.target, coef.uniform, coef.col)))
+        coef.lse, coef.target, coef.uniform, coef.col, coef.logit)))
     if not sigmoid:
         # From here on r·P = (r / sum) · exp(X − max): the backends take r / sum (see RowStats).
         # (Dividing in the recompute kernel instead, as it loads r, was slower: two more loads
         # ahead of each tile's exponentials; docs/design.md, "Host cost per call".)
-        coef = dataclasses.replace(coef, lse=_over(coef.lse, stats.sum),
-                                   col=None if coef.col is None else _over(coef.col, stats.col_sum))
+        coef = dataclasses.replace(
+            coef, lse=_over(coef.lse, stats.sum),
+            col=None if coef.col is None else _over(coef.col, stats.col_sum),
+            logit=None if coef.logit is None else _over(coef.logit, stats.sum))
     dtypes = (grad_a_dtype or grad_dtype or a.dtype, grad_dtype or b.dtype)
     problem = _Problem(a, b, logits, rows, stats, coef, col_weight, sigmoid)
     # the internal plan: the resolved dtypes, a filter pair, no filter for the sigmoid loss
+    # (the filter's bound is on the softmax terms: none for the sigmoid loss nor an entropy's)
     plan = dataclasses.replace(plan, grad_a_dtype=dtypes[0], grad_dtype=dtypes[1],
-                               filter_eps=None if sigmoid else filter_eps,
+                               filter_eps=None if sigmoid or coef.logit is not None
+                               else filter_eps,
                                filter_scale=filter_scale or (None, None))
     if backend == "torch":
         return _grads_torch(problem, needs, plan)
@@ -800,7 +831,7 @@ def _grads_by_row_chunks(problem: _Problem, needs: Needs, plan: BackwardPlan) ->
             block_m=fm, block_n=stats.block_n, max=stats.max[part],
             log_sum=rows_of(stats.log_sum), sum=rows_of(stats.sum))
         chunk_coef = GradCoefficients(lse=coef.lse[part], target=rows_of(coef.target),
-                                      uniform=rows_of(coef.uniform))
+                                      uniform=rows_of(coef.uniform), logit=rows_of(coef.logit))
         _grads_triton(
             dataclasses.replace(problem, rows=chunk_rows, stats=chunk_stats, coef=chunk_coef),
             needs, dataclasses.replace(plan, filter_scale=(rows_of(filter_scale[0]), None),
@@ -977,6 +1008,7 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         coef_lse_ptr=coef.lse,
         coef_target_ptr=coef.target if coef.target is not None else dummy,
         coef_uniform_ptr=coef.uniform if uniform_in_tiles else dummy,
+        coef_logit_ptr=coef.logit if coef.logit is not None else dummy,
         col_max_ptr=stats.col_max if coef.col is not None else dummy,
         coef_col_ptr=coef.col if coef.col is not None else dummy,
         live_ptr=live.view(torch.uint8), scratch_ptr=scratch,
@@ -988,7 +1020,7 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         SOFTCAP=float(logits.softcap or 0.0),
         HAS_TARGET=rows.target is not None and coef.target is not None,
         HAS_UNIFORM=uniform_in_tiles, HAS_COL_WEIGHT=col_weight is not None,
-        GRAD_SCALE=need_scale, ZERO_DEAD=None,
+        HAS_LOGIT_TERM=coef.logit is not None, GRAD_SCALE=need_scale, ZERO_DEAD=None,
         COL_LSE=coef.col is not None, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
         FACTOR_COLUMNS=a.dtype != torch.float32,
         ROUND=not config.interpreting(), USE_TMA=a_desc is not None,
@@ -1299,7 +1331,11 @@ def _grads_torch(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
             z = torch.where(hit, 1.0, -1.0)
             dx = -coef.lse[pos, None] * z * torch.sigmoid(-z * x)
         else:
-            dx = coef.lse[pos, None] * torch.exp(x - stats.max[pos, None])
+            shifted = x - stats.max[pos, None]
+            e = torch.exp(shifted)
+            dx = coef.lse[pos, None] * e
+            if coef.logit is not None:
+                dx += coef.logit[pos, None] * torch.where(e > 0, e * shifted, 0.0)
         if coef.col is not None:
             dx += coef.col[None, :] * torch.exp(x - stats.col_max[None, :])
         if not sigmoid and rows.target is not None and coef.target is not None:

@@ -3,8 +3,9 @@
 The loss layer hands the core per-row coefficients so that the gradient of the loss with
 respect to the logits is
 
-    dX_ij = r_i · P_ij + c_j · Q_ij − t_i · [j = y_i] − u_i · w_j
-    P = exp(X − lse_i) (row softmax),  Q = exp(X − lse^col_j) (column softmax, optional)
+    dX_ij = r_i · P_ij + c_j · Q_ij − t_i · [j = y_i] − u_i · w_j + e_i · P_ij · (X_ij − max_i)
+    P = exp(X − lse_i) (row softmax),  Q = exp(X − lse^col_j) (column softmax, optional),
+    the last term an entropy's (optional)
 
 (times 1 − tanh² under softcap), or for the pairwise sigmoid loss (SigLIP)
 
@@ -46,6 +47,7 @@ def _grad_logits_kernel(
     row_max_ptr,         # (N,) fp32 row max, compact row order
     coef_lse_ptr,        # (N,) fp32 r_i / Σ_j exp(X_ij − max_i): r_i · P_ij = this · exp(X − max)
     coef_target_ptr, coef_uniform_ptr,   # (N,) fp32 t_i, u_i, compact row order
+    coef_logit_ptr,      # (N,) fp32 e_i / Σ_j exp(X_ij − max_i) (HAS_LOGIT_TERM)
     col_max_ptr,         # (V,) fp32 column max
     coef_col_ptr,        # (V,) fp32 c_j / Σ_i exp(X_ij − max_j), by column id
     live_ptr,            # (row blocks, column tiles) int8: 1 = compute this tile
@@ -57,7 +59,8 @@ def _grad_logits_kernel(
     SCALE_DX: tl.constexpr,  # store s · dX (the gradient matmuls then need no scaling)
     SOFTCAP: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-    HAS_COL_WEIGHT: tl.constexpr, GRAD_SCALE: tl.constexpr, ZERO_DEAD: tl.constexpr,
+    HAS_COL_WEIGHT: tl.constexpr, HAS_LOGIT_TERM: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    ZERO_DEAD: tl.constexpr,
     COL_LSE: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
     FACTOR_COLUMNS: tl.constexpr,  # Q from P's exponentials where a tile allows (_softmax_terms)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -116,6 +119,10 @@ def _grad_logits_kernel(
                                 FACTOR_COLUMNS, PRECISE)
         else:
             dx = coef_lse[:, None] * e
+        if HAS_LOGIT_TERM:
+            coef_logit = tl.load(coef_logit_ptr + offs_m, mask=m_rows, other=0.0)
+            centered = tl.where(e > 0, e * (x - row_max[:, None]), 0.0)
+            dx += coef_logit[:, None] * centered
         if HAS_TARGET:
             target = tl.load(target_ptr + offs_m, mask=m_rows, other=-1)
             # Most tiles hold no target of this block: test that once, not per element (here,

@@ -20,6 +20,10 @@ Each row's target logit comes from ``_target_logit_kernel``, one small tile per 
 that reproduces the forward's value for it bit for bit (a confident row's loss, LSE − target,
 is then exactly 0 where it rounds to 0).
 
+``ENTROPY`` adds per row Σ_j exp(X_ij − max)·(X_ij − max) (the split's max), kept online as
+the sum is: with it, a row's entropy is log Σ − (this / Σ), a sum of two terms ≥ 0 without
+cancellation.
+
 ``SIGMOID`` switches the statistic to the pairwise sigmoid loss of SigLIP: per row the sum
 Σ_j softplus(−z_ij X_ij) with z = +1 at the row's target and −1 elsewhere.
 """
@@ -48,6 +52,7 @@ def _lse_forward_kernel(
     sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X - max)   (SIGMOID: Σ softplus(−zX))
     target_out_ptr,      # (splits, N) fp32 partial target logit
     wsum_out_ptr,        # (splits, N) fp32 partial Σ_j w_j X_ij
+    ent_out_ptr,         # (splits, N) fp32 partial Σ_j exp(X_ij − max)·(X_ij − max) (ENTROPY)
     tile_stat_ptr,       # (row blocks, column tiles) fp32 max_r log Σ_{j∈tile} exp(X_rj)
     col_max_ptr,         # (row groups, V) fp32 partial column max, by tile position
     col_sum_ptr,         # (row groups, V) fp32 partial column Σ exp(X - max)
@@ -57,6 +62,7 @@ def _lse_forward_kernel(
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_WSUM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
     COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
+    ENTROPY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -83,6 +89,7 @@ def _lse_forward_kernel(
         row_sum = tl.zeros((BLOCK_M,), tl.float32)
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
         weighted_sum = tl.zeros((BLOCK_M,), tl.float32)
+        centered_sum = tl.zeros((BLOCK_M,), tl.float32)
 
         for t in range(tile_begin, tile_end):
             offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +128,16 @@ def _lse_forward_kernel(
             else:
                 new_max = tl.maximum(row_max, tl.max(x, axis=1))
                 safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-                tile_sum = tl.sum(exp(x - safe_max[:, None], PRECISE), axis=1)
+                e = exp(x - safe_max[:, None], PRECISE)
+                tile_sum = tl.sum(e, axis=1)
+                if ENTROPY:
+                    # Σ e·(X − max) moves to the new max as the sum does, plus (old − new)·Σ
+                    # (entries with e = 0, masked ones included, add nothing).
+                    shift = tl.where(row_max > float("-inf"), row_max - safe_max, 0.0)
+                    tile_centered = tl.sum(tl.where(e > 0, e * (x - safe_max[:, None]), 0.0),
+                                           axis=1)
+                    centered_sum = ((centered_sum + shift * row_sum) * exp(shift, PRECISE)
+                                    + tile_centered)
                 row_sum = row_sum * exp(row_max - safe_max, PRECISE) + tile_sum
                 row_max = new_max
                 if RECORD_TILES:
@@ -147,6 +163,8 @@ def _lse_forward_kernel(
             tl.store(target_out_ptr + out, target_logit, mask=m_rows)
         if HAS_WSUM:
             tl.store(wsum_out_ptr + out, weighted_sum, mask=m_rows)
+        if ENTROPY:
+            tl.store(ent_out_ptr + out, centered_sum, mask=m_rows)
 
 
 @triton.jit

@@ -2,8 +2,9 @@
 
 from .contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .cross_entropy import linear_cross_entropy
+from .log_probs import linear_log_probs
 
 __all__ = [
     "clip_loss", "info_nce_loss",
-    "linear_cross_entropy", "nt_xent_loss", "siglip_loss",
+    "linear_cross_entropy", "linear_log_probs", "nt_xent_loss", "siglip_loss",
 ]

@@ -190,7 +190,7 @@ def _class_indices(input, linear_weight, target, linear_bias, weight, vocab_orde
     """The loss of (*, D) input under a (V, D) head against class ids, on one process."""
     check_inputs(input, linear_weight, target, linear_bias, weight, opts)
     reduction, ignore_index = opts.reduction, opts.index_to_ignore
-    backend = _resolve_backend(opts.backend, input)
+    backend = resolve_input_backend(opts.backend, input)
     eps = resolve_lm_head_filter_eps(opts.filter_eps, input.dtype)  # checked on every backend
     eps = eps if backend == "triton" else None
     d = linear_weight.shape[1]
@@ -353,7 +353,7 @@ def dense_vectors(*vectors):
     return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in vectors)
 
 
-def _resolve_backend(backend: str, input: torch.Tensor) -> str:
+def resolve_input_backend(backend: str, input: torch.Tensor) -> str:
     """``engine.resolve_backend``, and float64 inputs on the torch backend (exact in float64;
     the kernels take fp32, bf16 and fp16)."""
     if input.dtype == torch.float64 and backend == "triton":

@@ -13,6 +13,8 @@ plain traceable PyTorch.
     fusedloss::linear_cross_entropy_chunked        (the LM head's training path: a reduced
                 / _chunked_backward                 loss, its gradients formed in the forward;
                                                     for a few rows in the backward op)
+    fusedloss::linear_log_probs / _backward        (ops/log_probs.py: token log-probs and
+                                                    entropies, for RL and preference losses)
     fusedloss::contrastive / _backward             (ops/contrastive.py: CLIP, InfoNCE, NT-Xent,
                                                     SigLIP)
     fusedloss::contrastive_materialized / _backward   (the same at small sizes, two launches
@@ -25,6 +27,6 @@ giving NaN) and filtering's sparse slabs (each slab's live count; every slab run
 a graph is captured).
 """
 
-from . import contrastive, cross_entropy
+from . import contrastive, cross_entropy, log_probs
 
-__all__ = ["contrastive", "cross_entropy"]
+__all__ = ["contrastive", "cross_entropy", "log_probs"]

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..core import config
+from ..core.engine import Rows
 
 
 def row_major(t: Tensor) -> Tensor:
@@ -133,3 +134,20 @@ def backward_row_chunk(a: Tensor) -> int | None:
     if config.tuning().scratch_mb is not None:
         return None
     return SCRATCH_CAP_BYTES // (WIDE_SLAB_COLUMNS * a.element_size())
+
+
+def check_targets(target: Tensor, ignore_index: int, v: int) -> None:
+    """ValueError for a target outside [0, V) other than ``ignore_index`` (a read-back)."""
+    out_of_range = (target != ignore_index) & ((target < 0) | (target >= v))
+    if out_of_range.any():
+        bad = int(target[out_of_range][0])
+        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")
+
+
+def all_rows(row_target: Tensor) -> Rows:
+    """Every row, in order (the LM heads' kernels compute ignored tokens too)."""
+    n = row_target.shape[0]
+    return Rows(index=torch.arange(n, device=row_target.device),
+                n_valid=torch.full((), n, dtype=torch.int64, device=row_target.device),
+                target=row_target, identity=True, all_valid=True)

@@ -21,10 +21,12 @@ import torch
 from torch import Tensor
 
 from ..core import chunked_logits, config, engine
-from ..core.engine import Logits, Rows, RowStats
+from ..core.engine import Logits, RowStats
 from ..families import cross_entropy as family
 from ._common import (
+    all_rows,
     backward_row_chunk,
+    check_targets,
     eager_function,
     grad_or_none,
     nothing,
@@ -76,7 +78,7 @@ def forward(
     a, b = row_major(input), row_major(weight)
     v = b.shape[0]
     if config.tuning().check_values:
-        _check_targets(target, ignore_index, v)
+        check_targets(target, ignore_index, v)
         if vocab_order is not None:
             _check_order(vocab_order, v)
     vocab_order, order_nan = _safe_order(vocab_order, v)
@@ -85,7 +87,7 @@ def forward(
     target_weight = target_weight.to(engine.accumulation_dtype(a.dtype))  # float64 stays
     if order_nan is not None:
         target_weight = target_weight + order_nan
-    rows = _all_rows(row_target)
+    rows = all_rows(row_target)
 
     stats = engine.row_stats(
         a, b, Logits(bias=bias, softcap=softcap, col_order=vocab_order), rows,
@@ -148,7 +150,7 @@ def backward(
     not asked for."""
     a, b = row_major(input), row_major(weight)
     (n, d), v = a.shape, b.shape[0]
-    rows = _all_rows(row_target)
+    rows = all_rows(row_target)
     vocab_order, _ = _safe_order(vocab_order, v)  # as the forward ran it
     stats = RowStats.from_packed(
         row_stats, None, target_logit, tile_log_mass if tile_log_mass.numel() else None, None,
@@ -237,15 +239,6 @@ def _check_order(vocab_order: Tensor, v: int) -> None:
         raise ValueError("vocab_order must be a permutation of 0..V-1")
 
 
-def _check_targets(target: Tensor, ignore_index: int, v: int) -> None:
-    """ValueError for a target outside [0, V) other than ``ignore_index`` (a read-back)."""
-    out_of_range = (target != ignore_index) & ((target < 0) | (target >= v))
-    if out_of_range.any():
-        bad = int(target[out_of_range][0])
-        raise ValueError(f"target holds {bad}, outside [0, {v}) and not "
-                         f"ignore_index={ignore_index}")
-
-
 def _row_targets(target: Tensor, valid: Tensor, class_weight: Tensor | None, v: int):
     """(each token's target column (N,) int64, −1 for none; its class weight w_y (N,) fp32, 0
     at ignored tokens). A target outside [0, V) becomes −1 (no kernel reads by it) with weight
@@ -258,14 +251,6 @@ def _row_targets(target: Tensor, valid: Tensor, class_weight: Tensor | None, v: 
         weight = class_weight[target.clamp(0, v - 1)]
     weight = torch.where(in_range, weight, float("nan"))
     return row_target, torch.where(valid, weight, 0.0)
-
-
-def _all_rows(row_target: Tensor) -> Rows:
-    """Every row, in order (the kernels compute ignored tokens too)."""
-    n = row_target.shape[0]
-    return Rows(index=torch.arange(n, device=row_target.device),
-                n_valid=torch.full((), n, dtype=torch.int64, device=row_target.device),
-                target=row_target, identity=True, all_valid=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +294,7 @@ def forward_chunked(
     a, b = row_major(input), row_major(weight)
     v = b.shape[0]
     if config.tuning().check_values:
-        _check_targets(target, ignore_index, v)
+        check_targets(target, ignore_index, v)
     needs = (chunked_logits.Needs(False, False, False) if deferred
              else chunked_logits.Needs(need_input, need_weight, need_bias))
     # The logits of F.linear in the input dtype: the bias cast to it, as autocast casts it.

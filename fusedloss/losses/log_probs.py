@@ -1,0 +1,111 @@
+"""Token log-probabilities and entropies through an LM head: the functional API.
+
+What RL and preference trainers need of a policy's head (each completion token's
+log-probability under a temperature, often its entropy), computed by the core without the
+(tokens × vocabulary) logits. The formulas are ``fusedloss/families/log_probs.py``'s, the ops
+``fusedloss/ops/log_probs.py``'s; this layer checks the arguments, flattens the tokens (and
+shifts the targets for a causal LM) and shapes the outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core import engine
+from ..ops import log_probs as ops
+from ..ops._common import autocast_operands
+from ..options import CrossEntropyOptions
+from .cross_entropy import check_inputs, dense_vectors, resolve_input_backend, shifted_targets
+
+
+def linear_log_probs(
+    input: torch.Tensor,  # (*, D)
+    linear_weight: torch.Tensor,  # (V, D)
+    target: torch.Tensor,  # (*) int64 in [0, V) or ignore_index
+    *,
+    linear_bias: torch.Tensor | None = None,  # (V,)
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+    return_entropy: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each token's log-probability of its target under the LM head, without the logits.
+
+    Equals ``torch.log_softmax(F.linear(input, linear_weight, linear_bias).float() /
+    temperature, -1).gather(-1, target[..., None])[..., 0]`` (with ``softcap`` c the logits
+    ``c·tanh(z / c)`` before the division, as Gemma 2 forms them), in O(N + V·D) memory: the
+    (N, V) logits are never formed, forward or backward. Differentiable with respect to
+    ``input``, ``linear_weight`` and ``linear_bias``.
+
+    Args:
+        input: (*, D) hidden states (float32, bfloat16, float16; float64 on the torch backend).
+        linear_weight: (V, D) the head, same dtype as ``input``.
+        target: (*) int64 token ids in [0, V), or ``ignore_index``.
+        linear_bias: optional (V,) bias of the head.
+        temperature: T > 0; the distribution is softmax(logits / T), as RL trainers sample.
+        softcap: optional c > 0: logits c·tanh(z / c) (before the temperature).
+        ignore_index: target value whose token gets 0 (and no gradient).
+        shift: causal-LM shift: position t's log-prob is of ``target[..., t + 1]``; the outputs
+            then have the last dim one shorter (the last position has no next token), as
+            ``linear_cross_entropy(..., shift=True, reduction="none")``'s.
+        return_entropy: also return each token's entropy of softmax(logits / T).
+        backend: "triton" (CUDA, or the CPU under ``TRITON_INTERPRET=1``), "torch" (chunked
+            PyTorch) or "auto" (Triton on CUDA, torch elsewhere and for float64).
+
+    Returns:
+        ``log_probs`` (float32; float64 for float64 input) of ``target``'s shape (its last
+        dim one shorter with ``shift``), 0 at ignored positions; with ``return_entropy`` the
+        tuple ``(log_probs, entropy)``, the entropy 0 at ignored positions too. A target
+        outside [0, V) other than ``ignore_index`` gives NaN (its token, and the gradients).
+
+    Example:
+        >>> h = torch.randn(2, 8, 64, requires_grad=True)
+        >>> w = torch.randn(1000, 64, requires_grad=True)
+        >>> ids = torch.randint(0, 1000, (2, 8))
+        >>> logp, ent = linear_log_probs(h, w, ids, temperature=0.7, shift=True,
+        ...                              return_entropy=True)
+        >>> (logp.sum() + 0.01 * ent.sum()).backward()
+    """
+    if isinstance(target, torch.Tensor) and (target.dtype.is_floating_point
+                                             or target.dtype == torch.bool):
+        raise TypeError(f"target must hold integer token ids, got {target.dtype}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite value > 0, got {temperature}")
+    if isinstance(input, torch.Tensor):
+        input, linear_weight, linear_bias = autocast_operands(
+            input.device, input, linear_weight, linear_bias)
+    (linear_bias,) = dense_vectors(linear_bias)
+    opts = CrossEntropyOptions(reduction="none", ignore_index=ignore_index, softcap=softcap,
+                               shift=shift, backend=backend)
+    check_inputs(input, linear_weight, target, linear_bias, None, opts)
+    backend = resolve_input_backend(backend, input)
+    d = linear_weight.shape[1]
+    a = input.reshape(-1, d)
+    flat_target = shifted_targets(target, shift, ignore_index)
+    if a.shape[0] == 0:
+        # Nothing to compute, but keep the graph: gradients are zeros of the right shapes.
+        acc = engine.accumulation_dtype(input.dtype)
+        log_prob = a.to(acc).sum(dim=-1) + linear_weight[:0].to(acc).sum()
+        if linear_bias is not None:
+            log_prob = log_prob + linear_bias[:0].to(acc).sum()
+        entropy = log_prob
+    else:
+        log_prob, entropy, *_ = ops.linear_log_probs(
+            a, linear_weight, flat_target, linear_bias, int(ignore_index), float(temperature),
+            None if softcap is None else float(softcap), return_entropy, backend)
+    log_prob = _token_shaped(log_prob, target.shape, shift)
+    if not return_entropy:
+        return log_prob
+    return log_prob, _token_shaped(entropy, target.shape, shift)
+
+
+def _token_shaped(per_token: torch.Tensor, shape: torch.Size, shift: bool) -> torch.Tensor:
+    """(N,) → ``shape``, without the shifted-out last position with ``shift``."""
+    per_token = per_token.view(shape)
+    return per_token[..., :-1] if shift else per_token

@@ -1,0 +1,180 @@
+"""Token log-probabilities (and entropies) through an LM head as two custom ops over the engine.
+
+The formulas are ``fusedloss/families/log_probs.py``'s; these ops feed them the engine's
+statistics. As for the cross-entropy op, every row is computed, an ignored token's too, which
+gives 0 and no gradient; nothing is read back to the host unless ``Tuning.check_values`` asks.
+No tile is skipped (the entropy's gradient is not bounded by the softmax mass that filtering
+reasons about).
+
+``fusedloss::linear_log_probs`` returns per token log p and H with the statistics the backward
+reads; ``fusedloss::linear_log_probs_backward`` takes them with the upstream gradients.
+"""
+
+import torch
+from torch import Tensor
+
+from ..core import config, engine
+from ..core.engine import RowStats
+from ..families import log_probs as family
+from ._common import (
+    all_rows,
+    backward_row_chunk,
+    check_targets,
+    eager_function,
+    grad_or_none,
+    nothing,
+    row_major,
+    run_op,
+    scratch_bytes,
+    without_autocast,
+)
+
+
+def linear_log_probs(*args) -> tuple[Tensor, ...]:
+    """The forward op (``fusedloss::linear_log_probs``, arguments of ``forward``) with its
+    autograd: through the dispatcher while ``torch.compile`` traces, straight to the host
+    functions in eager mode."""
+    return run_op(forward_op, _EagerFunction, *args)
+
+
+@without_autocast
+def forward(
+    input: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    target: Tensor,  # (N,) int64: token ids in [0, V), or ignore_index
+    bias: Tensor | None,  # (V,)
+    ignore_index: int,
+    temperature: float,
+    softcap: float | None,
+    entropy: bool,
+    backend: str,  # "triton" or "torch"
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per token log p(target) and entropy ((N,) fp32 each, 0 at ignored tokens; the entropy
+    (0,) without ``entropy``), then for the backward: each token's target (N,) int64 (−1:
+    none), its weight (N,) fp32 (1, 0 at ignored tokens, NaN for a target outside [0, V) other
+    than ``ignore_index``, which makes its outputs and the gradients NaN), the row LSE parts
+    (4, N) (``RowStats.packed``), the target logits (N,) and the centered sums (N,) ((0,)
+    without ``entropy``). float64 operands (the torch backend) give float64 outputs."""
+    a, b = row_major(input), row_major(weight)
+    v = b.shape[0]
+    if config.tuning().check_values:
+        check_targets(target, ignore_index, v)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < v)
+    row_target = torch.where(valid & in_range, target, -1)
+    acc = engine.accumulation_dtype(a.dtype)
+    row_weight = torch.where(valid, torch.where(in_range, 1.0, float("nan")), 0.0).to(acc)
+    logits = family.tempered_logits(bias, temperature, softcap, acc, a.device)
+    stats = engine.row_stats(a, b, logits, all_rows(row_target),
+                             wants=engine.Wants(record_tiles=False, entropy=entropy),
+                             backend=backend)
+    log_prob = torch.where(valid, family.token_log_prob(stats) * row_weight, 0.0)
+    packed_rows, _ = stats.packed()
+    if entropy:
+        token_entropy = torch.where(valid, family.token_entropy(stats) * row_weight, 0.0)
+        centered = stats.centered_sum
+    else:
+        token_entropy, centered = nothing(a, (0,)).to(acc), nothing(a, (0,)).to(acc)
+    return (log_prob, token_entropy, row_target, row_weight, packed_rows, stats.target_logit,
+            centered)
+
+
+forward_op = torch.library.custom_op("fusedloss::linear_log_probs", forward, mutates_args=())
+
+
+@forward_op.register_fake
+def _(input, weight, target, bias, ignore_index, temperature, softcap, entropy, backend):
+    n = input.shape[0]
+    per_row = input.new_empty(n, dtype=engine.accumulation_dtype(input.dtype))
+    if_entropy = torch.empty_like(per_row) if entropy else per_row.new_empty(0)
+    return (per_row, if_entropy, input.new_empty(n, dtype=torch.int64),
+            torch.empty_like(per_row), input.new_empty((4, n), dtype=per_row.dtype),
+            torch.empty_like(per_row), torch.empty_like(if_entropy))
+
+
+@without_autocast
+def backward(
+    grad_log_prob: Tensor | None,  # (N,)
+    grad_entropy: Tensor | None,  # (N,)
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    row_target: Tensor,
+    row_weight: Tensor,
+    row_stats: Tensor,
+    target_logit: Tensor,
+    centered_sum: Tensor,
+    temperature: float,
+    softcap: float | None,
+    backend: str,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d input, d weight, d bias) from the forward's statistics; each is an empty tensor when
+    not asked for."""
+    a, b = row_major(input), row_major(weight)
+    d = a.shape[1]
+    stats = RowStats.from_packed(row_stats, None, target_logit, None, None,
+                                 engine.forward_block(a.device, a.dtype, d))
+    if centered_sum.numel():
+        stats.centered_sum = centered_sum
+    acc = engine.accumulation_dtype(a.dtype)
+    # Upstream gradients times each token's weight: 0 at ignored tokens, NaN at bad targets
+    # (autograd passes None for an output that got no gradient).
+    counted = row_weight != 0
+    g = (torch.zeros_like(row_weight) if grad_log_prob is None
+         else torch.where(counted, grad_log_prob.to(acc) * row_weight, 0.0))
+    h = None
+    if grad_entropy is not None and centered_sum.numel():
+        h = torch.where(counted, grad_entropy.to(acc) * row_weight, 0.0)
+    logits = family.tempered_logits(bias, temperature, softcap, acc, a.device)
+    grads = engine.grads(
+        a, b, logits, all_rows(row_target), stats, family.grad_coefficients(g, h, stats),
+        needs=engine.Needs(need_input, need_weight, bias is not None and need_bias),
+        plan=engine.BackwardPlan(scratch_bytes=scratch_bytes(a), row_chunk=backward_row_chunk(a),
+                                 backend=backend),
+    )
+    grad_bias = nothing(a, (0,))
+    if grads.bias is not None:  # the engine's is for bias / T
+        grad_bias = (grads.bias / temperature).to(bias.dtype)
+    return (grads.a if need_input else nothing(a, (0,)),
+            grads.b if need_weight else nothing(a, (0,)), grad_bias)
+
+
+backward_op = torch.library.custom_op("fusedloss::linear_log_probs_backward", backward,
+                                      mutates_args=())
+
+
+@backward_op.register_fake
+def _(grad_log_prob, grad_entropy, input, weight, bias, row_target, row_weight, row_stats,
+      target_logit, centered_sum, temperature, softcap, backend, need_input, need_weight,
+      need_bias):
+    return (torch.empty_like(input) if need_input else nothing(input, (0,)),
+            torch.empty_like(weight) if need_weight else nothing(input, (0,)),
+            torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, _, bias, _, temperature, softcap, _, backend = inputs
+    _, _, *saved = output
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
+    ctx.save_for_backward(input, weight, bias, *saved)
+    ctx.options = (temperature, softcap, backend)
+
+
+def _autograd_backward(ctx, grad_log_prob, grad_entropy, *_, backward_fn=backward_op):
+    need_input, need_weight, _, need_bias = ctx.needs_input_grad[:4]
+    grad_input, grad_weight, grad_bias = backward_fn(
+        grad_log_prob, grad_entropy, *ctx.saved_tensors, *ctx.options,
+        need_input, need_weight, need_bias)
+    return (grad_or_none(grad_input, need_input), grad_or_none(grad_weight, need_weight), None,
+            grad_or_none(grad_bias, need_bias), *[None] * 5)
+
+
+forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+_EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
+                                backward)
