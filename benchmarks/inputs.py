@@ -1,6 +1,6 @@
-"""Benchmark inputs (benchmarks/README.md gives the formulas): LM-head (E, C, y) in the "peaked"
-and "flat" regimes, the "trained" regime's file (``python -m benchmarks.trained_lm``), and
-contrastive feature pairs. Keep the order of the random draws: results depend on it."""
+"""Benchmark inputs (formulas: benchmarks/README.md): LM-head (E, C, y) in the "peaked" and
+"flat" regimes, the "trained" regime's file, and contrastive feature pairs. Keep the order of
+the random draws: results depend on it."""
 
 from __future__ import annotations
 
@@ -85,21 +85,17 @@ TRAINED_LM_FILE = "trained_lm.pt"
 
 def _load_trained(path: str | os.PathLike[str] | None) -> tuple[Path, dict[str, Any]]:
     """(file, payload) of ``path`` (a directory or the file), else ``$FUSEDLOSS_TRAINED_LM``."""
-    how = ("create it on a CUDA machine with `python -m benchmarks.trained_lm --out DIR` (from "
-           "the repository root, a few minutes; `--quick` makes a tiny CPU one for tests), then "
-           f"pass DIR or set {TRAINED_LM_ENV}=DIR")
     if path is None:
         path = os.environ.get(TRAINED_LM_ENV) or None
-    if path is None:
-        raise FileNotFoundError(f'the "{TRAINED_REGIME}" regime needs the hidden states of a '
-                                f"trained model: {TRAINED_LM_ENV} is not set and no path was "
-                                f"given; {how}")
-    file = Path(path)
-    if file.is_dir():
+    file = None if path is None else Path(path)
+    if file is not None and file.is_dir():
         file = file / TRAINED_LM_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f'the "{TRAINED_REGIME}" regime\'s file {file} does not exist; '
-                                f"{how}")
+    if file is None or not file.is_file():
+        where = f"its file {file} does not exist" if file else f"{TRAINED_LM_ENV} is not set"
+        raise FileNotFoundError(
+            f'the "{TRAINED_REGIME}" regime needs a trained model\'s rows: {where}; create them '
+            "on a CUDA machine with `python -m benchmarks.trained_lm --out DIR` (a few minutes; "
+            f"`--quick` makes a tiny CPU one), then pass DIR or set {TRAINED_LM_ENV}=DIR")
     return file, torch.load(file, map_location="cpu", weights_only=True)
 
 
@@ -119,27 +115,28 @@ def load_trained_regime(path: str | os.PathLike[str] | None = None,
 
 
 def trained_shape(path: str | os.PathLike[str] | None = None) -> LMHeadShape:
+    """The "trained" file's (V, D) as an LMHeadShape named "trained"."""
     vocab_size, hidden_size = _load_trained(path)[1]["C"].shape
     return LMHeadShape(TRAINED_REGIME, int(vocab_size), int(hidden_size))
 
 
 def trained_rows(path: str | os.PathLike[str] | None = None) -> int:
+    """How many rows (N) the "trained" file holds."""
     return int(_load_trained(path)[1]["E"].shape[0])
 
 
 PAIR_REGIMES = ("random", "trained")
-# logit_scale (exp()-ed, open_clip's convention): CLIP's initial 1/0.07, and 100, where
-# trained CLIP models end (open_clip clamps there)
+# logit_scale (exp()-ed): CLIP's initial 1/0.07, and 100, where trained CLIP models end
 RANDOM_LOGIT_SCALE = 1.0 / 0.07
 TRAINED_LOGIT_SCALE = 100.0
-# the "trained" pairs: ≈ 8 pairs a cluster, shared-latent and noise weights (calibration:
-# benchmarks/README.md)
+# the "trained" pairs: ≈ 8 pairs a cluster, shared-latent and noise weights (README.md)
 TRAINED_CLUSTER_SIZE = 8
 TRAINED_LATENT = 0.45
 TRAINED_NOISE = 1.5
 
 
 def pair_logit_scale(regime: str) -> float:
+    """The logit_scale a pair regime is measured at."""
     _check_regime(regime, PAIR_REGIMES)
     return RANDOM_LOGIT_SCALE if regime == "random" else TRAINED_LOGIT_SCALE
 
@@ -149,12 +146,7 @@ def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torc
                        cluster_size: int = TRAINED_CLUSTER_SIZE, latent: float = TRAINED_LATENT,
                        noise: float = TRAINED_NOISE) -> tuple[Tensor, Tensor]:
     """``(image, text)``, each (b, c) L2-normalized in float32, then cast; row i of each is
-    pair i. "random": independent unit vectors. "trained"::
-
-        k_i = randint(max(1, b // cluster_size)) with random unit centres c_k
-        image_i = normalize(c_k + latent·w_i + noise·n_i)   (w, n, n' random unit vectors)
-        text_i  = normalize(c_k + latent·w_i + noise·n'_i)
-    """
+    pair i: independent unit vectors ("random"), or clustered pairs ("trained", README.md)."""
     _check_regime(regime, PAIR_REGIMES)
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -169,7 +161,6 @@ def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torc
     clusters = max(1, b // max(1, cluster_size))
     centres = unit(clusters)
     base = centres[torch.randint(0, clusters, (b,), generator=generator, device=device)]
-    del centres
     base.add_(unit(b), alpha=latent)
     image = torch.nn.functional.normalize(base + noise * unit(b), dim=1).to(dtype)
     text = torch.nn.functional.normalize(base.add_(unit(b), alpha=noise), dim=1).to(dtype)

@@ -8,9 +8,7 @@ figures need CUDA and are tested only there.
 
 from __future__ import annotations
 
-import functools
 import importlib
-import json
 import math
 import types
 
@@ -194,23 +192,30 @@ def test_reference_loss_only_in_float32():
 # ----------------------------------------------------------------------------- providers
 
 
+def _case(loss, rows, width, regime="trained"):
+    shape = {"clip": "clip-16k", "nt-xent": "nt-xent-64k", "siglip": "siglip-16k"}[loss]
+    providers_run = contrastive.SHAPES[shape][-1]
+    return contrastive.Case(shape, loss, rows, width, regime, providers_run)
+
+
+def _grad_leaves(args):
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
 @pytest.mark.parametrize("loss", ["clip", "nt-xent", "siglip"])
 def test_materialized_and_fusedloss_providers_agree_with_reference(loss):
-    case = contrastive.Case(contrastive.SHAPES[_shape_of(loss)], "trained", 32, 16)
-    case_inputs = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
-    ref = contrastive.contrastive_reference(loss, case_inputs.args, with_grads=True)
+    case = _case(loss, 32, 16)
+    args = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
+    ref = contrastive.contrastive_reference(loss, args, with_grads=True)
+    assert list(ref.grads) == list(contrastive.GRAD_NAMES[loss])
     for key in ("torch", "fusedloss"):
         provider = providers.contrastive_providers("torch")[key]
         assert provider.supports(loss) and provider.describe(loss)
-        value = provider.build(CPU, loss)(*case_inputs.args)
-        grads = torch.autograd.grad(value, case_inputs.leaves)
+        value = provider.build(CPU, loss)(*args)
+        grads = torch.autograd.grad(value, _grad_leaves(args))
         assert float(value.detach()) == pytest.approx(ref.loss, rel=1e-4), key
-        for name, grad in zip(case_inputs.grad_names, grads, strict=True):
+        for name, grad in zip(contrastive.GRAD_NAMES[loss], grads, strict=True):
             assert common.relative_l2_error(grad, ref.grads[name]) < 1e-4, (key, name)
-
-
-def _shape_of(loss):
-    return {"clip": "clip-16k", "nt-xent": "nt-xent-64k", "siglip": "siglip-16k"}[loss]
 
 
 def test_provider_table_and_inf_cl_support():
@@ -287,17 +292,19 @@ def _raise(error):
     return fn
 
 
+def _clip_case_inputs():
+    case = _case("clip", 16, 16, "random")
+    args = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
+    return case, args, contrastive.contrastive_reference("clip", args, with_grads=True)
+
+
 def test_run_provider_reports_failures_and_goes_on():
-    case = contrastive.Case(contrastive.SHAPES["clip-16k"], "random", 16, 16)
-    case_inputs = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
-    ref = contrastive.contrastive_reference("clip", case_inputs.args, with_grads=True)
-    settings = dict(
-        timing=common.TimingSettings(0.0, 1.0), slow=contrastive.SlowTiming(), floor_ms=1.0
-    )
+    case, args, ref = _clip_case_inputs()
+    timing = common.TimingSettings(0.0, 1.0)
     good = providers.materialized_clip_loss
     outcomes = {
         key: contrastive.run_provider(
-            _FakeProvider(key, fn, is_peer), case, case_inputs, ref, **settings
+            _FakeProvider(key, fn, is_peer), case, args, ref, timing=timing, floor_ms=1.0
         )
         for key, fn, is_peer in [
             ("oom", _raise(RuntimeError("CUDA out of memory. Tried to allocate 64 GiB")), False),
@@ -314,18 +321,28 @@ def test_run_provider_reports_failures_and_goes_on():
     assert outcomes["absent"].status == common.NOT_INSTALLED
     good_result = outcomes["good"]
     assert good_result.status == common.OK and good_result.ms > 0
+    assert good_result.timing == "wall-clock median"
     assert good_result.times_floor == pytest.approx(good_result.ms)
     assert set(good_result.errors) == {"dI", "dT", "ds"} and good_result.loss_error < 1e-5
     assert good_result.peak_extra_mib is None  # no memory figures without CUDA
 
 
-def test_slow_timing_repetitions():
-    slow = contrastive.SlowTiming(threshold_ms=500, max_reps=3, budget_ms=10_000)
-    assert [slow.reps(ms) for ms in (600, 1000, 4000, 6400, 30_000)] == [3, 3, 2, 2, 2]
-    assert contrastive.SlowTiming(max_reps=1).reps(6400) == 1
+@pytest.mark.parametrize("budget_ms, reps", [(1e9, 3), (0.0, 2)])
+def test_slow_calls_are_timed_one_by_one(monkeypatch, budget_ms, reps):
+    """Calls at or above SLOW_MS: clamp(SLOW_BUDGET_MS / call, 2, SLOW_MAX_REPS) timed calls."""
+    monkeypatch.setattr(contrastive, "SLOW_MS", 0.0)
+    monkeypatch.setattr(contrastive, "SLOW_BUDGET_MS", budget_ms)
+    case, args, ref = _clip_case_inputs()
     calls = []
-    assert common.median_ms_fixed(lambda: calls.append(1), CPU, 3) >= 0 and len(calls) == 3
-    assert common.call_ms(lambda: None, CPU) >= 0
+
+    def counted(*loss_args):
+        calls.append(1)
+        return providers.materialized_clip_loss(*loss_args)
+
+    result = contrastive.run_provider(_FakeProvider("slow", counted), case, args, ref,
+                                      timing=common.TimingSettings(), floor_ms=1.0)
+    assert result.timing == f"median of {reps} timed calls" and result.ms > 0
+    assert len(calls) == 1 + reps  # the check, then the timed calls
 
 
 # ----------------------------------------------------------------------------- cases
@@ -333,88 +350,63 @@ def test_slow_timing_repetitions():
 
 def test_case_selection_quick_sizes_and_floors():
     cases = contrastive.select_cases(None, None, False)
-    keys = [c.key for c in cases]
-    assert keys[:2] == ["clip-16k random", "clip-16k trained"]
-    assert "clip-1m random" in keys and "clip-1m trained" not in keys
-    assert "siglip-16k trained" not in keys
+    labels = [c.label for c in cases]
+    assert labels[:2] == ["clip 16384×512 random", "clip 16384×512 trained"]
+    assert "clip 1048576×512 random" in labels and "clip 1048576×512 trained" not in labels
+    assert "siglip 16384×512 trained" not in labels
     quick = contrastive.select_cases(["clip-1m", "nt-xent-64k"], ["trained"], True)
-    assert [(c.key, c.rows, c.width) for c in quick] == [
-        ("clip-1m trained", 4096, 64),
-        ("nt-xent-64k trained", 256, 32),
+    assert [(c.shape, c.rows, c.width) for c in quick] == [
+        ("clip-1m", 4096, 64),
+        ("nt-xent-64k", 256, 32),
     ]
     assert quick[1].label == "nt-xent 2×128×32 trained"
     clip16k = cases[0]
-    floors = clip16k.floors_ms(723.0)
-    assert floors["one_pass"] == pytest.approx(8 * 16384**2 * 512 / 723e12 * 1e3)
-    assert floors["one_pass_reuse"] == pytest.approx(floors["one_pass"] / 2)
-    assert clip16k.reference_grads and clip16k.reference_loss
-    by_key = {c.key: c for c in cases}
-    assert by_key["nt-xent-64k random"].reference_grads
-    assert not by_key["clip-64k random"].reference_grads
-    assert by_key["clip-256k random"].reference_loss
-    assert not by_key["clip-1m random"].reference_loss
-    assert by_key["clip-16k trained"].logit_scale == 100.0
-    assert by_key["siglip-16k random"].parameters_text == "logit_scale 10, logit_bias -10"
-
-
-def _result(key, ms=None, mib=None, status=common.OK, floor=None, label=None):
-    return contrastive.ProviderResult(
-        key, label or key, status=status, ms=ms, peak_extra_mib=mib, times_floor=floor
-    )
-
-
-def _case_result(shape, regime, *results):
-    spec = contrastive.SHAPES[shape]
-    case = contrastive.Case(spec, regime, spec.rows, spec.width)
-    return contrastive.CaseResult(
-        case, case.floors_ms(723.0), None, {r.provider: r for r in results}
-    )
+    assert clip16k.floor_ms(723.0) == pytest.approx(8 * 16384**2 * 512 / 723e12 * 1e3)
+    by_label = {c.label: c for c in cases}
+    reference_dtypes = {label: by_label[label].reference_dtype for label in (
+        "clip 16384×512 random", "nt-xent 2×32768×256 random", "clip 65536×512 random",
+        "clip 262144×512 random", "clip 1048576×512 random")}
+    assert list(reference_dtypes.values()) == [
+        torch.float64, torch.float64, torch.float32, torch.float32, None]
+    assert by_label["clip 16384×512 trained"].parameters == {"logit_scale": 100.0}
+    assert by_label["siglip 16384×512 random"].parameters == {
+        "logit_scale": 10.0, "logit_bias": -10.0}
+    assert {c.shape: c.providers for c in cases}["clip-256k"] == ("fusedloss", "fusedloss-compile")
 
 
 # ----------------------------------------------------------------------------- files, CLI
 
 
-def test_results_files_written(tmp_path):
-    case_results = [
-        _case_result(
-            "clip-16k", "random", _result("fusedloss", 3.0, 10.0, floor=2.0), _result("torch", 13.1)
-        ),
-        _case_result("clip-1m", "random", _result("fusedloss", 9000.0, 2048.0, floor=1.3)),
-    ]
-    case_results[0].reference = contrastive.Reference(9.9, "float64", (9.8, 10.0))
-    info = contrastive.RunInfo(
-        environment=common.collect_environment("cpu"),
-        matmul={"size": 8192, "dtype": "bf16", "ms": 1.52, "tflops": 723.0},
-        dtype="bf16",
-        seed=0,
-        quick=False,
-        timing=common.TimingSettings(),
-        slow=contrastive.SlowTiming(),
-        backend="triton",
-        providers=["fusedloss", "torch", "inf-cl"],
-        peer_versions={"inf-cl": None},
-        notes=["inf-cl skipped"],
-    )
-    md_path, json_path = common.write_results(
-        tmp_path,
-        "contrastive_test",
-        contrastive.render_markdown(info, case_results),
-        contrastive.results_json(info, case_results),
-    )
-    markdown = md_path.read_text(encoding="utf-8")
+def _result(key, ms=None, mib=None, floor=None):
+    return contrastive.ProviderResult(key, key, ms=ms, peak_extra_mib=mib, times_floor=floor)
+
+
+def test_report_tables():
+    shape = contrastive.SHAPES["clip-16k"]
+    case = contrastive.Case("clip-16k", shape[0], shape[1], shape[2], "random", shape[-1])
+    ours = _result("fusedloss", 3.0, 10.0, floor=2.0)
+    ours.errors, ours.ratios = {"dI": 2.5e-3}, {"dI": 0.85}
+    case_results = [contrastive.CaseResult(
+        case, case.floor_ms(723.0), contrastive.Reference(9.9, "float64", (9.8, 10.0)),
+        {"fusedloss": ours, "torch": _result("torch", 13.1)})]
+    info = dict(environment=common.collect_environment("cpu"),
+                settings=dict(dtype="bf16", seed=0, quick=False, warmup_ms=100, rep_ms=1000,
+                              backend="triton", providers=["fusedloss", "torch", "inf-cl"]),
+                matmul={"size": 8192, "dtype": "bf16", "ms": 1.52, "tflops": 723.0},
+                peer_versions={"inf-cl": None}, calls={}, notes=["inf-cl skipped"])
+    markdown = contrastive.render_markdown(info, case_results)
     for text in (
         "723 TFLOP/s",
         "max_memory_allocated",
-        "i→t 9.8000",
+        "| 9.9000 (i→t 9.8000, t→i 10.0000), float64 | dI 2.5e-03 (0.85×) | — |",
         "| floor 8r²c/R | 4r²c/R | fusedloss × floor |",
         "| 3.00 / 10.0 | 13.1 / — | 3.00 (fusedloss) | 1.52 | 0.76 | 2.00 |",
         "inf-cl not installed",
-        "torch / triton / CUDA",
+        "## Notes",
     ):
         assert text in markdown, text
-    data = json.loads(json_path.read_text(encoding="utf-8"))
-    assert data["suite"] == "contrastive" and data["cases"][1]["rows"] == 1_048_576
-    assert data["inputs"]["trained"]["latent"] == inputs.TRAINED_LATENT
+    text_tables = contrastive.result_tables(case_results, text=True)
+    assert "|" not in text_tables["Time and memory"]
 
 
 def test_cli_options_and_cpu_refusal(tmp_path):
@@ -435,46 +427,40 @@ def test_quick_run_end_to_end(tmp_path, capsys):
         options += " --device cpu"
     assert run_module.main([*options.split(), "--out", str(tmp_path), "--tag", "t"]) == 0
     printed = capsys.readouterr().out
-    assert printed.rstrip().splitlines()[-1].startswith("nt-xent-64k trained ")  # table last
-    assert "mean loss per case" in printed and "reference loss" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("nt-xent 2×128×32 trained ")
+    assert "reference loss" in printed and "mean loss (reference)" in printed
     data, markdown = read_results(tmp_path, "contrastive_*_t")
-    assert [c["case"] for c in data["cases"]] == [
-        "clip-16k random",
-        "clip-16k trained",
-        "siglip-16k random",
-        "nt-xent-64k random",
-        "nt-xent-64k trained",
+    assert [(c["case"]["shape"], c["case"]["regime"]) for c in data["cases"]] == [
+        ("clip-16k", "random"),
+        ("clip-16k", "trained"),
+        ("siglip-16k", "random"),
+        ("nt-xent-64k", "random"),
+        ("nt-xent-64k", "trained"),
     ]
     for case in data["cases"]:
-        by_key = {r["provider"]: r for r in case["results"]}
-        assert set(by_key) == (
-            {"fusedloss", "torch", "inf-cl"}
-            if case["loss"] == "clip"
-            else {
-                "fusedloss",
-                "torch",
-            }
-        )
+        results = case["results"]
+        clip = case["case"]["loss"] == "clip"
+        expected = {"fusedloss", "torch", "inf-cl"} if clip else {"fusedloss", "torch"}
+        assert set(results) == expected
         for key in ("fusedloss", "torch"):
-            assert by_key[key]["status"] == "ok" and by_key[key]["ms"] > 0, (case["case"], key)
-            assert by_key[key]["errors"], (case["case"], key)
-        assert by_key["torch"]["ratios"] and all(
-            v == pytest.approx(1.0) for v in by_key["torch"]["ratios"].values()
+            assert results[key]["status"] == "ok" and results[key]["ms"] > 0, (case, key)
+            assert results[key]["errors"], (case, key)
+        assert results["torch"]["ratios"] and all(
+            v == pytest.approx(1.0) for v in results["torch"]["ratios"].values()
         )
-        if "inf-cl" in by_key:
-            assert by_key["inf-cl"]["status"] in ("not installed", "unavailable")
-        assert case["reference"]["dtype"] == "float64"
-    assert "--quick run" in markdown and "## Gradient accuracy" in markdown
+        if clip:
+            assert results["inf-cl"]["status"] in ("not installed", "unavailable")
+        assert case["reference"]["dtype"] == "float64" and case["reference"]["grads"] is None
+    assert common.QUICK_NOTE in markdown and "## Losses and gradient accuracy" in markdown
 
 
 @requires_cuda
 def test_quick_run_times_with_do_bench_on_cuda(tmp_path, monkeypatch):
     # Under a loaded test run the first calls can pass the slow-call threshold.
-    slow = functools.partial(contrastive.SlowTiming, threshold_ms=1e9)
-    monkeypatch.setattr(contrastive, "SlowTiming", slow)
+    monkeypatch.setattr(contrastive, "SLOW_MS", 1e9)
     options = "contrastive --quick --shapes clip-16k --providers fusedloss,torch"
     assert run_module.main([*options.split(), "--out", str(tmp_path)]) == 0
     data, _ = read_results(tmp_path, "contrastive_*")
-    for result in data["cases"][0]["results"]:
+    for result in data["cases"][0]["results"].values():
         assert result["status"] == "ok" and result["timing"] == "do_bench"
         assert result["peak_extra_mib"] is not None

@@ -25,32 +25,25 @@ def _run(args, tmp_path):
 def test_quick_run_checks_both_methods_and_sweeps(tmp_path):
     _run([], tmp_path)
     data, markdown = read_results(tmp_path, "grad_cache_*_cpu_2proc")
-    assert data["world"] == 2 and data["micro_batch"] == grad_cache.QUICK_MICRO_BATCH
+    settings = data["settings"]
+    assert settings["world_size"] == 2 and settings["micro_batch"] == grad_cache.QUICK_MICRO_BATCH
     check = data["check"]
     assert check["status"] == "ok", check["note"]
     assert check["max_gradient_error"] < grad_cache.CHECK_TOLERANCE
+    assert check["loss_plain"] == check["loss_grad_cache"]
     rows = [(r["method"], r["batch"], r["per_rank"], r["status"]) for r in data["rows"]]
     assert rows == [("plain", 64, 32, "ok"), ("plain", 128, 64, "ok"),
                     ("grad-cache", 64, 32, "ok"), ("grad-cache", 128, 64, "ok")]
     for row in data["rows"]:
         assert row["ms"] > 0 and len(row["ms_per_rank"]) == 2 and row["loss"] > 0
     assert data["largest"] == {"plain": 128, "grad-cache": 128}
-    assert "## Largest global batch one step completed" in markdown
+    assert "| grad-cache | 128 | 64 | ok |" in markdown
 
 
 def test_sweep_stops_after_a_step_over_the_limit(tmp_path):
-    _run(["--methods", "grad-cache", "--batches", "32,64,128", "--max-step-s", "0",
-          "--micro-batch", "8", "--tag", "limit"], tmp_path)
-    data, markdown = read_results(tmp_path, "grad_cache_*_cpu_2proc_limit")
-    assert data["check"] is None and data["micro_batch"] == 8
-    assert [(r["method"], r["batch"]) for r in data["rows"]] == [("grad-cache", 32)]
-    assert "step time above 0 s at B = 32" in markdown
-
-
-def test_largest_batch_and_stop_reason():
-    rows = [grad_cache.Row("plain", 64, 32), grad_cache.Row("plain", 128, 64,
-                                                            status="out of memory")]
-    assert grad_cache.largest_batch(rows, "plain") == 64
-    assert grad_cache.largest_batch(rows, "grad-cache") is None
-    assert grad_cache._stop_reason(rows, "plain", 60.0) == "out of memory at B = 128"
-    assert grad_cache._stop_reason(rows, "grad-cache", 60.0) == "not run"
+    _run(["--batches", "32,64,128", "--max-step-s", "0", "--micro-batch", "8", "--tag", "limit"],
+         tmp_path)
+    data, _ = read_results(tmp_path, "grad_cache_*_cpu_2proc_limit")
+    assert data["settings"]["micro_batch"] == 8 and data["check"]["batch"] == 32
+    assert [(r["method"], r["batch"]) for r in data["rows"]] == [("plain", 32),
+                                                                 ("grad-cache", 32)]

@@ -124,11 +124,11 @@ def test_other_calls_keep_the_triton_kernel(why):
         col_order=torch.randperm(300, device=DEV) if why == "order" else None,
         diag_mask=why == "diag")
     rows = engine.Rows(index=torch.arange(300, device=DEV), n_valid=torch.tensor(300, device=DEV))
-    assert engine._sm90_operand(a, b, logits, rows, True, False, False) is None
+    assert engine._sm90_operand(a, b, logits, rows, engine.Wants(col_stats=True)) is None
     if why in ("softcap", "order", "diag"):
         # The same inputs without the option do take the Hopper kernel.
         plain = engine.Logits(scale=logits.scale)
-        assert engine._sm90_operand(a, b, plain, rows, True, False, False) is not None
+        assert engine._sm90_operand(a, b, plain, rows, engine.Wants(col_stats=True)) is not None
 
 
 def test_gluon_switch_turns_it_off(tune):

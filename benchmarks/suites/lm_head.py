@@ -1,83 +1,41 @@
 """Suite ``lm-head``: linear cross-entropy of an LM head, ours against torch and the peers.
-
-Per case (shape × regime × N × mode) and provider: an untimed check against a float64
-reference (also compiles; records tiles skipped), peak memory, and the ``do_bench`` median
-with its ratio to the case's cuBLAS products. Column definitions: benchmarks/README.md.
-"""
+Per case and provider: a check against float64 (recording the tiles skipped), peak memory and
+the median ms against the case's cuBLAS products. Definitions: benchmarks/README.md."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from benchmarks import common
-from benchmarks.common import FAIL, NOT_INSTALLED, OK, PASS, UNAVAILABLE, TimingSettings
-from benchmarks.inputs import (
-    LM_HEAD_SHAPES,
-    QUICK_N,
-    REGIMES,
-    TRAINED_LM_ENV,
-    TRAINED_REGIME,
-    LMHeadShape,
-    load_trained_regime,
-    make_lm_head_inputs,
-    quick_shape,
-    trained_rows,
-    trained_shape,
-)
-from benchmarks.providers import LMHeadProvider, Unavailable, lm_head_providers, torch_eager_loss
+from benchmarks import common, inputs
+from benchmarks.common import NOT_INSTALLED, UNAVAILABLE, TimingSettings
+from benchmarks.providers import Provider, Unavailable, lm_head_providers, torch_eager_loss
 from benchmarks.suites import Suite
 
 NAME = "lm-head"
-RESULTS_PREFIX = "lm_head"
 MODES = ("fwd+bwd", "fwd")
 DEFAULT_N = 8192
-DEFAULT_CASES: tuple[tuple[str, str, str], ...] = (
-    ("gemma2-2b", "peaked", "fwd+bwd"), ("gemma2-2b", "flat", "fwd+bwd"),
-    ("llama3-8b", "peaked", "fwd+bwd"), ("phi3.5", "peaked", "fwd+bwd"),
-    ("gemma2-2b", "peaked", "fwd"))
-
+DEFAULT_CASES = (("gemma2-2b", "peaked", "fwd+bwd"), ("gemma2-2b", "flat", "fwd+bwd"),
+                 ("llama3-8b", "peaked", "fwd+bwd"), ("phi3.5", "peaked", "fwd+bwd"),
+                 ("gemma2-2b", "peaked", "fwd"))
 # Sanity bounds of the check: they catch a broken provider, not inaccuracy.
 LOSS_TOLERANCE = 1e-2  # |loss − reference| ≤ LOSS_TOLERANCE · max(1, |reference|)
 GRADIENT_ERROR_BOUND = 5e-2  # relative L2 error of dE and dC
-
-MEMORY_DEFINITION = (
-    "peak MiB above inputs and gradient buffers = torch.cuda.max_memory_allocated() during one "
-    "call (autograd.grad of the loss w.r.t. (E, C), or the forward alone with E, C requiring "
-    "grad) − memory_allocated() before it − the bytes of dE and dC (fwd+bwd only); the cache "
-    "emptied and the peak reset right before the call"
-)
 PRODUCTS_CHUNK_ROWS = 16384
 PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
-PRODUCTS_DEFINITION = (
-    "the cuBLAS products an exact method cannot avoid, timed as the providers are: Z = E @ C.T, "
-    "and for fwd+bwd dE = G @ C, dC = G.T @ E with a random (N, V) G; in chunks of "
-    f"{PRODUCTS_CHUNK_ROWS} rows when Z and G would take over {PRODUCTS_MEMORY_SHARE:.0%} of "
-    "the free memory. '× products' = a provider's ms ÷ the products' ms"
-)
-ERROR_DEFINITION = (
-    "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ of dE and dC (mean loss) against a float64 "
-    "reference of the same inputs, computed ≤1024 rows at a time; 'err ratio' = a method's "
-    "error ÷ torch eager's in the input dtype, dE / dC"
-)
-INPUTS_DEFINITION = (
-    "C = randn(V, D)/√D; y = randint(0, V, (N,)); flat: E = randn(N, D); peaked: "
-    "E = 13·C[y] + 2·randn(N, D), then C[:, 0] = −log(rank)/4 (rank a random "
-    "permutation of 1..V), E[:, 0] = 4; both cast to the dtype afterwards"
-)
-# The cost floors of docs/design.md: FLOPs per N·V·D, divided by the matmul rate R.
-FLOORS = {"forward": 2, "backward_unskipped": 6, "forward_backward_unskipped": 8}
+NO_YARDSTICK = {"dE": None, "dC": None, "note": ""}  # torch eager's gradient errors
 
 
 @dataclass(frozen=True)
 class Case:
-    shape: LMHeadShape
+    shape: inputs.LMHeadShape
     regime: str  # "peaked" | "flat" | "trained"
     mode: str  # "fwd+bwd" | "fwd"
     n: int
@@ -87,22 +45,13 @@ class Case:
         return f"{self.shape.name} {self.regime} N={self.n} {self.mode}"
 
     @property
-    def label(self) -> str:
-        return f"{self.shape.label} {self.regime}, N {self.n}" + (
-            ", forward only" if self.mode == "fwd" else "")
-
-    @property
     def with_backward(self) -> bool:
         return self.mode == "fwd+bwd"
 
-    def floors_ms(self, tflops: float) -> dict[str, float]:
-        nvd = self.n * self.shape.vocab_size * self.shape.hidden_size
-        return {floor: flops * nvd * 1e3 / (tflops * 1e12) for floor, flops in FLOORS.items()}
-
     def floor_ms(self, tflops: float) -> float:
-        """8NVD/R for fwd+bwd (nothing skipped), 2NVD/R forward only."""
-        return self.floors_ms(tflops)[
-            "forward_backward_unskipped" if self.with_backward else "forward"]
+        """The cost floor of docs/design.md: 8NVD/R for fwd+bwd (nothing skipped), 2NVD/R fwd."""
+        flops = (8 if self.with_backward else 2) * self.n * self.shape.vocab_size
+        return flops * self.shape.hidden_size * 1e3 / (tflops * 1e12)
 
 
 def select_cases(shapes: Sequence[str] | None, regimes: Sequence[str] | None,
@@ -114,25 +63,24 @@ def select_cases(shapes: Sequence[str] | None, regimes: Sequence[str] | None,
     if shapes is None and regimes is None and modes is None:
         triples = list(DEFAULT_CASES)
     else:
-        triples = [(s, r, m) for s in (shapes or list(LM_HEAD_SHAPES))
+        triples = [(s, r, m) for s in (shapes or list(inputs.LM_HEAD_SHAPES))
                    for r in (regimes or ["peaked"]) for m in (modes or ["fwd+bwd"])]
     cases: dict[tuple[str, str, int], list[Case]] = {}
     for shape_name, regime, mode in triples:
-        if regime != TRAINED_REGIME:
-            shape = LM_HEAD_SHAPES[shape_name]
+        if regime != inputs.TRAINED_REGIME:
+            shape = inputs.LM_HEAD_SHAPES[shape_name]
             for n in ns:
                 cases.setdefault((shape_name, regime, n), []).append(
-                    Case(quick_shape(shape) if quick else shape, regime, mode, n))
-    if TRAINED_REGIME in (regimes or ()):
-        shape, rows = trained_shape(trained_lm), trained_rows(trained_lm)
+                    Case(inputs.quick_shape(shape) if quick else shape, regime, mode, n))
+    if inputs.TRAINED_REGIME in (regimes or ()):
+        shape, rows = inputs.trained_shape(trained_lm), inputs.trained_rows(trained_lm)
         for n in dict.fromkeys(min(n, rows) for n in ns):
-            cases[shape.name, TRAINED_REGIME, n] = [
-                Case(shape, TRAINED_REGIME, m, n) for m in (modes or ["fwd+bwd"])]
+            cases[shape.name, inputs.TRAINED_REGIME, n] = [
+                Case(shape, inputs.TRAINED_REGIME, m, n) for m in (modes or ["fwd+bwd"])]
     return [case for group in cases.values() for case in group]
 
 
-@dataclass
-class Reference:
+class Reference(NamedTuple):
     loss: float
     grad_hidden: Tensor | None  # dE, float64 (N, D)
     grad_classifier: Tensor | None  # dC, float64 (V, D)
@@ -151,8 +99,7 @@ def reference_float64(hidden: Tensor, classifier: Tensor, labels: Tensor, with_g
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     for start in range(0, n, rows_per_chunk):
         stop = min(n, start + rows_per_chunk)
-        block = hidden[start:stop].detach().to(torch.float64)
-        block_labels = labels[start:stop]
+        block, block_labels = hidden[start:stop].detach().to(torch.float64), labels[start:stop]
         logits = block @ classifier64.T
         slope = None
         if softcap is not None:
@@ -173,42 +120,30 @@ def reference_float64(hidden: Tensor, classifier: Tensor, labels: Tensor, with_g
     return Reference(float(total) / n, grad_hidden, grad_classifier)
 
 
-def yardstick(dE: float | None = None, dC: float | None = None, note: str = "") -> dict:  # noqa: N803
-    """torch eager's gradient errors in the input dtype (the accuracy bar), as in the JSON."""
-    return {"dE": dE, "dC": dC, "note": note}
-
-
-def measure_yardstick(hidden: Tensor, classifier: Tensor, labels: Tensor, reference: Reference,
-                      softcap: float | None = None) -> dict:
+def measure_yardstick(tensors: tuple[Tensor, Tensor, Tensor], reference: Reference,
+                      softcap: float | None) -> dict:
+    """torch eager's gradient errors in the input dtype (the accuracy bar): {dE, dC, note}."""
     try:
-        loss = torch_eager_loss(hidden, classifier, labels, softcap)
-        grads = torch.autograd.grad(loss, (hidden, classifier))
-        del loss
-        return yardstick(common.relative_l2_error(grads[0], reference.grad_hidden),
-                         common.relative_l2_error(grads[1], reference.grad_classifier))
+        grads = torch.autograd.grad(torch_eager_loss(*tensors, softcap), tensors[:2])
+        return {"dE": common.relative_l2_error(grads[0], reference.grad_hidden),
+                "dC": common.relative_l2_error(grads[1], reference.grad_classifier), "note": ""}
     except Exception as error:  # an OOM here must not end the run
-        return yardstick(note=f"torch eager yardstick unavailable: {common.describe_error(error)}")
-
-
-def products_chunk_rows(n: int, vocab: int, with_backward: bool, element_size: int,
-                        device: torch.device) -> int:
-    """N while Z (and G) take at most PRODUCTS_MEMORY_SHARE of free memory, else
-    PRODUCTS_CHUNK_ROWS."""
-    if n <= PRODUCTS_CHUNK_ROWS or not common.uses_cuda(device):
-        return n
-    needed = (2 if with_backward else 1) * n * vocab * element_size
-    free, _ = torch.cuda.mem_get_info(device)
-    return n if needed <= PRODUCTS_MEMORY_SHARE * free else PRODUCTS_CHUNK_ROWS
+        note = f"torch eager yardstick unavailable: {common.describe_error(error)}"
+        return {**NO_YARDSTICK, "note": note}
 
 
 def time_products(hidden: Tensor, classifier: Tensor, with_backward: bool, timing: TimingSettings,
                   rows_per_chunk: int | None = None) -> dict[str, Any]:
-    """Median ms of the products (PRODUCTS_DEFINITION): {ms, rows_per_chunk, method, note};
-    buffers and G allocated once; an error (OOM) leaves ms None with a note."""
+    """Median ms of the cuBLAS products an exact method cannot avoid (Z = E Cᵀ; with the
+    backward also dE = G C, dC = Gᵀ E for a random G), whole unless Z and G would take over
+    PRODUCTS_MEMORY_SHARE of free memory: {ms, rows_per_chunk, method, note}."""
     e, c = hidden.detach(), classifier.detach()
     n, vocab, device = e.shape[0], c.shape[0], e.device
-    rows = min(n, rows_per_chunk or products_chunk_rows(
-        n, vocab, with_backward, e.element_size(), device))
+    rows = min(n, rows_per_chunk or n)
+    if rows_per_chunk is None and n > PRODUCTS_CHUNK_ROWS and common.uses_cuda(device):
+        needed = (2 if with_backward else 1) * n * vocab * e.element_size()
+        if needed > PRODUCTS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
+            rows = PRODUCTS_CHUNK_ROWS
     chunks = -(-n // rows)
     result = {"ms": None, "rows_per_chunk": rows,
               "method": "whole" if chunks == 1 else f"{chunks} chunks of {rows} rows", "note": ""}
@@ -216,15 +151,11 @@ def time_products(hidden: Tensor, classifier: Tensor, with_backward: bool, timin
     def products() -> None:
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            e_chunk = e[start:stop]
-            torch.mm(e_chunk, c.T, out=z[: stop - start])
+            torch.mm(e[start:stop], c.T, out=z[: stop - start])
             if with_backward:
-                g_chunk = g[: stop - start]
-                torch.mm(g_chunk, c, out=grad_hidden[start:stop])
-                if start == 0:
-                    torch.mm(g_chunk.T, e_chunk, out=grad_classifier)
-                else:
-                    grad_classifier.addmm_(g_chunk.T, e_chunk)
+                torch.mm(g[: stop - start], c, out=grad_hidden[start:stop])
+                beta = 0 if start == 0 else 1  # dC accumulated over the chunks
+                grad_classifier.addmm_(g[: stop - start].T, e[start:stop], beta=beta)
 
     try:
         z = e.new_empty(rows, vocab)
@@ -237,8 +168,7 @@ def time_products(hidden: Tensor, classifier: Tensor, with_backward: bool, timin
         result["note"] = f"products not timed: {common.describe_error(error)}"
     finally:
         z = g = grad_hidden = grad_classifier = None
-    if common.uses_cuda(device):
-        torch.cuda.empty_cache()
+    common.release_memory(device)
     return result
 
 
@@ -261,20 +191,19 @@ class ProviderResult(common.ProviderResultBase):
 @dataclass
 class CaseResult:
     case: Case
-    floors_ms: dict[str, float]
-    reference_loss: float | None
-    yardstick: dict = field(default_factory=yardstick)  # torch eager's errors: yardstick()
+    floor_ms: float
+    reference_loss: float
+    yardstick: dict  # torch eager's errors: {dE, dC, note}
+    products: dict  # time_products()
     results: dict[str, ProviderResult] = field(default_factory=dict)
-    products: dict = field(default_factory=lambda: {
-        "ms": None, "rows_per_chunk": None, "method": "", "note": ""})  # time_products()
 
 
-def run_provider(provider: LMHeadProvider, case: Case, inputs: tuple[Tensor, Tensor, Tensor],
-                 reference: Reference, bar: dict, timing: TimingSettings,
-                 floor_ms: float | None, products_ms: float | None = None) -> ProviderResult:
-    """Check, measure memory, and time one provider on one case."""
-    hidden, classifier, labels = inputs
-    device = hidden.device
+def run_provider(provider: Provider, cr: CaseResult, tensors: tuple[Tensor, Tensor, Tensor],
+                 reference: Reference, timing: TimingSettings) -> ProviderResult:
+    """Check (the untimed first call: loss, gradients, tiles skipped), measure memory, time."""
+    from fusedloss.core import engine
+
+    case, device, leaves = cr.case, tensors[0].device, tensors[:2]
     result = ProviderResult(provider.key, provider.display_name())
     try:
         loss_fn = provider.build(device, case.shape.softcap)
@@ -284,284 +213,212 @@ def run_provider(provider: LMHeadProvider, case: Case, inputs: tuple[Tensor, Ten
         return result
     result.call = provider.describe()
 
-    def forward() -> Tensor:
-        return loss_fn(hidden, classifier, labels)
-
     def timed() -> Any:  # fwd+bwd: autograd.grad; fwd: no graph (no gradient formed inside)
         if case.with_backward:
-            return torch.autograd.grad(forward(), (hidden, classifier))
+            return torch.autograd.grad(loss_fn(*tensors), leaves)
         with torch.no_grad():
-            return forward()
+            return loss_fn(*tensors)
 
     with common.failures_recorded(result, device):
-        _check(result, forward, (hidden, classifier), case, reference, bar)
+        with engine.recording_backward_tiles() as tiles:
+            loss = loss_fn(*tensors)
+            grads = torch.autograd.grad(loss, leaves) if case.with_backward else None
+        if tiles:  # fusedloss's Triton backward ran: what its filter skipped
+            computed, total = (int(x) for x in torch.stack(tiles).sum(0).tolist())
+            result.tiles_skipped = 1.0 - computed / total
+        result.loss = float(loss.detach().float())
+        result.loss_error, problems = common.check_loss(result.loss, reference.loss,
+                                                        LOSS_TOLERANCE)
+        if grads is not None:
+            result.err_hidden, result.err_classifier = (
+                common.relative_l2_error(grad, exact)
+                for grad, exact in zip(grads, reference[1:], strict=True))
+            if cr.yardstick["dE"]:
+                result.ratio_hidden = result.err_hidden / cr.yardstick["dE"]
+                result.ratio_classifier = result.err_classifier / cr.yardstick["dC"]
+            errors = {"dE": result.err_hidden, "dC": result.err_classifier}
+            problems += [f"{name} relative error {error:.2e} > {GRADIENT_ERROR_BOUND}"
+                         for name, error in errors.items()
+                         if not error <= GRADIENT_ERROR_BOUND]  # also catches NaN
+        common.mark_wrong(result, problems)
+        del loss, grads
         common.release_memory(device)
-        gradient_bytes = (hidden.numel() + classifier.numel()) * hidden.element_size()
+        gradient_bytes = sum(leaf.numel() for leaf in leaves) * leaves[0].element_size()
         result.peak_extra_mib = common.peak_extra_mib(
             timed, device, gradient_bytes if case.with_backward else 0)
         result.ms = common.median_ms(timed, device, timing)
-        if floor_ms:
-            result.times_floor = result.ms / floor_ms
-        if products_ms:
-            result.times_products = result.ms / products_ms
+        result.times_floor = result.ms / cr.floor_ms
+        if cr.products["ms"]:
+            result.times_products = result.ms / cr.products["ms"]
     return result
 
 
-def _check(result: ProviderResult, forward: Callable[[], Tensor], leaves: tuple[Tensor, Tensor],
-           case: Case, reference: Reference, bar: dict) -> None:
-    """The untimed first call: loss and gradients against the reference, tiles skipped."""
-    from fusedloss.core import engine
-
-    problems = []
-    with engine.recording_backward_tiles() as tiles:
-        loss = forward()
-        if case.with_backward:
-            grad_hidden, grad_classifier = torch.autograd.grad(loss, leaves)
-    if tiles:  # fusedloss's Triton backward ran: what its filter skipped
-        computed, total = (int(x) for x in torch.stack(tiles).sum(0).tolist())
-        result.tiles_skipped = 1.0 - computed / total if total else 0.0
-    if case.with_backward:
-        result.err_hidden = common.relative_l2_error(grad_hidden, reference.grad_hidden)
-        result.err_classifier = common.relative_l2_error(grad_classifier, reference.grad_classifier)
-        del grad_hidden, grad_classifier
-        if bar["dE"]:
-            result.ratio_hidden = result.err_hidden / bar["dE"]
-        if bar["dC"]:
-            result.ratio_classifier = result.err_classifier / bar["dC"]
-        for name, error in (("dE", result.err_hidden), ("dC", result.err_classifier)):
-            if not error <= GRADIENT_ERROR_BOUND:  # also catches NaN
-                problems.append(f"{name} relative error {error:.2e} > {GRADIENT_ERROR_BOUND}")
-    result.loss = float(loss.detach().float())
-    del loss
-    result.loss_error, loss_problems = common.check_loss(result.loss, reference.loss,
-                                                         LOSS_TOLERANCE)
-    common.mark_wrong(result, problems + loss_problems)
-
-
-def run_cases(cases: Sequence[Case], providers: Sequence[LMHeadProvider], *,
-              device: torch.device, dtype: torch.dtype, seed: int, timing: TimingSettings,
-              tflops: float, log: Callable[[str], None] = print,
+def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *, device: torch.device,
+              dtype: torch.dtype, seed: int, timing: TimingSettings, tflops: float,
+              log: Callable[[str], None] = print,
               trained_lm: str | None = None) -> list[CaseResult]:
-    """Every provider on every case; cases sharing inputs share one reference."""
+    """Every provider on every case; cases sharing inputs (adjacent) share one reference."""
     case_results: list[CaseResult] = []
-    groups: dict[tuple[str, str, int], list[Case]] = {}
-    for case in cases:
-        groups.setdefault((case.shape.name, case.regime, case.n), []).append(case)
-    for group in groups.values():
-        first = group[0]
-        shape = first.shape
-        if first.regime == TRAINED_REGIME:
-            hidden, classifier, labels, _ = load_trained_regime(
-                trained_lm, device=device, dtype=dtype, n=first.n)
+    for (_, regime, n), same_inputs in itertools.groupby(cases, lambda c: (c.shape, c.regime, c.n)):
+        group = list(same_inputs)
+        shape = group[0].shape
+        if regime == inputs.TRAINED_REGIME:
+            hidden, classifier, labels, _ = inputs.load_trained_regime(
+                trained_lm, device=device, dtype=dtype, n=n)
         else:
-            hidden, classifier, labels = make_lm_head_inputs(
-                first.n, shape.vocab_size, shape.hidden_size, first.regime,
-                dtype=dtype, device=device, seed=seed)
-        hidden.requires_grad_(True)
-        classifier.requires_grad_(True)
+            hidden, classifier, labels = inputs.make_lm_head_inputs(
+                n, shape.vocab_size, shape.hidden_size, regime, dtype=dtype, device=device,
+                seed=seed)
+        tensors = (hidden.requires_grad_(True), classifier.requires_grad_(True), labels)
         with_grads = any(case.with_backward for case in group)
-        reference = reference_float64(hidden, classifier, labels, with_grads,
-                                      softcap=shape.softcap)
-        bar = (measure_yardstick(hidden, classifier, labels, reference, shape.softcap)
-               if with_grads else yardstick())
+        reference = reference_float64(*tensors, with_grads, softcap=shape.softcap)
+        bar = measure_yardstick(tensors, reference, shape.softcap) if with_grads else NO_YARDSTICK
         common.release_memory(device)
-        log(f"[{shape.label} {first.regime}, N {first.n}]: reference loss {reference.loss:.4f} "
-            f"(log V = {math.log(shape.vocab_size):.2f}); torch bf16 error dE "
+        log(f"[{shape.label} {regime}, N {n}]: reference loss {reference.loss:.4f} (log V = "
+            f"{math.log(shape.vocab_size):.2f}); torch bf16 error dE "
             f"{common.format_error(bar['dE'])}, dC {common.format_error(bar['dC'])} "
             f"{bar['note']}".rstrip())
         for case in group:
             products = time_products(hidden, classifier, case.with_backward, timing)
-            cr = CaseResult(case, case.floors_ms(tflops), reference.loss,
-                            bar if case.with_backward else yardstick(), products=products)
-            log(f"  {case.key:<34} {'products (' + products['method'] + ')':<34} "
-                f"{common.format_ms(products['ms'])} ms {products['note']}".rstrip())
+            cr = CaseResult(case, case.floor_ms(tflops), reference.loss,
+                            dict(bar if case.with_backward else NO_YARDSTICK), products)
             for provider in providers:
-                outcome = run_provider(provider, case, (hidden, classifier, labels), reference,
-                                       cr.yardstick, timing, case.floor_ms(tflops),
-                                       products["ms"])
-                cr.results[provider.key] = outcome
-                log(f"  {case.key:<34} {outcome.label:<34} "
-                    f"{common.progress_line(outcome, _figures_text)}")
+                r = cr.results[provider.key] = run_provider(provider, cr, tensors, reference,
+                                                            timing)
+                cells = {head: cell((cr, r)) for head, cell in FIGURE_COLUMNS[2:]}
+                figures = ", ".join(f"{head} {text}" for head, text in cells.items() if text)
+                log(f"  {case.key}, {r.label}: {figures}")
             case_results.append(cr)
-        del hidden, classifier, labels, reference
+        del hidden, classifier, labels, tensors, reference
         common.release_memory(device)
     return case_results
 
 
-def _figures_text(result: ProviderResult) -> str:
-    text = (f"{common.format_ms(result.ms)} ms ({common.format_ratio(result.times_products)}× "
-            f"products), {common.format_mib(result.peak_extra_mib)} MiB, "
-            f"loss err {result.loss_error:.1e}")
-    if result.err_hidden is not None:
-        text += f", dE {result.err_hidden:.1e}, dC {result.err_classifier:.1e}"
-    return text
-
-
-@dataclass(kw_only=True)
-class RunInfo(common.RunInfoBase):
-    n: list[int]  # the token counts N
+# ============================================================================= report
 
 
 def _pair(a: float | None, b: float | None, fmt: str = ".2f") -> str:
     return "—" if a is None or b is None else f"{a:{fmt}} / {b:{fmt}}"
 
 
-def _skipped(result: ProviderResult) -> str:
-    return "—" if result.tiles_skipped is None else f"{100 * result.tiles_skipped:.2f}%"
-
-
-# The per-provider columns of "All figures": (header, cell).
-FIGURE_COLUMNS: list[tuple[str, Callable[[ProviderResult], str]]] = [
-    ("ms", lambda r: common.format_ms(r.ms)),
-    ("× products", lambda r: common.format_ratio(r.times_products)),
-    ("× floor", lambda r: common.format_ratio(r.times_floor)),
-    ("MiB", lambda r: common.format_mib(r.peak_extra_mib)),
-    ("loss", lambda r: common.loss_cells(r)[0]),
-    ("|loss − ref|", lambda r: common.loss_cells(r)[1]),
-    ("dE err", lambda r: common.format_error(r.err_hidden)),
-    ("dC err", lambda r: common.format_error(r.err_classifier)),
-    ("err ratio dE / dC", lambda r: _pair(r.ratio_hidden, r.ratio_classifier)),
-    ("tiles skipped", _skipped),
+Row = tuple[CaseResult, ProviderResult]
+# "All figures" of the report; the summary printed last takes the columns of SUMMARY_COLUMNS.
+FIGURE_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
+    ("case", lambda row: row[0].case.key),
+    ("provider", lambda row: row[1].label),
+    ("status", lambda row: row[1].status),
+    ("ms", lambda row: common.format_ms(row[1].ms)),
+    ("products ms", lambda row: common.format_ms(row[0].products["ms"])),
+    ("× products", lambda row: common.format_ratio(row[1].times_products)),
+    ("× floor", lambda row: common.format_ratio(row[1].times_floor)),
+    ("MiB", lambda row: common.format_mib(row[1].peak_extra_mib)),
+    ("loss", lambda row: common.loss_cells(row[1])[0]),
+    ("|loss − ref|", lambda row: common.loss_cells(row[1])[1]),
+    ("dE err", lambda row: common.format_error(row[1].err_hidden)),
+    ("dC err", lambda row: common.format_error(row[1].err_classifier)),
+    ("err ratio dE / dC", lambda row: _pair(row[1].ratio_hidden, row[1].ratio_classifier)),
+    ("tiles skipped", lambda row: "—" if row[1].tiles_skipped is None
+     else f"{100 * row[1].tiles_skipped:.2f}%"),
+    ("note", lambda row: row[1].note),
 ]
+SUMMARY_COLUMNS = [column for column in FIGURE_COLUMNS
+                   if column[0] not in ("loss", "|loss − ref|", "dE err", "dC err", "note")]
 
 
-def render_markdown(info: RunInfo, case_results: Sequence[CaseResult]) -> str:
-    env, tflops = info.environment, info.matmul["tflops"]
-    lines = [f"# LM-head linear cross-entropy: {env['device_name']}, {env['date']}", ""]
-    if info.quick:
-        lines += ["> **--quick run**: shapes shrunk (V/128, D/32), small N, short timing. A "
-                  "smoke test of the runner; the figures are not representative.", ""]
-    timing = (common.do_bench_text(info.timing)
-              + ", ms; forward+backward = torch.autograd.grad(loss, (E, C))"
-              if common.uses_cuda(env["device"]) else common.WALL_CLOCK_TIMING)
-    settings = [
-        *common.environment_rows(env, info.peer_versions),
-        ("N, dtype, seed", f"{', '.join(map(str, info.n))} tokens, {info.dtype}, seed {info.seed}"),
-        common.matmul_row(info.matmul), ("timing", timing), ("products", PRODUCTS_DEFINITION),
-        ("memory", MEMORY_DEFINITION), ("gradient error", ERROR_DEFINITION),
-        ("inputs", INPUTS_DEFINITION),
-    ]
-    lines += [common.markdown_table(["setting", "value"], settings), "",
-              "## Time and memory", "",
-              "Median ms / peak MiB above inputs and gradient buffers (× products), "
-              "forward+backward and forward only side by side; 'products' is the ms of the "
-              "cuBLAS products alone.", "", _time_table(case_results), "",
-              "## Cases: floors, products, gradient accuracy bar", "",
-              f"Floors at the measured R = {common.format_tflops(tflops)} TFLOP/s (docs/design.md):"
-              " "
-              "'× floor' divides a time by 2NVD/R (forward only) or 8NVD/R (forward+backward; "
-              "methods storing the N×V logits need only 6NVD/R). torch bf16: torch eager's "
-              "relative L2 error dE / dC, the bar of 'err ratio'.", ""]
-    rows = [[cr.case.label, *(common.format_ms(cr.floors_ms[f]) for f in FLOORS),
-             f"{common.format_ms(cr.products['ms'])} ({cr.products['method']})",
-             common.fastest_cell(cr.results.values()),
-             _pair(cr.yardstick["dE"], cr.yardstick["dC"], ".1e") if cr.case.with_backward
-             else "",
-             "—" if cr.reference_loss is None else f"{cr.reference_loss:.5f}"]
-            for cr in case_results]
-    lines += [common.markdown_table(
-        ["case (V, D)", "fwd 2NVD/R", "bwd 6NVD/R", "fwd+bwd 8NVD/R", "products (timed)",
-         "fastest measured", "torch bf16 dE / dC", "float64 reference loss"], rows), "",
-        "## All figures", ""]
-    rows = [[cr.case.key, r.label, r.status, *(cell(r) for _, cell in FIGURE_COLUMNS), r.note]
-            for cr in case_results for r in cr.results.values()]
-    headers = ["case", "provider", "status", *(h for h, _ in FIGURE_COLUMNS), "note"]
-    lines += [common.markdown_table(headers, rows), ""]
-    lines += common.closing_sections(info.calls, info.notes)
-    return "\n".join(lines)
+def _rows(case_results: Sequence[CaseResult]) -> list[Row]:
+    return [(cr, r) for cr in case_results for r in cr.results.values()]
 
 
 def _time_table(case_results: Sequence[CaseResult]) -> str:
-    """A row per head, regime and N; per mode the products' ms, then each provider's
-    ``ms / MiB (×products)``."""
+    """A row per head, regime and N: the float64 loss, torch eager's errors, then per mode the
+    products' ms (and how they ran, if in chunks) and each provider's ``ms / MiB (× products)``."""
     columns = common.provider_columns(case_results)
-    rows: dict[tuple[str, str, int], dict[str, CaseResult]] = {}
-    for cr in case_results:
-        rows.setdefault((cr.case.shape.label, cr.case.regime, cr.case.n), {})[cr.case.mode] = cr
     modes = [mode for mode in MODES if any(cr.case.mode == mode for cr in case_results)]
+    groups: dict[tuple[str, str, int], dict[str, CaseResult]] = {}
+    for cr in case_results:
+        groups.setdefault((cr.case.shape.label, cr.case.regime, cr.case.n), {})[cr.case.mode] = cr
 
-    def cell(r: ProviderResult | None) -> str:
-        ratio = "" if r is None or r.times_products is None else f" ({r.times_products:.2f}×)"
-        return common.time_and_memory_cell(r, "") + ratio
+    def cells(cr: CaseResult | None) -> list[str]:
+        if cr is None:
+            return [""] * (1 + len(columns))
+        method = "" if cr.products["method"] == "whole" else f" ({cr.products['method']})"
+        row = [common.format_ms(cr.products["ms"]) + method]
+        for key, _ in columns:
+            r = cr.results.get(key)
+            ratio = "" if r is None or r.times_products is None else f" ({r.times_products:.2f}×)"
+            row.append(common.time_and_memory_cell(r, "") + ratio)
+        return row
 
     body = []
-    for (head, regime, n), by_mode in rows.items():
-        row = [head, regime, str(n)]
-        for mode in modes:
-            cr = by_mode.get(mode)
-            row.append(common.format_ms(cr.products["ms"]) if cr else "")
-            row += [cell(cr.results.get(key) if cr else None) for key, _ in columns]
-        body.append(row)
+    for (head, regime, n), by_mode in groups.items():
+        first = next(iter(by_mode.values()))
+        bar = by_mode.get("fwd+bwd", first).yardstick
+        row = [head, regime, str(n), f"{first.reference_loss:.5f}",
+               _pair(bar["dE"], bar["dC"], ".1e")]
+        body.append(row + [cell for mode in modes for cell in cells(by_mode.get(mode))])
     labels = ["products", *(label for _, label in columns)]
-    headers = ["head (V, D)", "regime", "N"] + [f"{m}: {lbl}" for m in modes for lbl in labels]
+    headers = ["head (V, D)", "regime", "N", "float64 loss", "torch bf16 dE / dC",
+               *(f"{mode}: {label}" for mode in modes for label in labels)]
     return common.markdown_table(headers, body)
 
 
-def results_json(info: RunInfo, case_results: Sequence[CaseResult]) -> dict[str, Any]:
-    settings = {"n": info.n, "dtype": info.dtype, "seed": info.seed, "quick": info.quick,
-                "warmup_ms": info.timing.warmup_ms, "rep_ms": info.timing.rep_ms,
-                "providers": info.providers}
-    definitions = {
-        "memory": MEMORY_DEFINITION, "products": PRODUCTS_DEFINITION,
-        "gradient_error": ERROR_DEFINITION,
-        "floors": "forward 2NVD/R, backward unskipped 6NVD/R, forward+backward 8NVD/R",
-        "check": f"|loss − ref| ≤ {LOSS_TOLERANCE}·max(1, |ref|) and dE, dC relative "
-        f"error ≤ {GRADIENT_ERROR_BOUND}; failing rows have status 'wrong'",
-    }
+def render_markdown(run: dict[str, Any], case_results: Sequence[CaseResult]) -> str:
+    """The report: settings, the time table, every figure, the calls and the notes."""
+    env, settings = run["environment"], run["settings"]
+    timing = common.WALL_CLOCK_TIMING
+    if common.uses_cuda(env["device"]):
+        timing = common.do_bench_text(TimingSettings(settings["warmup_ms"], settings["rep_ms"]))
+    rows = [*common.environment_rows(env, run["peer_versions"]),
+            ("N, dtype, seed", f"{', '.join(map(str, settings['n']))} tokens, "
+             f"{settings['dtype']}, seed {settings['seed']}"),
+            common.matmul_row(run["matmul"]), ("timing", timing),
+            ("definitions", "benchmarks/README.md, 'The lm-head suite'")]
+    intro = ("Median ms / peak MiB above inputs and gradient buffers (× the cuBLAS products "
+             "alone, 'products'), per mode. torch bf16: torch eager's relative L2 error against "
+             "float64, the bar of 'err ratio'. × floor: ms ÷ 8NVD/R (fwd+bwd) or 2NVD/R (fwd), "
+             "R the matmul rate above (docs/design.md).")
+    lines = [f"# LM-head linear cross-entropy: {env['device_name']}, {env['date']}", "",
+             common.markdown_table(["setting", "value"], rows), "", "## Time and memory", "",
+             intro, "", _time_table(case_results), "",
+             *common.section("All figures", "", FIGURE_COLUMNS, _rows(case_results)),
+             *common.closing_sections(run["calls"], run["notes"])]
+    return "\n".join(lines)
+
+
+def results_json(run: dict[str, Any], case_results: Sequence[CaseResult]) -> dict[str, Any]:
+    """The run's settings and every case's raw figures."""
     cases = [{"case": cr.case.key, "shape": cr.case.shape.name,
               "vocab_size": cr.case.shape.vocab_size, "hidden_size": cr.case.shape.hidden_size,
               "softcap": cr.case.shape.softcap, "n": cr.case.n, "regime": cr.case.regime,
-              "mode": cr.case.mode, "floors_ms": cr.floors_ms, "products": dict(cr.products),
-              "reference_loss": cr.reference_loss, "torch_bf16_error": dict(cr.yardstick),
+              "mode": cr.case.mode, "floor_ms": cr.floor_ms, "products": cr.products,
+              "reference_loss": cr.reference_loss, "torch_bf16_error": cr.yardstick,
               "results": [asdict(r) for r in cr.results.values()]}
              for cr in case_results]
-    return {"suite": NAME, "environment": info.environment, "settings": settings,
-            "matmul": info.matmul, "peer_versions": info.peer_versions,
-            "definitions": definitions, "cases": cases, "calls": info.calls, "notes": info.notes}
-
-
-def short_tables(case_results: Sequence[CaseResult]) -> str:
-    """The terminal summary: per case a products line, then a line per provider."""
-    rows = []
-    for cr in case_results:
-        rows.append([cr.case.key, f"products ({cr.products['method']})",
-                     common.format_ms(cr.products["ms"]), "", "1.00", "", "", "", ""])
-        for r in cr.results.values():
-            case_key, label, ms, mib, times_floor = common.summary_cells(cr.case.key, r)
-            rows.append([case_key, label, ms, mib, common.format_ratio(r.times_products),
-                         times_floor, _pair(r.ratio_hidden, r.ratio_classifier), _skipped(r),
-                         (PASS if r.status == OK else FAIL) if r.measured else ""])
-    return common.text_table(["case", "provider", "ms", "MiB", "× products", "× floor",
-                              "err ratio dE/dC", "skipped", "check"], rows)
+    return {**run, "cases": cases}
 
 
 def token_counts(text: str) -> list[int]:
     """``--n``: a comma list of positive token counts, e.g. ``4096,16384``."""
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
+    counts = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers (4096,16384), got {text!r}")
-    return list(dict.fromkeys(counts))
+        raise ValueError(f"expected positive integers (4096,16384), got {text!r}")
+    return counts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    keys = list(lm_head_providers())
+    keys, shapes = list(lm_head_providers()), list(inputs.LM_HEAD_SHAPES)
     add = parser.add_argument
-    add("--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)),
-        help=f"comma list of {', '.join(LM_HEAD_SHAPES)}")
-    add("--regimes", type=common.comma_list([*REGIMES, TRAINED_REGIME]),
-        help="comma list of peaked, flat, trained (default with --shapes/--modes: peaked); "
-        "trained: a small GPT trained on real text, from `python -m benchmarks.trained_lm "
-        "--out DIR` (see --trained-lm)")
-    add("--trained-lm", help=f"the trained regime's directory or file (default ${TRAINED_LM_ENV})")
+    add("--shapes", type=common.comma_list(shapes), help=f"comma list of {', '.join(shapes)}")
+    add("--regimes", type=common.comma_list([*inputs.REGIMES, inputs.TRAINED_REGIME]),
+        help="comma list of peaked, flat, trained (default with --shapes/--modes: peaked)")
+    add("--trained-lm", help="the trained regime's directory or file, from `python -m "
+        f"benchmarks.trained_lm --out DIR` (default ${inputs.TRAINED_LM_ENV})")
     add("--modes", type=common.comma_list(MODES),
         help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)")
     add("--providers", type=common.comma_list(keys), default=keys,
         help=f"comma list of {', '.join(keys)} (default: all)")
     add("--n", type=token_counts, help="comma list of token counts N, e.g. 4096,16384 "
-        f"(default {DEFAULT_N}; {QUICK_N} with --quick)")
+        f"(default {DEFAULT_N}; {inputs.QUICK_N} with --quick)")
     common.add_dtype_seed_arguments(parser)
     common.add_quick_device_timing_arguments(
         parser, "tiny shapes and short timing: a smoke test that also runs on CPU")
@@ -574,7 +431,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         log("the lm-head suite needs a CUDA device at full size; use --quick for a CPU smoke run")
         return 2
     quick, dtype = bool(args.quick), common.parse_dtype(args.dtype)
-    ns = args.n or [QUICK_N if quick else DEFAULT_N]
+    ns = args.n or [inputs.QUICK_N if quick else DEFAULT_N]
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
     notes: list[str] = [common.QUICK_NOTE] if quick else []
     if not common.uses_cuda(device) and any(p.startswith("fusedloss") for p in args.providers):
@@ -585,33 +442,27 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         log(str(error))
         return 2
     environment = common.collect_environment(device)
-    log(f"lm-head on {environment['device_name']}: torch {environment['torch']}, "
-        f"triton {environment['triton']}, N={','.join(map(str, ns))}, "
-        f"{common.dtype_name(dtype)}, {len(cases)} cases")
+    log(f"lm-head on {environment['device_name']}: torch {environment['torch']}, triton "
+        f"{environment['triton']}, N={','.join(map(str, ns))}, {args.dtype}, {len(cases)} cases")
     matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, log)
-
     providers = [lm_head_providers()[key] for key in args.providers]
-    case_results = run_cases(
-        cases, providers, device=device, dtype=dtype, seed=args.seed, timing=timing,
-        tflops=matmul["tflops"], log=log, trained_lm=args.trained_lm)
-    calls: dict[str, str] = {}
-    for cr in case_results:
-        for result in cr.results.values():
-            if result.call:
-                calls.setdefault(result.label, result.call)
-            common.note_problem(notes, cr.case.key, result)
-        if cr.yardstick["note"]:
-            notes.append(f"{cr.case.key}: {cr.yardstick['note']}")
-    info = RunInfo(
-        environment=environment, matmul=matmul, n=ns, dtype=common.dtype_name(dtype),
-        seed=args.seed, quick=quick, timing=timing, providers=list(args.providers),
-        peer_versions={name: common.package_version(name)
-                       for name in ("cut-cross-entropy", "liger-kernel")},
-        calls=calls, notes=notes)
-    common.report_results(args.out, RESULTS_PREFIX, args.tag, info.environment, info.notes,
-                          markdown=render_markdown(info, case_results),
-                          payload=results_json(info, case_results),
-                          tables=short_tables(case_results), log=log)
+    case_results = run_cases(cases, providers, device=device, dtype=dtype, seed=args.seed,
+                             timing=timing, tflops=matmul["tflops"], log=log,
+                             trained_lm=args.trained_lm)
+    for cr, result in _rows(case_results):
+        common.note_problem(notes, cr.case.key, result)
+    notes += [f"{cr.case.key}: {note}" for cr in case_results
+              for note in (cr.yardstick["note"], cr.products["note"]) if note]
+    settings = {"n": ns, "dtype": args.dtype, "seed": args.seed, "quick": quick,
+                "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "providers": args.providers}
+    peers = {name: common.package_version(name) for name in ("cut-cross-entropy", "liger-kernel")}
+    calls = {r.label: r.call for _, r in _rows(case_results) if r.call}
+    run_info = {"suite": NAME, "environment": environment, "settings": settings, "matmul": matmul,
+                "peer_versions": peers, "calls": calls, "notes": notes}
+    summary = common.table(SUMMARY_COLUMNS, _rows(case_results), text=True)
+    common.report_results(args.out, "lm_head", args.tag, environment, notes,
+                          markdown=render_markdown(run_info, case_results),
+                          payload=results_json(run_info, case_results), tables=summary, log=log)
     return 0
 
 

@@ -1330,12 +1330,14 @@ def _grads_torch(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
             hit = torch.arange(v, device=x.device)[None, :] == rows.target[pos, None]
             z = torch.where(hit, 1.0, -1.0)
             dx = -coef.lse[pos, None] * z * torch.sigmoid(-z * x)
-        else:
+        elif coef.logit is None:
+            dx = coef.lse[pos, None] * torch.exp(x - stats.max[pos, None])
+        else:  # the entropy's term, e·P·(X − max): one more chunk-sized array alive
             shifted = x - stats.max[pos, None]
-            e = torch.exp(shifted)
-            dx = coef.lse[pos, None] * e
-            if coef.logit is not None:
-                dx += coef.logit[pos, None] * torch.where(e > 0, e * shifted, 0.0)
+            p = torch.exp(shifted)
+            dx = coef.lse[pos, None] * p + coef.logit[pos, None] * torch.where(
+                p > 0, p * shifted, 0.0)
+            del shifted, p
         if coef.col is not None:
             dx += coef.col[None, :] * torch.exp(x - stats.col_max[None, :])
         if not sigmoid and rows.target is not None and coef.target is not None:
