@@ -99,6 +99,8 @@ class RowStats:
     sigmoid_sum: torch.Tensor | None = None  # (N,) fp32 Σ_j softplus(−z_ij X_ij), sigmoid mode
     # (N,) fp32 Σ_j exp(X_ij − max_i)·(X_ij − max_i) ≤ 0, with Wants(entropy=True)
     centered_sum: torch.Tensor | None = None
+    # (N,) fp32 Σ_j exp(2·(X_ij − max_i)), with Wants(squares=True): Σ_j P_ij² = this / sum²
+    square_sum: torch.Tensor | None = None
     # (max, sum, log sum, lse) as one (4, N) / (4, V) tensor, where the fields above are its
     # rows (the Triton forward writes them so): ``packed`` returns it without a copy.
     rows_packed: torch.Tensor | None = None
@@ -199,6 +201,7 @@ class Wants:
     sigmoid: bool = False  # the pairwise sigmoid loss per row instead of the LSE (needs targets)
     record_tiles: bool = True  # the per-tile statistics that filtering reads
     entropy: bool = False  # RowStats.centered_sum (a row's entropy is log_sum − centered / sum)
+    squares: bool = False  # RowStats.square_sum (Σ_j P_ij² = square_sum / sum²)
 
 
 def row_stats(
@@ -214,9 +217,9 @@ def row_stats(
     """Row log-sum-exp (and target logit, and what ``wants`` asks for) of X without
     materializing it. Per-tile statistics are shaped as ``tile_stats_shapes`` says."""
     if wants.sigmoid and (rows.target is None or wants.col_stats or wants.weighted_sum
-                          or wants.entropy):
-        raise ValueError("sigmoid mode needs targets and takes no column, weighted or entropy "
-                         "statistics")
+                          or wants.entropy or wants.squares):
+        raise ValueError("sigmoid mode needs targets and takes no column, weighted, entropy "
+                         "or square statistics")
     if backend == "torch":
         return _row_stats_torch(a, b, logits, rows, col_weight, wants)
     return _row_stats_triton(a, b, logits, rows, col_weight, wants)
@@ -356,7 +359,7 @@ def _sm90_operand(a, b, logits, rows, wants: Wants) -> torch.Tensor | None:
     forward, else None: column statistics without the options it lacks (softcap, vocabulary
     order, diagonal mask, weighted sums, entropy), on operands that TMA reads."""
     if not (wants.col_stats and not wants.sigmoid and not wants.weighted_sum
-            and not wants.entropy and config.gluon_enabled(a.device)):
+            and not wants.entropy and not wants.squares and config.gluon_enabled(a.device)):
         return None
     if logits.softcap or logits.diag_mask:
         return None
@@ -401,6 +404,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     part_target = torch.zeros((splits, n), **f32) if target_in_tiles else part_sum
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
     part_centered = torch.empty((splits, n), **f32) if wants.entropy else part_sum
+    part_squares = torch.empty((splits, n), **f32) if wants.squares else part_sum
     # Block maxima start at −inf (blocks without valid rows are never visited).
     tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
@@ -431,7 +435,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
             logits.col_order if logits.col_order is not None else rows.index,
             rows.target if has_target else rows.index,
             col_weight if col_weight is not None else dummy,
-            part_max, part_sum, part_target, part_wsum, part_centered, tiles,
+            part_max, part_sum, part_target, part_wsum, part_centered, part_squares, tiles,
             col_max if col_stats else dummy, col_sum if col_stats else dummy,
             col_tiles if col_stats else dummy,
             n, v, d, a.stride(0), b.stride(0), blocks_per_group, tiles_per_split, n_ct,
@@ -440,7 +444,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
             HAS_TARGET=target_in_tiles, HAS_WSUM=weighted_sum,
             HAS_COL_WEIGHT=col_weight is not None, RECORD_TILES=record_tiles,
             COL_STATS=col_stats, DIAG_MASK=logits.diag_mask, SIGMOID=sigmoid,
-            ENTROPY=wants.entropy,
+            ENTROPY=wants.entropy, SQUARES=wants.squares,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_FP32=dot_fp32, PRECISION=precision, ROUND=not config.interpreting(),
             PRECISE=config.precise_math(a.dtype), USE_TMA=a_desc is not None,
@@ -488,6 +492,9 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     if wants.entropy:
         stats.centered_sum = _combine_centered(part_max, part_sum, part_centered, row_out[0],
                                                rows.n_valid)
+    if wants.squares:
+        stats.square_sum = _combine_squares(part_max, part_sum, part_squares, row_out[0],
+                                            rows.n_valid)
     if col_stats:
         stats.col_max, stats.col_sum, stats.col_log_sum, stats.col_lse = col_out.unbind(0)
         stats.cols_packed = col_out
@@ -561,6 +568,15 @@ def _combine_centered(part_max: torch.Tensor, part_sum: torch.Tensor, part_cente
     return torch.where(torch.arange(top.shape[0], device=top.device) < n_valid, centered, 0.0)
 
 
+def _combine_squares(part_max: torch.Tensor, part_sum: torch.Tensor, part_squares: torch.Tensor,
+                     top: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """Σ_j exp(2·(X − top)) per row from the splits' partials (parts, N), each about its own
+    max m_k: Σ_k exp(2·(m_k − top))·Q_k; 0 on rows ≥ ``n_valid``."""
+    moved = part_squares * torch.exp(2 * (part_max - top))
+    squares = torch.where(part_sum > 0, moved, 0.0).sum(dim=0)
+    return torch.where(torch.arange(top.shape[0], device=top.device) < n_valid, squares, 0.0)
+
+
 def _combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor):
     """(max, Σ exp(· − max)) of partial (max_k, Σ_k) pairs over dim 0.
 
@@ -606,6 +622,7 @@ def _row_stats_torch(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     wsum = torch.zeros_like(row_max) if weighted_sum else None
     sig = torch.zeros_like(row_max) if sigmoid else None
     centered = torch.zeros_like(row_max) if wants.entropy else None
+    squares = torch.zeros_like(row_max) if wants.squares else None
     if col_stats:  # running (max, Σ exp(X − max)) per column
         col_max = torch.full((v,), float("-inf"), dtype=acc, device=a.device)
         col_sum = torch.zeros(v, dtype=acc, device=a.device)
@@ -624,10 +641,14 @@ def _row_stats_torch(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
             sig[pos] = _softplus_neg_zx(x, hit).sum(dim=1)
             continue
         row_max[pos], row_sum[pos] = _max_sum(x, dim=1)
-        if wants.entropy:
+        if wants.entropy or wants.squares:
             shifted = x - row_max[pos, None]
             e = torch.exp(shifted)
-            centered[pos] = torch.where(e > 0, e * shifted, 0.0).sum(dim=1)
+            if wants.entropy:
+                centered[pos] = torch.where(e > 0, e * shifted, 0.0).sum(dim=1)
+            if wants.squares:
+                squares[pos] = (e * e).sum(dim=1)
+            del shifted, e
         if col_stats:
             top, total = _max_sum(x, dim=0)
             new_max = torch.maximum(col_max, top)
@@ -639,7 +660,7 @@ def _row_stats_torch(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     row_log_sum = torch.log(row_sum)
     stats = RowStats(lse=row_max + row_log_sum, max=row_max, log_sum=row_log_sum, sum=row_sum,
                      target_logit=target_logit, weighted_sum=wsum, tile_log_mass=None,
-                     sigmoid_sum=sig, centered_sum=centered)
+                     sigmoid_sum=sig, centered_sum=centered, square_sum=squares)
     if col_stats:
         stats.set_columns(*_combine_partials(col_max[None], col_sum[None]))
     return stats

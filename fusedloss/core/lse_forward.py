@@ -24,6 +24,9 @@ is then exactly 0 where it rounds to 0).
 the sum is: with it, a row's entropy is log Σ − (this / Σ), a sum of two terms ≥ 0 without
 cancellation.
 
+``SQUARES`` adds per row Σ_j exp(2·(X_ij − max)) (the split's max): with it, log Σ_j P_ij² is
+log(this) − 2·log Σ.
+
 ``SIGMOID`` switches the statistic to the pairwise sigmoid loss of SigLIP: per row the sum
 Σ_j softplus(−z_ij X_ij) with z = +1 at the row's target and −1 elsewhere.
 """
@@ -53,6 +56,7 @@ def _lse_forward_kernel(
     target_out_ptr,      # (splits, N) fp32 partial target logit
     wsum_out_ptr,        # (splits, N) fp32 partial Σ_j w_j X_ij
     ent_out_ptr,         # (splits, N) fp32 partial Σ_j exp(X_ij − max)·(X_ij − max) (ENTROPY)
+    sq_out_ptr,          # (splits, N) fp32 partial Σ_j exp(2·(X_ij − max)) (SQUARES)
     tile_stat_ptr,       # (row blocks, column tiles) fp32 max_r log Σ_{j∈tile} exp(X_rj)
     col_max_ptr,         # (row groups, V) fp32 partial column max, by tile position
     col_sum_ptr,         # (row groups, V) fp32 partial column Σ exp(X - max)
@@ -62,7 +66,7 @@ def _lse_forward_kernel(
     HAS_ORDER: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_WSUM: tl.constexpr,
     HAS_COL_WEIGHT: tl.constexpr, RECORD_TILES: tl.constexpr,
     COL_STATS: tl.constexpr, DIAG_MASK: tl.constexpr, SIGMOID: tl.constexpr,
-    ENTROPY: tl.constexpr,
+    ENTROPY: tl.constexpr, SQUARES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr, PRECISE: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -90,6 +94,7 @@ def _lse_forward_kernel(
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
         weighted_sum = tl.zeros((BLOCK_M,), tl.float32)
         centered_sum = tl.zeros((BLOCK_M,), tl.float32)
+        square_sum = tl.zeros((BLOCK_M,), tl.float32)
 
         for t in range(tile_begin, tile_end):
             offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,6 +143,9 @@ def _lse_forward_kernel(
                                            axis=1)
                     centered_sum = ((centered_sum + shift * row_sum) * exp(shift, PRECISE)
                                     + tile_centered)
+                if SQUARES:
+                    rescale = exp(row_max - safe_max, PRECISE)
+                    square_sum = square_sum * rescale * rescale + tl.sum(e * e, axis=1)
                 row_sum = row_sum * exp(row_max - safe_max, PRECISE) + tile_sum
                 row_max = new_max
                 if RECORD_TILES:
@@ -165,6 +173,8 @@ def _lse_forward_kernel(
             tl.store(wsum_out_ptr + out, weighted_sum, mask=m_rows)
         if ENTROPY:
             tl.store(ent_out_ptr + out, centered_sum, mask=m_rows)
+        if SQUARES:
+            tl.store(sq_out_ptr + out, square_sum, mask=m_rows)
 
 
 @triton.jit

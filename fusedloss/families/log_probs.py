@@ -1,9 +1,9 @@
 """Token log-probabilities and entropies through an LM head: from the statistics, and the
 gradient coefficients.
 
-With X = softcap(A Bᵀ + bias) / T (the tempered logits; ``tempered_logits`` forms them for the
-core), m_i = max_j X_ij, S_i = Σ_j exp(X_ij − m_i), C_i = Σ_j exp(X_ij − m_i)·(X_ij − m_i) ≤ 0
-and P the row softmax, a token's
+With X = softcap(α·(A Bᵀ + bias)) / T (the tempered logits, α a model's logit scale;
+``tempered_logits`` forms them for the core), m_i = max_j X_ij, S_i = Σ_j exp(X_ij − m_i),
+C_i = Σ_j exp(X_ij − m_i)·(X_ij − m_i) ≤ 0 and P the row softmax, a token's
 
     log p_i = X_{i,y_i} − lse_i                    H_i = −Σ_j P_ij log P_ij = log S_i − C_i / S_i
 
@@ -22,16 +22,21 @@ import torch
 from ..core.engine import GradCoefficients, Logits, RowStats
 
 
-def tempered_logits(bias: torch.Tensor | None, temperature: float, softcap: float | None,
-                    dtype: torch.dtype, device: torch.device) -> Logits:
-    """The core's logits for softcap(A Bᵀ + bias) / T: softcap_c(x) / T = softcap_{c/T}(x / T),
-    so the temperature is a scale 1/T on the product, bias / T and a soft-cap c / T."""
-    if temperature == 1.0:
+def logit_factor(logit_scale: float, temperature: float) -> float:
+    """α / T: what the tempered logits scale the product and the bias by."""
+    return logit_scale / temperature
+
+
+def tempered_logits(bias: torch.Tensor | None, logit_scale: float, temperature: float,
+                    softcap: float | None, dtype: torch.dtype, device: torch.device) -> Logits:
+    """The core's logits for softcap(α·(A Bᵀ + bias)) / T: softcap_c(x) / T = softcap_{c/T}(x / T),
+    so α / T scales the product and the bias, and the soft-cap becomes c / T."""
+    factor = logit_factor(logit_scale, temperature)
+    if factor == 1.0 and temperature == 1.0:
         return Logits(bias=bias, softcap=softcap)
-    inverse = 1.0 / temperature
-    return Logits(bias=None if bias is None else bias * inverse,
-                  scale=torch.full((), inverse, dtype=dtype, device=device),
-                  softcap=None if softcap is None else softcap * inverse)
+    return Logits(bias=None if bias is None else bias * factor,
+                  scale=torch.full((), factor, dtype=dtype, device=device),
+                  softcap=None if softcap is None else softcap / temperature)
 
 
 def token_log_prob(stats: RowStats) -> torch.Tensor:
@@ -42,6 +47,16 @@ def token_log_prob(stats: RowStats) -> torch.Tensor:
 def token_entropy(stats: RowStats) -> torch.Tensor:
     """H_i (N,) of each row's tempered distribution; needs ``RowStats.centered_sum``."""
     return stats.log_sum - stats.centered_sum / stats.sum
+
+
+def log_sum_squares(stats: RowStats) -> torch.Tensor:
+    """log Σ_j P_ij² (N,); needs ``RowStats.square_sum``."""
+    return torch.log(stats.square_sum) - 2 * stats.log_sum
+
+
+def mean_logit(stats: RowStats, v: int) -> torch.Tensor:
+    """Σ_j X_ij / V (N,); needs ``RowStats.weighted_sum`` without column weights."""
+    return stats.weighted_sum / v
 
 
 def grad_coefficients(g: torch.Tensor,  # (N,) the log-probs' upstream gradient

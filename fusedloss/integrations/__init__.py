@@ -7,5 +7,11 @@ without the logits::
     from fusedloss.integrations.transformers import apply_fusedloss
     apply_fusedloss(model)
 
+``fusedloss.integrations.trl``: TRL's trainers (SFT, DPO, KTO, GRPO, RLOO) compute their
+per-token log-probabilities with fusedloss's core instead of TRL's chunked head::
+
+    from fusedloss.integrations.trl import apply_fusedloss_to_trl
+    apply_fusedloss_to_trl()
+
 Nothing here is imported by ``import fusedloss``: each integration imports its library itself.
 """

@@ -97,8 +97,9 @@ def linear_log_probs(
         entropy = log_prob
     else:
         log_prob, entropy, *_ = ops.linear_log_probs(
-            a, linear_weight, flat_target, linear_bias, int(ignore_index), float(temperature),
-            None if softcap is None else float(softcap), return_entropy, backend)
+            a, linear_weight, flat_target, linear_bias, int(ignore_index), 1.0,
+            float(temperature), None if softcap is None else float(softcap), return_entropy,
+            False, False, backend)
     log_prob = _token_shaped(log_prob, target.shape, shift)
     if not return_entropy:
         return log_prob

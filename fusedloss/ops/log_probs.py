@@ -44,17 +44,22 @@ def forward(
     target: Tensor,  # (N,) int64: token ids in [0, V), or ignore_index
     bias: Tensor | None,  # (V,)
     ignore_index: int,
+    logit_scale: float,  # α: the logits are softcap(α·(input Wᵀ + bias)) / temperature
     temperature: float,
     softcap: float | None,
     entropy: bool,
+    square_sum: bool,
+    logit_sum: bool,
     backend: str,  # "triton" or "torch"
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per token log p(target) and entropy ((N,) fp32 each, 0 at ignored tokens; the entropy
-    (0,) without ``entropy``), then for the backward: each token's target (N,) int64 (−1:
-    none), its weight (N,) fp32 (1, 0 at ignored tokens, NaN for a target outside [0, V) other
-    than ``ignore_index``, which makes its outputs and the gradients NaN), the row LSE parts
-    (4, N) (``RowStats.packed``), the target logits (N,) and the centered sums (N,) ((0,)
-    without ``entropy``). float64 operands (the torch backend) give float64 outputs."""
+) -> tuple[(Tensor,) * 9]:  # type: ignore[misc]  # (a schema needs the count)
+    """Per token ((N,) fp32 each, 0 at ignored tokens) log p(target), the entropy (with
+    ``entropy``), log Σ_j p_j² (with ``square_sum``) and the mean logit Σ_j X_j / V (with
+    ``logit_sum``), each (0,) when not asked for; then for the backward: each token's target
+    (N,) int64 (−1: none), its weight (N,) fp32 (1, 0 at ignored tokens, NaN for a target
+    outside [0, V) other than ``ignore_index``, which makes its outputs and the gradients NaN),
+    the row LSE parts (4, N) (``RowStats.packed``: the row max first), the target logits (N,)
+    and the centered sums (N,) ((0,) without ``entropy``). float64 operands (the torch backend)
+    give float64 outputs."""
     a, b = row_major(input), row_major(weight)
     v = b.shape[0]
     if config.tuning().check_values:
@@ -64,32 +69,43 @@ def forward(
     row_target = torch.where(valid & in_range, target, -1)
     acc = engine.accumulation_dtype(a.dtype)
     row_weight = torch.where(valid, torch.where(in_range, 1.0, float("nan")), 0.0).to(acc)
-    logits = family.tempered_logits(bias, temperature, softcap, acc, a.device)
-    stats = engine.row_stats(a, b, logits, all_rows(row_target),
-                             wants=engine.Wants(record_tiles=False, entropy=entropy),
-                             backend=backend)
-    log_prob = torch.where(valid, family.token_log_prob(stats) * row_weight, 0.0)
+    logits = family.tempered_logits(bias, logit_scale, temperature, softcap, acc, a.device)
+    stats = engine.row_stats(
+        a, b, logits, all_rows(row_target),
+        wants=engine.Wants(record_tiles=False, entropy=entropy, squares=square_sum,
+                           weighted_sum=logit_sum),
+        backend=backend)
+
+    def per_token(wanted: bool, value) -> Tensor:
+        if not wanted:
+            return nothing(a, (0,)).to(acc)
+        return torch.where(valid, value() * row_weight, 0.0)
+
     packed_rows, _ = stats.packed()
-    if entropy:
-        token_entropy = torch.where(valid, family.token_entropy(stats) * row_weight, 0.0)
-        centered = stats.centered_sum
-    else:
-        token_entropy, centered = nothing(a, (0,)).to(acc), nothing(a, (0,)).to(acc)
-    return (log_prob, token_entropy, row_target, row_weight, packed_rows, stats.target_logit,
-            centered)
+    return (per_token(True, lambda: family.token_log_prob(stats)),
+            per_token(entropy, lambda: family.token_entropy(stats)),
+            per_token(square_sum, lambda: family.log_sum_squares(stats)),
+            per_token(logit_sum, lambda: family.mean_logit(stats, v)),
+            row_target, row_weight, packed_rows, stats.target_logit,
+            stats.centered_sum if entropy else nothing(a, (0,)).to(acc))
 
 
 forward_op = torch.library.custom_op("fusedloss::linear_log_probs", forward, mutates_args=())
 
 
 @forward_op.register_fake
-def _(input, weight, target, bias, ignore_index, temperature, softcap, entropy, backend):
+def _(input, weight, target, bias, ignore_index, logit_scale, temperature, softcap, entropy,
+      square_sum, logit_sum, backend):
     n = input.shape[0]
     per_row = input.new_empty(n, dtype=engine.accumulation_dtype(input.dtype))
-    if_entropy = torch.empty_like(per_row) if entropy else per_row.new_empty(0)
-    return (per_row, if_entropy, input.new_empty(n, dtype=torch.int64),
-            torch.empty_like(per_row), input.new_empty((4, n), dtype=per_row.dtype),
-            torch.empty_like(per_row), torch.empty_like(if_entropy))
+
+    def if_asked(wanted: bool) -> Tensor:
+        return torch.empty_like(per_row) if wanted else per_row.new_empty(0)
+
+    return (per_row, if_asked(entropy), if_asked(square_sum), if_asked(logit_sum),
+            input.new_empty(n, dtype=torch.int64), torch.empty_like(per_row),
+            input.new_empty((4, n), dtype=per_row.dtype), torch.empty_like(per_row),
+            if_asked(entropy))
 
 
 @without_autocast
@@ -104,6 +120,7 @@ def backward(
     row_stats: Tensor,
     target_logit: Tensor,
     centered_sum: Tensor,
+    logit_scale: float,
     temperature: float,
     softcap: float | None,
     backend: str,
@@ -128,7 +145,7 @@ def backward(
     h = None
     if grad_entropy is not None and centered_sum.numel():
         h = torch.where(counted, grad_entropy.to(acc) * row_weight, 0.0)
-    logits = family.tempered_logits(bias, temperature, softcap, acc, a.device)
+    logits = family.tempered_logits(bias, logit_scale, temperature, softcap, acc, a.device)
     grads = engine.grads(
         a, b, logits, all_rows(row_target), stats, family.grad_coefficients(g, h, stats),
         needs=engine.Needs(need_input, need_weight, bias is not None and need_bias),
@@ -136,8 +153,8 @@ def backward(
                                  backend=backend),
     )
     grad_bias = nothing(a, (0,))
-    if grads.bias is not None:  # the engine's is for bias / T
-        grad_bias = (grads.bias / temperature).to(bias.dtype)
+    if grads.bias is not None:  # the engine's is for bias·α / T
+        grad_bias = (grads.bias * family.logit_factor(logit_scale, temperature)).to(bias.dtype)
     return (grads.a if need_input else nothing(a, (0,)),
             grads.b if need_weight else nothing(a, (0,)), grad_bias)
 
@@ -148,20 +165,20 @@ backward_op = torch.library.custom_op("fusedloss::linear_log_probs_backward", ba
 
 @backward_op.register_fake
 def _(grad_log_prob, grad_entropy, input, weight, bias, row_target, row_weight, row_stats,
-      target_logit, centered_sum, temperature, softcap, backend, need_input, need_weight,
-      need_bias):
+      target_logit, centered_sum, logit_scale, temperature, softcap, backend, need_input,
+      need_weight, need_bias):
     return (torch.empty_like(input) if need_input else nothing(input, (0,)),
             torch.empty_like(weight) if need_weight else nothing(input, (0,)),
             torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
 
 
 def _setup_context(ctx, inputs, output):
-    input, weight, _, bias, _, temperature, softcap, _, backend = inputs
-    _, _, *saved = output
-    ctx.mark_non_differentiable(*saved)
+    input, weight, _, bias, _, logit_scale, temperature, softcap, _, _, _, backend = inputs
+    _, _, log_sum_squares, mean_logit, *saved = output
+    ctx.mark_non_differentiable(log_sum_squares, mean_logit, *saved)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
     ctx.save_for_backward(input, weight, bias, *saved)
-    ctx.options = (temperature, softcap, backend)
+    ctx.options = (logit_scale, temperature, softcap, backend)
 
 
 def _autograd_backward(ctx, grad_log_prob, grad_entropy, *_, backward_fn=backward_op):
@@ -170,7 +187,7 @@ def _autograd_backward(ctx, grad_log_prob, grad_entropy, *_, backward_fn=backwar
         grad_log_prob, grad_entropy, *ctx.saved_tensors, *ctx.options,
         need_input, need_weight, need_bias)
     return (grad_or_none(grad_input, need_input), grad_or_none(grad_weight, need_weight), None,
-            grad_or_none(grad_bias, need_bias), *[None] * 5)
+            grad_or_none(grad_bias, need_bias), *[None] * 8)
 
 
 forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
