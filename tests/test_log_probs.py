@@ -373,3 +373,32 @@ def test_engine_row_blocks_carry_the_entropy_term():
                           plan=engine.BackwardPlan(row_chunk=16))
     for x, r in ((blocks.a, whole.a), (blocks.b, whole.b)):
         assert rel_err(x, r) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# the op's metrics for TRL's head (fusedloss.integrations.trl): log Σ p², the mean logit
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("n, v", [(37, 300), (3, 2000)], ids=["rows", "column-splits"])
+def test_op_metrics_match_float64(backend, n, v):
+    from fusedloss.ops import log_probs as ops
+
+    h, w, y, b = make(Case(lead=(n,), v=v, d=16, dtype=torch.float32, bias=True))
+    scale, temperature, cap = 0.8, 0.7, 6.0
+    out = ops.linear_log_probs(h.detach(), w.detach(), y, b.detach(), -100, scale, temperature,
+                               cap, True, True, True, backend)
+    z = (h.double() @ w.double().T + b.double()) * scale
+    x = cap * torch.tanh(z / cap) / temperature
+    logp_all = x.log_softmax(-1)
+    want = (logp_all.gather(-1, y[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1),
+            torch.logsumexp(2 * logp_all, -1), x.mean(-1))
+    for name, got, ref in zip(("log p", "entropy", "log sum p^2", "mean logit"), out[:4], want,
+                              strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    # not asked for: empty
+    out = ops.linear_log_probs(h.detach(), w.detach(), y, None, -100, 1.0, 1.0, None, False,
+                               False, False, backend)
+    assert out[1].numel() == out[2].numel() == out[3].numel() == 0
