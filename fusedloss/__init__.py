@@ -6,6 +6,7 @@
                                                shift=True, return_entropy=True)
 """
 
+from . import post_training as post_training  # fusedloss.post_training.grpo_loss, ...
 from .losses.contrastive import clip_loss, info_nce_loss, nt_xent_loss, siglip_loss
 from .losses.cross_entropy import linear_cross_entropy
 from .losses.log_probs import linear_log_probs

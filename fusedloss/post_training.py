@@ -1,0 +1,181 @@
+"""Preference and RL losses through an LM head, without its logits.
+
+Each loss is TRL 1.16's definition of the same loss (its trainers' ``_compute_loss``), computed
+from the policy's per-token log-probabilities, which ``fusedloss.linear_log_probs`` forms from
+the hidden states and the head in O(N + V·D) memory. The reference model enters through its
+precomputed log-probabilities or its own hidden states and head (then under ``no_grad``).
+
+    loss = fusedloss.post_training.grpo_loss(hidden, lm_head.weight, completion_ids,
+                                             completion_mask, advantages, temperature=0.7)
+    loss = fusedloss.post_training.dpo_loss(hidden, lm_head.weight, labels, shift=True,
+                                            ref_log_probs=ref_logps, beta=0.1)
+
+A loss here is one micro-batch's: TRL divides by the gradient-accumulation steps in its trainer,
+which is the caller's to do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .losses.log_probs import linear_log_probs
+
+__all__ = ["dpo_loss", "grpo_loss"]
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+
+
+def grpo_loss(
+    input: torch.Tensor,  # (B, T, D) hidden states at the positions that predict the completion
+    linear_weight: torch.Tensor,  # (V, D)
+    completion_ids: torch.Tensor,  # (B, T) int64
+    completion_mask: torch.Tensor,  # (B, T) 1 where a token counts, 0 elsewhere (padding, tools)
+    advantages: torch.Tensor,  # (B,) or (B, T)
+    *,
+    old_log_probs: torch.Tensor | None = None,  # (B, T)
+    ref_log_probs: torch.Tensor | None = None,  # (B, T)
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    kl_bias_correction: bool = True,
+    temperature: float = 1.0,
+    linear_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """GRPO's clipped surrogate objective (TRL 1.16's ``GRPOTrainer``), a scalar.
+
+    With log p the policy's per-token log-probability of each completion token at
+    ``temperature``, r = exp(log p − old_log_probs) (per token, or with
+    ``importance_sampling_level="sequence"`` the masked mean of the log-ratio over each
+    sequence), A the advantages and ε = (``epsilon``, ``epsilon_high`` or ``epsilon``):
+
+        per_token = −min(r·A, clamp(r, 1 − ε_low, 1 + ε_high)·A) + β·KL
+
+    with r first clamped to ≤ ``delta`` in the unclipped term when given (two-sided clipping)
+    and KL = exp(ref − log p) − (ref − log p) − 1 (times r with ``kl_bias_correction``, TRL's
+    default). The reduction over the masked tokens is ``loss_type``'s: "grpo" the mean over
+    each sequence's tokens, then over sequences; "bnpo" the mean over all tokens; "dr_grpo"
+    the sum over B·``max_completion_length`` (default T); "dapo" the sum over
+    ``num_items_in_batch`` (default: the tokens that count here).
+
+    ``old_log_probs`` None is the policy's own, detached (one optimization step per
+    generation, as TRL then does); ``ref_log_probs`` is needed when ``beta`` ≠ 0. The options
+    of the head (``linear_bias``, ``softcap``) are ``linear_log_probs``'.
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError("importance_sampling_level must be 'token' or 'sequence', got "
+                         f"{importance_sampling_level!r}")
+    if importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo"):
+        raise ValueError(f"importance_sampling_level='sequence' takes loss_type 'grpo', not "
+                         f"{loss_type!r} (TRL refuses the pair too)")
+    if beta != 0.0 and ref_log_probs is None:
+        raise ValueError("beta != 0 needs ref_log_probs (the reference model's per-token "
+                         "log-probabilities of the completion)")
+    if completion_ids.shape != input.shape[:-1] or completion_mask.shape != completion_ids.shape:
+        raise ValueError(f"completion_ids and completion_mask must have shape input.shape[:-1] "
+                         f"= {tuple(input.shape[:-1])}, got {tuple(completion_ids.shape)} and "
+                         f"{tuple(completion_mask.shape)}")
+    mask = completion_mask.to(torch.float32)
+    log_probs = linear_log_probs(input, linear_weight, completion_ids, linear_bias=linear_bias,
+                                 temperature=temperature, softcap=softcap)
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    log_ratio = log_probs - old
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    high = epsilon if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token = -torch.min(unclipped * advantages, clipped * advantages)
+    if beta != 0.0:
+        gap = ref_log_probs - log_probs
+        kl = torch.exp(gap) - gap - 1
+        per_token = per_token + beta * (kl * ratio if kl_bias_correction else kl)
+    masked = per_token * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return masked.sum() / (masked.shape[0] * (max_completion_length or masked.shape[-1]))
+    count = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+    return masked.sum() / count.clamp(min=1.0)
+
+
+def dpo_loss(
+    input: torch.Tensor,  # (2B, T, D): the B chosen sequences, then the B rejected ones
+    linear_weight: torch.Tensor,  # (V, D)
+    target: torch.Tensor,  # (2B, T) token ids, ignore_index outside the completions
+    *,
+    ref_log_probs: torch.Tensor | None = None,  # (2B,) summed over each completion
+    ref_input: torch.Tensor | None = None,  # (2B, T, D') the reference model's hidden states
+    ref_weight: torch.Tensor | None = None,  # (V, D') its head
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    linear_bias: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> torch.Tensor:
+    """Direct preference optimization (TRL 1.16's ``DPOTrainer``, reverse KL), a scalar: the
+    mean over the B pairs of
+
+        sigmoid  −log σ(β·Δ)          hinge  relu(1 − β·Δ)
+        ipo      (Δ' − 1/(2β))²       robust ((1 − ε)·(−log σ(β·Δ)) + ε·log σ(−β·Δ)) / (1 − 2ε)
+
+    where Δ = (log π(chosen) − log π_ref(chosen)) − (log π(rejected) − log π_ref(rejected)),
+    each log π the sum of the completion's token log-probabilities, Δ' the same with each
+    log-ratio divided by its completion's token count, and ε = ``label_smoothing``.
+
+    The reference enters as ``ref_log_probs`` (its summed log-probabilities, e.g. precomputed)
+    or as ``ref_input`` and ``ref_weight`` (``ref_bias``), computed here without gradients.
+    ``shift``, ``ignore_index`` and ``softcap`` are ``linear_log_probs``'.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if (ref_log_probs is None) == (ref_input is None or ref_weight is None):
+        raise ValueError("pass the reference as ref_log_probs, or as ref_input and ref_weight "
+                         "(exactly one of the two)")
+    if input.dim() < 2 or input.shape[0] % 2:
+        raise ValueError(f"input must be (2B, T, D), the chosen sequences then the rejected "
+                         f"ones, got shape {tuple(input.shape)}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    options = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
+    token_log_probs = linear_log_probs(input, linear_weight, target, linear_bias=linear_bias,
+                                       **options)
+    log_probs = token_log_probs.sum(dim=-1)
+    if ref_log_probs is None:
+        with torch.no_grad():
+            ref_log_probs = linear_log_probs(ref_input, ref_weight, target, linear_bias=ref_bias,
+                                             **options).sum(dim=-1)
+    log_ratios = log_probs - ref_log_probs
+    chosen, rejected = log_ratios.chunk(2, dim=0)
+    delta = chosen - rejected
+    if loss_type == "sigmoid":
+        per_pair = -F.logsigmoid(beta * delta)
+    elif loss_type == "hinge":
+        per_pair = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        counted = (target[..., 1:] if shift else target) != ignore_index
+        lengths = counted.sum(dim=-1).clamp(min=1)
+        chosen_len, rejected_len = lengths.chunk(2, dim=0)
+        per_pair = (chosen / chosen_len - rejected / rejected_len - 1 / (2 * beta)) ** 2
+    else:
+        eps = label_smoothing
+        per_pair = (-(1 - eps) * F.logsigmoid(beta * delta)
+                    + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+    return per_pair.mean()
