@@ -19,10 +19,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,8 +30,6 @@ from torch import Tensor
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MIB = float(1 << 20)
-
-PASS, FAIL = "✓", "✗"
 
 # A provider's status on a case; "wrong" failed the sanity check but was timed (measured).
 OK, WRONG = "ok", "wrong"
@@ -212,22 +210,6 @@ class ProviderResultBase:
         return self.status in MEASURED and self.ms is not None
 
 
-class Figures(Protocol):
-    """What the helpers below read of a suite's ``ProviderResult``."""
-
-    label: str
-    status: str
-    note: str
-    ms: float | None
-    peak_extra_mib: float | None
-    loss: float | None
-    loss_error: float | None
-    times_floor: float | None
-
-    @property
-    def measured(self) -> bool: ...
-
-
 def describe_error(error: BaseException) -> str:
     """The exception's type and first line, short enough for a table cell."""
     first_line = (str(error).strip().splitlines() or [""])[0]
@@ -235,7 +217,7 @@ def describe_error(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def failures_recorded(result: Figures, device: torch.device | str) -> Iterator[None]:
+def failures_recorded(result: Any, device: torch.device | str) -> Iterator[None]:
     """An exception in the block becomes ``result``'s status and note (the run goes on);
     device memory is released either way."""
     try:
@@ -256,13 +238,13 @@ def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, 
     return error, [f"loss {loss:.6g} vs reference {reference:.6g}"]
 
 
-def mark_wrong(result: Figures, problems: Sequence[str]) -> None:
+def mark_wrong(result: Any, problems: Sequence[str]) -> None:
     if problems:
         result.status = WRONG
         result.note = "; ".join(problems)
 
 
-def progress_line(result: Figures, figures_text: Callable[[Figures], str]) -> str:
+def progress_line(result: Any, figures_text: Callable[[Any], str]) -> str:
     """A provider's progress-log line: its figures (flagged when wrong), else its status."""
     if not result.measured:
         return f"{result.status}: {result.note}"
@@ -272,7 +254,7 @@ def progress_line(result: Figures, figures_text: Callable[[Figures], str]) -> st
     return text
 
 
-def note_problem(notes: list[str], case_key: str, result: Figures) -> None:
+def note_problem(notes: list[str], case_key: str, result: Any) -> None:
     """Notes, once, a provider that was skipped, failed or wrong."""
     if result.measured and result.status != WRONG:
         return
@@ -507,23 +489,6 @@ def _looks_numeric(text: str) -> bool:
 # ----------------------------------------------------------------------------- report pieces
 
 WALL_CLOCK_TIMING = "wall-clock median (no CUDA: not comparable with GPU figures)"
-SUMMARY_HEADERS = ["case", "provider", "ms", "MB", "× floor"]
-
-
-@dataclass(kw_only=True)
-class RunInfoBase:
-    """A run's settings (not per-case figures); a suite's ``RunInfo`` adds its own."""
-
-    environment: dict[str, Any]
-    matmul: dict[str, Any]
-    dtype: str
-    seed: int
-    quick: bool
-    timing: TimingSettings
-    providers: list[str]
-    peer_versions: dict[str, str | None]
-    calls: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
 
 
 def do_bench_text(timing: TimingSettings) -> str:
@@ -569,7 +534,7 @@ def provider_columns(case_results: Iterable[Any]) -> list[tuple[str, str]]:
     return list(columns.items())
 
 
-def time_and_memory_cell(result: Figures | None, missing: str) -> str:
+def time_and_memory_cell(result: Any | None, missing: str) -> str:
     """``ms / MB`` if measured, else its status; ``missing`` if it did not run."""
     if result is None:
         return missing
@@ -579,22 +544,16 @@ def time_and_memory_cell(result: Figures | None, missing: str) -> str:
     return result.status
 
 
-def fastest_cell(results: Iterable[Figures]) -> str:
+def fastest_cell(results: Iterable[Any]) -> str:
     """The fastest measured result of a case, as ``ms (label)``."""
     measured = [r for r in results if r.measured]
     best = min(measured, key=lambda r: r.ms) if measured else None
     return f"{format_ms(best.ms)} ({best.label})" if best else "—"
 
 
-def loss_cells(result: Figures) -> list[str]:
+def loss_cells(result: Any) -> list[str]:
     """The "loss" and "|loss − ref|" cells of a result's row in "All figures"."""
     return ["—" if result.loss is None else f"{result.loss:.5f}", format_error(result.loss_error)]
-
-
-def summary_cells(case_key: str, result: Figures) -> list[str]:
-    """One provider's summary line, under :data:`SUMMARY_HEADERS`."""
-    return [case_key, result.label, format_ms(result.ms) if result.measured else result.status,
-            format_mib(result.peak_extra_mib), format_ratio(result.times_floor)]
 
 
 def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:
