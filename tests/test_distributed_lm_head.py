@@ -368,3 +368,79 @@ def test_sharded_head_trains_like_one_process(workers):
             torch.testing.assert_close(state[key], want[key], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state["head"], want["head"][r * shard:(r + 1) * shard],
                                    rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token log-probabilities and entropies over the sharded head (linear_log_probs)
+
+
+def _log_probs_case(rank, world, case):
+    """On every rank: log-probs and entropies of the sharded head, backward; CPU results."""
+    hidden, weight, bias, _, target = _problem(case)
+    starts = [sum(case["shards"][:r]) for r in range(world)]
+    lo, hi = starts[rank], starts[rank] + case["shards"][rank]
+    h = hidden.clone().requires_grad_()
+    w = weight[lo:hi].clone().requires_grad_()
+    b = bias[lo:hi].clone().requires_grad_() if case["bias"] else None
+    logp, ent = fusedloss.linear_log_probs(
+        h, w, target, linear_bias=b, temperature=case["temperature"], softcap=case["softcap"],
+        shift=case["shift"], ignore_index=IGNORE, return_entropy=True, backend=case["backend"],
+        process_group=dist.group.WORLD)
+    _log_probs_upstream(logp, ent).backward()
+    return tuple(None if t is None else t.detach() for t in (
+        logp, ent, h.grad, w.grad, b.grad if b is not None else None))
+
+
+def _log_probs_upstream(logp, ent):
+    w = torch.linspace(-1.0, 1.5, logp.numel()).view(logp.shape)
+    return (logp * w).sum() + 0.3 * (ent * w.flip(-1)).sum()
+
+
+@st.composite
+def log_probs_cases(draw):
+    world = draw(st.integers(1, 3))
+    return dict(
+        shards=draw(st.lists(st.integers(1, 9), min_size=world, max_size=world)),
+        tokens=(draw(st.integers(1, 3)), draw(st.integers(2, 5))), d=draw(st.integers(1, 8)),
+        dtype="fp32", temperature=draw(st.sampled_from([1.0, 0.7])),
+        softcap=draw(st.sampled_from([None, 3.0])), shift=draw(st.booleans()),
+        bias=draw(st.booleans()), ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        backend=draw(st.sampled_from(BACKENDS)), seed=draw(st.integers(0, 2**16)))
+
+
+@given(case=log_probs_cases())
+def test_sharded_log_probs_equal_whole_head(workers, case):
+    results = all_ok(workers(len(case["shards"])).run(_log_probs_case, case))
+    hidden, weight, bias, _, target = _problem(case)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_() if case["bias"] else None
+    logp, ent = fusedloss.linear_log_probs(
+        h, w, target, linear_bias=b, temperature=case["temperature"], softcap=case["softcap"],
+        shift=case["shift"], ignore_index=IGNORE, return_entropy=True, backend=case["backend"])
+    _log_probs_upstream(logp, ent).backward()
+    starts = [sum(case["shards"][:r]) for r in range(len(case["shards"]))]
+    for r, (r_logp, r_ent, r_dh, r_dw, r_db) in enumerate(results):
+        lo, hi = starts[r], starts[r] + case["shards"][r]
+        torch.testing.assert_close(r_logp, logp.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r_ent, ent.detach(), rtol=1e-5, atol=1e-5)
+        for name, got, want in (("d input", r_dh, h.grad), ("d weight", r_dw, w.grad[lo:hi]),
+                                ("d bias", r_db, b.grad[lo:hi] if b is not None else None)):
+            if want is None:
+                continue
+            scale = max([1.0, *want.abs().flatten().tolist()])
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * scale,
+                                       msg=lambda m, r=r, n=name: f"rank {r} {n}: {m}")
+
+
+def _log_probs_disagree(rank, world):
+    """Rank 1 asks for another temperature: every rank raises, naming the argument."""
+    h = torch.randn(4, 3)
+    w = torch.randn(5, 3)
+    return fusedloss.linear_log_probs(h, w, torch.randint(0, 5 * world, (4,)),
+                                      temperature=1.0 if rank == 0 else 0.5,
+                                      process_group=dist.group.WORLD)
+
+
+def test_sharded_log_probs_errors_on_every_rank(workers):
+    results = workers(2).run(_log_probs_disagree)
+    assert all(isinstance(r, Raised) and "temperature" in r.message for r in results), results

@@ -504,7 +504,7 @@ def _vocab_parallel(input, linear_weight, target, linear_bias, weight, vocab_ord
               and not opts.return_lse and eps is None and order is None and n > 0)
     layout, per_rank = exchange(group, n, v_r, facts or {}, _device(input), error=error,
                                 extra=(start, int(trains)))
-    starts, v = _shard_starts(layout, [row[0] for row in per_rank])
+    starts, v = shard_starts(layout, [row[0] for row in per_rank])
     class_weight = weight.float() if weight is not None else None
     shard = vocab_parallel.Shard(layout.group, starts[layout.rank], v)
     options = opts.loss()
@@ -570,7 +570,7 @@ def _device(t) -> torch.device:
     return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
 
 
-def _shard_starts(layout, given: list[int]) -> tuple[list[int], int]:
+def shard_starts(layout, given: list[int]) -> tuple[list[int], int]:
     """Each rank's first global class id, and V."""
     v = sum(layout.cols)
     if all(s < 0 for s in given):

@@ -15,9 +15,17 @@ import torch
 
 from ..core import engine
 from ..ops import log_probs as ops
+from ..ops import vocab_parallel
 from ..ops._common import autocast_operands
+from ..ops._group import device_code, dtype_code, exchange, float_code
 from ..options import CrossEntropyOptions
-from .cross_entropy import check_inputs, dense_vectors, resolve_input_backend, shifted_targets
+from .cross_entropy import (
+    check_inputs,
+    dense_vectors,
+    resolve_input_backend,
+    shard_starts,
+    shifted_targets,
+)
 
 
 def linear_log_probs(
@@ -32,6 +40,8 @@ def linear_log_probs(
     shift: bool = False,
     return_entropy: bool = False,
     backend: str = "auto",
+    process_group=None,  # torch.distributed.ProcessGroup | None
+    vocab_start: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Each token's log-probability of its target under the LM head, without the logits.
 
@@ -55,6 +65,13 @@ def linear_log_probs(
         return_entropy: also return each token's entropy of softmax(logits / T).
         backend: "triton" (CUDA, or the CPU under ``TRITON_INTERPRET=1``), "torch" (chunked
             PyTorch) or "auto" (Triton on CUDA, torch elsewhere and for float64).
+        process_group: a ``torch.distributed`` group over which ``linear_weight`` is sharded by
+            rows (the vocabulary-parallel head): each rank passes the same ``input`` and
+            ``target`` (global token ids) and its rows of the head (and of ``linear_bias``),
+            and gets the log-probs and entropies of the whole head; ``input``'s gradient is
+            the full one on every rank. float32, bfloat16 or float16 input.
+        vocab_start: with ``process_group``, the global id of this rank's first row (default:
+            the shards follow each other in rank order).
 
     Returns:
         ``log_probs`` (float32; float64 for float64 input) of ``target``'s shape (its last
@@ -83,6 +100,16 @@ def linear_log_probs(
     (linear_bias,) = dense_vectors(linear_bias)
     opts = CrossEntropyOptions(reduction="none", ignore_index=ignore_index, softcap=softcap,
                                shift=shift, backend=backend)
+    if process_group is not None or vocab_start is not None:
+        if process_group is None:
+            raise ValueError("vocab_start is only meaningful with a process_group")
+        log_prob, entropy = _vocab_parallel(input, linear_weight, target, linear_bias, opts,
+                                            (float(temperature), return_entropy),
+                                            (process_group, vocab_start))
+        log_prob = _token_shaped(log_prob, target.shape, shift)
+        if not return_entropy:
+            return log_prob
+        return log_prob, _token_shaped(entropy, target.shape, shift)
     check_inputs(input, linear_weight, target, linear_bias, None, opts)
     backend = resolve_input_backend(backend, input)
     d = linear_weight.shape[1]
@@ -110,3 +137,54 @@ def _token_shaped(per_token: torch.Tensor, shape: torch.Size, shift: bool) -> to
     """(N,) → ``shape``, without the shifted-out last position with ``shift``."""
     per_token = per_token.view(shape)
     return per_token[..., :-1] if shift else per_token
+
+
+def _vocab_parallel(input, linear_weight, target, linear_bias, opts: CrossEntropyOptions,
+                    tempering: tuple[float, bool], shard):
+    """(log-probs, entropies or None) (N,) of the whole head from this rank's rows of it,
+    ``shard`` = (process group, vocab_start or None), ``tempering`` = (temperature, whether
+    the entropy is asked for): this rank's checks, one exchange of facts that checks the ranks
+    agree (every rank raises the same error), then ``ops.vocab_parallel``'s Function."""
+    group, vocab_start = shard
+    temperature, entropy = tempering
+    error, facts = None, {}
+    try:
+        check_inputs(input, linear_weight, target, linear_bias, None, opts)
+        if input.dtype == torch.float64:
+            raise TypeError("the vocabulary-parallel head takes float32, bfloat16 or float16 "
+                            "input, got torch.float64")
+        backend = engine.resolve_backend(opts.backend, input.device)
+        needs = [t is not None and t.requires_grad for t in (input, linear_weight, linear_bias)]
+        facts = {
+            "the input dtype": (dtype_code(input.dtype), str(input.dtype)),
+            "the hidden size D": (linear_weight.shape[1], str(linear_weight.shape[1])),
+            "the number of tokens": (target.numel(), str(target.numel())),
+            "the device type": (device_code(input.device), input.device.type),
+            "ignore_index": (int(opts.index_to_ignore), str(opts.index_to_ignore)),
+            "temperature": (float_code(temperature), str(temperature)),
+            "softcap": (float_code(opts.softcap), str(opts.softcap)),
+            "shift": (int(bool(opts.shift)), str(opts.shift)),
+            "return_entropy": (int(entropy), str(entropy)),
+            "backend": (("triton", "torch").index(backend), repr(backend)),
+            "whether linear_bias is given": (int(linear_bias is not None),
+                                             str(linear_bias is not None)),
+            "which inputs require grad (input, linear_weight, linear_bias)": (
+                sum(int(x) << i for i, x in enumerate(needs)), str(needs)),
+        }
+    except (TypeError, ValueError, RuntimeError) as e:
+        error = e
+    ok = error is None
+    device = input.device if isinstance(input, torch.Tensor) else torch.device("cpu")
+    layout, per_rank = exchange(group, target.numel() if ok else 0,
+                                linear_weight.shape[0] if ok else 0, facts, device,
+                                error=error, extra=(-1 if vocab_start is None
+                                                    else int(vocab_start),))
+    starts, v = shard_starts(layout, [row[0] for row in per_rank])
+    a = input.reshape(-1, linear_weight.shape[1])
+    flat_target = shifted_targets(target, opts.shift, opts.index_to_ignore)
+    options = vocab_parallel.LogProbOptions(opts.index_to_ignore, temperature,
+                                            None if opts.softcap is None else float(opts.softcap),
+                                            entropy)
+    return vocab_parallel.VocabParallelLogProbs.apply(
+        a, linear_weight, flat_target, linear_bias,
+        vocab_parallel.Shard(layout.group, starts[layout.rank], v), options, backend)

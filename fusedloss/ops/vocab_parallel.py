@@ -25,6 +25,7 @@ from torch import Tensor
 from ..core import chunked_logits, config, engine
 from ..core.engine import Logits, Rows, RowStats, mm_f32
 from ..families import cross_entropy as family
+from ..families import log_probs as log_probs_family
 from ._common import backward_row_chunk, scratch_bytes, without_autocast
 
 _F32 = torch.float32
@@ -283,3 +284,102 @@ def _loss_and_grads(
     if out_of_range.any():  # the same targets on every rank: every rank raises
         raise _out_of_range(target, out_of_range, v, options.ignore_index)
     return losses.sum() * scale, grad_a, grad_b, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Token log-probabilities and entropies (``fusedloss.linear_log_probs`` over a process group).
+
+
+@dataclasses.dataclass(frozen=True)
+class LogProbOptions:
+    ignore_index: int
+    temperature: float
+    softcap: float | None
+    entropy: bool
+
+
+class VocabParallelLogProbs(torch.autograd.Function):
+    """Per-token log p(target) and entropy of the whole head from this rank's shard: each
+    shard's (max, Σ exp, centered sum, owned target logit), combined over the ranks
+    (``_combine_log_prob_shards``); the backward forms dX on the shard's columns from the global
+    statistics and all-reduces dE in fp32. The formulas are ``families.log_probs``'."""
+
+    @staticmethod
+    @without_autocast
+    def forward(ctx, a, b, target, bias, shard, options: LogProbOptions, backend):
+        n, v_r, dev = a.shape[0], b.shape[0], a.device
+        start, v = shard.start, shard.v
+        valid = target != options.ignore_index
+        out_of_range = valid & ((target < 0) | (target >= v))
+        if bool(out_of_range.any()):  # the same targets on every rank: every rank raises
+            raise _out_of_range(target, out_of_range, v, options.ignore_index)
+        owned = valid & (target >= start) & (target < start + v_r)
+        local = torch.where(owned, target - start, -1)
+        rows = Rows(index=torch.arange(n, device=dev),
+                    n_valid=torch.full((), n, dtype=torch.int64, device=dev), target=local,
+                    identity=True, all_valid=True)
+        logits = log_probs_family.tempered_logits(bias, 1.0, options.temperature,
+                                                  options.softcap, _F32, dev)
+        stats = engine.row_stats(a, b, logits, rows,
+                                 wants=engine.Wants(record_tiles=False, entropy=options.entropy),
+                                 backend=backend)
+        glob = _combine_log_prob_shards(shard.group, stats, owned, options.entropy)
+        log_prob = torch.where(valid, log_probs_family.token_log_prob(glob), 0.0)
+        entropy = (torch.where(valid, log_probs_family.token_entropy(glob), 0.0)
+                   if options.entropy else None)
+        ctx.save_for_backward(a, b, bias)
+        ctx.state = (rows, owned, valid, glob, shard.group, options, backend)
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, grad_log_prob, grad_entropy):
+        a, b, bias = ctx.saved_tensors
+        rows, owned, valid, glob, group, options, backend = ctx.state
+        need_a, need_b, _, need_bias = ctx.needs_input_grad[:4]
+        g = (torch.zeros(a.shape[0], dtype=_F32, device=a.device) if grad_log_prob is None
+             else torch.where(valid, grad_log_prob.float(), 0.0))
+        h = None
+        if grad_entropy is not None and options.entropy:
+            h = torch.where(valid, grad_entropy.float(), 0.0)
+        coef = log_probs_family.grad_coefficients(g, h, glob)
+        # The target term on the shard that owns the target only.
+        coef = dataclasses.replace(coef, target=torch.where(owned, coef.target, 0.0))
+        logits = log_probs_family.tempered_logits(bias, 1.0, options.temperature,
+                                                  options.softcap, _F32, a.device)
+        grads = engine.grads(
+            a, b, logits, rows, glob, coef,
+            needs=engine.Needs(need_a, need_b, bias is not None and need_bias),
+            plan=engine.BackwardPlan(scratch_bytes=scratch_bytes(a),
+                                     row_chunk=backward_row_chunk(a), grad_a_dtype=_F32,
+                                     backend=backend))
+        grad_a = None
+        if need_a:
+            grad_a = grads.a
+            dist.all_reduce(grad_a, group=group)  # fp32: Σ over the shards, rounded once
+            grad_a = grad_a.to(a.dtype)
+        grad_bias = None
+        if grads.bias is not None:  # the engine's is for bias / T
+            grad_bias = (grads.bias / options.temperature).to(bias.dtype)
+        return grad_a, grads.b if need_b else None, None, grad_bias, None, None, None
+
+
+def _combine_log_prob_shards(group, stats: RowStats, owned: Tensor, entropy: bool) -> RowStats:
+    """The whole head's row statistics from the shards': M = max over the ranks, S = Σ_r S_r ·
+    exp(m_r − M), C = Σ_r exp(m_r − M)·(C_r + (m_r − M)·S_r) (each shard's centered sum moved to
+    M) and the target logit from the shard that owns it: one all-reduce max, one sum."""
+    row_max = stats.max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shift = stats.max - row_max
+    moved = torch.exp(shift)
+    pieces = [stats.sum * moved, torch.where(owned, stats.target_logit, 0.0)]
+    if entropy:
+        pieces.append((stats.centered_sum + shift * stats.sum) * moved)
+    packed = torch.stack(pieces)
+    dist.all_reduce(packed, group=group)
+    row_sum = packed[0]
+    log_sum = torch.log(row_sum)
+    return RowStats(lse=row_max + log_sum, max=row_max, log_sum=log_sum, sum=row_sum,
+                    target_logit=packed[1], weighted_sum=None, tile_log_mass=None,
+                    centered_sum=packed[2] if entropy else None)
