@@ -10,8 +10,9 @@ precomputed log-probabilities or its own hidden states and head (then under ``no
     loss = fusedloss.post_training.dpo_loss(hidden, lm_head.weight, labels, shift=True,
                                             ref_log_probs=ref_logps, beta=0.1)
 
-A loss here is one micro-batch's: TRL divides by the gradient-accumulation steps in its trainer,
-which is the caller's to do.
+Also ``kto_loss`` (KTOTrainer), ``orpo_loss`` (the experimental ORPOTrainer), ``cpo_loss`` and
+``simpo_loss`` (the experimental CPOTrainer). A loss here is one micro-batch's: TRL divides by
+the gradient-accumulation steps in its trainer, which is the caller's to do.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import torch.nn.functional as F
 
 from .losses.log_probs import linear_log_probs
 
-__all__ = ["dpo_loss", "grpo_loss"]
+__all__ = ["cpo_loss", "dpo_loss", "grpo_loss", "kto_loss", "orpo_loss", "simpo_loss"]
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
 def grpo_loss(
@@ -179,3 +182,183 @@ def dpo_loss(
         per_pair = (-(1 - eps) * F.logsigmoid(beta * delta)
                     + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
     return per_pair.mean()
+
+
+def _sequence_log_probs(input, linear_weight, target, head: dict, average: bool):
+    """(2B,) or (B,) summed (``average``: mean) log-probs of each sequence's counted tokens."""
+    token_log_probs = linear_log_probs(input, linear_weight, target, **head)
+    total = token_log_probs.sum(dim=-1)
+    if not average:
+        return total
+    counted = (target[..., 1:] if head.get("shift") else target) != head.get("ignore_index",
+                                                                          -100)
+    return total / counted.sum(dim=-1)
+
+
+def _check_pairs(input: torch.Tensor) -> None:
+    if input.dim() < 2 or input.shape[0] % 2:
+        raise ValueError(f"input must be (2B, T, D), the chosen sequences then the rejected "
+                         f"ones, got shape {tuple(input.shape)}")
+
+
+def _chosen_nll(input, linear_weight, target, nll_target, head: dict) -> torch.Tensor:
+    """The chosen sequences' mean token NLL (against ``nll_target``, default their labels)."""
+    from .losses.cross_entropy import linear_cross_entropy
+
+    half = input.shape[0] // 2
+    labels = target[:half] if nll_target is None else nll_target
+    return linear_cross_entropy(input[:half], linear_weight, labels,
+                                linear_bias=head.get("linear_bias"), softcap=head.get("softcap"),
+                                ignore_index=head.get("ignore_index", -100),
+                                shift=head.get("shift", False))
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, branching at −ln 2 against cancellation."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)),
+                       torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(
+    input: torch.Tensor,  # (2B, T, D): the B chosen sequences, then the B rejected ones
+    linear_weight: torch.Tensor,  # (V, D)
+    target: torch.Tensor,  # (2B, T) completion token ids, ignore_index elsewhere
+    *,
+    nll_target: torch.Tensor | None = None,  # (B, T) the chosen sequences' NLL labels
+    beta: float = 0.1,
+    linear_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> torch.Tensor:
+    """Odds-ratio preference optimization (TRL 1.16's experimental ``ORPOTrainer``), a scalar:
+
+        NLL(chosen) − β·mean(log σ(log odds)),   log odds = (c − r) − (log(1 − e^c) − log(1 − e^r))
+
+    with c and r each sequence's mean completion-token log-probability and NLL the chosen
+    sequences' mean token cross-entropy against ``nll_target`` (TRL scores the prompt too: its
+    labels are the input ids wherever the attention mask is 1), by default their ``target``.
+    """
+    _check_pairs(input)
+    head = dict(linear_bias=linear_bias, softcap=softcap, ignore_index=ignore_index, shift=shift)
+    chosen, rejected = _sequence_log_probs(input, linear_weight, target, head,
+                                           average=True).chunk(2, dim=0)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    nll = _chosen_nll(input, linear_weight, target, nll_target, head)
+    return nll - beta * F.logsigmoid(log_odds).mean()
+
+
+def cpo_loss(
+    input: torch.Tensor,  # (2B, T, D): the B chosen sequences, then the B rejected ones
+    linear_weight: torch.Tensor,  # (V, D)
+    target: torch.Tensor,  # (2B, T) completion token ids, ignore_index elsewhere
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
+    nll_target: torch.Tensor | None = None,  # (B, T) the chosen sequences' NLL labels
+    linear_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> torch.Tensor:
+    """Contrastive preference optimization (TRL 1.16's experimental ``CPOTrainer``), a scalar:
+    the mean over the pairs of ``loss_type``'s term in m = c − r (c, r each sequence's summed
+    completion log-probability; mean per token for "ipo" and "simpo"),
+
+        sigmoid  −(1 − ε)·log σ(β·m) − ε·log σ(−β·m)       hinge  relu(1 − β·m)
+        ipo      (m − 1/(2β))²                             simpo  sigmoid's with m − γ/β
+
+    plus ``cpo_alpha`` × the chosen sequences' mean token NLL (against ``nll_target``, by
+    default their ``target``); ε = ``label_smoothing``, γ = ``simpo_gamma``.
+    """
+    if loss_type not in CPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {loss_type!r}")
+    _check_pairs(input)
+    head = dict(linear_bias=linear_bias, softcap=softcap, ignore_index=ignore_index, shift=shift)
+    chosen, rejected = _sequence_log_probs(
+        input, linear_weight, target, head, average=loss_type in ("ipo", "simpo")).chunk(2, 0)
+    margin = chosen - rejected
+    if loss_type == "simpo":
+        margin = margin - simpo_gamma / beta
+    if loss_type in ("sigmoid", "simpo"):
+        eps = label_smoothing
+        per_pair = (-F.logsigmoid(beta * margin) * (1 - eps)
+                    - F.logsigmoid(-beta * margin) * eps)
+    elif loss_type == "hinge":
+        per_pair = torch.relu(1 - beta * margin)
+    else:
+        per_pair = (margin - 1 / (2 * beta)) ** 2
+    loss = per_pair.mean()
+    if cpo_alpha:
+        loss = loss + cpo_alpha * _chosen_nll(input, linear_weight, target, nll_target, head)
+    return loss
+
+
+def simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+               beta: float = 2.0, gamma: float = 0.5, cpo_alpha: float = 0.0,
+               **options) -> torch.Tensor:
+    """SimPO: ``cpo_loss(..., loss_type="simpo", simpo_gamma=gamma)`` (TRL's CPOTrainer with
+    ``loss_type="simpo"``), by default without the NLL term (``cpo_alpha`` 0) and with the
+    paper's β = 2; ``options`` are ``cpo_loss``'."""
+    return cpo_loss(input, linear_weight, target, beta=beta, loss_type="simpo",
+                    simpo_gamma=gamma, cpo_alpha=cpo_alpha, **options)
+
+
+def kto_loss(
+    input: torch.Tensor,  # (B, T, D)
+    linear_weight: torch.Tensor,  # (V, D)
+    target: torch.Tensor,  # (B, T) completion token ids, ignore_index elsewhere
+    desirable: torch.Tensor,  # (B,) bool: each completion's label
+    *,
+    ref_log_probs: torch.Tensor | None = None,  # (B,) summed over each completion
+    ref_input: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    kl: torch.Tensor | float = 0.0,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+    linear_bias: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> torch.Tensor:
+    """Kahneman-Tversky optimization (TRL 1.16's ``KTOTrainer``), a scalar: the mean over the
+    completions of
+
+        desirable    w_d·(1 − σ(β·(ρ − z)))        undesirable  w_u·(1 − σ(β·(z − ρ)))
+
+    (``loss_type="apo_zero_unpaired"``: 1 − σ(β·ρ) and σ(β·ρ)), with ρ = log π − log π_ref of
+    the completion (summed token log-probabilities) and z = ``kl``, the batch's KL reference
+    point (TRL's: the mean log-ratio of mismatched prompt-completion pairs, clamped at 0,
+    detached). The reference enters as ``ref_log_probs`` or ``ref_input`` and ``ref_weight``.
+    """
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
+    if (ref_log_probs is None) == (ref_input is None or ref_weight is None):
+        raise ValueError("pass the reference as ref_log_probs, or as ref_input and ref_weight "
+                         "(exactly one of the two)")
+    if desirable.shape != input.shape[:1]:
+        raise ValueError(f"desirable must have shape ({input.shape[0]},), got "
+                         f"{tuple(desirable.shape)}")
+    head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
+    log_probs = _sequence_log_probs(input, linear_weight, target,
+                                    dict(head, linear_bias=linear_bias), average=False)
+    if ref_log_probs is None:
+        with torch.no_grad():
+            ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
+                                                dict(head, linear_bias=ref_bias), average=False)
+    ratio = log_probs - ref_log_probs
+    kl = torch.as_tensor(kl, dtype=ratio.dtype, device=ratio.device).detach()
+    good = desirable.to(torch.bool)
+    if loss_type == "kto":
+        losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                             undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    else:
+        losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * ratio)),
+                             undesirable_weight * torch.sigmoid(beta * ratio))
+    return losses.mean()

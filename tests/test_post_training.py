@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import fusedloss
 from fusedloss import post_training
 
 trl = pytest.importorskip("trl")
@@ -184,3 +185,128 @@ def test_dpo_loss_takes_precomputed_reference_log_probs():
         post_training.dpo_loss(hidden, weight, target, ref_log_probs=ref_logps, loss_type="kto")
     with pytest.raises(ValueError, match=r"\(2B, T, D\)"):
         post_training.dpo_loss(hidden[:3], weight, target[:3], ref_log_probs=ref_logps[:3])
+
+
+# ------------------------------------------------------------------------------------------
+# ORPO and CPO (SimPO) against TRL's own methods, KTO against a real KTOTrainer
+
+
+def _pairs(seed=0):
+    """(hidden (2B, T, D), head, completion labels (2B, T), NLL labels (B, T)): float64."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2 * B, T, D, generator=g, dtype=torch.float64).requires_grad_()
+    weight = (torch.randn(V, D, generator=g, dtype=torch.float64) / 2).requires_grad_()
+    ids = torch.randint(0, V, (2 * B, T), generator=g)
+    prompt = torch.arange(T)[None, :] < torch.randint(1, 3, (2 * B, 1), generator=g)
+    pad = torch.arange(T)[None, :] >= T - torch.randint(0, 2, (2 * B, 1), generator=g)
+    labels = ids.masked_fill(prompt | pad, -100)
+    return hidden, weight, labels, ids[:B].masked_fill(pad[:B], -100)
+
+
+def _trl_batch_log_probs(trainer_cls, hidden, weight, labels, average):
+    return trainer_cls.get_batch_logps(hidden @ weight.T, labels, average_log_prob=average)
+
+
+def _nll(hidden, weight, nll_labels):
+    logits = (hidden[:B] @ weight.T)[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, V), nll_labels[:, 1:].reshape(-1))
+
+
+def _assert_same(got, want, leaves, rtol=1e-8):
+    """float64: the same up to the rounding of sums taken in another order."""
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=rtol, atol=1e-12)
+    for x, r in zip(torch.autograd.grad(got, leaves, retain_graph=True),
+                    torch.autograd.grad(want, leaves), strict=True):
+        torch.testing.assert_close(x, r, rtol=rtol, atol=rtol * float(r.abs().max()))
+
+
+def test_orpo_loss_equals_trls():
+    from trl.experimental.orpo import ORPOTrainer
+
+    hidden, weight, labels, nll_labels = _pairs()
+    logps = _trl_batch_log_probs(ORPOTrainer, hidden, weight, labels, True)
+    fake = SimpleNamespace(beta=0.3, accelerator=SimpleNamespace(device="cpu"))
+    losses = ORPOTrainer.odds_ratio_loss(fake, logps[:B], logps[B:])[0]
+    want = _nll(hidden, weight, nll_labels) - losses.mean()
+    got = post_training.orpo_loss(hidden, weight, labels, nll_target=nll_labels, beta=0.3,
+                                  shift=True)
+    _assert_same(got, want, (hidden, weight), rtol=1e-6)  # TRL forms the odds ratio in fp32
+
+
+@pytest.mark.parametrize("loss_type, extra", [
+    ("sigmoid", dict(label_smoothing=0.1)), ("hinge", {}), ("ipo", {}),
+    ("simpo", dict(simpo_gamma=0.7, cpo_alpha=0.0)), ("simpo", dict(cpo_alpha=0.5))])
+def test_cpo_loss_equals_trls(loss_type, extra):
+    from trl.experimental.cpo import CPOTrainer
+
+    hidden, weight, labels, nll_labels = _pairs(1)
+    options = dict(dict(label_smoothing=0.0, simpo_gamma=0.5, cpo_alpha=1.0), **extra)
+    logps = _trl_batch_log_probs(CPOTrainer, hidden, weight, labels,
+                                 loss_type in ("ipo", "simpo"))
+    fake = SimpleNamespace(beta=0.4, alpha=0.0, loss_type=loss_type,
+                           simpo_gamma=options["simpo_gamma"],
+                           label_smoothing=options["label_smoothing"],
+                           accelerator=SimpleNamespace(device="cpu"))
+    want = CPOTrainer.cpo_loss(fake, logps[:B], logps[B:])[0].mean()
+    if options["cpo_alpha"]:
+        want = want + options["cpo_alpha"] * _nll(hidden, weight, nll_labels)
+    got = post_training.cpo_loss(hidden, weight, labels, beta=0.4, loss_type=loss_type,
+                                 nll_target=nll_labels, shift=True, **options)
+    _assert_same(got, want, (hidden, weight))
+    if loss_type == "simpo" and not options["cpo_alpha"]:
+        simpo = post_training.simpo_loss(hidden, weight, labels, beta=0.4,
+                                         gamma=options["simpo_gamma"], shift=True)
+        torch.testing.assert_close(simpo, got)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_loss_equals_kto_trainers(loss_type, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from test_transformers import make_model
+    from test_trl_head import PREFERENCES, _config, make_tokenizer
+
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    data = {"prompt": PREFERENCES["prompt"], "completion": PREFERENCES["chosen"],
+            "label": [True, False, True, False]}
+    config = _config(trl.KTOConfig, tmp_path, loss_type=loss_type, beta=0.3,
+                     desirable_weight=1.2, undesirable_weight=0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.KTOTrainer(model=model, ref_model=ref_model, args=config,
+                                 train_dataset=datasets.Dataset.from_dict(data),
+                                 processing_class=make_tokenizer())
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    model.train()
+    want = trainer.compute_loss(trainer.model, batch)
+    want_grad = torch.autograd.grad(want, model.lm_head.weight)[0]
+
+    def hidden_of(m, ids, mask):
+        return m.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    def labels_of(ids, completion):
+        return ids.masked_fill(completion == 0, -100)
+
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    target = labels_of(ids, batch["completion_mask"])
+    kl = 0.0
+    if trainer.calculate_KL:
+        kl_ids, kl_attention = batch["KL_input_ids"], batch["KL_attention_mask"]
+        kl_target = labels_of(kl_ids, batch["KL_completion_mask"])
+        with torch.no_grad():
+            kl_logps = [fusedloss.linear_log_probs(
+                hidden_of(m, kl_ids, kl_attention), m.lm_head.weight, kl_target,
+                shift=True).sum(-1) for m in (model, ref_model)]
+        kl = (kl_logps[0] - kl_logps[1]).mean().clamp(min=0)
+    with torch.no_grad():
+        ref_hidden = hidden_of(ref_model, ids, attention)
+    got = post_training.kto_loss(
+        hidden_of(model, ids, attention), model.lm_head.weight, target, batch["label"].bool(),
+        ref_input=ref_hidden, ref_weight=ref_model.lm_head.weight, kl=kl, beta=0.3,
+        desirable_weight=1.2, undesirable_weight=0.8, loss_type=loss_type, shift=True)
+    got_grad = torch.autograd.grad(got, model.lm_head.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
