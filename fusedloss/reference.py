@@ -17,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "linear_cross_entropy_ref",
     "linear_log_probs_ref",
+    "linear_divergence_ref",
     "clip_loss_ref",
     "info_nce_loss_ref",
     "nt_xent_loss_ref",
@@ -173,6 +174,45 @@ def linear_log_probs_ref(
     picked = logp_all.gather(-1, torch.where(valid, target, 0).long()[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
     return torch.where(valid, picked, 0.0), torch.where(valid, entropy, 0.0)
+
+
+def linear_divergence_ref(
+    student_input: Tensor,  # (*, D_s)
+    student_weight: Tensor,  # (V, D_s)
+    teacher_input: Tensor,  # (*, D_t)
+    teacher_weight: Tensor,  # (V, D_t)
+    *,
+    kind: str = "forward",  # "forward" KL(t‖s), "reverse" KL(s‖t), "jsd"
+    beta: float = 0.5,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Per-token divergence (float64, shape *) between the tempered teacher and student
+    distributions (``fusedloss.linear_kl_div``, ``linear_jsd``): KL(p_t ‖ p_s), KL(p_s ‖ p_t), or
+    β·KL(p_t ‖ m) + (1 − β)·KL(p_s ‖ m) with m = β·p_t + (1 − β)·p_s for 0 < β < 1, and at
+    β = 0 and 1 (where the mixture would give 0) the forward and the reverse KL, as TRL's GKD
+    loss and liger-kernel define them."""
+    def log_probs(a, w, b):
+        z = a.double() @ w.double().T
+        if b is not None:
+            z = z + b.double()
+        return torch.log_softmax(z / temperature, dim=-1)
+
+    def kl(p_log, q_log):
+        p = p_log.exp()
+        return torch.where(p > 0, p * (p_log - q_log), 0.0).sum(-1)
+
+    s = log_probs(student_input, student_weight, student_bias)
+    t = log_probs(teacher_input, teacher_weight, teacher_bias)
+    if kind == "jsd" and beta in (0.0, 1.0):  # TRL's and liger's ends: the two KLs
+        kind = "forward" if beta == 0.0 else "reverse"
+    if kind == "forward":
+        return kl(t, s)
+    if kind == "reverse":
+        return kl(s, t)
+    m = torch.log(beta * t.exp() + (1 - beta) * s.exp())
+    return beta * kl(t, m) + (1 - beta) * kl(s, m)
 
 
 def _contrastive_logits(

@@ -1,0 +1,159 @@
+"""Distillation divergences through two LM heads, a block of rows at a time, as two custom ops.
+
+``fusedloss::linear_divergence`` forms, per block of rows, the student's and the teacher's
+logits (one product each, in the input dtype as ``F.linear`` would), their tempered
+log-softmax in fp32 (float64 for float64 inputs) and the divergence of each row
+(``families.distillation``); nothing of a block outlives it. ``..._backward`` recomputes each
+block, forms the gradient of its divergences with respect to the block's logits
+(``families.distillation``), then the products for the inputs, the heads and the biases (fp32
+accumulation).
+Memory: two blocks of logits and their softmaxes (``Tuning.torch_chunk_elements`` logits per
+block), never the (tokens × vocabulary) logits of either model. As custom ops they are opaque to
+``torch.compile``, which traces a loss into a graph without a break.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..core import config, engine
+from ..core.engine import addmm_f32_, mm_f32
+from ..families import distillation as family
+from ._common import eager_function, grad_or_none, nothing, run_op, without_autocast
+
+
+def linear_divergence(*args) -> Tensor:
+    """The forward op (arguments of ``forward``) with its autograd."""
+    return run_op(forward_op, _EagerFunction, *args)
+
+
+def _block_rows(v: int) -> int:
+    return max(1, config.tuning().torch_chunk_elements // max(1, v))
+
+
+def _log_probs(z: Tensor, temperature: float) -> Tensor:
+    """The tempered log-softmax of a block of logits, in fp32 (float64 for float64 ones)."""
+    z = z.to(engine.accumulation_dtype(z.dtype))
+    return torch.log_softmax(z / temperature, dim=-1)
+
+
+@without_autocast
+def forward(
+    a_s: Tensor,  # (N, D_s)
+    w_s: Tensor,  # (V, D_s)
+    b_s: Tensor | None,  # (V,)
+    a_t: Tensor,  # (N, D_t)
+    w_t: Tensor,  # (V, D_t)
+    b_t: Tensor | None,  # (V,)
+    kind: str,  # "forward", "reverse" or "jsd"
+    beta: float,
+    temperature: float,
+) -> Tensor:
+    """Each row's divergence, (N,) fp32 (float64 for float64 inputs)."""
+    n, v = a_s.shape[0], w_s.shape[0]
+    out = torch.empty(n, dtype=engine.accumulation_dtype(a_s.dtype), device=a_s.device)
+    rows = _block_rows(v)
+    for r0 in range(0, n, rows):
+        part = slice(r0, min(r0 + rows, n))
+        out[part] = family.divergence(_log_probs(F.linear(a_s[part], w_s, b_s), temperature),
+                                      _log_probs(F.linear(a_t[part], w_t, b_t), temperature),
+                                      kind, beta)
+    return out
+
+
+forward_op = torch.library.custom_op("fusedloss::linear_divergence", forward, mutates_args=())
+
+
+@forward_op.register_fake
+def _(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature):
+    return a_s.new_empty(a_s.shape[0], dtype=engine.accumulation_dtype(a_s.dtype))
+
+
+@without_autocast
+def backward(
+    grad: Tensor,  # (N,)
+    a_s: Tensor,
+    w_s: Tensor,
+    b_s: Tensor | None,
+    a_t: Tensor,
+    w_t: Tensor,
+    b_t: Tensor | None,
+    kind: str,
+    beta: float,
+    temperature: float,
+    needs: list[bool],  # gradients asked for: a_s, w_s, b_s, a_t, w_t, b_t
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The six gradients, each an empty tensor when not asked for."""
+    operands = (a_s, w_s, b_s, a_t, w_t, b_t)
+    acc = engine.accumulation_dtype(a_s.dtype)
+    grads = [torch.zeros_like(t, dtype=acc) if need and t is not None else None
+             for need, t in zip(needs, operands, strict=True)]
+    teacher = any(g is not None for g in grads[3:])
+    n, v = a_s.shape[0], w_s.shape[0]
+    rows = _block_rows(v)
+    for r0 in range(0, n, rows):
+        part = slice(r0, min(r0 + rows, n))
+        _, d_s, d_t = family.divergence_and_grads(
+            _log_probs(F.linear(a_s[part], w_s, b_s), temperature),
+            _log_probs(F.linear(a_t[part], w_t, b_t), temperature), kind, beta,
+            grad[part].to(acc) / temperature, teacher)  # (÷ T: the logits' chain rule)
+        for side, dz in zip((0, 3), (d_s, d_t), strict=True):
+            if dz is None:
+                continue
+            a, w = operands[side], operands[side + 1]
+            if grads[side + 2] is not None:
+                grads[side + 2] += dz.to(acc).sum(dim=0)
+            dz = dz.to(a.dtype)  # as PyTorch's own backward rounds it, before the products
+            if grads[side] is not None:
+                _mm_into(grads[side][part], dz, w)
+            if grads[side + 1] is not None:
+                _addmm(grads[side + 1], dz.T, a[part])
+    return tuple(nothing(a_s, (0,)) if g is None else g.to(t.dtype)
+                 for g, t in zip(grads, operands, strict=True))
+
+
+backward_op = torch.library.custom_op("fusedloss::linear_divergence_backward", backward,
+                                      mutates_args=())
+
+
+@backward_op.register_fake
+def _(grad, a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, needs):
+    return tuple(torch.empty_like(t) if need and t is not None else nothing(a_s, (0,))
+                 for need, t in zip(needs, (a_s, w_s, b_s, a_t, w_t, b_t), strict=True))
+
+
+def _setup_context(ctx, inputs, output):
+    a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature = inputs
+    ctx.save_for_backward(a_s, w_s, b_s, a_t, w_t, b_t)
+    ctx.options = (kind, beta, temperature)
+
+
+def _autograd_backward(ctx, grad, backward_fn=backward_op):
+    needs = list(ctx.needs_input_grad[:6])
+    grads = backward_fn(grad, *ctx.saved_tensors, *ctx.options, needs)
+    return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)),
+            None, None, None)
+
+
+forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+_EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
+                                backward)
+
+
+def _mm_into(out: Tensor, x: Tensor, y: Tensor) -> None:
+    """out = x @ y, accumulated in fp32 (float64 for float64 operands)."""
+    if x.dtype == torch.float64:
+        torch.mm(x, y, out=out)
+    else:
+        mm_f32(x, y, out=out)
+
+
+def _addmm(acc: Tensor, x: Tensor, y: Tensor) -> None:
+    """acc += x @ y, accumulated in fp32 (float64 for float64 operands)."""
+    if x.dtype == torch.float64:
+        acc.addmm_(x, y)
+    else:
+        addmm_f32_(acc, x, y)

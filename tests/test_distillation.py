@@ -1,0 +1,164 @@
+"""``fusedloss.linear_kl_div`` and ``linear_jsd`` against float64 and TRL's GKD loss.
+
+The divergences are computed a block of rows at a time; the tests shrink the blocks
+(``Tuning.torch_chunk_elements``) so that several blocks run, and check values and gradients
+(student and teacher) against ``fusedloss.reference.linear_divergence_ref``, in low precision
+against PyTorch's own error in that dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close_to_ref
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fusedloss
+from fusedloss.core import config
+from fusedloss.reference import linear_divergence_ref
+
+V = 40
+
+
+def _inputs(seed, lead=(3, 5), ds=12, dt=20, dtype=torch.float64, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    a_s = torch.randn(*lead, ds, generator=g)
+    w_s = torch.randn(V, ds, generator=g) / math.sqrt(ds) * 2
+    a_t = torch.randn(*lead, dt, generator=g)
+    w_t = torch.randn(V, dt, generator=g) / math.sqrt(dt) * 3
+    b_s, b_t = (torch.randn(V, generator=g) if bias else None for _ in range(2))
+    labels = torch.randint(0, V, lead, generator=g)
+    labels[torch.rand(lead, generator=g) < 0.3] = -100
+    return [t if t is None else t.to(dtype).requires_grad_() for t in
+            (a_s, w_s, a_t, w_t, b_s, b_t)] + [labels]
+
+
+def _call(kind, beta, inputs, temperature, reduction="none", labels=True):
+    a_s, w_s, a_t, w_t, b_s, b_t, y = inputs
+    common = dict(student_bias=b_s, teacher_bias=b_t, temperature=temperature,
+                  reduction=reduction, labels=y if labels else None)
+    if kind == "jsd":
+        return fusedloss.linear_jsd(a_s, w_s, a_t, w_t, beta=beta, **common)
+    return fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, direction=kind, **common)
+
+
+@given(kind=st.sampled_from(["forward", "reverse", "jsd"]),
+       beta=st.sampled_from([0.0, 0.3, 0.5, 1.0]), temperature=st.sampled_from([1.0, 0.7, 2.0]),
+       bias=st.booleans(), seed=st.integers(0, 2**16),
+       chunk=st.sampled_from([V, 3 * V, 1 << 24]))
+def test_matches_float64_reference(kind, beta, temperature, bias, seed, chunk):
+    inputs = _inputs(seed, bias=bias)
+    a_s, w_s, a_t, w_t, b_s, b_t, y = inputs
+    with config.tuned(torch_chunk_elements=chunk):  # 1 row, 3 rows, or every row per block
+        got = _call(kind, beta, inputs, temperature)
+    want = linear_divergence_ref(a_s, w_s, a_t, w_t, kind=kind, beta=beta, student_bias=b_s,
+                                 teacher_bias=b_t, temperature=temperature)
+    want = torch.where(y != -100, want, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    leaves = [t for t in (a_s, w_s, a_t, w_t, b_s, b_t) if t is not None]
+    upstream = torch.linspace(0.5, 1.5, got.numel(), dtype=got.dtype).view(got.shape)
+    with config.tuned(torch_chunk_elements=chunk):
+        got_grads = torch.autograd.grad((got * upstream).sum(), leaves)
+    for x, r in zip(got_grads, torch.autograd.grad((want * upstream).sum(), leaves),
+                    strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+def test_bf16_within_the_bar(kind, tune):
+    """bf16 operands: our error against float64 at most 1.5× PyTorch's own bf16 one."""
+    tune(torch_chunk_elements=4 * V)
+    inputs = _inputs(3, lead=(8, 9), dtype=torch.bfloat16)
+    a_s, w_s, a_t, w_t, _, _, y = inputs
+    ours = _call(kind, 0.5, inputs, 1.0)
+    ref = torch.where(y != -100, linear_divergence_ref(a_s, w_s, a_t, w_t, kind=kind), 0.0)
+
+    s = F.log_softmax(F.linear(a_s, w_s).float(), -1)
+    t = F.log_softmax(F.linear(a_t, w_t).float(), -1)
+    theirs = {"forward": F.kl_div(s, t, reduction="none", log_target=True).sum(-1),
+              "reverse": F.kl_div(t, s, reduction="none", log_target=True).sum(-1)}.get(kind)
+    if theirs is None:
+        m = torch.log(0.5 * s.exp() + 0.5 * t.exp())
+        theirs = 0.5 * (F.kl_div(m, t, reduction="none", log_target=True).sum(-1)
+                        + F.kl_div(m, s, reduction="none", log_target=True).sum(-1))
+    theirs = torch.where(y != -100, theirs, 0.0)
+    assert_close_to_ref(ours, theirs, ref, name=f"{kind} values")
+    grads = [torch.autograd.grad(x.sum(), (a_s, w_s)) for x in (ours, theirs, ref)]
+    for i, name in enumerate(("d student_input", "d student_weight")):
+        assert_close_to_ref(grads[0][i], grads[1][i], grads[2][i], name=name)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.25, 0.5, 1.0])
+def test_jsd_equals_trls_gkd_loss(beta):
+    from trl.experimental.gkd import GKDTrainer
+
+    inputs = _inputs(5, bias=True)
+    a_s, w_s, a_t, w_t, b_s, b_t, y = inputs
+    want = GKDTrainer.generalized_jsd_loss(F.linear(a_s, w_s, b_s), F.linear(a_t, w_t, b_t),
+                                           labels=y, beta=beta, temperature=0.8)
+    got = fusedloss.linear_jsd(a_s, w_s, a_t, w_t, beta=beta, student_bias=b_s,
+                               teacher_bias=b_t, temperature=0.8, labels=y)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    for x, r in zip(torch.autograd.grad(got, (a_s, w_s), retain_graph=True),
+                    torch.autograd.grad(want, (a_s, w_s)), strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-8, atol=1e-12)
+
+
+def test_reductions_and_the_teacher_gradient():
+    inputs = _inputs(7)
+    a_s, w_s, a_t, w_t, _, _, y = inputs
+    per_token = fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, labels=y, reduction="none")
+    counted = y != -100
+    torch.testing.assert_close(
+        fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, labels=y), per_token.sum() / counted.sum())
+    torch.testing.assert_close(
+        fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, labels=y, reduction="sum"), per_token.sum())
+    torch.testing.assert_close(fusedloss.linear_kl_div(a_s, w_s, a_t, w_t),
+                               fusedloss.linear_kl_div(a_s, w_s, a_t, w_t,
+                                                       reduction="none").mean())
+    # the teacher detached: no gradient there; attached: the reference's
+    loss = fusedloss.linear_kl_div(a_s, w_s, a_t.detach(), w_t.detach())
+    loss.backward()
+    assert a_t.grad is None and w_s.grad is not None
+    got = torch.autograd.grad(fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, direction="reverse"),
+                              (a_t, w_t))
+    want = torch.autograd.grad(linear_divergence_ref(a_s, w_s, a_t, w_t, kind="reverse").mean(),
+                               (a_t, w_t))
+    for x, r in zip(got, want, strict=True):
+        torch.testing.assert_close(x, r)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda i: fusedloss.linear_kl_div(*i[:4], direction="sideways"), ValueError, "direction"),
+    (lambda i: fusedloss.linear_jsd(*i[:4], beta=1.5), ValueError, "beta"),
+    (lambda i: fusedloss.linear_kl_div(*i[:4], temperature=0.0), ValueError, "temperature"),
+    (lambda i: fusedloss.linear_kl_div(*i[:4], reduction="batchmean"), ValueError, "reduction"),
+    (lambda i: fusedloss.linear_kl_div(i[0], i[1], i[2][:2], i[3]), ValueError, "leading"),
+    (lambda i: fusedloss.linear_kl_div(i[0], i[1], i[2], i[3][:7]), ValueError, "vocabulary"),
+    (lambda i: fusedloss.linear_kl_div(*i[:4], labels=i[6][:1]), ValueError, "labels"),
+    (lambda i: fusedloss.linear_kl_div(i[0], i[1].float(), i[2], i[3]), TypeError,
+     "student_weight"),
+])
+def test_bad_arguments_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call(_inputs(0))
+
+
+def test_compiles_with_fullgraph():
+    inputs = _inputs(9, dtype=torch.float32, bias=True)
+    a_s, w_s, a_t, w_t, b_s, b_t, y = inputs
+
+    def loss(a, w):
+        return fusedloss.linear_jsd(a, w, a_t, w_t, beta=0.3, student_bias=b_s,
+                                    teacher_bias=b_t, temperature=0.9, labels=y)
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got, want = compiled(a_s, w_s), loss(a_s, w_s)
+    torch.testing.assert_close(got, want)
+    for x, r in zip(torch.autograd.grad(got, (a_s, w_s)), torch.autograd.grad(want, (a_s, w_s)),
+                    strict=True):
+        torch.testing.assert_close(x, r)
