@@ -162,3 +162,36 @@ def test_compiles_with_fullgraph():
     for x, r in zip(torch.autograd.grad(got, (a_s, w_s)), torch.autograd.grad(want, (a_s, w_s)),
                     strict=True):
         torch.testing.assert_close(x, r)
+
+
+# ------------------------------------------------------------------------------------------
+# offline distillation from a teacher's top-k
+
+
+def test_top_k_kl_matches_float64(tune):
+    tune(torch_chunk_elements=2 * V)  # blocks of 2 rows
+    a_s, w_s, a_t, w_t, b_s, _, y = _inputs(11, bias=True)
+    teacher = torch.log_softmax((a_t @ w_t.T).detach() / 0.8, -1)
+    top_lp, top_ids = teacher.topk(6, dim=-1)
+    got = fusedloss.linear_top_k_kl(a_s, w_s, top_lp, top_ids, student_bias=b_s,
+                                    temperature=0.8, labels=y, reduction="none")
+    student = torch.log_softmax((a_s @ w_s.T + b_s) / 0.8, -1)
+    want = (top_lp.exp() * (top_lp - student.gather(-1, top_ids))).sum(-1)
+    want = torch.where(y != -100, want, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    for x, r in zip(torch.autograd.grad(got.sum(), (a_s, w_s, b_s)),
+                    torch.autograd.grad(want.sum(), (a_s, w_s, b_s)), strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-8, atol=1e-12)
+    # every token of the vocabulary: the forward KL
+    full_lp, full_ids = teacher.topk(V, dim=-1)
+    torch.testing.assert_close(
+        fusedloss.linear_top_k_kl(a_s, w_s, full_lp, full_ids, student_bias=b_s,
+                                  temperature=0.8),
+        fusedloss.linear_kl_div(a_s, w_s, a_t.detach(), w_t.detach(), student_bias=b_s,
+                                temperature=0.8))
+    with pytest.raises(ValueError, match="teacher_ids"):
+        fusedloss.linear_top_k_kl(a_s, w_s, top_lp, top_ids[..., :3])
+    bad = top_ids.clone()
+    bad[0, 1, 2] = V
+    out = fusedloss.linear_top_k_kl(a_s, w_s, top_lp, bad, reduction="none")
+    assert out[0, 1].isnan() and torch.isfinite(out[1]).all()

@@ -357,7 +357,7 @@ def test_public_api():
     assert sorted(fusedloss.__all__) == sorted([
         "ClipLoss", "InfoNCELoss", "LinearCrossEntropyLoss", "NTXentLoss", "SigLipLoss",
         "clip_loss", "info_nce_loss", "linear_cross_entropy", "linear_jsd", "linear_kl_div",
-        "linear_log_probs", "nt_xent_loss",
+        "linear_log_probs", "linear_top_k_kl", "nt_xent_loss",
         "siglip_loss",
     ])
     for name in fusedloss.__all__:

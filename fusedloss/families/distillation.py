@@ -74,3 +74,22 @@ def _kl_and_grad(p_log: torch.Tensor, q_log: torch.Tensor):
     gap = torch.where(p > 0, p_log - q_log, 0.0)
     kl = (p * gap).sum(dim=-1)
     return kl, p * (gap - kl[:, None])
+
+
+def top_k_kl_and_grad(
+    student_log_probs: torch.Tensor,  # (rows, V) s
+    teacher_log_probs: torch.Tensor,  # (rows, k) the teacher's log-probabilities of k tokens
+    teacher_ids: torch.Tensor,  # (rows, k) int64 their token ids
+    upstream: torch.Tensor | None,  # (rows,)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Offline distillation from a teacher's top k: Σ_k p_t,k·(t_k − s_{id_k}) per row (the
+    forward KL's terms on the teacher's k tokens, its remaining mass left out), and upstream ×
+    its gradient with respect to x_s, (Σ_k p_t,k)·p_s − Σ_k p_t,k·[j = id_k]."""
+    p_t = teacher_log_probs.exp()
+    picked = student_log_probs.gather(1, teacher_ids)
+    value = torch.where(p_t > 0, p_t * (teacher_log_probs - picked), 0.0).sum(dim=-1)
+    if upstream is None:
+        return value, None
+    grad = p_t.sum(dim=-1, keepdim=True) * student_log_probs.exp()
+    grad = grad.scatter_add(1, teacher_ids, -p_t)
+    return value, upstream[:, None] * grad

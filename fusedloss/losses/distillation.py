@@ -1,4 +1,5 @@
-"""Distillation through two LM heads: the functional API (``linear_kl_div``, ``linear_jsd``).
+"""Distillation through LM heads: the functional API (``linear_kl_div``, ``linear_jsd`` between
+two heads; ``linear_top_k_kl`` from a teacher's stored top-k log-probabilities).
 
 The divergences are ``fusedloss/families/distillation.py``'s, computed a block of rows at a
 time by ``fusedloss/ops/distillation.py`` (neither model's (tokens × vocabulary) logits exist
@@ -119,6 +120,12 @@ def _divergence(a_s, w_s, a_t, w_t, biases, labels, resolved) -> torch.Tensor:
         a_s.reshape(-1, a_s.shape[-1]), w_s, None if b_s is None else b_s.contiguous(),
         a_t.reshape(-1, a_t.shape[-1]), w_t, None if b_t is None else b_t.contiguous(),
         *options).view(shape)
+    return _reduce(per_token, labels, ignore_index, reduction)
+
+
+def _reduce(per_token: torch.Tensor, labels: torch.Tensor | None, ignore_index: int,
+            reduction: str) -> torch.Tensor:
+    """0 where ``labels`` is ``ignore_index``; "none", "sum", or "mean" over the counted."""
     counted = None if labels is None else labels != ignore_index
     if counted is not None:
         per_token = torch.where(counted, per_token, 0.0)
@@ -127,8 +134,7 @@ def _divergence(a_s, w_s, a_t, w_t, biases, labels, resolved) -> torch.Tensor:
     total = per_token.sum()
     if reduction == "sum":
         return total
-    count = per_token.numel() if counted is None else counted.sum()
-    return total / (count if counted is None else count.clamp(min=1))
+    return total / (per_token.numel() if counted is None else counted.sum().clamp(min=1))
 
 
 def _check(a, w, b, who: str) -> None:
@@ -144,3 +150,47 @@ def _check(a, w, b, who: str) -> None:
         raise TypeError(f"{who}_weight has dtype {w.dtype} but {who}_input has {a.dtype}")
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"{who}_bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+
+
+def linear_top_k_kl(
+    student_input: torch.Tensor,  # (*, D)
+    student_weight: torch.Tensor,  # (V, D)
+    teacher_log_probs: torch.Tensor,  # (*, k)
+    teacher_ids: torch.Tensor,  # (*, k) int64 token ids in [0, V)
+    *,
+    student_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Offline distillation from a teacher's top-k: per token Σ_k p_t,k·(log p_t,k − log p_s(id_k))
+    with p_t,k = exp(``teacher_log_probs``) as given (e.g. the teacher's tempered log-softmax at
+    its k most likely tokens, stored once) and p_s the student's softmax(logits / T) over the
+    whole vocabulary: the forward KL's terms on the teacher's k tokens (its remaining mass left
+    out, as the stored top-k leaves it). Gradients for the student only; reductions, ``labels``
+    and memory as ``linear_kl_div``'s. A token whose ids fall outside [0, V) gets NaN."""
+    _, reduction, ignore_index = _options("forward", 0.5, temperature, reduction, ignore_index)
+    _check(student_input, student_weight, student_bias, "student")
+    lead = student_input.shape[:-1]
+    k_shape = (*lead, teacher_log_probs.shape[-1] if teacher_log_probs.dim() else 0)
+    if teacher_log_probs.shape != k_shape or teacher_ids.shape != k_shape:
+        raise ValueError(f"teacher_log_probs and teacher_ids must have shape (*, k) with * = "
+                         f"{tuple(lead)}, got {tuple(teacher_log_probs.shape)} and "
+                         f"{tuple(teacher_ids.shape)}")
+    if teacher_ids.dtype.is_floating_point:
+        raise TypeError(f"teacher_ids must hold integer token ids, got {teacher_ids.dtype}")
+    if labels is not None and labels.shape != lead:
+        raise ValueError(f"labels must have shape {tuple(lead)}, got {tuple(labels.shape)}")
+    a, w, b = autocast_operands(student_input.device, student_input, student_weight,
+                                student_bias)
+    k = k_shape[-1]
+    per_token = ops.linear_top_k_kl(
+        a.reshape(-1, a.shape[-1]), w, None if b is None else b.contiguous(),
+        teacher_log_probs.reshape(-1, k).detach(),
+        teacher_ids.reshape(-1, k).long().clamp(0, w.shape[0] - 1), float(temperature)
+    ).view(lead)
+    # An id outside [0, V) (clamped into it for the op) makes its token's loss NaN.
+    bad_id = ((teacher_ids < 0) | (teacher_ids >= w.shape[0])).any(dim=-1)
+    per_token = torch.where(bad_id, float("nan"), per_token)
+    return _reduce(per_token, labels, ignore_index, reduction)

@@ -157,3 +157,101 @@ def _addmm(acc: Tensor, x: Tensor, y: Tensor) -> None:
         acc.addmm_(x, y)
     else:
         addmm_f32_(acc, x, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline distillation from a teacher's top-k log-probabilities (the student's gradient only).
+
+
+def linear_top_k_kl(*args) -> Tensor:
+    """The forward op (arguments of ``top_k_forward``) with its autograd."""
+    return run_op(top_k_forward_op, _TopKEagerFunction, *args)
+
+
+@without_autocast
+def top_k_forward(
+    a_s: Tensor,  # (N, D)
+    w_s: Tensor,  # (V, D)
+    b_s: Tensor | None,  # (V,)
+    teacher_log_probs: Tensor,  # (N, k)
+    teacher_ids: Tensor,  # (N, k) int64
+    temperature: float,
+) -> Tensor:
+    """Each row's top-k KL (``families.distillation.top_k_kl_and_grad``), (N,)."""
+    n, v = a_s.shape[0], w_s.shape[0]
+    acc = engine.accumulation_dtype(a_s.dtype)
+    out = torch.empty(n, dtype=acc, device=a_s.device)
+    rows = _block_rows(v)
+    for r0 in range(0, n, rows):
+        part = slice(r0, min(r0 + rows, n))
+        out[part] = family.top_k_kl_and_grad(
+            _log_probs(F.linear(a_s[part], w_s, b_s), temperature),
+            teacher_log_probs[part].to(acc), teacher_ids[part], None)[0]
+    return out
+
+
+top_k_forward_op = torch.library.custom_op("fusedloss::linear_top_k_kl", top_k_forward,
+                                           mutates_args=())
+
+
+@top_k_forward_op.register_fake
+def _(a_s, w_s, b_s, teacher_log_probs, teacher_ids, temperature):
+    return a_s.new_empty(a_s.shape[0], dtype=engine.accumulation_dtype(a_s.dtype))
+
+
+@without_autocast
+def top_k_backward(grad: Tensor, a_s: Tensor, w_s: Tensor, b_s: Tensor | None,
+                   teacher_log_probs: Tensor, teacher_ids: Tensor, temperature: float,
+                   needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """(d a_s, d w_s, d b_s), each an empty tensor when not asked for."""
+    acc = engine.accumulation_dtype(a_s.dtype)
+    operands = (a_s, w_s, b_s)
+    grads = [torch.zeros_like(t, dtype=acc) if need and t is not None else None
+             for need, t in zip(needs, operands, strict=True)]
+    n, v = a_s.shape[0], w_s.shape[0]
+    rows = _block_rows(v)
+    for r0 in range(0, n, rows):
+        part = slice(r0, min(r0 + rows, n))
+        _, dz = family.top_k_kl_and_grad(
+            _log_probs(F.linear(a_s[part], w_s, b_s), temperature),
+            teacher_log_probs[part].to(acc), teacher_ids[part],
+            grad[part].to(acc) / temperature)
+        if grads[2] is not None:
+            grads[2] += dz.sum(dim=0)
+        dz = dz.to(a_s.dtype)
+        if grads[0] is not None:
+            _mm_into(grads[0][part], dz, w_s)
+        if grads[1] is not None:
+            _addmm(grads[1], dz.T, a_s[part])
+    return tuple(nothing(a_s, (0,)) if g is None else g.to(t.dtype)
+                 for g, t in zip(grads, operands, strict=True))
+
+
+top_k_backward_op = torch.library.custom_op("fusedloss::linear_top_k_kl_backward",
+                                            top_k_backward, mutates_args=())
+
+
+@top_k_backward_op.register_fake
+def _(grad, a_s, w_s, b_s, teacher_log_probs, teacher_ids, temperature, needs):
+    return tuple(torch.empty_like(t) if need and t is not None else nothing(a_s, (0,))
+                 for need, t in zip(needs, (a_s, w_s, b_s), strict=True))
+
+
+def _top_k_setup_context(ctx, inputs, output):
+    a_s, w_s, b_s, teacher_log_probs, teacher_ids, temperature = inputs
+    ctx.save_for_backward(a_s, w_s, b_s, teacher_log_probs, teacher_ids)
+    ctx.temperature = temperature
+
+
+def _top_k_autograd_backward(ctx, grad, backward_fn=top_k_backward_op):
+    needs = list(ctx.needs_input_grad[:3])
+    grads = backward_fn(grad, *ctx.saved_tensors, ctx.temperature, needs)
+    return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)),
+            None, None, None)
+
+
+top_k_forward_op.register_autograd(_top_k_autograd_backward,
+                                   setup_context=_top_k_setup_context)
+
+_TopKEagerFunction = eager_function("_TopKEagerFunction", top_k_forward, _top_k_setup_context,
+                                    _top_k_autograd_backward, top_k_backward)
