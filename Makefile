@@ -2,7 +2,7 @@
 #
 #   make test     ruff, then pytest (on a CPU machine Triton kernels run on its interpreter),
 #                 all but the tests marked slow
-#   make test-slow  the tests marked slow: the longest property runs (CI runs both targets)
+#   make test-slow  the tests marked slow: the longest runs (CI runs both targets)
 #   make pytest   pytest only
 #   make lint     ruff check
 #   make demo     python examples/demo.py (with the demo extra: matplotlib, transformers)

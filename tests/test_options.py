@@ -305,7 +305,8 @@ def test_filter_eps_filters(tune, regime):
 
 
 @requires_triton
-@pytest.mark.parametrize("order", ["auto", None, "permutation"])
+@pytest.mark.parametrize("order", [pytest.param("auto", marks=pytest.mark.slow), None,
+                                   pytest.param("permutation", marks=pytest.mark.slow)])
 def test_filtering_keeps_unlikely_targets(tune, order):
     """A target the model finds unlikely sits in a tile with no mass: only its one-hot term
     keeps that tile live (mark_targets_live, through the column order). Dropping it would lose
@@ -327,7 +328,8 @@ def test_filtering_keeps_unlikely_targets(tune, order):
 
 
 @requires_triton
-@pytest.mark.parametrize("eps", [2.0**-10, 2.0**-6, 0.25])
+@pytest.mark.parametrize("eps", [2.0**-10, pytest.param(2.0**-6, marks=pytest.mark.slow),
+                                 pytest.param(0.25, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tuning", [pytest.param({}, id="defaults"),
                                     pytest.param(SPARSE, id="sparse")])
 def test_filter_eps_bounds_the_gradient_change(tune, tuning, eps):
@@ -437,7 +439,7 @@ def test_module_forwards_every_option(tune, option):
 
 
 @requires_triton
-@pytest.mark.parametrize("every", [None, 1, 3])
+@pytest.mark.parametrize("every", [pytest.param(None, marks=pytest.mark.slow), 1, 3])
 def test_module_vocab_order_every(monkeypatch, every):
     """vocab_order_every=None keeps the natural order, 1 sorts on every call (the functional
     "auto"), k sorts on calls 0, k, 2k, … and passes that order in between. The results equal
