@@ -351,27 +351,25 @@ def test_triton_is_deterministic():
 
 
 # ---------------------------------------------------------------------------------------------
-# the engine's entropy term in row blocks (the LM heads' backward beyond 131072 bf16 rows)
+# the backward in blocks of rows (beyond 131072 bf16 rows) carries the entropy term
 
 
 @requires_triton
-def test_engine_row_blocks_carry_the_entropy_term():
+def test_backward_in_row_blocks_equals_one_call(monkeypatch):
+    """The op's backward in blocks of 16 rows (``backward_row_chunk``, forced) gives the
+    one-call gradients: the blocks carry the entropy's coefficient too."""
     from fusedloss.core import engine
-    from fusedloss.families import log_probs as family
-    from fusedloss.ops._common import all_rows
+    from fusedloss.ops import log_probs as ops
 
-    h, w, y, _ = make(Case(lead=(70,), v=50, d=16, dtype=torch.float32), device=DEVICE)
-    a, b = h.detach(), w.detach()
-    rows = all_rows(y)
-    stats = engine.row_stats(a, b, engine.Logits(), rows,
-                             wants=engine.Wants(record_tiles=False, entropy=True))
-    gen = torch.Generator().manual_seed(3)
-    g, k = (torch.randn(70, generator=gen).to(a.device) for _ in range(2))
-    coef = family.grad_coefficients(g, k, stats)
-    whole = engine.grads(a, b, engine.Logits(), rows, stats, coef)
-    blocks = engine.grads(a, b, engine.Logits(), rows, stats, coef,
-                          plan=engine.BackwardPlan(row_chunk=16))
-    for x, r in ((blocks.a, whole.a), (blocks.b, whole.b)):
+    case = Case(lead=(70,), v=50, d=16, dtype=torch.float32, temperature=0.8)
+    results, records = {}, {}
+    for name, rows in (("one call", None), ("blocks", 16)):
+        monkeypatch.setattr(ops, "backward_row_chunk", lambda a, rows=rows: rows)
+        with engine.recording_backward_tiles() as record:
+            results[name] = outputs_and_grads(ours(case, "triton"), *make(case))
+        records[name] = len(record)
+    assert records["one call"] == 1 and records["blocks"] > 1
+    for x, r in zip(results["blocks"][2], results["one call"][2], strict=True):
         assert rel_err(x, r) < 1e-6
 
 
