@@ -149,23 +149,13 @@ def dpo_loss(
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    if (ref_log_probs is None) == (ref_input is None or ref_weight is None):
-        raise ValueError("pass the reference as ref_log_probs, or as ref_input and ref_weight "
-                         "(exactly one of the two)")
-    if input.dim() < 2 or input.shape[0] % 2:
-        raise ValueError(f"input must be (2B, T, D), the chosen sequences then the rejected "
-                         f"ones, got shape {tuple(input.shape)}")
+    _check_reference(ref_log_probs, ref_input, ref_weight)
+    _check_pairs(input)
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    options = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
-    token_log_probs = linear_log_probs(input, linear_weight, target, linear_bias=linear_bias,
-                                       **options)
-    log_probs = token_log_probs.sum(dim=-1)
-    if ref_log_probs is None:
-        with torch.no_grad():
-            ref_log_probs = linear_log_probs(ref_input, ref_weight, target, linear_bias=ref_bias,
-                                             **options).sum(dim=-1)
-    log_ratios = log_probs - ref_log_probs
+    head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
+    log_ratios = _log_ratios(input, linear_weight, target, dict(head, linear_bias=linear_bias),
+                             (ref_log_probs, ref_input, ref_weight, ref_bias))
     chosen, rejected = log_ratios.chunk(2, dim=0)
     delta = chosen - rejected
     if loss_type == "sigmoid":
@@ -173,8 +163,7 @@ def dpo_loss(
     elif loss_type == "hinge":
         per_pair = torch.relu(1 - beta * delta)
     elif loss_type == "ipo":
-        counted = (target[..., 1:] if shift else target) != ignore_index
-        lengths = counted.sum(dim=-1).clamp(min=1)
+        lengths = _counted(target, head).sum(dim=-1).clamp(min=1)
         chosen_len, rejected_len = lengths.chunk(2, dim=0)
         per_pair = (chosen / chosen_len - rejected / rejected_len - 1 / (2 * beta)) ** 2
     else:
@@ -188,11 +177,30 @@ def _sequence_log_probs(input, linear_weight, target, head: dict, average: bool)
     """(2B,) or (B,) summed (``average``: mean) log-probs of each sequence's counted tokens."""
     token_log_probs = linear_log_probs(input, linear_weight, target, **head)
     total = token_log_probs.sum(dim=-1)
-    if not average:
-        return total
-    counted = (target[..., 1:] if head.get("shift") else target) != head.get("ignore_index",
-                                                                          -100)
-    return total / counted.sum(dim=-1)
+    return total / _counted(target, head).sum(dim=-1) if average else total
+
+
+def _counted(target: torch.Tensor, head: dict) -> torch.Tensor:
+    """Which target positions count (after the shift, when ``head`` asks for it)."""
+    return (target[..., 1:] if head.get("shift") else target) != head.get("ignore_index", -100)
+
+
+def _check_reference(ref_log_probs, ref_input, ref_weight) -> None:
+    if (ref_log_probs is None) == (ref_input is None or ref_weight is None):
+        raise ValueError("pass the reference as ref_log_probs, or as ref_input and ref_weight "
+                         "(exactly one of the two)")
+
+
+def _log_ratios(input, linear_weight, target, head: dict, reference: tuple) -> torch.Tensor:
+    """Each sequence's summed log π − log π_ref; ``reference`` = (its summed log-probs, or
+    None and then its hidden states, head and bias, run without gradients)."""
+    ref_log_probs, ref_input, ref_weight, ref_bias = reference
+    log_probs = _sequence_log_probs(input, linear_weight, target, head, average=False)
+    if ref_log_probs is None:
+        with torch.no_grad():
+            ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
+                                                dict(head, linear_bias=ref_bias), average=False)
+    return log_probs - ref_log_probs
 
 
 def _check_pairs(input: torch.Tensor) -> None:
@@ -339,20 +347,13 @@ def kto_loss(
     """
     if loss_type not in KTO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
-    if (ref_log_probs is None) == (ref_input is None or ref_weight is None):
-        raise ValueError("pass the reference as ref_log_probs, or as ref_input and ref_weight "
-                         "(exactly one of the two)")
+    _check_reference(ref_log_probs, ref_input, ref_weight)
     if desirable.shape != input.shape[:1]:
         raise ValueError(f"desirable must have shape ({input.shape[0]},), got "
                          f"{tuple(desirable.shape)}")
     head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
-    log_probs = _sequence_log_probs(input, linear_weight, target,
-                                    dict(head, linear_bias=linear_bias), average=False)
-    if ref_log_probs is None:
-        with torch.no_grad():
-            ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
-                                                dict(head, linear_bias=ref_bias), average=False)
-    ratio = log_probs - ref_log_probs
+    ratio = _log_ratios(input, linear_weight, target, dict(head, linear_bias=linear_bias),
+                        (ref_log_probs, ref_input, ref_weight, ref_bias))
     kl = torch.as_tensor(kl, dtype=ratio.dtype, device=ratio.device).detach()
     good = desirable.to(torch.bool)
     if loss_type == "kto":

@@ -563,18 +563,21 @@ def _combine_centered(part_max: torch.Tensor, part_sum: torch.Tensor, part_cente
     """Σ_j exp(X − top)·(X − top) per row from the splits' partials (parts, N), each about its
     own max m_k: Σ_k exp(m_k − top)·(C_k + (m_k − top)·S_k); 0 on rows ≥ ``n_valid``."""
     shift = part_max - top
-    moved = (part_centered + shift * part_sum) * torch.exp(shift)
-    centered = torch.where(part_sum > 0, moved, 0.0).sum(dim=0)
-    return torch.where(torch.arange(top.shape[0], device=top.device) < n_valid, centered, 0.0)
+    return _sum_parts((part_centered + shift * part_sum) * torch.exp(shift), part_sum, n_valid)
 
 
 def _combine_squares(part_max: torch.Tensor, part_sum: torch.Tensor, part_squares: torch.Tensor,
                      top: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     """Σ_j exp(2·(X − top)) per row from the splits' partials (parts, N), each about its own
     max m_k: Σ_k exp(2·(m_k − top))·Q_k; 0 on rows ≥ ``n_valid``."""
-    moved = part_squares * torch.exp(2 * (part_max - top))
-    squares = torch.where(part_sum > 0, moved, 0.0).sum(dim=0)
-    return torch.where(torch.arange(top.shape[0], device=top.device) < n_valid, squares, 0.0)
+    return _sum_parts(part_squares * torch.exp(2 * (part_max - top)), part_sum, n_valid)
+
+
+def _sum_parts(moved: torch.Tensor, part_sum: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """The splits' partials, already moved to the row max, summed over the splits that saw an
+    entry (Σ exp > 0; an empty split's partial is not finite); 0 on rows ≥ ``n_valid``."""
+    total = torch.where(part_sum > 0, moved, 0.0).sum(dim=0)
+    return torch.where(torch.arange(total.shape[0], device=total.device) < n_valid, total, 0.0)
 
 
 def _combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor):
@@ -1237,9 +1240,9 @@ def _is_identity(index: torch.Tensor) -> bool:
 
 def mm_f32(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ y with fp32 accumulation and fp32 output (cuBLAS), whatever the input dtype, into
-    ``out`` when given. A CUDA build without fp32 output rounds to the input dtype first; the
-    CPU computes in fp32."""
-    if x.dtype == torch.float32:
+    ``out`` when given (float64 operands: in float64). A CUDA build without fp32 output rounds
+    to the input dtype first; the CPU computes in fp32."""
+    if x.dtype in (torch.float32, torch.float64):
         return torch.mm(x, y, out=out)
     if x.is_cuda:
         try:
@@ -1252,7 +1255,11 @@ def mm_f32(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) ->
 
 
 def addmm_f32_(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-    """acc += x @ y, acc fp32, in place, fp32 accumulation."""
+    """acc += x @ y, acc fp32 (float64 for float64 operands), in place, accumulated in its
+    dtype."""
+    if x.dtype == torch.float64:
+        acc.addmm_(x, y)
+        return
     if x.is_cuda and x.dtype != torch.float32:
         try:
             torch.addmm(acc, x, y, out_dtype=torch.float32, out=acc)

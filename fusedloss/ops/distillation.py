@@ -6,7 +6,7 @@ log-softmax in fp32 (float64 for float64 inputs) and the divergence of each row
 (``families.distillation``); nothing of a block outlives it. ``..._backward`` recomputes each
 block, forms the gradient of its divergences with respect to the block's logits
 (``families.distillation``), then the products for the inputs, the heads and the biases (fp32
-accumulation).
+accumulation, float64 for float64 inputs).
 Memory: two blocks of logits and their softmaxes (``Tuning.torch_chunk_elements`` logits per
 block), never the (tokens × vocabulary) logits of either model. As custom ops they are opaque to
 ``torch.compile``, which traces a loss into a graph without a break.
@@ -107,9 +107,9 @@ def backward(
                 grads[side + 2] += dz.to(acc).sum(dim=0)
             dz = dz.to(a.dtype)  # as PyTorch's own backward rounds it, before the products
             if grads[side] is not None:
-                _mm_into(grads[side][part], dz, w)
+                mm_f32(dz, w, out=grads[side][part])
             if grads[side + 1] is not None:
-                _addmm(grads[side + 1], dz.T, a[part])
+                addmm_f32_(grads[side + 1], dz.T, a[part])
     return tuple(nothing(a_s, (0,)) if g is None else g.to(t.dtype)
                  for g, t in zip(grads, operands, strict=True))
 
@@ -141,22 +141,6 @@ forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 _EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
                                 backward)
-
-
-def _mm_into(out: Tensor, x: Tensor, y: Tensor) -> None:
-    """out = x @ y, accumulated in fp32 (float64 for float64 operands)."""
-    if x.dtype == torch.float64:
-        torch.mm(x, y, out=out)
-    else:
-        mm_f32(x, y, out=out)
-
-
-def _addmm(acc: Tensor, x: Tensor, y: Tensor) -> None:
-    """acc += x @ y, accumulated in fp32 (float64 for float64 operands)."""
-    if x.dtype == torch.float64:
-        acc.addmm_(x, y)
-    else:
-        addmm_f32_(acc, x, y)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,9 +204,9 @@ def top_k_backward(grad: Tensor, a_s: Tensor, w_s: Tensor, b_s: Tensor | None,
             grads[2] += dz.sum(dim=0)
         dz = dz.to(a_s.dtype)
         if grads[0] is not None:
-            _mm_into(grads[0][part], dz, w_s)
+            mm_f32(dz, w_s, out=grads[0][part])
         if grads[1] is not None:
-            _addmm(grads[1], dz.T, a_s[part])
+            addmm_f32_(grads[1], dz.T, a_s[part])
     return tuple(nothing(a_s, (0,)) if g is None else g.to(t.dtype)
                  for g, t in zip(grads, operands, strict=True))
 
