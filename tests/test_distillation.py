@@ -148,11 +148,20 @@ def test_bad_arguments_are_named(call, error, match):
         call(_inputs(0))
 
 
-def test_compiles_with_fullgraph():
+@pytest.mark.parametrize("function", ["jsd", "kl", "top-k"])
+def test_compiles_with_fullgraph(function):
+    torch._dynamo.reset()
     inputs = _inputs(9, dtype=torch.float32, bias=True)
     a_s, w_s, a_t, w_t, b_s, b_t, y = inputs
+    top_lp, top_ids = torch.log_softmax((a_t @ w_t.T).detach(), -1).topk(5, dim=-1)
 
     def loss(a, w):
+        if function == "top-k":
+            return fusedloss.linear_top_k_kl(a, w, top_lp, top_ids, student_bias=b_s,
+                                             temperature=0.9, labels=y)
+        if function == "kl":
+            return fusedloss.linear_kl_div(a, w, a_t, w_t, direction="reverse",
+                                           student_bias=b_s, teacher_bias=b_t, labels=y)
         return fusedloss.linear_jsd(a, w, a_t, w_t, beta=0.3, student_bias=b_s,
                                     teacher_bias=b_t, temperature=0.9, labels=y)
 

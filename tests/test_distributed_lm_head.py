@@ -444,3 +444,30 @@ def _log_probs_disagree(rank, world):
 def test_sharded_log_probs_errors_on_every_rank(workers):
     results = workers(2).run(_log_probs_disagree)
     assert all(isinstance(r, Raised) and "temperature" in r.message for r in results), results
+
+
+def _log_probs_compiled(rank, world):
+    """The sharded log-probs inside a compiled function (a graph break there) equal eager."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 4, generator=g).requires_grad_()
+    w = torch.randn(5 * world, 4, generator=g)[5 * rank:5 * rank + 5].clone().requires_grad_()
+    y = torch.randint(0, 5 * world, (6,), generator=g)
+
+    def loss(h, w):
+        logp, ent = fusedloss.linear_log_probs(h, w, y, temperature=0.8, return_entropy=True,
+                                               process_group=dist.group.WORLD)
+        return (logp * torch.linspace(-1, 1, 6)).sum() + ent.sum()
+
+    got = torch.compile(loss, backend="aot_eager")(h, w)
+    grads = torch.autograd.grad(got, (h, w))
+    want = loss(h, w)
+    want_grads = torch.autograd.grad(want, (h, w))
+    torch.testing.assert_close(got, want)
+    for x, r in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(x, r)
+    return True
+
+
+def test_sharded_log_probs_under_compile(workers):
+    assert all_ok(workers(2).run(_log_probs_compiled)) == [True, True]

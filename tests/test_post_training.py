@@ -310,3 +310,44 @@ def test_kto_loss_equals_kto_trainers(loss_type, tmp_path):
     got_grad = torch.autograd.grad(got, model.lm_head.weight)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# every loss under torch.compile(fullgraph=True)
+
+
+def _compile_cases():
+    hidden, weight, labels, nll_labels = _pairs(2)
+    hidden, weight = hidden.float().detach(), weight.float().detach()
+    ref = torch.randn(2 * B, dtype=torch.float32) - 20
+    g_h, g_w, g_ids, g_mask, g_adv, g_old, g_ref = _grpo_inputs(3)
+    g_h, g_w, g_old, g_ref, g_adv = (t.float().detach() for t in (g_h, g_w, g_old, g_ref, g_adv))
+    pairs = dict(target=labels, shift=True)
+    return {
+        "grpo": (lambda h, w: post_training.grpo_loss(
+            h, w, g_ids, g_mask, g_adv, old_log_probs=g_old, ref_log_probs=g_ref, beta=0.04,
+            loss_type="grpo", temperature=0.7), g_h, g_w),
+        "dpo": (lambda h, w: post_training.dpo_loss(h, w, ref_log_probs=ref, **pairs),
+                hidden, weight),
+        "kto": (lambda h, w: post_training.kto_loss(
+            h, w, labels, torch.arange(2 * B) % 2 == 0, ref_log_probs=ref, kl=0.1, shift=True),
+            hidden, weight),
+        "orpo": (lambda h, w: post_training.orpo_loss(h, w, nll_target=nll_labels, **pairs),
+                 hidden, weight),
+        "cpo": (lambda h, w: post_training.cpo_loss(h, w, loss_type="ipo", **pairs),
+                hidden, weight),
+        "simpo": (lambda h, w: post_training.simpo_loss(h, w, **pairs), hidden, weight),
+    }
+
+
+@pytest.mark.parametrize("name", ["grpo", "dpo", "kto", "orpo", "cpo", "simpo"])
+def test_losses_compile_with_fullgraph(name):
+    torch._dynamo.reset()
+    fn, hidden, weight = _compile_cases()[name]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    got, want = compiled(*leaves), fn(*leaves)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for x, r in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves),
+                    strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-6)

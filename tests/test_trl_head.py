@@ -199,3 +199,20 @@ def test_grpo_trainer_trains_alike(loss_type, tmp_path, monkeypatch):
     assert len(losses) == 2
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_params_equal(ours, ref, start, rtol=1e-4, atol=1e-5)
+
+
+def test_function_compiles_with_fullgraph():
+    """TRL may compile the model around its head: the function traces without a break."""
+    torch._dynamo.reset()
+    h, w, b, y = _head_inputs()
+
+    def head(h, w):
+        out = integration.LogProbFunction.apply(h, w, b, y, 0.7, 64, 5.0, 0.5, ALL)
+        return out[0].sum() + out[1].sum()
+
+    compiled = torch.compile(head, fullgraph=True, backend="aot_eager")
+    got, want = compiled(h, w), head(h, w)
+    torch.testing.assert_close(got, want)
+    for x, r in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w)),
+                    strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-5)

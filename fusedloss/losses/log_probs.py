@@ -69,7 +69,8 @@ def linear_log_probs(
             rows (the vocabulary-parallel head): each rank passes the same ``input`` and
             ``target`` (global token ids) and its rows of the head (and of ``linear_bias``),
             and gets the log-probs and entropies of the whole head; ``input``'s gradient is
-            the full one on every rank. float32, bfloat16 or float16 input.
+            the full one on every rank. float32, bfloat16 or float16 input. Under
+            ``torch.compile`` this call runs eagerly (a graph break), as every distributed call.
         vocab_start: with ``process_group``, the global id of this rank's first row (default:
             the shards follow each other in rank order).
 
@@ -139,6 +140,7 @@ def _token_shaped(per_token: torch.Tensor, shape: torch.Size, shift: bool) -> to
     return per_token[..., :-1] if shift else per_token
 
 
+@torch.compiler.disable  # collectives and host reads: eager, a graph break under compile
 def _vocab_parallel(input, linear_weight, target, linear_bias, opts: CrossEntropyOptions,
                     tempering: tuple[float, bool], shard):
     """(log-probs, entropies or None) (N,) of the whole head from this rank's rows of it,
