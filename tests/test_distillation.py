@@ -117,6 +117,11 @@ def test_reductions_and_the_teacher_gradient():
         fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, labels=y), per_token.sum() / counted.sum())
     torch.testing.assert_close(
         fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, labels=y, reduction="sum"), per_token.sum())
+    other = torch.where(y == -100, 7, y)  # the same positions marked by another value
+    torch.testing.assert_close(
+        fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, labels=torch.where(y == -100, -1, other),
+                                ignore_index=-1),
+        per_token.sum() / counted.sum())
     torch.testing.assert_close(fusedloss.linear_kl_div(a_s, w_s, a_t, w_t),
                                fusedloss.linear_kl_div(a_s, w_s, a_t, w_t,
                                                        reduction="none").mean())

@@ -471,3 +471,20 @@ def _log_probs_compiled(rank, world):
 
 def test_sharded_log_probs_under_compile(workers):
     assert all_ok(workers(2).run(_log_probs_compiled)) == [True, True]
+
+
+def _log_probs_vocab_start(rank, world):
+    """Shards given out of rank order (rank 0 holds the last rows) through ``vocab_start``."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(7, 4, generator=g)
+    w = torch.randn(10, 4, generator=g)
+    y = torch.randint(0, 10, (7,), generator=g)
+    lo, hi = (6, 10) if rank == 0 else (0, 6)
+    logp = fusedloss.linear_log_probs(h, w[lo:hi], y, process_group=dist.group.WORLD,
+                                      vocab_start=lo)
+    return logp, fusedloss.linear_log_probs(h, w, y)
+
+
+def test_sharded_log_probs_explicit_vocab_start(workers):
+    for got, want in all_ok(workers(2).run(_log_probs_vocab_start)):
+        torch.testing.assert_close(got, want)

@@ -39,8 +39,11 @@ def _grpo_inputs(seed=0, per_token_advantages=False):
     return hidden, weight, ids, mask, advantages, old, ref
 
 
-def _materialized_log_probs(hidden, weight, ids, temperature):
-    logp_all = torch.log_softmax(hidden @ weight.T / temperature, dim=-1)
+def _materialized_log_probs(hidden, weight, ids, temperature, bias=None, softcap=None):
+    z = hidden @ weight.T + (0.0 if bias is None else bias)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp_all = torch.log_softmax(z / temperature, dim=-1)
     logp = logp_all.gather(-1, ids[..., None])[..., 0]
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
@@ -48,7 +51,7 @@ def _materialized_log_probs(hidden, weight, ids, temperature):
 def _trl_grpo_loss(hidden, weight, ids, mask, advantages, old, ref, *, loss_type, beta,
                    epsilon=0.2, epsilon_high=None, delta=None, level="token",
                    bias_correction=True, temperature=1.0, max_completion_length=T,
-                   num_items=None):
+                   num_items=None, bias=None, softcap=None):
     """GRPOTrainer._compute_loss on a stand-in trainer (one process, no accumulation)."""
     accelerator = SimpleNamespace(gather=lambda x: x.reshape(-1), num_processes=1,
                                   reduce=lambda x, reduction: x, sync_gradients=True,
@@ -64,7 +67,7 @@ def _trl_grpo_loss(hidden, weight, ids, mask, advantages, old, ref, *, loss_type
         _entropy_bonus_enabled=False, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (
-            *_materialized_log_probs(hidden, weight, ids, temperature), None),
+            *_materialized_log_probs(hidden, weight, ids, temperature, bias, softcap), None),
     )
     inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long),
                   prompt_mask=torch.ones(B, 1, dtype=torch.long), completion_ids=ids,
@@ -89,6 +92,8 @@ GRPO_CASES = {
     "dapo-num-items": dict(loss_type="dapo", beta=0.0, num_items=40.0),
     "grpo-on-policy": dict(loss_type="grpo", beta=0.04, old=None),
     "grpo-token-advantages": dict(loss_type="grpo", beta=0.0, per_token=True),
+    "grpo-epsilon-head-options": dict(loss_type="grpo", beta=0.04, epsilon=0.05,
+                                      temperature=0.8, softcap=2.0, head_bias=True),
 }
 
 
@@ -99,10 +104,13 @@ def test_grpo_loss_equals_trls(case):
         per_token_advantages=kw.pop("per_token", False))
     if "old" in kw:
         old = kw.pop("old")
-    want = _trl_grpo_loss(hidden, weight, ids, mask, advantages, old, ref, **kw)
+    bias = (torch.randn(V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+            if kw.pop("head_bias", False) else None)
+    want = _trl_grpo_loss(hidden, weight, ids, mask, advantages, old, ref, bias=bias, **kw)
     want_grads = torch.autograd.grad(want, (hidden, weight))
     got = post_training.grpo_loss(
         hidden, weight, ids, mask, advantages, old_log_probs=old, ref_log_probs=ref,
+        linear_bias=bias, softcap=kw.get("softcap"), epsilon=kw.get("epsilon", 0.2),
         beta=kw["beta"], epsilon_high=kw.get("epsilon_high"), delta=kw.get("delta"),
         loss_type=kw["loss_type"], importance_sampling_level=kw.get("level", "token"),
         kl_bias_correction=kw.get("bias_correction", True),
@@ -166,6 +174,28 @@ def test_dpo_loss_equals_dpo_trainers(loss_type, extra, tmp_path):
     got_grad = torch.autograd.grad(got, model.lm_head.weight)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_dpo_loss_applies_the_heads_options():
+    """linear_bias, ref_bias and softcap reach both heads: DPO's Δ from the float64 reference
+    log-probs formed with them."""
+    from fusedloss.reference import linear_log_probs_ref
+
+    g = torch.Generator().manual_seed(5)
+    hidden, ref_hidden = (torch.randn(4, 5, D, generator=g, dtype=torch.float64)
+                          for _ in range(2))
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64)
+    bias, ref_bias = (torch.randn(V, generator=g, dtype=torch.float64) for _ in range(2))
+    target = torch.randint(0, V, (4, 5), generator=g)
+    target[:, 0] = -100
+    got = post_training.dpo_loss(hidden, weight, target, ref_input=ref_hidden, ref_weight=weight,
+                                 linear_bias=bias, ref_bias=ref_bias, softcap=3.0, beta=0.5)
+    policy = linear_log_probs_ref(hidden, weight, target, linear_bias=bias, softcap=3.0)[0]
+    reference = linear_log_probs_ref(ref_hidden, weight, target, linear_bias=ref_bias,
+                                     softcap=3.0)[0]
+    ratios = (policy - reference).sum(-1)
+    want = -torch.nn.functional.logsigmoid(0.5 * (ratios[:2] - ratios[2:])).mean()
+    torch.testing.assert_close(got, want)
 
 
 def test_dpo_loss_takes_precomputed_reference_log_probs():
