@@ -16,6 +16,7 @@ from ..families.distillation import KINDS
 from ..ops import distillation as ops
 from ..ops._common import autocast_operands
 from ..options import REDUCTIONS
+from .cross_entropy import resolve_input_backend
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -33,6 +34,7 @@ def linear_kl_div(
     reduction: str = "mean",
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """KL divergence per token between a teacher's and a student's next-token distributions,
     each softmax(F.linear(input, weight, bias) / temperature) over the same vocabulary, without
@@ -49,17 +51,23 @@ def linear_kl_div(
             0 where a token does not count).
         labels: optional (*) tensor; positions equal to ``ignore_index`` do not count (padding,
             prompts). None: every token counts.
+        backend: "triton" (CUDA, or the CPU under ``TRITON_INTERPRET=1``), "torch", or "auto"
+            (Triton on CUDA; float64 inputs always take the torch backend).
 
     Gradients flow to the student, and to the teacher's tensors too where they require them
     (detach or ``no_grad`` the teacher, as distillation usually does). The logits are formed a
-    block of rows at a time (``Tuning.torch_chunk_elements`` per block) in the input dtype,
-    their softmax in fp32.
+    chunk of rows at a time in the input dtype, their softmax in fp32: on the Triton backend
+    both models' chunks of logits (``Tuning.lm_head_chunk_bytes`` for the two) and one pass per
+    row; a reduced loss whose teacher needs no gradient forms the student's gradients in the
+    forward (four matrix products: both models' logits, then d input and d weight). The torch
+    backend (and a teacher that needs gradients) forms blocks of ``Tuning.torch_chunk_elements``
+    logits with their fp32 softmaxes, and its backward recomputes them.
     """
     if direction not in ("forward", "reverse"):
         raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
     return _divergence(student_input, student_weight, teacher_input, teacher_weight,
                        (student_bias, teacher_bias), labels,
-                       _options(direction, 0.5, temperature, reduction, ignore_index))
+                       _options(direction, 0.5, temperature, reduction, ignore_index), backend)
 
 
 def linear_jsd(
@@ -75,6 +83,7 @@ def linear_jsd(
     reduction: str = "mean",
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The generalized Jensen-Shannon divergence per token (TRL's GKD and liger-kernel's):
     β·KL(p_t ‖ m) + (1 − β)·KL(p_s ‖ m) with m = β·p_t + (1 − β)·p_s, β in [0, 1] (0.5:
@@ -85,7 +94,7 @@ def linear_jsd(
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     return _divergence(student_input, student_weight, teacher_input, teacher_weight,
                        (student_bias, teacher_bias), labels,
-                       _options("jsd", float(beta), temperature, reduction, ignore_index))
+                       _options("jsd", float(beta), temperature, reduction, ignore_index), backend)
 
 
 def _options(kind, beta, temperature, reduction, ignore_index) -> tuple:
@@ -99,7 +108,7 @@ def _options(kind, beta, temperature, reduction, ignore_index) -> tuple:
     return (kind, beta, float(temperature)), reduction, int(ignore_index)
 
 
-def _divergence(a_s, w_s, a_t, w_t, biases, labels, resolved) -> torch.Tensor:
+def _divergence(a_s, w_s, a_t, w_t, biases, labels, resolved, backend) -> torch.Tensor:
     options, reduction, ignore_index = resolved
     b_s, b_t = biases
     _check(a_s, w_s, b_s, "student")
@@ -113,13 +122,24 @@ def _divergence(a_s, w_s, a_t, w_t, biases, labels, resolved) -> torch.Tensor:
     if labels is not None and labels.shape != a_s.shape[:-1]:
         raise ValueError(f"labels must have shape {tuple(a_s.shape[:-1])}, got "
                          f"{tuple(labels.shape)}")
+    backend = resolve_input_backend(backend, a_s)
     a_s, w_s, b_s = autocast_operands(a_s.device, a_s, w_s, b_s)
     a_t, w_t, b_t = autocast_operands(a_t.device, a_t, w_t, b_t)
     shape = a_s.shape[:-1]
-    per_token = ops.linear_divergence(
-        a_s.reshape(-1, a_s.shape[-1]), w_s, None if b_s is None else b_s.contiguous(),
-        a_t.reshape(-1, a_t.shape[-1]), w_t, None if b_t is None else b_t.contiguous(),
-        *options).view(shape)
+    flat = (a_s.reshape(-1, a_s.shape[-1]), w_s, None if b_s is None else b_s.contiguous(),
+            a_t.reshape(-1, a_t.shape[-1]), w_t, None if b_t is None else b_t.contiguous())
+    grad = torch.is_grad_enabled()
+    student_grads = [grad and t is not None and t.requires_grad for t in flat[:3]]
+    teacher_grads = any(grad and t is not None and t.requires_grad for t in flat[3:])
+    if (backend == "triton" and reduction != "none" and any(student_grads)
+            and not teacher_grads and flat[0].shape[0] > 0):
+        # Training: the student's gradients formed in the forward, each row weighted by its
+        # share of the reduced loss
+        counted = (torch.ones(shape, dtype=torch.bool, device=a_s.device) if labels is None
+                   else labels != ignore_index).reshape(-1).float()
+        share = counted / counted.sum().clamp(min=1) if reduction == "mean" else counted
+        return ops.linear_divergence_reduced(*flat, share, *options, *student_grads)
+    per_token = ops.linear_divergence(*flat, *options, backend).view(shape)
     return _reduce(per_token, labels, ignore_index, reduction)
 
 

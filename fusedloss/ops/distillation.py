@@ -1,15 +1,19 @@
-"""Distillation divergences through two LM heads, a block of rows at a time, as two custom ops.
+"""Distillation divergences through two LM heads, a block of rows at a time, as custom ops.
 
-``fusedloss::linear_divergence`` forms, per block of rows, the student's and the teacher's
-logits (one product each, in the input dtype as ``F.linear`` would), their tempered
-log-softmax in fp32 (float64 for float64 inputs) and the divergence of each row
-(``families.distillation``); nothing of a block outlives it. ``..._backward`` recomputes each
-block, forms the gradient of its divergences with respect to the block's logits
-(``families.distillation``), then the products for the inputs, the heads and the biases (fp32
-accumulation, float64 for float64 inputs).
-Memory: two blocks of logits and their softmaxes (``Tuning.torch_chunk_elements`` logits per
-block), never the (tokens × vocabulary) logits of either model. As custom ops they are opaque to
-``torch.compile``, which traces a loss into a graph without a break.
+``fusedloss::linear_divergence`` gives each row's divergence and ``..._backward`` its
+gradients for an upstream gradient per row; ``fusedloss::linear_divergence_reduced`` is the
+training path of a reduced loss (the student's gradients formed in the forward, scaled by the
+loss's upstream gradient in the backward: four matrix products in all).
+
+On the Triton backend (inputs below float64) a block is a chunk of rows of both models' logits
+in the input dtype and one Triton pass per row (``core.chunked_divergence``); for float64 inputs,
+the torch backend and a teacher that needs gradients, the block's tempered log-softmaxes are
+formed in fp32 (float64 for float64 inputs) and the divergences and their gradients with
+respect to the logits in PyTorch (``families.distillation``), the backward recomputing each
+block. Memory: two blocks of logits (and on the torch path their softmaxes,
+``Tuning.torch_chunk_elements`` logits per block), never the (tokens × vocabulary) logits of
+either model. As custom ops they are opaque to ``torch.compile``, which traces a loss into a
+graph without a break.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core import config, engine
-from ..core.engine import addmm_f32_, mm_f32
+from ..core import chunked_divergence, config, engine
+from ..core.engine import Needs, addmm_f32_, mm_f32
 from ..families import distillation as family
-from ._common import eager_function, grad_or_none, nothing, run_op, without_autocast
+from ._common import eager_function, grad_or_none, nothing, row_major, run_op, without_autocast
+from .cross_entropy import _scaled
 
 
 def linear_divergence(*args) -> Tensor:
@@ -50,8 +55,12 @@ def forward(
     kind: str,  # "forward", "reverse" or "jsd"
     beta: float,
     temperature: float,
+    backend: str,  # "triton" or "torch"
 ) -> Tensor:
     """Each row's divergence, (N,) fp32 (float64 for float64 inputs)."""
+    if _on_triton(a_s, backend):
+        return _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, None,
+                        Needs(False, False, False))[0]
     n, v = a_s.shape[0], w_s.shape[0]
     out = torch.empty(n, dtype=engine.accumulation_dtype(a_s.dtype), device=a_s.device)
     rows = _block_rows(v)
@@ -67,7 +76,7 @@ forward_op = torch.library.custom_op("fusedloss::linear_divergence", forward, mu
 
 
 @forward_op.register_fake
-def _(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature):
+def _(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, backend):
     return a_s.new_empty(a_s.shape[0], dtype=engine.accumulation_dtype(a_s.dtype))
 
 
@@ -83,10 +92,17 @@ def backward(
     kind: str,
     beta: float,
     temperature: float,
+    backend: str,
     needs: list[bool],  # gradients asked for: a_s, w_s, b_s, a_t, w_t, b_t
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The six gradients, each an empty tensor when not asked for."""
     operands = (a_s, w_s, b_s, a_t, w_t, b_t)
+    if _on_triton(a_s, backend) and not any(needs[3:]):
+        _, *grads = _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature,
+                             grad.float(), Needs(*needs[:3]))
+        return (*(nothing(a_s, (0,)) if g is None else g.to(t.dtype)
+                  for g, t in zip(grads, operands, strict=False)),
+                *(nothing(a_s, (0,)) for _ in range(3)))
     acc = engine.accumulation_dtype(a_s.dtype)
     grads = [torch.zeros_like(t, dtype=acc) if need and t is not None else None
              for need, t in zip(needs, operands, strict=True)]
@@ -119,28 +135,117 @@ backward_op = torch.library.custom_op("fusedloss::linear_divergence_backward", b
 
 
 @backward_op.register_fake
-def _(grad, a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, needs):
+def _(grad, a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, backend, needs):
     return tuple(torch.empty_like(t) if need and t is not None else nothing(a_s, (0,))
                  for need, t in zip(needs, (a_s, w_s, b_s, a_t, w_t, b_t), strict=True))
 
 
 def _setup_context(ctx, inputs, output):
-    a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature = inputs
+    a_s, w_s, b_s, a_t, w_t, b_t, *options = inputs
     ctx.save_for_backward(a_s, w_s, b_s, a_t, w_t, b_t)
-    ctx.options = (kind, beta, temperature)
+    ctx.options = tuple(options)  # kind, beta, temperature, backend
 
 
 def _autograd_backward(ctx, grad, backward_fn=backward_op):
     needs = list(ctx.needs_input_grad[:6])
     grads = backward_fn(grad, *ctx.saved_tensors, *ctx.options, needs)
     return (*(grad_or_none(g, need) for g, need in zip(grads, needs, strict=True)),
-            None, None, None)
+            None, None, None, None)
 
 
 forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 _EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
                                 backward)
+
+
+def _on_triton(a: Tensor, backend: str) -> bool:
+    return backend == "triton" and a.dtype != torch.float64
+
+
+def _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, coef, needs):
+    """``core.chunked_divergence`` on row-major operands, the biases cast to the input dtype
+    (as autocast casts them for ``F.linear``)."""
+    if kind == "jsd" and beta in (0.0, 1.0):  # the ends: the forward and the reverse KL
+        kind = "forward" if beta == 0.0 else "reverse"
+    a_s = row_major(a_s)
+    return chunked_divergence.divergence_and_grads(
+        a_s, row_major(w_s), None if b_s is None else b_s.to(a_s.dtype),
+        row_major(a_t), row_major(w_t), None if b_t is None else b_t.to(a_t.dtype), kind, beta,
+        temperature, coef, needs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training path of a reduced loss (Triton backend, no teacher gradients).
+
+
+def linear_divergence_reduced(*args) -> Tensor:
+    """The reduced loss (() fp32) of ``reduced_forward``'s arguments, with its autograd."""
+    return run_op(reduced_op, _EagerReduced, *args)[0]
+
+
+@without_autocast
+def reduced_forward(
+    a_s: Tensor,  # (N, D_s)
+    w_s: Tensor,  # (V, D_s)
+    b_s: Tensor | None,  # (V,)
+    a_t: Tensor,  # (N, D_t)
+    w_t: Tensor,  # (V, D_t)
+    b_t: Tensor | None,  # (V,)
+    row_weight: Tensor,  # (N,) fp32: each row's share of the loss (0: not counted)
+    kind: str,
+    beta: float,
+    temperature: float,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(Σ_i row_weight_i·divergence_i () fp32, d a_s (N, D_s), d w_s (V, D_s) fp32, d b_s (V,)
+    fp32) for an upstream gradient of 1, each gradient an empty tensor when not asked for. A
+    row of weight 0 is skipped (a NaN there does not reach the loss)."""
+    values, *grads = _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature,
+                              row_weight, Needs(need_input, need_weight, need_bias))
+    return ((values * row_weight).sum(), *(nothing(a_s, (0,)) if g is None else g
+                                           for g in grads))
+
+
+reduced_op = torch.library.custom_op("fusedloss::linear_divergence_reduced", reduced_forward,
+                                     mutates_args=())
+
+
+@reduced_op.register_fake
+def _(a_s, w_s, b_s, a_t, w_t, b_t, row_weight, kind, beta, temperature, need_input,
+      need_weight, need_bias):
+    f32 = torch.float32
+    return (a_s.new_empty((), dtype=f32),
+            torch.empty_like(a_s) if need_input else nothing(a_s, (0,)),
+            w_s.new_empty(w_s.shape, dtype=f32) if need_weight else nothing(a_s, (0,)),
+            b_s.new_empty(b_s.shape, dtype=f32) if b_s is not None and need_bias
+            else nothing(a_s, (0,)))
+
+
+def _reduced_setup_context(ctx, inputs, output):
+    a_s, w_s, b_s = inputs[:3]
+    _, *grads = output
+    ctx.mark_non_differentiable(*grads)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*grads)
+    ctx.dtypes = (a_s.dtype, w_s.dtype, None if b_s is None else b_s.dtype)
+
+
+def _reduced_backward(ctx, grad_loss, *_, backward_fn=None):
+    need = ctx.needs_input_grad[:3]
+    grads = [None] * 3
+    if grad_loss is not None:
+        grads = [_scaled(g, grad_loss, dtype) if n else None
+                 for g, n, dtype in zip(ctx.saved_tensors, need, ctx.dtypes, strict=True)]
+    return (*grads, *[None] * 10)
+
+
+reduced_op.register_autograd(_reduced_backward, setup_context=_reduced_setup_context)
+
+_EagerReduced = eager_function("_EagerReduced", reduced_forward, _reduced_setup_context,
+                               _reduced_backward, None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""The distillation losses' path on the GPU: a divergence between a student's and a teacher's
+tempered softmaxes and the student's gradients, from matrix products per chunk of rows and one
+Triton pass over each row between them.
+
+Per chunk of R rows (``config.lm_head_chunk_rows``, one chunk buffer per model):
+
+    Z_s = A_s,c W_sᵀ + b_s        cuBLAS, in the input dtype (R × V), as ``F.linear``
+    Z_t = A_t,c W_tᵀ + b_t        likewise for the teacher (its hidden size may differ)
+    D, G = div, c·d div/dZ_s      one Triton program per row (``_divergence_rows_kernel``):
+                                  a pass for both rows' (max, Σ exp), a pass for the row sums
+                                  (the divergence), a pass that writes G over Z_s (the forward
+                                  KL's gradient needs no sum: its second pass writes it)
+    dA_s,c = G W_s                cuBLAS, into dA (N × D_s, input dtype)
+    dW_s += Gᵀ A_s,c              cuBLAS into an fp32 (V, D_s) accumulator
+
+c is each row's upstream gradient: given (the backward of the per-token op), or each row's share
+of a reduced loss (1/count, 1 or 0; the forward of the reduced op forms the gradients, four
+products in all). A row with c = 0 is skipped (divergence 0, G = 0): an ignored token.
+
+The divergences and gradients are those of ``families.distillation`` with x = Z / T; every
+statistic and sum in fp32, G rounded once to the input dtype.
+
+Extra memory beside the inputs: two chunks of logits (2·e·R·V bytes for e-byte inputs), the fp32
+dW_s (4·V·D_s) and dbias (4·V), dA_s (e·N·D_s, the gradient itself) and 4·N bytes of divergences.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import config
+from .chunked_logits import ROW_BLOCK, ROW_WARPS, add_weight_grads
+from .engine import Needs
+from .logits import div, exp, log, log1p_exp_neg
+
+#: the kernel's KIND for each divergence (``families.distillation.KINDS``)
+KIND_CODES = {"forward": 0, "reverse": 1, "jsd": 2}
+
+
+def divergence_and_grads(
+    a_s: torch.Tensor,  # (N, D_s) row-major
+    w_s: torch.Tensor,  # (V, D_s) row-major
+    b_s: torch.Tensor | None,  # (V,) in a_s's dtype
+    a_t: torch.Tensor,  # (N, D_t) row-major
+    w_t: torch.Tensor,  # (V, D_t) row-major
+    b_t: torch.Tensor | None,  # (V,) in a_t's dtype
+    kind: str,  # "forward", "reverse" or "jsd" (0 < beta < 1)
+    beta: float,
+    temperature: float,
+    coef: torch.Tensor | None,  # (N,) fp32: each row's upstream gradient; None: no gradients
+    needs: Needs,  # of the student's input, weight and bias (with ``coef``)
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(each row's divergence (N,) fp32, dA_s (N, D_s) in a_s's dtype, dW_s (V, D_s) fp32,
+    dbias_s (V,) fp32), the gradients those of Σ_i coef_i·divergence_i, None when not in
+    ``needs`` or without ``coef``. A row whose coef is 0 gets divergence 0 and no gradient.
+    Nothing is read back to the host."""
+    n, v = a_s.shape[0], w_s.shape[0]
+    device = a_s.device
+    grads = coef is not None
+    need_a, need_b = grads and needs.a, grads and needs.b
+    need_bias = grads and needs.bias and b_s is not None
+    values = torch.zeros(max(n, 1), dtype=torch.float32, device=device)[:n]
+    grad_a = torch.empty_like(a_s) if need_a else None
+    grad_b = torch.zeros((v, a_s.shape[1]), dtype=torch.float32, device=device) if need_b else None
+    grad_bias = torch.zeros(v, dtype=torch.float32, device=device) if need_bias else None
+    # two chunks of logits: at most the training path's chunk bytes for both together
+    chunk = max(1, min(n, config.lm_head_chunk_rows(n, v, a_s.element_size() + a_t.element_size())))
+    z_s = torch.empty((chunk, v), dtype=a_s.dtype, device=device)
+    z_t = torch.empty((chunk, v), dtype=a_t.dtype, device=device)
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    block_v = 16 if config.interpreting() else ROW_BLOCK
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        zs, zt = z_s[: r1 - r0], z_t[: r1 - r0]
+        for z, a, w, b in ((zs, a_s, w_s, b_s), (zt, a_t, w_t, b_t)):
+            if b is None:
+                torch.mm(a[r0:r1], w.T, out=z)
+            else:
+                torch.addmm(b, a[r0:r1], w.T, out=z)
+        _divergence_rows_kernel[(r1 - r0,)](
+            zs, zt, zs.stride(0), zt.stride(0), coef[r0:r1] if grads else ones,
+            values[r0:r1], v, float(temperature), 1.0 / float(temperature), float(beta),
+            KIND=KIND_CODES[kind], GRAD=grads, PRECISE=config.precise_math(a_s.dtype),
+            BLOCK_V=block_v, num_warps=ROW_WARPS if block_v >= 2048 else 1,
+        )
+        if need_a:
+            torch.mm(zs, w_s, out=grad_a[r0:r1])
+        add_weight_grads(grad_b, grad_bias, zs, a_s[r0:r1], first=r0 == 0)
+    return values, grad_a, grad_b, grad_bias
+
+
+@triton.jit
+def _divergence_rows_kernel(
+    zs_ptr, zt_ptr, stride_s, stride_t,  # (R, V) the student's and teacher's logits; G over zs
+    coef_ptr,  # (R,) fp32 upstream gradients (if GRAD)
+    out_ptr,  # (R,) fp32 out: each row's divergence
+    V, temperature, inv_temperature, beta,
+    KIND: tl.constexpr, GRAD: tl.constexpr, PRECISE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One row: x = Z / T for both models, s and t their log-softmaxes; the divergence
+    (``families.distillation``) and, with ``GRAD``, G = (c / T)·∂div/∂x_s over Z_s."""
+    row = tl.program_id(0)
+    base_s = zs_ptr + row.to(tl.int64) * stride_s
+    base_t = zt_ptr + row.to(tl.int64) * stride_t
+    c = 1.0
+    if GRAD:
+        c = tl.load(coef_ptr + row)
+    if c == 0.0:  # an ignored row (or one without a share in the loss)
+        if GRAD:
+            offs = tl.arange(0, BLOCK_V)
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + offs
+                tl.store(base_s + cols, tl.zeros([BLOCK_V], base_s.dtype.element_ty),
+                         mask=cols < V)
+        tl.store(out_ptr + row, 0.0)
+    else:
+        lse_s = _tempered_lse(base_s, V, temperature, inv_temperature, PRECISE, BLOCK_V)
+        lse_t = _tempered_lse(base_t, V, temperature, inv_temperature, PRECISE, BLOCK_V)
+        log_1mb = tl.log(1.0 - beta)
+        log_b = tl.log(beta)
+        scale = c * inv_temperature  # the chain rule through x = Z / T
+        offs = tl.arange(0, BLOCK_V)
+        acc_t = tl.zeros([BLOCK_V], tl.float32)  # Σ p_t·(t − s), or Σ p_t·(t − log m)
+        acc_s = tl.zeros([BLOCK_V], tl.float32)  # Σ p_s·(s − t), or Σ p_s·(s − log m)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            in_row = cols < V
+            s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, lse_s, lse_t,
+                                            temperature, inv_temperature, log_1mb, log_b,
+                                            KIND, PRECISE)
+            if KIND == 0:
+                acc_t += tl.where(p_t > 0, p_t * (t - s), 0.0)
+                if GRAD:  # the forward KL's gradient needs no sum: written in this pass
+                    tl.store(base_s + cols, (scale * (p_s - p_t)).to(base_s.dtype.element_ty),
+                             mask=in_row)
+            elif KIND == 1:
+                acc_s += tl.where(p_s > 0, p_s * (s - t), 0.0)
+            else:
+                acc_t += tl.where(p_t > 0, p_t * (t - lm), 0.0)
+                acc_s += tl.where(p_s > 0, p_s * (s - lm), 0.0)
+        kl_t = tl.sum(acc_t, axis=0)
+        kl_s = tl.sum(acc_s, axis=0)
+        if KIND == 0:
+            value = kl_t
+        elif KIND == 1:
+            value = kl_s
+        else:
+            value = beta * kl_t + (1.0 - beta) * kl_s
+        tl.store(out_ptr + row, value)
+        if GRAD and KIND != 0:
+            # reverse: p_s·((s − t) − KL);  jsd: (1 − β)·p_s·((s − log m) − KL(p_s ‖ m))
+            weight = 1.0
+            if KIND == 2:
+                weight = 1.0 - beta
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + offs
+                in_row = cols < V
+                s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, lse_s, lse_t,
+                                                temperature, inv_temperature, log_1mb, log_b,
+                                                KIND, PRECISE)
+                if KIND == 1:
+                    gap = tl.where(p_s > 0, s - t, 0.0)
+                else:
+                    gap = tl.where(p_s > 0, s - lm, 0.0)
+                grad = (scale * weight) * (p_s * (gap - kl_s))
+                tl.store(base_s + cols, grad.to(base_s.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _tempered(base, cols, in_row, temperature, inv_temperature, PRECISE: tl.constexpr):
+    """x = Z / T at ``cols`` of one row in fp32 (-inf outside the row)."""
+    z = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
+    if PRECISE:
+        x = div(z, temperature, PRECISE)
+    else:
+        x = z * inv_temperature
+    return tl.where(in_row, x, float("-inf"))
+
+
+@triton.jit
+def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """log Σ_j exp(Z_j / T) over a row: a running (max, Σ exp) per lane, then combined."""
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        x = _tempered(base, cols, cols < V, temperature, inv_temperature, PRECISE)
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of only -inf keeps 0
+        s = s * exp(m - m_safe, PRECISE) + exp(x - m_safe, PRECISE)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    total = tl.sum(s * exp(m - m_row, PRECISE), axis=0)
+    return m_row + log(total, PRECISE)
+
+
+@triton.jit
+def _log_probs(base_s, base_t, cols, in_row, lse_s, lse_t, temperature, inv_temperature,
+               log_1mb, log_b, KIND: tl.constexpr, PRECISE: tl.constexpr):
+    """(s, t, p_s, p_t, log m) at ``cols`` (p = 0 outside the row; log m, the log of the JSD's
+    mixture β·p_t + (1 − β)·p_s, only for KIND 2)."""
+    s = _tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - lse_s
+    t = _tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - lse_t
+    p_s = exp(s, PRECISE)
+    p_t = exp(t, PRECISE)
+    lm = s
+    if KIND == 2:  # logaddexp(s + log(1 − β), t + log β)
+        u = s + log_1mb
+        w = t + log_b
+        hi = tl.maximum(u, w)
+        lo = tl.minimum(u, w)
+        lm = hi + log1p_exp_neg(tl.where(hi == float("-inf"), 0.0, hi - lo), PRECISE)
+    return s, t, p_s, p_t, lm
