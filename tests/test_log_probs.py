@@ -8,6 +8,7 @@ options one by one, bad input, NaN, compile and the engine's row blocks with the
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -351,28 +352,22 @@ def test_triton_is_deterministic():
 
 
 # ---------------------------------------------------------------------------------------------
-# the backward in blocks of rows (beyond 131072 bf16 rows) carries the entropy term
+# the Triton path in chunks of rows
 
 
 @requires_triton
-def test_backward_in_row_blocks_equals_one_call(monkeypatch):
-    """The op's backward in blocks of 16 rows (``backward_row_chunk``, forced) gives the
-    one-call gradients: the blocks carry the entropy's coefficient too."""
-    from fusedloss.core import engine
-    from fusedloss.ops import log_probs as ops
-
-    # blocks round up to whole row blocks of the kernels (16 rows on the interpreter, up to 256
-    # on a GPU): enough rows for several blocks either way
-    case = Case(lead=(70 if DEVICE == "cpu" else 1100,), v=50, d=16, dtype=torch.float32,
-                temperature=0.8)
-    results, records = {}, {}
-    for name, rows in (("one call", None), ("blocks", 16)):
-        monkeypatch.setattr(ops, "backward_row_chunk", lambda a, rows=rows: rows)
-        with engine.recording_backward_tiles() as record:
-            results[name] = outputs_and_grads(ours(case, "triton"), *make(case))
-        records[name] = len(record)
-    assert records["one call"] == 1 and records["blocks"] > 1
-    for x, r in zip(results["blocks"][2], results["one call"][2], strict=True):
+@pytest.mark.parametrize("rows", [1, 16])
+def test_chunks_equal_one_call(rows, tune):
+    """The Triton path in chunks of 1 or 16 rows (``Tuning.lm_head_chunk_bytes``) gives the
+    one-chunk outputs and gradients: each chunk reads its own rows' statistics and upstream
+    gradients."""
+    case = Case(lead=(70,), v=50, d=16, dtype=torch.float32, temperature=0.8, bias=True,
+                ignore_fraction=0.3)
+    one = outputs_and_grads(ours(case, "triton"), *make(case))
+    tune(lm_head_chunk_bytes=rows * case.v * 4)
+    chunked = outputs_and_grads(ours(case, "triton"), *make(case))
+    for x, r in zip((chunked[0], chunked[1], *chunked[2]), (one[0], one[1], *one[2]),
+                    strict=True):
         assert rel_err(x, r) < 1e-6
 
 
@@ -403,3 +398,40 @@ def test_op_metrics_match_float64(backend, n, v):
     out = ops.linear_log_probs(h.detach(), w.detach(), y, None, -100, 1.0, 1.0, None, False,
                                False, False, backend)
     assert out[1].numel() == out[2].numel() == out[3].numel() == 0
+
+
+@requires_triton
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_triton_op_outputs_equal_the_torch_backends(softcap):
+    """Every output of the op on the Triton path (log p, H, log Σp², the mean logit, with a
+    logit scale, a temperature, a soft-cap, a bias, ignored tokens and a target outside the
+    vocabulary) and the gradients equal the torch backend's."""
+    from fusedloss.ops import log_probs as ops
+
+    gen = torch.Generator().manual_seed(3)
+    n, v, d = 29, 45, 16
+    h = torch.randn(n, d, generator=gen)
+    w = torch.randn(v, d, generator=gen) / 2
+    b = torch.randn(v, generator=gen)
+    y = torch.randint(0, v, (n,), generator=gen)
+    y[::5] = -100
+    y[7] = v + 3  # outside: NaN for that token and the gradients
+    results = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.to(DEVICE).requires_grad_() for t in (h, w, b)]
+        run = functools.partial(ops.linear_log_probs, leaves[0], leaves[1])
+        options = (leaves[2], -100, 0.5, 0.7, softcap, True, True, True, backend)
+        out = run(y.to(DEVICE), *options)[:4]
+        # the gradients without the bad target (it makes them all NaN)
+        good = run(torch.where(y > v, 1, y).to(DEVICE), *options)
+        upstream = torch.linspace(-1, 1, n, device=DEVICE)
+        loss = (good[0] * upstream).sum() + (good[1] * upstream.flip(0)).sum()
+        results[backend] = ([x.detach() for x in out], torch.autograd.grad(loss, leaves))
+    (out_t, grads_t), (out_k, grads_k) = results["torch"], results["triton"]
+    for name, x, r in zip(("log p", "H", "log Σp²", "mean logit"), out_k, out_t, strict=True):
+        assert bool(x[7].isnan()) and bool(r[7].isnan()), name
+        assert not x[torch.arange(n) != 7].isnan().any(), name
+        torch.testing.assert_close(x, r, rtol=2e-5, atol=2e-5, equal_nan=True, msg=name)
+    for name, x, r in zip(("d input", "d weight", "d bias"), grads_k, grads_t, strict=True):
+        assert not r.isnan().any()
+        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5, msg=name)

@@ -8,13 +8,17 @@ reasons about).
 
 ``fusedloss::linear_log_probs`` returns per token log p and H with the statistics the backward
 reads; ``fusedloss::linear_log_probs_backward`` takes them with the upstream gradients.
+
+On the Triton backend both run on cuBLAS products per chunk of rows with one Triton pass per row
+(``core.chunked_log_probs``: four products in all, as fast as the products allow); the torch
+backend (and float64) runs the engine's torch path.
 """
 
 import torch
 from torch import Tensor
 
-from ..core import config, engine
-from ..core.engine import RowStats
+from ..core import chunked_log_probs, config, engine
+from ..core.engine import Needs, RowStats
 from ..families import log_probs as family
 from ._common import (
     all_rows,
@@ -69,6 +73,9 @@ def forward(
     row_target = torch.where(valid & in_range, target, -1)
     acc = engine.accumulation_dtype(a.dtype)
     row_weight = torch.where(valid, torch.where(in_range, 1.0, float("nan")), 0.0).to(acc)
+    if backend == "triton":
+        return _chunked_forward(a, b, bias, row_target, valid, row_weight, logit_scale,
+                                temperature, softcap, entropy, square_sum, logit_sum)
     logits = family.tempered_logits(bias, logit_scale, temperature, softcap, acc, a.device)
     stats = engine.row_stats(
         a, b, logits, all_rows(row_target),
@@ -88,6 +95,31 @@ def forward(
             per_token(logit_sum, lambda: family.mean_logit(stats, v)),
             row_target, row_weight, packed_rows, stats.target_logit,
             stats.centered_sum if entropy else nothing(a, (0,)).to(acc))
+
+
+def _chunked_forward(a, b, bias, row_target, valid, row_weight, logit_scale, temperature,
+                     softcap, entropy, square_sum, logit_sum):
+    """``forward``'s outputs on the Triton backend (``core.chunked_log_probs``); the row
+    statistics it passes on are (max, sum, target logit, centered sum)."""
+    v = b.shape[0]
+    stats = chunked_log_probs.row_stats(
+        a, b, None if bias is None else bias.to(a.dtype), row_target,
+        family.logit_factor(logit_scale, temperature),
+        None if softcap is None else softcap / temperature)
+    row_max, total, target_logit, centered, squares, logits = stats
+    log_sum = torch.log(total)
+    values = {"log p": (target_logit - row_max) - log_sum, "H": log_sum - centered / total,
+              "log Σp²": torch.log(squares) - 2 * log_sum, "mean": logits / v}
+
+    def per_token(wanted: bool, name: str) -> Tensor:
+        if not wanted:
+            return nothing(a, (0,)).float()
+        return torch.where(valid, values[name] * row_weight, 0.0)
+
+    return (per_token(True, "log p"), per_token(entropy, "H"),
+            per_token(square_sum, "log Σp²"), per_token(logit_sum, "mean"),
+            row_target, row_weight, stats[:4].clone(), target_logit.clone(),
+            centered.clone() if entropy else nothing(a, (0,)).float())
 
 
 forward_op = torch.library.custom_op("fusedloss::linear_log_probs", forward, mutates_args=())
@@ -131,6 +163,11 @@ def backward(
     """(d input, d weight, d bias) from the forward's statistics; each is an empty tensor when
     not asked for."""
     a, b = row_major(input), row_major(weight)
+    if backend == "triton":
+        return _chunked_backward(grad_log_prob, grad_entropy, a, b, bias, row_target,
+                                 row_weight, row_stats, centered_sum.numel() > 0,
+                                 logit_scale, temperature, softcap,
+                                 Needs(need_input, need_weight, need_bias))
     d = a.shape[1]
     stats = RowStats.from_packed(row_stats, None, target_logit, None, None,
                                  engine.forward_block(a.device, a.dtype, d))
@@ -157,6 +194,24 @@ def backward(
         grad_bias = (grads.bias * family.logit_factor(logit_scale, temperature)).to(bias.dtype)
     return (grads.a if need_input else nothing(a, (0,)),
             grads.b if need_weight else nothing(a, (0,)), grad_bias)
+
+
+def _chunked_backward(grad_log_prob, grad_entropy, a, b, bias, row_target, row_weight,
+                      row_stats, has_entropy, logit_scale, temperature, softcap, needs):
+    """``backward`` on the Triton backend, from ``_chunked_forward``'s row statistics."""
+    counted = row_weight != 0
+    g = (torch.zeros_like(row_weight) if grad_log_prob is None
+         else torch.where(counted, grad_log_prob.float() * row_weight, 0.0))
+    h = None
+    if grad_entropy is not None and has_entropy:
+        h = torch.where(counted, grad_entropy.float() * row_weight, 0.0)
+    grad_a, grad_b, grad_bias = chunked_log_probs.grads(
+        a, b, None if bias is None else bias.to(a.dtype), row_target, row_stats, g, h,
+        family.logit_factor(logit_scale, temperature),
+        None if softcap is None else softcap / temperature, needs)
+    return (grad_a if grad_a is not None else nothing(a, (0,)),
+            grad_b.to(b.dtype) if grad_b is not None else nothing(a, (0,)),
+            grad_bias.to(bias.dtype) if grad_bias is not None else nothing(a, (0,)))
 
 
 backward_op = torch.library.custom_op("fusedloss::linear_log_probs_backward", backward,
