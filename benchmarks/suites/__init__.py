@@ -25,6 +25,7 @@ def _registry() -> dict[str, Suite]:
         contrastive,
         grad_cache,
         lm_head,
+        post_training,
         ring,
         sizes,
         train,
@@ -32,7 +33,7 @@ def _registry() -> dict[str, Suite]:
     )
 
     suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE, train.SUITE,
-              grad_cache.SUITE, companions.SUITE, sizes.SUITE)
+              grad_cache.SUITE, companions.SUITE, sizes.SUITE, post_training.SUITE)
     return {suite.name: suite for suite in suites}
 
 
