@@ -15,6 +15,9 @@ plain traceable PyTorch.
                                                     for a few rows in the backward op)
     fusedloss::linear_log_probs / _backward        (ops/log_probs.py: token log-probs and
                                                     entropies, for RL and preference losses)
+    fusedloss::linear_divergence / _backward       (ops/distillation.py: KL and JSD between a
+    fusedloss::linear_divergence_reduced            student's and a teacher's heads; the reduced
+    fusedloss::linear_top_k_kl / _backward          loss's training path; offline top-k KL)
     fusedloss::contrastive / _backward             (ops/contrastive.py: CLIP, InfoNCE, NT-Xent,
                                                     SigLIP)
     fusedloss::contrastive_materialized / _backward   (the same at small sizes, two launches
