@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .losses.log_probs import linear_log_probs
+from .families import post_training as family
+from .families.post_training import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
+from .losses.log_probs import fused_head_operands, linear_log_probs
+from .ops import post_training as ops
 
 __all__ = ["cpo_loss", "dpo_loss", "grpo_loss", "kto_loss", "orpo_loss", "simpo_loss"]
-
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
@@ -51,6 +51,7 @@ def grpo_loss(
     softcap: float | None = None,
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """GRPO's clipped surrogate objective (TRL 1.16's ``GRPOTrainer``), a scalar.
 
@@ -70,7 +71,10 @@ def grpo_loss(
 
     ``old_log_probs`` None is the policy's own, detached (one optimization step per
     generation, as TRL then does); ``ref_log_probs`` is needed when ``beta`` ≠ 0. The options
-    of the head (``linear_bias``, ``softcap``) are ``linear_log_probs``'.
+    of the head (``linear_bias``, ``softcap``, ``backend``) are ``linear_log_probs``'. On the
+    Triton backend, with gradients, the loss is fused into the head: each chunk of whole
+    sequences forms its logits, its terms and its gradient at once (three of the head's
+    products, ``ops.post_training``); elsewhere it runs on ``linear_log_probs``.
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
@@ -87,33 +91,33 @@ def grpo_loss(
         raise ValueError(f"completion_ids and completion_mask must have shape input.shape[:-1] "
                          f"= {tuple(input.shape[:-1])}, got {tuple(completion_ids.shape)} and "
                          f"{tuple(completion_mask.shape)}")
-    mask = completion_mask.to(torch.float32)
-    log_probs = linear_log_probs(input, linear_weight, completion_ids, linear_bias=linear_bias,
-                                 temperature=temperature, softcap=softcap)
-    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    # the weights in the log-probabilities' precision (float64 for float64 inputs)
+    mask = completion_mask.to(torch.float64 if input.dtype == torch.float64 else torch.float32)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    log_ratio = log_probs - old
-    if importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    ratio = torch.exp(log_ratio)
-    high = epsilon if epsilon_high is None else epsilon_high
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token = -torch.min(unclipped * advantages, clipped * advantages)
-    if beta != 0.0:
-        gap = ref_log_probs - log_probs
-        kl = torch.exp(gap) - gap - 1
-        per_token = per_token + beta * (kl * ratio if kl_bias_correction else kl)
-    masked = per_token * mask
-    if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return masked.sum() / (masked.shape[0] * (max_completion_length or masked.shape[-1]))
-    count = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
-    return masked.sum() / count.clamp(min=1.0)
+    token_weight = family.grpo_token_weights(mask, loss_type, max_completion_length,
+                                             num_items_in_batch)
+    options = (beta, epsilon, epsilon_high, delta, importance_sampling_level,
+               kl_bias_correction)
+    head = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap)
+    fused = fused_head_operands(input, linear_weight, completion_ids, backend=backend, **head)
+    if fused is not None:
+        a, w, target, bias = fused
+        return ops.grpo_loss_fused(
+            a, w, bias, target, token_weight, mask, advantages.float(),
+            None if old_log_probs is None else old_log_probs.detach(),
+            None if ref_log_probs is None else ref_log_probs.detach(),
+            *map(_opt_float, options[:4]), *options[4:], float(temperature),
+            _opt_float(softcap), a.requires_grad, w.requires_grad,
+            bias is not None and bias.requires_grad)
+    log_probs = linear_log_probs(input, linear_weight, completion_ids, backend=backend, **head)
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    return (family.grpo_token_terms(log_probs, old, ref_log_probs, advantages, mask, *options)
+            * token_weight).sum()
+
+
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)
 
 
 def dpo_loss(
@@ -132,6 +136,7 @@ def dpo_loss(
     softcap: float | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Direct preference optimization (TRL 1.16's ``DPOTrainer``, reverse KL), a scalar: the
     mean over the B pairs of
@@ -145,7 +150,10 @@ def dpo_loss(
 
     The reference enters as ``ref_log_probs`` (its summed log-probabilities, e.g. precomputed)
     or as ``ref_input`` and ``ref_weight`` (``ref_bias``), computed here without gradients.
-    ``shift``, ``ignore_index`` and ``softcap`` are ``linear_log_probs``'.
+    ``shift``, ``ignore_index``, ``softcap`` and ``backend`` are ``linear_log_probs``'. On the
+    Triton backend, with gradients, the loss is fused into the policy's head: each chunk of
+    whole pairs forms its logits, its log-ratios, its part of the loss and its gradient at once
+    (three of the head's products, ``ops.post_training``).
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
@@ -153,24 +161,26 @@ def dpo_loss(
     _check_pairs(input)
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
+    head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift, backend=backend)
+    lengths = _counted(target, head).sum(dim=-1).clamp(min=1).float()
+    fused = fused_head_operands(input, linear_weight, target, linear_bias=linear_bias, **head)
+    if fused is not None:
+        if ref_log_probs is None:
+            with torch.no_grad():
+                ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
+                                                    dict(head, linear_bias=ref_bias), False)
+        a, w, flat_target, bias = fused
+        return ops.dpo_loss_fused(
+            a, w, bias, flat_target, ref_log_probs.detach().float(), lengths, target.shape[-1],
+            int(ignore_index), float(beta), loss_type, float(label_smoothing),
+            _opt_float(softcap), a.requires_grad, w.requires_grad,
+            bias is not None and bias.requires_grad)
     log_ratios = _log_ratios(input, linear_weight, target, dict(head, linear_bias=linear_bias),
                              (ref_log_probs, ref_input, ref_weight, ref_bias))
     chosen, rejected = log_ratios.chunk(2, dim=0)
-    delta = chosen - rejected
-    if loss_type == "sigmoid":
-        per_pair = -F.logsigmoid(beta * delta)
-    elif loss_type == "hinge":
-        per_pair = torch.relu(1 - beta * delta)
-    elif loss_type == "ipo":
-        lengths = _counted(target, head).sum(dim=-1).clamp(min=1)
-        chosen_len, rejected_len = lengths.chunk(2, dim=0)
-        per_pair = (chosen / chosen_len - rejected / rejected_len - 1 / (2 * beta)) ** 2
-    else:
-        eps = label_smoothing
-        per_pair = (-(1 - eps) * F.logsigmoid(beta * delta)
-                    + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
-    return per_pair.mean()
+    chosen_len, rejected_len = lengths.chunk(2, dim=0)
+    return family.dpo_pair_losses(chosen, rejected, chosen_len, rejected_len, beta, loss_type,
+                                  label_smoothing).mean()
 
 
 def _sequence_log_probs(input, linear_weight, target, head: dict, average: bool):

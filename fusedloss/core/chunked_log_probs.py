@@ -24,6 +24,8 @@ numbers per row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -114,6 +116,59 @@ def grads(
             torch.mm(z_c, b, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, z_c, a[r0:r1], first=r0 == 0)
     return grad_a, grad_b, grad_bias
+
+
+def fused_loss_and_grads(
+    a: torch.Tensor,  # (N, D) row-major
+    b: torch.Tensor,  # (V, D) row-major
+    bias: torch.Tensor | None,  # (V,) in a's dtype
+    target: torch.Tensor,  # (N,) int64, −1 for none
+    factor: float,
+    softcap: float | None,
+    groups: torch.Tensor,  # (G, r) int64: the rows of each group (a sequence, a pair)
+    group_loss: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    needs: Needs,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(loss () fp32, dA (N, D), dB (V, D) fp32, dbias (V,) fp32) of a loss that is a sum over
+    groups of rows; ``group_loss(g0, g1, log_p)`` gives the part of groups [g0, g1) and its
+    gradient with respect to their rows' log-probabilities log_p (g1 − g0, r) fp32: the
+    gradient formed in the forward, three products per chunk of whole groups (the logits, dA,
+    dB). Per chunk, the statistics pass gives log p, ``group_loss`` each row's upstream
+    gradient (in closed form: an op's body runs below autograd), and the gradient pass writes
+    dL/dZ over the logits. Rows no group holds get no gradient (dA 0)."""
+    n, v = a.shape[0], b.shape[0]
+    n_groups, rows_per_group = groups.shape
+    need_bias = needs.bias and bias is not None
+    grad_a = torch.zeros_like(a) if needs.a else None
+    grad_b = (torch.zeros((v, a.shape[1]), dtype=torch.float32, device=a.device) if needs.b
+              else None)
+    grad_bias = torch.zeros(v, dtype=torch.float32, device=a.device) if need_bias else None
+    per_chunk = max(1, config.lm_head_chunk_rows(n, v, a.element_size()) // rows_per_group)
+    z = torch.empty((min(per_chunk, n_groups) * rows_per_group, v), dtype=a.dtype,
+                    device=a.device)
+    stats = torch.empty((len(STATS), z.shape[0]), dtype=torch.float32, device=a.device)
+    loss = torch.zeros((), dtype=torch.float32, device=a.device)
+    launch = _launch(a, softcap)
+    for g0 in range(0, n_groups, per_chunk):
+        g1 = min(g0 + per_chunk, n_groups)
+        rows = groups[g0:g1].reshape(-1)
+        r = rows.numel()
+        a_c, t_c, z_c = a[rows], target[rows], z[:r]
+        _logits_into(z_c, a_c, b, bias)
+        _row_stats_kernel[(r,)](z_c, z_c.stride(0), t_c, stats, stats.stride(0), v,
+                                float(factor), float(softcap or 1.0), **launch)
+        row_max, total, target_logit = stats[0, :r], stats[1, :r], stats[2, :r]
+        log_p = (target_logit - row_max) - torch.log(total)
+        part, g = group_loss(g0, g1, log_p.view(g1 - g0, rows_per_group))
+        loss += part
+        g = torch.where(t_c >= 0, g.reshape(-1), 0.0).float()
+        _grad_rows_kernel[(r,)](z_c, z_c.stride(0), t_c, stats, stats.stride(0), g, g,
+                                v, float(factor), float(softcap or 1.0), ENTROPY=False,
+                                **launch)
+        if grad_a is not None:
+            grad_a[rows] = torch.mm(z_c, b)
+        add_weight_grads(grad_b, grad_bias, z_c, a_c, first=False)
+    return loss, grad_a, grad_b, grad_bias
 
 
 @triton.jit

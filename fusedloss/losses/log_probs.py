@@ -88,19 +88,9 @@ def linear_log_probs(
         ...                              return_entropy=True)
         >>> (logp.sum() + 0.01 * ent.sum()).backward()
     """
-    if isinstance(target, torch.Tensor) and (target.dtype.is_floating_point
-                                             or target.dtype == torch.bool):
-        raise TypeError(f"target must hold integer token ids, got {target.dtype}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite value > 0, got {temperature}")
-    if isinstance(input, torch.Tensor):
-        input, linear_weight, linear_bias = autocast_operands(
-            input.device, input, linear_weight, linear_bias)
-    (linear_bias,) = dense_vectors(linear_bias)
-    opts = CrossEntropyOptions(reduction="none", ignore_index=ignore_index, softcap=softcap,
-                               shift=shift, backend=backend)
+    input, linear_weight, linear_bias, opts = _operands(
+        input, linear_weight, target, linear_bias, temperature, softcap, ignore_index, shift,
+        backend)
     if process_group is not None or vocab_start is not None:
         if process_group is None:
             raise ValueError("vocab_start is only meaningful with a process_group")
@@ -132,6 +122,45 @@ def linear_log_probs(
     if not return_entropy:
         return log_prob
     return log_prob, _token_shaped(entropy, target.shape, shift)
+
+
+def _operands(input, linear_weight, target, linear_bias, temperature, softcap, ignore_index,
+              shift, backend):
+    """The scalar arguments checked, the operands as autocast casts them and the bias dense:
+    (input, weight, bias, the head's options)."""
+    if isinstance(target, torch.Tensor) and (target.dtype.is_floating_point
+                                             or target.dtype == torch.bool):
+        raise TypeError(f"target must hold integer token ids, got {target.dtype}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite value > 0, got {temperature}")
+    if isinstance(input, torch.Tensor):
+        input, linear_weight, linear_bias = autocast_operands(
+            input.device, input, linear_weight, linear_bias)
+    (linear_bias,) = dense_vectors(linear_bias)
+    opts = CrossEntropyOptions(reduction="none", ignore_index=ignore_index, softcap=softcap,
+                               shift=shift, backend=backend)
+    return input, linear_weight, linear_bias, opts
+
+
+def fused_head_operands(input, linear_weight, target, *, linear_bias=None, temperature=1.0,
+                        softcap=None, ignore_index=-100, shift=False, backend="auto"):
+    """For a loss fused into the head (``fusedloss.post_training``): ``linear_log_probs``'
+    checks, then (input (N, D), weight, target (N,) shifted as ``shift`` asks, bias) when the
+    Triton backend computes it with gradients, else None (the loss then runs on
+    ``linear_log_probs``)."""
+    input, linear_weight, linear_bias, opts = _operands(
+        input, linear_weight, target, linear_bias, temperature, softcap, ignore_index, shift,
+        backend)
+    check_inputs(input, linear_weight, target, linear_bias, None, opts)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+    if (not wants_grad or resolve_input_backend(backend, input) != "triton"
+            or input.numel() == 0):
+        return None
+    return (input.reshape(-1, linear_weight.shape[1]), linear_weight,
+            shifted_targets(target, shift, ignore_index), linear_bias)
 
 
 def _token_shaped(per_token: torch.Tensor, shape: torch.Size, shift: bool) -> torch.Tensor:

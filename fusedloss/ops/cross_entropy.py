@@ -409,6 +409,31 @@ def _(grad_loss, input, weight, target, bias, class_weight, ignore_index, label_
             torch.empty_like(bias) if bias is not None and need_bias else nothing(input, (0,)))
 
 
+def formed_grads_setup_context(ctx, inputs, output):
+    """The autograd of an op whose inputs begin (input, weight, bias) and whose outputs are
+    (loss, d input, d weight fp32, d bias fp32) for an upstream gradient of 1 (a loss whose
+    gradients its forward forms: the distillation and post-training losses' training paths):
+    the gradients are kept for ``formed_grads_backward``."""
+    input, weight, bias = inputs[:3]
+    _, *grads = output
+    ctx.mark_non_differentiable(*grads)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*grads)
+    ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.n_inputs = len(inputs)
+
+
+def formed_grads_backward(ctx, grad_loss, *_, backward_fn=None):
+    """The kept gradients times the loss's upstream gradient, each rounded once to its input's
+    dtype."""
+    need = ctx.needs_input_grad[:3]
+    grads = [None] * 3
+    if grad_loss is not None:
+        grads = [_scaled(g, grad_loss, dtype) if n else None
+                 for g, n, dtype in zip(ctx.saved_tensors, need, ctx.dtypes, strict=True)]
+    return (*grads, *[None] * (ctx.n_inputs - 3))
+
+
 def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """grad · scale in fp32, rounded once to ``dtype`` (a bf16 product would round the scale
     first): one Triton pass (``chunked_logits.scaled``), called directly on plain tensors in

@@ -26,7 +26,7 @@ from ..core import chunked_divergence, config, engine
 from ..core.engine import Needs, addmm_f32_, mm_f32
 from ..families import distillation as family
 from ._common import eager_function, grad_or_none, nothing, row_major, run_op, without_autocast
-from .cross_entropy import _scaled
+from .cross_entropy import formed_grads_backward, formed_grads_setup_context
 
 
 def linear_divergence(*args) -> Tensor:
@@ -224,28 +224,10 @@ def _(a_s, w_s, b_s, a_t, w_t, b_t, row_weight, kind, beta, temperature, need_in
             else nothing(a_s, (0,)))
 
 
-def _reduced_setup_context(ctx, inputs, output):
-    a_s, w_s, b_s = inputs[:3]
-    _, *grads = output
-    ctx.mark_non_differentiable(*grads)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*grads)
-    ctx.dtypes = (a_s.dtype, w_s.dtype, None if b_s is None else b_s.dtype)
+reduced_op.register_autograd(formed_grads_backward, setup_context=formed_grads_setup_context)
 
-
-def _reduced_backward(ctx, grad_loss, *_, backward_fn=None):
-    need = ctx.needs_input_grad[:3]
-    grads = [None] * 3
-    if grad_loss is not None:
-        grads = [_scaled(g, grad_loss, dtype) if n else None
-                 for g, n, dtype in zip(ctx.saved_tensors, need, ctx.dtypes, strict=True)]
-    return (*grads, *[None] * 10)
-
-
-reduced_op.register_autograd(_reduced_backward, setup_context=_reduced_setup_context)
-
-_EagerReduced = eager_function("_EagerReduced", reduced_forward, _reduced_setup_context,
-                               _reduced_backward, None)
+_EagerReduced = eager_function("_EagerReduced", reduced_forward, formed_grads_setup_context,
+                               formed_grads_backward, None)
 
 
 # ---------------------------------------------------------------------------------------------

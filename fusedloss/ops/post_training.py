@@ -1,0 +1,173 @@
+"""GRPO's and DPO's losses fused into the LM head (``fusedloss.post_training``'s training path
+on the Triton backend), as custom ops.
+
+The loss is a sum over blocks of whole sequences (GRPO) or whole pairs (DPO)
+(``families.post_training``), so a chunk of those rows forms its logits, its log-probabilities,
+its part of the loss and at once its gradient (``core.chunked_log_probs.fused_loss_and_grads``):
+three of the policy head's products instead of the four a per-token log-probability needs. The
+backward scales the gradients by the loss's upstream gradient (``formed_grads_backward``).
+
+    fusedloss::grpo_loss_fused   (loss, d input, d weight, d bias)
+    fusedloss::dpo_loss_fused    (loss, d input, d weight, d bias)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..core import chunked_log_probs
+from ..core.engine import Needs
+from ..families import post_training as family
+from ._common import eager_function, nothing, row_major, run_op, without_autocast
+from .cross_entropy import formed_grads_backward, formed_grads_setup_context
+
+_F32 = torch.float32
+
+
+def grpo_loss_fused(*args) -> Tensor:
+    """GRPO's loss (() fp32) of ``grpo_forward``'s arguments, with its autograd."""
+    return run_op(grpo_op, _EagerGRPO, *args)[0]
+
+
+def dpo_loss_fused(*args) -> Tensor:
+    """DPO's loss (() fp32) of ``dpo_forward``'s arguments, with its autograd."""
+    return run_op(dpo_op, _EagerDPO, *args)[0]
+
+
+def _row_targets(target: Tensor, ignore_index: int, v: int) -> tuple[Tensor, Tensor]:
+    """(each row's target column, −1 for an ignored or bad one; whether it is bad: outside
+    [0, V) and not ``ignore_index``, which makes its log-probability NaN)."""
+    in_range = (target >= 0) & (target < v)
+    return torch.where(in_range, target, -1), (target != ignore_index) & ~in_range
+
+
+def _outputs(a: Tensor, loss: Tensor, grads) -> tuple[Tensor, ...]:
+    return (loss, *(nothing(a, (0,)) if g is None else g for g in grads))
+
+
+@without_autocast
+def grpo_forward(
+    input: Tensor,  # (B·T, D)
+    weight: Tensor,  # (V, D)
+    bias: Tensor | None,  # (V,)
+    target: Tensor,  # (B·T,) int64 completion token ids
+    token_weight: Tensor,  # (B, T) fp32: ``family.grpo_token_weights``
+    mask: Tensor,  # (B, T) fp32
+    advantages: Tensor,  # (B, 1) or (B, T) fp32
+    old: Tensor | None,  # (B, T): None, the policy's own (detached)
+    ref: Tensor | None,  # (B, T) (with beta ≠ 0)
+    beta: float,
+    epsilon: float,
+    epsilon_high: float | None,
+    delta: float | None,
+    importance_sampling_level: str,
+    kl_bias_correction: bool,
+    temperature: float,
+    softcap: float | None,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d input, d weight fp32, d bias fp32) of ``post_training.grpo_loss`` for an
+    upstream gradient of 1, each gradient an empty tensor when not asked for."""
+    a, b = row_major(input), row_major(weight)
+    n_seq, t = mask.shape
+    row_target, bad = _row_targets(target, -100, b.shape[0])
+    groups = torch.arange(n_seq * t, device=a.device).view(n_seq, t)
+
+    def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
+        log_p = torch.where(bad[g0 * t:g1 * t].view(g1 - g0, t), float("nan"), log_p)
+        part = slice(g0, g1)
+        return family.grpo_loss_and_grad(
+            log_p, None if old is None else old[part].float(),
+            None if ref is None else ref[part].float(), advantages[part], mask[part],
+            token_weight[part], beta, epsilon, epsilon_high, delta, importance_sampling_level,
+            kl_bias_correction)
+
+    loss, *grads = chunked_log_probs.fused_loss_and_grads(
+        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0 / temperature,
+        None if softcap is None else softcap / temperature, groups, group_loss,
+        Needs(need_input, need_weight, need_bias))
+    return _outputs(a, loss, grads)
+
+
+grpo_op = torch.library.custom_op("fusedloss::grpo_loss_fused", grpo_forward, mutates_args=())
+
+
+@without_autocast
+def dpo_forward(
+    input: Tensor,  # (2B·T, D): the B chosen sequences' rows, then the B rejected ones'
+    weight: Tensor,  # (V, D)
+    bias: Tensor | None,  # (V,)
+    target: Tensor,  # (2B·T,) int64 token ids, ignore_index outside the completions
+    ref_log_probs: Tensor,  # (2B,) the reference's summed log-probabilities
+    lengths: Tensor,  # (2B,) fp32 counted tokens per sequence
+    seq_len: int,  # T
+    ignore_index: int,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    softcap: float | None,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d input, d weight fp32, d bias fp32) of ``post_training.dpo_loss`` for an
+    upstream gradient of 1; each chunk holds whole pairs (a chosen sequence with its rejected
+    one)."""
+    a, b = row_major(input), row_major(weight)
+    t = seq_len
+    pairs = ref_log_probs.shape[0] // 2
+    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
+    rows = torch.arange(2 * pairs * t, device=a.device).view(2, pairs, t)
+    groups = torch.cat((rows[0], rows[1]), dim=1)  # (B, 2T): pair p's chosen, then rejected
+    counted = (target != ignore_index).float()
+
+    def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
+        rows_of = groups[g0:g1]
+        weight_of = counted[rows_of]
+        log_p = torch.where(bad[rows_of], float("nan"), log_p) * weight_of
+        sums = log_p.view(g1 - g0, 2, t).sum(-1)
+        part, d_chosen, d_rejected = family.dpo_loss_and_grad(
+            sums[:, 0] - ref_log_probs[g0:g1].float(),
+            sums[:, 1] - ref_log_probs[pairs + g0:pairs + g1].float(), lengths[g0:g1],
+            lengths[pairs + g0:pairs + g1], beta, loss_type, label_smoothing)
+        # each counted token of a sequence: its sum's gradient, over the B pairs of the mean
+        d_sum = torch.stack((d_chosen, d_rejected), dim=1)[:, :, None] / pairs
+        return part / pairs, (d_sum * weight_of.view(g1 - g0, 2, t)).view(g1 - g0, 2 * t)
+
+    loss, *grads = chunked_log_probs.fused_loss_and_grads(
+        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0, softcap, groups,
+        group_loss, Needs(need_input, need_weight, need_bias))
+    return _outputs(a, loss, grads)
+
+
+dpo_op = torch.library.custom_op("fusedloss::dpo_loss_fused", dpo_forward, mutates_args=())
+
+
+def _fake(input, weight, bias, need_input, need_weight, need_bias):
+    return (input.new_empty((), dtype=_F32),
+            torch.empty_like(input) if need_input else nothing(input, (0,)),
+            weight.new_empty(weight.shape, dtype=_F32) if need_weight else nothing(input, (0,)),
+            bias.new_empty(bias.shape, dtype=_F32) if bias is not None and need_bias
+            else nothing(input, (0,)))
+
+
+@grpo_op.register_fake
+def _(input, weight, bias, *args):
+    return _fake(input, weight, bias, *args[-3:])
+
+
+@dpo_op.register_fake
+def _(input, weight, bias, *args):
+    return _fake(input, weight, bias, *args[-3:])
+
+
+for _op in (grpo_op, dpo_op):
+    _op.register_autograd(formed_grads_backward, setup_context=formed_grads_setup_context)
+
+_EagerGRPO = eager_function("_EagerGRPO", grpo_forward, formed_grads_setup_context,
+                            formed_grads_backward, None)
+_EagerDPO = eager_function("_EagerDPO", dpo_forward, formed_grads_setup_context,
+                           formed_grads_backward, None)
