@@ -106,7 +106,9 @@ def _dpo_inputs(seed=1, bias=False):
 
 @pytest.mark.parametrize("rows", [None, 2 * T])
 @pytest.mark.parametrize("loss_type, extra", [
-    ("sigmoid", dict(shift=True)), ("hinge", dict(softcap=3.0)), ("ipo", dict(beta=0.5)),
+    ("sigmoid", dict(shift=True)), ("hinge", dict(softcap=3.0)),
+    # IPO's (x − 1/(2β))² cancels: one reference for both backends
+    ("ipo", dict(beta=0.5, reference="log_probs")),
     ("robust", dict(label_smoothing=0.1, reference="log_probs"))])
 def test_fused_dpo_equals_the_unfused(loss_type, extra, rows, tune):
     """One chunk, or chunks of one pair (a chosen and its rejected sequence, 2T rows)."""
@@ -152,21 +154,46 @@ def test_fused_losses_compile_with_fullgraph(name):
         torch.testing.assert_close(x, r)
 
 
+def _materialized(h, w, ids, temperature=1.0):
+    """PyTorch's log-probs in the operands' dtype: the logits of ``F.linear``, then an fp32
+    log-softmax (what a trainer computes)."""
+    logits = torch.nn.functional.linear(h, w).float() / temperature
+    return logits.log_softmax(-1).gather(-1, ids.clamp(min=0)[..., None])[..., 0]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="bf16 of the Triton path is judged on a GPU")
 def test_fused_bf16_within_the_bar():
-    """bf16: the fused GRPO's and DPO's d input within 1.5× the bf16 torch path's error
-    (logits in bf16, as a trainer's) against the fp32 computation."""
+    """bf16: the fused GRPO's and DPO's d input within 1.5× the error of PyTorch's bf16
+    computation of the same loss (bf16 logits, fp32 softmax) against the fp32 one."""
+    from fusedloss.families import post_training as family
+
     (h, w, _), ids, mask, adv, old, ref = _grpo_inputs()
     (hd, wd, _), target, ref_h, ref_w = _dpo_inputs()
+    ref_sums = torch.randn(2 * B, device=DEVICE) - 10
+    counted = (target != -100).float()
+    lengths = counted.sum(-1).clamp(min=1)
+    grpo_options = (0.04, 0.2, None, None, "token", True)
+
+    def grpo_pytorch(h, w):
+        lp = _materialized(h, w, ids, 0.7)
+        weight = family.grpo_token_weights(mask.float(), "dapo", None, None)
+        return (family.grpo_token_terms(lp, old, ref, adv[:, None], mask.float(),
+                                        *grpo_options) * weight).sum()
+
+    def dpo_pytorch(h, w):
+        sums = (_materialized(h, w, target) * counted).sum(-1) - ref_sums
+        return family.dpo_pair_losses(*sums.chunk(2), *lengths.chunk(2), 0.1, "sigmoid",
+                                      0.0).mean()
+
     cases = {
-        "grpo": (lambda h, w, backend: post_training.grpo_loss(
+        "grpo": (lambda h, w: post_training.grpo_loss(
             h, w, ids, mask, adv, old_log_probs=old, ref_log_probs=ref, beta=0.04,
-            temperature=0.7, backend=backend), h, w),
-        "dpo": (lambda h, w, backend: post_training.dpo_loss(
-            h, w, target, ref_input=ref_h, ref_weight=ref_w, backend=backend), hd, wd)}
-    for name, (fn, h32, w32) in cases.items():
+            temperature=0.7, backend="triton"), grpo_pytorch, h, w),
+        "dpo": (lambda h, w: post_training.dpo_loss(
+            h, w, target, ref_log_probs=ref_sums, backend="triton"), dpo_pytorch, hd, wd)}
+    for name, (fused, pytorch, h32, w32) in cases.items():
         h16, w16 = (t.detach().bfloat16().requires_grad_() for t in (h32, w32))
-        ref_grad = torch.autograd.grad(fn(h32, w32, "torch"), h32)[0]
-        ours = torch.autograd.grad(fn(h16, w16, "triton"), h16)[0]
-        theirs = torch.autograd.grad(fn(h16, w16, "torch"), h16)[0]
+        ref_grad = torch.autograd.grad(pytorch(h32, w32), h32)[0]
+        ours = torch.autograd.grad(fused(h16, w16), h16)[0]
+        theirs = torch.autograd.grad(pytorch(h16, w16), h16)[0]
         assert_close_to_ref(ours.float(), theirs.float(), ref_grad, name=f"{name} d input")
