@@ -85,6 +85,16 @@ def _run(kind, a, b, scale, bias, labels, filter_eps, backend, reduction) -> tor
     return _reduce(loss, reduction)
 
 
+def self_excluded_margins(features: torch.Tensor,  # (N, D)
+                          target: torch.Tensor,  # (N,) int64: a column j ≠ i per row
+                          scale: float, backend: Backend = "auto") -> torch.Tensor:
+    """LSE_{j≠i} X_ij − X_{i,target_i} per row (N,) fp32 of X = scale · F Fᵀ, the diagonal out
+    of every denominator (the NT-Xent kernel's, any target): what a loss over the similarities
+    of one set of embeddings among themselves needs (sentence-transformers' query_to_query)."""
+    scale_t = torch.full((), float(scale), dtype=torch.float32, device=features.device)
+    return _run("nt_xent", features, features, scale_t, None, target, "auto", backend, "none")
+
+
 def _reduce(per_row: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return per_row

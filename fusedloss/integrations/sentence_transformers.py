@@ -1,0 +1,208 @@
+"""sentence-transformers' in-batch-negatives losses on fusedloss's kernels (sentence-transformers
+6.x, extra ``fusedloss[st]``).
+
+``FusedMultipleNegativesRankingLoss``, ``FusedMultipleNegativesSymmetricRankingLoss`` and
+``FusedCachedMultipleNegativesRankingLoss`` take the constructor arguments of
+sentence-transformers' ``MultipleNegativesRankingLoss``, ``MultipleNegativesSymmetricRankingLoss``
+and ``CachedMultipleNegativesRankingLoss`` (they subclass them: config, model card, citation and
+the trainer's handling are theirs) and compute the same loss, values and gradients, without the
+(queries × documents) similarity matrix::
+
+    from fusedloss.integrations.sentence_transformers import FusedMultipleNegativesRankingLoss
+    loss = FusedMultipleNegativesRankingLoss(model, scale=20.0)       # as losses.MultipleNegativesRankingLoss
+    trainer = SentenceTransformerTrainer(model=model, train_dataset=data, loss=loss)
+
+    from fusedloss.integrations.sentence_transformers import fused_loss
+    loss = fused_loss(losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=64))
+
+The loss, with s = ``scale``, S the similarity (cosine: of the L2-normalized embeddings; dot
+product), q_i the queries (anchors), d_i their positives and D all documents (positives, then
+each hard-negative column), per query i, for the selected ``directions``:
+
+    query_to_doc    l_qd = LSE_j s·S(q_i, D_j)          doc_to_query   l_dq = LSE_j s·S(d_i, q_j)
+    query_to_query  l_qq = LSE_{j≠i} s·S(q_i, q_j)      doc_to_doc     l_dd = LSE_{j not i's} s·S(d_i, D_j)
+
+and loss_i = LSE_k(l_k) − s·S(q_i, d_i) ("joint") or mean_k(l_k) − s·S(q_i, d_i)
+("per_direction"), averaged over the queries. Each l_k − s·S(q_i, d_i) is one fused call:
+``fusedloss.info_nce_loss`` (query_to_doc, doc_to_query) or the NT-Xent kernel, whose
+denominators leave out the diagonal (query_to_query, doc_to_doc without hard negatives). Not
+supported (the constructor raises, naming the option): ``hardness_mode``,
+``gather_across_devices=True``, "doc_to_doc" with hard-negative columns, similarity functions
+other than cosine and dot product.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from sentence_transformers import losses as st_losses
+from sentence_transformers.util import cos_sim, dot_score
+from torch import Tensor
+
+from ..losses import contrastive
+
+__all__ = ["FusedCachedMultipleNegativesRankingLoss", "FusedMultipleNegativesRankingLoss",
+           "FusedMultipleNegativesSymmetricRankingLoss", "fused_loss",
+           "multiple_negatives_ranking_loss"]
+
+SIMILARITIES = {cos_sim: "cosine", dot_score: "dot"}
+
+
+def multiple_negatives_ranking_loss(
+    queries: Tensor,  # (B, E)
+    docs: list[Tensor],  # the positives (B, E), then each hard-negative column (B, E)
+    *,
+    scale: float = 20.0,
+    similarity: str = "cosine",
+    directions: tuple[str, ...] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    backend: str = "auto",
+) -> Tensor:
+    """sentence-transformers' ``MultipleNegativesRankingLoss`` on embeddings (the module doc's
+    loss), a scalar fp32, from one fused call per direction: no (B × B·(1 + k)) matrix."""
+    _check_directions(directions, partition_mode)
+    if similarity == "cosine":
+        queries, docs = F.normalize(queries, dim=-1), [F.normalize(d, dim=-1) for d in docs]
+    elif similarity != "dot":
+        raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}")
+    if "doc_to_doc" in directions and len(docs) > 1:
+        raise ValueError("directions with 'doc_to_doc' take (anchor, positive) pairs here; "
+                         "hard-negative columns with doc_to_doc are not supported")
+    positives = docs[0]
+    keys = torch.cat(docs, dim=0) if len(docs) > 1 else positives
+    common = dict(temperature=1.0 / scale, reduction="none", backend=backend)
+    # each direction's l_k − s·S(q_i, d_i), per query
+    margins = []
+    for direction in directions:
+        if direction == "query_to_doc":
+            margins.append(contrastive.info_nce_loss(queries, keys, **common))
+        elif direction == "doc_to_query":
+            margins.append(contrastive.info_nce_loss(positives, queries, **common))
+        else:
+            rows = queries if direction == "query_to_query" else positives
+            margins.append(_off_diagonal_lse(rows, scale, backend)
+                           - scale * (queries * positives).sum(-1))
+    if len(margins) == 1:
+        return margins[0].mean()
+    stacked = torch.stack(margins)
+    if partition_mode == "joint":
+        return torch.logsumexp(stacked, dim=0).mean()
+    return stacked.mean()
+
+
+def _off_diagonal_lse(rows: Tensor, scale: float, backend: str) -> Tensor:
+    """LSE_{j≠i} s·<r_i, r_j> per row (N,) (−inf for a single row): the NT-Xent kernel's
+    denominator, which leaves out the diagonal, with each row's target the next row."""
+    n = rows.shape[0]
+    if n == 1:
+        return torch.full((1,), float("-inf"), device=rows.device) + 0 * rows.sum()
+    target = torch.roll(torch.arange(n, device=rows.device), -1)
+    margin = contrastive.self_excluded_margins(rows, target, scale, backend)
+    return margin + scale * (rows * rows[target]).sum(-1).float()
+
+
+def _check_directions(directions, partition_mode) -> None:
+    valid = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+    if not directions or not set(directions) <= set(valid) or "query_to_doc" not in directions:
+        raise ValueError(f"directions must hold 'query_to_doc' and others of {valid}, got "
+                         f"{directions!r}")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got "
+                         f"{partition_mode!r}")
+
+
+def _similarity_name(similarity_fct) -> str:
+    name = SIMILARITIES.get(similarity_fct)
+    if name is None:
+        raise ValueError(f"similarity_fct {getattr(similarity_fct, '__name__', similarity_fct)!r}"
+                         f" is not supported by the fused loss: use util.cos_sim or "
+                         f"util.dot_score")
+    return name
+
+
+def _refuse_unsupported(loss) -> None:
+    """ValueError naming the first option the fused losses do not support."""
+    _similarity_name(loss.similarity_fct)
+    if loss.gather_across_devices:
+        raise ValueError("gather_across_devices=True is not supported by the fused loss yet")
+    if loss.hardness_mode is not None and loss.hardness_strength > 0:
+        raise ValueError(f"hardness_mode={loss.hardness_mode!r} is not supported by the fused "
+                         f"loss")
+
+
+def _loss_of(loss, queries: Tensor, docs: list[Tensor]) -> Tensor:
+    if len(docs) < 1:
+        raise ValueError(f"expected at least 2 embedding columns, got {1 + len(docs)}")
+    return multiple_negatives_ranking_loss(
+        queries, docs, scale=float(loss.scale), similarity=_similarity_name(loss.similarity_fct),
+        directions=tuple(loss.directions), partition_mode=loss.partition_mode)
+
+
+class FusedMultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
+    """sentence-transformers' ``MultipleNegativesRankingLoss`` (same arguments, same loss)
+    computed without the similarity matrix (the module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        return _loss_of(self, embeddings[0], list(embeddings[1:]))
+
+
+class FusedMultipleNegativesSymmetricRankingLoss(
+        st_losses.MultipleNegativesSymmetricRankingLoss):
+    """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` (query_to_doc and
+    doc_to_query, one softmax each) without the similarity matrix."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        return _loss_of(self, embeddings[0], list(embeddings[1:]))
+
+
+class FusedCachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankingLoss):
+    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (Gradient Cache: the
+    embeddings in mini-batches without gradients, the loss and its gradient with respect to
+    them, then the mini-batches again with gradients, the random state replayed for dropout),
+    its loss step one fused call per direction over the whole batch instead of mini-batches of
+    the similarity matrix."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        loss = _loss_of(self, torch.cat(reps[0]), [torch.cat(r) for r in reps[1:]])
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+
+_FUSED = {
+    st_losses.CachedMultipleNegativesRankingLoss: FusedCachedMultipleNegativesRankingLoss,
+    st_losses.MultipleNegativesSymmetricRankingLoss: FusedMultipleNegativesSymmetricRankingLoss,
+    st_losses.MultipleNegativesRankingLoss: FusedMultipleNegativesRankingLoss,
+}
+
+
+def fused_loss(loss: torch.nn.Module) -> torch.nn.Module:
+    """The fused counterpart of a sentence-transformers loss object, with its model and
+    settings: ``loss = fused_loss(losses.MultipleNegativesRankingLoss(model, scale=30))``.
+    ValueError for a loss without one, or for an option the fused losses do not support
+    (named)."""
+    cls = _FUSED.get(type(loss))
+    if cls is None:
+        raise ValueError(f"no fused counterpart for {type(loss).__name__}; fused: "
+                         f"{', '.join(c.__name__ for c in _FUSED)}")
+    config = dict(loss.get_config_dict())
+    config["similarity_fct"] = loss.similarity_fct
+    if cls is FusedMultipleNegativesSymmetricRankingLoss:
+        config = {k: config[k] for k in ("scale", "similarity_fct", "gather_across_devices")}
+    return cls(loss.model, **config)
