@@ -9,7 +9,7 @@ the trainer's handling are theirs) and compute the same loss, values and gradien
 (queries × documents) similarity matrix::
 
     from fusedloss.integrations.sentence_transformers import FusedMultipleNegativesRankingLoss
-    loss = FusedMultipleNegativesRankingLoss(model, scale=20.0)       # as losses.MultipleNegativesRankingLoss
+    loss = FusedMultipleNegativesRankingLoss(model, scale=20.0)   # MultipleNegativesRankingLoss's args
     trainer = SentenceTransformerTrainer(model=model, train_dataset=data, loss=loss)
 
     from fusedloss.integrations.sentence_transformers import fused_loss
@@ -19,8 +19,8 @@ The loss, with s = ``scale``, S the similarity (cosine: of the L2-normalized emb
 product), q_i the queries (anchors), d_i their positives and D all documents (positives, then
 each hard-negative column), per query i, for the selected ``directions``:
 
-    query_to_doc    l_qd = LSE_j s·S(q_i, D_j)          doc_to_query   l_dq = LSE_j s·S(d_i, q_j)
-    query_to_query  l_qq = LSE_{j≠i} s·S(q_i, q_j)      doc_to_doc     l_dd = LSE_{j not i's} s·S(d_i, D_j)
+    query_to_doc    l_qd = LSE_j s·S(q_i, D_j)         doc_to_query  l_dq = LSE_j s·S(d_i, q_j)
+    query_to_query  l_qq = LSE_{j≠i} s·S(q_i, q_j)     doc_to_doc    l_dd = LSE_{j≠i} s·S(d_i, d_j)
 
 and loss_i = LSE_k(l_k) − s·S(q_i, d_i) ("joint") or mean_k(l_k) − s·S(q_i, d_i)
 ("per_direction"), averaged over the queries. Each l_k − s·S(q_i, d_i) is one fused call:
