@@ -9,7 +9,7 @@ the trainer's handling are theirs) and compute the same loss, values and gradien
 (queries × documents) similarity matrix::
 
     from fusedloss.integrations.sentence_transformers import FusedMultipleNegativesRankingLoss
-    loss = FusedMultipleNegativesRankingLoss(model, scale=20.0)   # MultipleNegativesRankingLoss's args
+    loss = FusedMultipleNegativesRankingLoss(model, scale=20.0)  # the original's arguments
     trainer = SentenceTransformerTrainer(model=model, train_dataset=data, loss=loss)
 
     from fusedloss.integrations.sentence_transformers import fused_loss
