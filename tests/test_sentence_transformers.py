@@ -150,7 +150,8 @@ def test_fused_loss_swaps_each_loss_with_its_settings(model_dir):
 @pytest.mark.parametrize("make, match", [
     (lambda m: losses.MultipleNegativesRankingLoss(m, hardness_mode="hard_negatives",
                                                    hardness_strength=5.0), "hardness_mode"),
-    (lambda m: losses.MultipleNegativesRankingLoss(m, gather_across_devices=True),
+    (lambda m: losses.MultipleNegativesRankingLoss(
+        m, gather_across_devices=True, directions=("query_to_doc", "query_to_query")),
      "gather_across_devices"),
     (lambda m: losses.MultipleNegativesRankingLoss(m, similarity_fct=lambda a, b: a @ b.T),
      "similarity_fct"),
@@ -193,3 +194,35 @@ def test_trainer_steps_equal_sentence_transformers(model_dir, tmp_path):
     assert len(logged["ours"]) == 2
     torch.testing.assert_close(torch.tensor(logged["ours"]), torch.tensor(logged["theirs"]),
                                rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# gather_across_devices: the ring against sentence-transformers' all-gather, gloo
+
+
+def _gathered_on_rank(rank, world, directions, mode):
+    """This rank's loss and local embedding gradients, sentence-transformers' and ours."""
+    g = torch.Generator().manual_seed(100 + rank)
+    emb = [torch.randn(5, E, generator=g) for _ in range(3)]
+    out = {}
+    for name, cls in (("theirs", losses.MultipleNegativesRankingLoss),
+                      ("ours", fst.FusedMultipleNegativesRankingLoss)):
+        leaves = [t.clone().requires_grad_() for t in emb]
+        loss = cls(torch.nn.Module(), scale=20.0, gather_across_devices=True,
+                   directions=directions, partition_mode=mode).compute_loss_from_embeddings(
+                       leaves, None)
+        out[name] = (loss.detach(), torch.autograd.grad(loss, leaves))
+    return out
+
+
+@pytest.mark.parametrize("directions, mode", [
+    (DIRECTIONS["q2d"], "joint"), (DIRECTIONS["symmetric"], "per_direction"),
+    (DIRECTIONS["symmetric"], "joint")])
+def test_gather_across_devices_on_the_ring(directions, mode, workers):
+    from workers import all_ok
+
+    for result in all_ok(workers(2).run(_gathered_on_rank, directions, mode)):
+        (want, want_grads), (got, got_grads) = result["theirs"], result["ours"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for x, r in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-6)

@@ -26,9 +26,11 @@ and loss_i = LSE_k(l_k) − s·S(q_i, d_i) ("joint") or mean_k(l_k) − s·S(q_i
 ("per_direction"), averaged over the queries. Each l_k − s·S(q_i, d_i) is one fused call:
 ``fusedloss.info_nce_loss`` (query_to_doc, doc_to_query) or the NT-Xent kernel, whose
 denominators leave out the diagonal (query_to_query, doc_to_doc without hard negatives). Not
-supported (the constructor raises, naming the option): ``hardness_mode``,
-``gather_across_devices=True``, "doc_to_doc" with hard-negative columns, similarity functions
-other than cosine and dot product.
+supported (the constructor or the call raises, naming the option): ``hardness_mode``,
+"doc_to_doc" with hard-negative columns, query_to_query and doc_to_doc with
+``gather_across_devices=True``, similarity functions other than cosine and dot product. With
+``gather_across_devices=True`` the other ranks' embeddings reach this rank's rows on the ring
+(``fusedloss.distributed``) instead of an all-gather.
 """
 
 from __future__ import annotations
@@ -58,11 +60,22 @@ def multiple_negatives_ranking_loss(
     similarity: str = "cosine",
     directions: tuple[str, ...] = ("query_to_doc",),
     partition_mode: str = "joint",
+    gather_across_devices: bool = False,
     backend: str = "auto",
 ) -> Tensor:
     """sentence-transformers' ``MultipleNegativesRankingLoss`` on embeddings (the module doc's
-    loss), a scalar fp32, from one fused call per direction: no (B × B·(1 + k)) matrix."""
+    loss), a scalar fp32, from one fused call per direction: no (B × B·(1 + k)) matrix.
+
+    ``gather_across_devices``: in a torch.distributed group of W ranks with B queries each,
+    this rank's queries against the documents of every rank (and its positives against every
+    rank's queries, for doc_to_query) on the ring (``fusedloss.distributed.info_nce_loss``:
+    the ranks' embeddings travel, nothing is gathered), the loss the mean over its own queries
+    and the gradients those of the sum of the ranks' losses, as sentence-transformers' gather
+    with gradients gives them. query_to_query and doc_to_doc are not supported there."""
     _check_directions(directions, partition_mode)
+    if gather_across_devices and set(directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError("gather_across_devices=True takes the directions query_to_doc and "
+                         "doc_to_query; query_to_query and doc_to_doc are not supported there")
     if similarity == "cosine":
         queries, docs = F.normalize(queries, dim=-1), [F.normalize(d, dim=-1) for d in docs]
     elif similarity != "dot":
@@ -73,13 +86,23 @@ def multiple_negatives_ranking_loss(
     positives = docs[0]
     keys = torch.cat(docs, dim=0) if len(docs) > 1 else positives
     common = dict(temperature=1.0 / scale, reduction="none", backend=backend)
+    info_nce = contrastive.info_nce_loss
+    key_ids = query_ids = None  # each row's positive: its own index on one process
+    if gather_across_devices and torch.distributed.is_initialized():
+        from ..distributed import contrastive as ring
+
+        # global key ids of the rank-order concatenation of the ranks' keys (equal batches)
+        rank, b = torch.distributed.get_rank(), queries.shape[0]
+        own = torch.arange(b, device=queries.device)
+        key_ids, query_ids = rank * keys.shape[0] + own, rank * b + own
+        info_nce = ring.info_nce_loss
     # each direction's l_k − s·S(q_i, d_i), per query
     margins = []
     for direction in directions:
         if direction == "query_to_doc":
-            margins.append(contrastive.info_nce_loss(queries, keys, **common))
+            margins.append(info_nce(queries, keys, key_ids, **common))
         elif direction == "doc_to_query":
-            margins.append(contrastive.info_nce_loss(positives, queries, **common))
+            margins.append(info_nce(positives, queries, query_ids, **common))
         else:
             rows = queries if direction == "query_to_query" else positives
             margins.append(_off_diagonal_lse(rows, scale, backend)
@@ -125,8 +148,9 @@ def _similarity_name(similarity_fct) -> str:
 def _refuse_unsupported(loss) -> None:
     """ValueError naming the first option the fused losses do not support."""
     _similarity_name(loss.similarity_fct)
-    if loss.gather_across_devices:
-        raise ValueError("gather_across_devices=True is not supported by the fused loss yet")
+    if loss.gather_across_devices and set(loss.directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError("gather_across_devices=True takes the directions query_to_doc and "
+                         "doc_to_query; query_to_query and doc_to_doc are not supported there")
     if loss.hardness_mode is not None and loss.hardness_strength > 0:
         raise ValueError(f"hardness_mode={loss.hardness_mode!r} is not supported by the fused "
                          f"loss")
@@ -137,7 +161,8 @@ def _loss_of(loss, queries: Tensor, docs: list[Tensor]) -> Tensor:
         raise ValueError(f"expected at least 2 embedding columns, got {1 + len(docs)}")
     return multiple_negatives_ranking_loss(
         queries, docs, scale=float(loss.scale), similarity=_similarity_name(loss.similarity_fct),
-        directions=tuple(loss.directions), partition_mode=loss.partition_mode)
+        directions=tuple(loss.directions), partition_mode=loss.partition_mode,
+        gather_across_devices=loss.gather_across_devices)
 
 
 class FusedMultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
