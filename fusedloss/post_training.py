@@ -17,6 +17,8 @@ the gradient-accumulation steps in its trainer, which is the caller's to do.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -97,8 +99,9 @@ def grpo_loss(
         advantages = advantages.unsqueeze(1)
     token_weight = family.grpo_token_weights(mask, loss_type, max_completion_length,
                                              num_items_in_batch)
-    options = (beta, epsilon, epsilon_high, delta, importance_sampling_level,
-               kl_bias_correction)
+    options = family.GRPOOptions(float(beta), float(epsilon), _opt_float(epsilon_high),
+                                 _opt_float(delta), importance_sampling_level,
+                                 bool(kl_bias_correction))
     head = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap)
     fused = fused_head_operands(input, linear_weight, completion_ids, backend=backend, **head)
     if fused is not None:
@@ -107,12 +110,11 @@ def grpo_loss(
             a, w, bias, target, token_weight, mask, advantages.float(),
             None if old_log_probs is None else old_log_probs.detach(),
             None if ref_log_probs is None else ref_log_probs.detach(),
-            *map(_opt_float, options[:4]), *options[4:], float(temperature),
-            _opt_float(softcap), a.requires_grad, w.requires_grad,
-            bias is not None and bias.requires_grad)
+            *dataclasses.astuple(options), float(temperature), _opt_float(softcap),
+            a.requires_grad, w.requires_grad, bias is not None and bias.requires_grad)
     log_probs = linear_log_probs(input, linear_weight, completion_ids, backend=backend, **head)
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    return (family.grpo_token_terms(log_probs, old, ref_log_probs, advantages, mask, *options)
+    return (family.grpo_token_terms(log_probs, old, ref_log_probs, advantages, mask, options)
             * token_weight).sum()
 
 

@@ -172,13 +172,13 @@ def test_fused_bf16_within_the_bar():
     ref_sums = torch.randn(2 * B, device=DEVICE) - 10
     counted = (target != -100).float()
     lengths = counted.sum(-1).clamp(min=1)
-    grpo_options = (0.04, 0.2, None, None, "token", True)
+    grpo_options = family.GRPOOptions(beta=0.04)
 
     def grpo_pytorch(h, w):
         lp = _materialized(h, w, ids, 0.7)
         weight = family.grpo_token_weights(mask.float(), "dapo", None, None)
         return (family.grpo_token_terms(lp, old, ref, adv[:, None], mask.float(),
-                                        *grpo_options) * weight).sum()
+                                        grpo_options) * weight).sum()
 
     def dpo_pytorch(h, w):
         sums = (_materialized(h, w, target) * counted).sum(-1) - ref_sums

@@ -40,22 +40,18 @@ KIND_CODES = {"forward": 0, "reverse": 1, "jsd": 2}
 
 
 def divergence_and_grads(
-    a_s: torch.Tensor,  # (N, D_s) row-major
-    w_s: torch.Tensor,  # (V, D_s) row-major
-    b_s: torch.Tensor | None,  # (V,) in a_s's dtype
-    a_t: torch.Tensor,  # (N, D_t) row-major
-    w_t: torch.Tensor,  # (V, D_t) row-major
-    b_t: torch.Tensor | None,  # (V,) in a_t's dtype
-    kind: str,  # "forward", "reverse" or "jsd" (0 < beta < 1)
-    beta: float,
-    temperature: float,
+    student: tuple,  # (A_s (N, D_s), W_s (V, D_s), b_s (V,) or None): row-major, b_s in A_s's dtype
+    teacher: tuple,  # (A_t (N, D_t), W_t (V, D_t), b_t or None): row-major, b_t in A_t's dtype
+    divergence: tuple[str, float, float],  # (kind: "forward", "reverse" or "jsd" (0 < β < 1), β, T)
     coef: torch.Tensor | None,  # (N,) fp32: each row's upstream gradient; None: no gradients
     needs: Needs,  # of the student's input, weight and bias (with ``coef``)
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(each row's divergence (N,) fp32, dA_s (N, D_s) in a_s's dtype, dW_s (V, D_s) fp32,
+    """(each row's divergence (N,) fp32, dA_s (N, D_s) in A_s's dtype, dW_s (V, D_s) fp32,
     dbias_s (V,) fp32), the gradients those of Σ_i coef_i·divergence_i, None when not in
     ``needs`` or without ``coef``. A row whose coef is 0 gets divergence 0 and no gradient.
     Nothing is read back to the host."""
+    (a_s, w_s, b_s), (a_t, w_t, b_t) = student, teacher
+    kind, beta, temperature = divergence
     n, v = a_s.shape[0], w_s.shape[0]
     device = a_s.device
     grads = coef is not None

@@ -13,11 +13,25 @@ half); the tests hold them to autograd on the formulas above.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """The options of GRPO's per-token terms (``post_training.grpo_loss``' doc)."""
+
+    beta: float = 0.0  # the KL term's weight
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    delta: float | None = None  # two-sided clipping's bound on the ratio
+    importance_sampling_level: str = "token"  # or "sequence"
+    kl_bias_correction: bool = True
 
 
 def grpo_token_terms(
@@ -26,17 +40,14 @@ def grpo_token_terms(
     ref: torch.Tensor | None,  # (B, T) the reference's (with beta ≠ 0)
     advantages: torch.Tensor,  # (B, 1) or (B, T)
     mask: torch.Tensor,  # (B, T) fp32
-    beta: float,
-    epsilon: float,
-    epsilon_high: float | None,
-    delta: float | None,
-    importance_sampling_level: str,
-    kl_bias_correction: bool,
+    options: GRPOOptions,
 ) -> torch.Tensor:
     """ℓ per token (B, T): −min(r·A, clamp(r, 1 − ε_low, 1 + ε_high)·A) + β·KL (the
     ``grpo_loss`` doc's terms), r per token or per sequence (the masked mean log-ratio)."""
+    beta, epsilon, epsilon_high, delta = (options.beta, options.epsilon, options.epsilon_high,
+                                          options.delta)
     log_ratio = log_probs - old
-    if importance_sampling_level == "sequence":
+    if options.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     high = epsilon if epsilon_high is None else epsilon_high
@@ -46,7 +57,7 @@ def grpo_token_terms(
     if beta != 0.0:
         gap = ref - log_probs
         kl = torch.exp(gap) - gap - 1
-        per_token = per_token + beta * (kl * ratio if kl_bias_correction else kl)
+        per_token = per_token + beta * (kl * ratio if options.kl_bias_correction else kl)
     return per_token
 
 
@@ -100,20 +111,17 @@ def grpo_loss_and_grad(
     advantages: torch.Tensor,  # (b, 1) or (b, T)
     mask: torch.Tensor,  # (b, T)
     token_weight: torch.Tensor,  # (b, T): ``grpo_token_weights``' rows of the block
-    beta: float,
-    epsilon: float,
-    epsilon_high: float | None,
-    delta: float | None,
-    importance_sampling_level: str,
-    kl_bias_correction: bool,
+    options: GRPOOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ w·ℓ over the block (), its gradient with respect to ``log_probs`` (b, T)), ℓ of
     ``grpo_token_terms``. With ρ the importance ratio, ∂ℓ/∂ρ from the clipped surrogate (and
     β·KL with the bias correction), ∂ρ/∂log p = ρ per token, or ρ·m_s / n for every token s of
     the sequence at the sequence level; plus the KL's own ∂/∂log p = β·(1 − e^(ref − log p))
     (× ρ with the correction)."""
+    beta, epsilon, epsilon_high, delta = (options.beta, options.epsilon, options.epsilon_high,
+                                          options.delta)
     old = log_probs if old is None else old
-    sequence = importance_sampling_level == "sequence"
+    sequence = options.importance_sampling_level == "sequence"
     log_ratio = log_probs - old
     count = mask.sum(-1, keepdim=True).clamp(min=1.0)
     if sequence:
@@ -137,7 +145,7 @@ def grpo_loss_and_grad(
         gap = ref - log_probs
         kl = torch.exp(gap) - gap - 1
         d_kl = 1 - torch.exp(gap)  # ∂KL/∂log p
-        if kl_bias_correction:
+        if options.kl_bias_correction:
             terms = terms + beta * kl * ratio
             d_ratio = d_ratio + beta * kl
             direct = beta * d_kl * ratio

@@ -59,7 +59,7 @@ def forward(
 ) -> Tensor:
     """Each row's divergence, (N,) fp32 (float64 for float64 inputs)."""
     if _on_triton(a_s, backend):
-        return _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, None,
+        return _chunked((a_s, w_s, b_s), (a_t, w_t, b_t), (kind, beta, temperature), None,
                         Needs(False, False, False))[0]
     n, v = a_s.shape[0], w_s.shape[0]
     out = torch.empty(n, dtype=engine.accumulation_dtype(a_s.dtype), device=a_s.device)
@@ -98,7 +98,7 @@ def backward(
     """The six gradients, each an empty tensor when not asked for."""
     operands = (a_s, w_s, b_s, a_t, w_t, b_t)
     if _on_triton(a_s, backend) and not any(needs[3:]):
-        _, *grads = _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature,
+        _, *grads = _chunked((a_s, w_s, b_s), (a_t, w_t, b_t), (kind, beta, temperature),
                              grad.float(), Needs(*needs[:3]))
         return (*(nothing(a_s, (0,)) if g is None else g.to(t.dtype)
                   for g, t in zip(grads, operands, strict=False)),
@@ -163,16 +163,20 @@ def _on_triton(a: Tensor, backend: str) -> bool:
     return backend == "triton" and a.dtype != torch.float64
 
 
-def _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, coef, needs):
-    """``core.chunked_divergence`` on row-major operands, the biases cast to the input dtype
-    (as autocast casts them for ``F.linear``)."""
+def _chunked(student, teacher, divergence, coef, needs):
+    """``core.chunked_divergence`` on row-major operands ((input, weight, bias) of each model),
+    the biases cast to their inputs' dtypes (as autocast casts them for ``F.linear``);
+    ``divergence`` = (kind, β, T)."""
+    kind, beta, temperature = divergence
     if kind == "jsd" and beta in (0.0, 1.0):  # the ends: the forward and the reverse KL
         kind = "forward" if beta == 0.0 else "reverse"
-    a_s = row_major(a_s)
+
+    def prepared(a, w, b):
+        a = row_major(a)
+        return a, row_major(w), None if b is None else b.to(a.dtype)
+
     return chunked_divergence.divergence_and_grads(
-        a_s, row_major(w_s), None if b_s is None else b_s.to(a_s.dtype),
-        row_major(a_t), row_major(w_t), None if b_t is None else b_t.to(a_t.dtype), kind, beta,
-        temperature, coef, needs)
+        prepared(*student), prepared(*teacher), (kind, beta, temperature), coef, needs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +207,7 @@ def reduced_forward(
     """(Σ_i row_weight_i·divergence_i () fp32, d a_s (N, D_s), d w_s (V, D_s) fp32, d b_s (V,)
     fp32) for an upstream gradient of 1, each gradient an empty tensor when not asked for. A
     row of weight 0 is skipped (a NaN there does not reach the loss)."""
-    values, *grads = _chunked(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature,
+    values, *grads = _chunked((a_s, w_s, b_s), (a_t, w_t, b_t), (kind, beta, temperature),
                               row_weight, Needs(need_input, need_weight, need_bias))
     return ((values * row_weight).sum(), *(nothing(a_s, (0,)) if g is None else g
                                            for g in grads))

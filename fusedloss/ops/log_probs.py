@@ -74,8 +74,9 @@ def forward(
     acc = engine.accumulation_dtype(a.dtype)
     row_weight = torch.where(valid, torch.where(in_range, 1.0, float("nan")), 0.0).to(acc)
     if backend == "triton":
-        return _chunked_forward(a, b, bias, row_target, valid, row_weight, logit_scale,
-                                temperature, softcap, entropy, square_sum, logit_sum)
+        return _chunked_forward(a, b, bias, (row_target, valid, row_weight),
+                                (logit_scale, temperature, softcap),
+                                (entropy, square_sum, logit_sum))
     logits = family.tempered_logits(bias, logit_scale, temperature, softcap, acc, a.device)
     stats = engine.row_stats(
         a, b, logits, all_rows(row_target),
@@ -97,10 +98,14 @@ def forward(
             stats.centered_sum if entropy else nothing(a, (0,)).to(acc))
 
 
-def _chunked_forward(a, b, bias, row_target, valid, row_weight, logit_scale, temperature,
-                     softcap, entropy, square_sum, logit_sum):
-    """``forward``'s outputs on the Triton backend (``core.chunked_log_probs``); the row
-    statistics it passes on are (max, sum, target logit, centered sum)."""
+def _chunked_forward(a, b, bias, rows, head, wanted):
+    """``forward``'s outputs on the Triton backend (``core.chunked_log_probs``) for ``rows`` =
+    (target column, valid, weight), ``head`` = (α, T, softcap) and ``wanted`` = (entropy,
+    square sum, logit sum); the row statistics it passes on are (max, sum, target logit,
+    centered sum)."""
+    row_target, valid, row_weight = rows
+    logit_scale, temperature, softcap = head
+    entropy, square_sum, logit_sum = wanted
     v = b.shape[0]
     stats = chunked_log_probs.row_stats(
         a, b, None if bias is None else bias.to(a.dtype), row_target,
@@ -164,9 +169,9 @@ def backward(
     not asked for."""
     a, b = row_major(input), row_major(weight)
     if backend == "triton":
-        return _chunked_backward(grad_log_prob, grad_entropy, a, b, bias, row_target,
-                                 row_weight, row_stats, centered_sum.numel() > 0,
-                                 logit_scale, temperature, softcap,
+        return _chunked_backward((grad_log_prob, grad_entropy), a, b, bias,
+                                 (row_target, row_weight, row_stats), centered_sum.numel() > 0,
+                                 (logit_scale, temperature, softcap),
                                  Needs(need_input, need_weight, need_bias))
     d = a.shape[1]
     stats = RowStats.from_packed(row_stats, None, target_logit, None, None,
@@ -196,9 +201,13 @@ def backward(
             grads.b if need_weight else nothing(a, (0,)), grad_bias)
 
 
-def _chunked_backward(grad_log_prob, grad_entropy, a, b, bias, row_target, row_weight,
-                      row_stats, has_entropy, logit_scale, temperature, softcap, needs):
-    """``backward`` on the Triton backend, from ``_chunked_forward``'s row statistics."""
+def _chunked_backward(upstream, a, b, bias, rows, has_entropy, head, needs):
+    """``backward`` on the Triton backend from ``_chunked_forward``'s row statistics:
+    ``upstream`` = the gradients of (log p, H), ``rows`` = (target column, weight, statistics),
+    ``head`` = (α, T, softcap)."""
+    grad_log_prob, grad_entropy = upstream
+    row_target, row_weight, row_stats = rows
+    logit_scale, temperature, softcap = head
     counted = row_weight != 0
     g = (torch.zeros_like(row_weight) if grad_log_prob is None
          else torch.where(counted, grad_log_prob.float() * row_weight, 0.0))

@@ -73,6 +73,8 @@ def grpo_forward(
     upstream gradient of 1, each gradient an empty tensor when not asked for."""
     a, b = row_major(input), row_major(weight)
     n_seq, t = mask.shape
+    options = family.GRPOOptions(beta, epsilon, epsilon_high, delta, importance_sampling_level,
+                                 kl_bias_correction)
     row_target, bad = _row_targets(target, -100, b.shape[0])
     groups = torch.arange(n_seq * t, device=a.device).view(n_seq, t)
 
@@ -82,8 +84,7 @@ def grpo_forward(
         return family.grpo_loss_and_grad(
             log_p, None if old is None else old[part].float(),
             None if ref is None else ref[part].float(), advantages[part], mask[part],
-            token_weight[part], beta, epsilon, epsilon_high, delta, importance_sampling_level,
-            kl_bias_correction)
+            token_weight[part], options)
 
     loss, *grads = chunked_log_probs.fused_loss_and_grads(
         a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0 / temperature,
