@@ -1377,3 +1377,27 @@ def test_clip_column_far_below_its_tile_is_folded_exactly():
     assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
     assert rel_err(a.grad, a64.grad) < 1e-2
     assert rel_err(b.grad, b64.grad) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("n, m", [(7, 7), (5, 12), (1, 4)])
+def test_off_diagonal_margins_leave_each_rows_own_column_out(n, m, backend):
+    """``losses.contrastive.off_diagonal_margins``: LSE_{j≠i} s·q_i·k_j − s·q_i·k_t per row, a
+    query against keys that hold its own at column i (rectangular too), values and gradients
+    against the masked float64 logits."""
+    from fusedloss.losses import contrastive
+
+    g = torch.Generator().manual_seed(n * m)
+    q, k = torch.randn(n, 16, generator=g), torch.randn(m, 16, generator=g)
+    target = (torch.arange(n) + 1) % m
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k)]
+    got = contrastive.off_diagonal_margins(*leaves, target.to(DEVICE), 3.0, backend)
+    ref = [t.double().requires_grad_() for t in (q, k)]
+    x = 3.0 * ref[0] @ ref[1].T
+    masked = x.masked_fill(torch.eye(n, m, dtype=torch.bool), float("-inf"))
+    want = torch.logsumexp(masked, 1) - x[torch.arange(n), target]
+    torch.testing.assert_close(got.cpu().double(), want.detach(), rtol=1e-5, atol=1e-5)
+    weights = torch.linspace(0.5, 1.5, n)
+    for x_, r in zip(torch.autograd.grad((got * weights.to(DEVICE)).sum(), leaves),
+                     torch.autograd.grad((want * weights.double()).sum(), ref), strict=True):
+        torch.testing.assert_close(x_.cpu().double(), r, rtol=1e-4, atol=1e-5)

@@ -35,21 +35,32 @@ def _embeddings(columns: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
-@pytest.mark.parametrize("directions, mode, similarity, negatives", [
-    ("q2d", "joint", "cosine", 0), ("q2d", "joint", "cosine", 2), ("q2d", "joint", "dot", 1),
-    ("symmetric", "per_direction", "cosine", 1), ("symmetric", "joint", "dot", 0),
-    ("all", "joint", "cosine", 0), ("q2d+q2q", "joint", "cosine", 2),
-    ("q2d+q2q", "joint", "dot", 1)])
-def test_loss_equals_sentence_transformers(directions, mode, similarity, negatives, backend):
+@pytest.mark.parametrize("directions, mode, similarity, negatives, hardness", [
+    ("q2d", "joint", "cosine", 0, None), ("q2d", "joint", "cosine", 2, None),
+    ("q2d", "joint", "dot", 1, None), ("symmetric", "per_direction", "cosine", 1, None),
+    ("symmetric", "joint", "dot", 0, None), ("all", "joint", "cosine", 0, None),
+    ("all", "joint", "cosine", 2, None), ("q2d+q2q", "joint", "cosine", 2, None),
+    ("q2d+q2q", "joint", "dot", 1, None),
+    ("q2d", "joint", "cosine", 2, "hard_negatives"),
+    ("q2d", "joint", "cosine", 0, "hard_negatives"),
+    ("q2d", "joint", "cosine", 1, "in_batch_negatives"),
+    ("symmetric", "per_direction", "dot", 2, "all_negatives"),
+    ("all", "joint", "cosine", 1, "in_batch_negatives"),
+    ("q2d", "joint", "cosine", 0, "all_negatives")])
+def test_loss_equals_sentence_transformers(directions, mode, similarity, negatives, hardness,
+                                           backend):
     emb = _embeddings(2 + negatives)
     scale = 20.0 if similarity == "cosine" else 0.5
+    strength = 0.0 if hardness is None else 5.0
     theirs = losses.MultipleNegativesRankingLoss(
         torch.nn.Module(), scale=scale, directions=DIRECTIONS[directions], partition_mode=mode,
-        similarity_fct=cos_sim if similarity == "cosine" else dot_score)
+        similarity_fct=cos_sim if similarity == "cosine" else dot_score, hardness_mode=hardness,
+        hardness_strength=strength)
     want = theirs.compute_loss_from_embeddings(emb, None)
     got = fst.multiple_negatives_ranking_loss(
         emb[0], emb[1:], scale=scale, similarity=similarity, directions=DIRECTIONS[directions],
-        partition_mode=mode, backend=backend)
+        partition_mode=mode, hardness_mode=hardness, hardness_strength=strength,
+        backend=backend)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for x, r in zip(torch.autograd.grad(got, emb), torch.autograd.grad(want, emb), strict=True):
         torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-6)
@@ -148,8 +159,9 @@ def test_fused_loss_swaps_each_loss_with_its_settings(model_dir):
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda m: losses.MultipleNegativesRankingLoss(m, hardness_mode="hard_negatives",
-                                                   hardness_strength=5.0), "hardness_mode"),
+    (lambda m: losses.MultipleNegativesRankingLoss(
+        m, gather_across_devices=True, hardness_mode="hard_negatives", hardness_strength=5.0),
+     "gather_across_devices"),
     (lambda m: losses.MultipleNegativesRankingLoss(
         m, gather_across_devices=True, directions=("query_to_doc", "query_to_query")),
      "gather_across_devices"),
@@ -160,12 +172,6 @@ def test_fused_loss_swaps_each_loss_with_its_settings(model_dir):
 def test_fused_loss_refuses_what_it_does_not_support(make, match, model_dir):
     with pytest.raises(ValueError, match=match):
         fst.fused_loss(make(_model(model_dir)))
-
-
-def test_doc_to_doc_with_hard_negatives_is_refused():
-    emb = _embeddings(3)
-    with pytest.raises(ValueError, match="doc_to_doc"):
-        fst.multiple_negatives_ranking_loss(emb[0], emb[1:], directions=DIRECTIONS["all"])
 
 
 def test_trainer_steps_equal_sentence_transformers(model_dir, tmp_path):

@@ -5,6 +5,7 @@ statistics of X = s · A Bᵀ (+ bias). With P the row softmax and Q the column 
     clip       I, T             ½(l_i − X_ii) + ½(k_i − X_ii)  ½g_i P_ij + ½g_j Q_ij − g_i[i=j]
     info_nce   Q, K             l_i − X_{i,y_i}                g_i (P_ij − [j=y_i])
     nt_xent    Z, Z (X_ii out)  l_i − X_{i,i±B}                g_i (P_ij − [j=i±B])
+    info_nce_no_diag  Q, K (X_ii out)  l_i − X_{i,y_i}         g_i (P_ij − [j=y_i])
     siglip     I, T (+ bias)    Σ_j softplus(−z_ij X_ij)       −g_i z_ij σ(−z_ij X_ij)
 
 (l_i row LSE, k_j column LSE, z = +1 at the target and −1 elsewhere; for NT-Xent the same
@@ -19,16 +20,20 @@ import torch
 
 from ..core.engine import GradCoefficients, Logits
 
-KINDS = ("clip", "info_nce", "nt_xent", "siglip")
+KINDS = ("clip", "info_nce", "nt_xent", "siglip", "info_nce_no_diag")
+#: the kinds whose rows leave out column i (row i's own entry) of their denominators
+DIAGONAL_OUT = ("nt_xent", "info_nce_no_diag")
 
 
 def logits(kind: str, columns: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
            *, own_columns: bool = True) -> Logits:
     """X = scale · A Bᵀ (+ bias) for the columns B (M, D). A scalar bias becomes a per-column
     one ((M,) floats; its gradient is their sum). NT-Xent leaves out each row's similarity with
-    itself, where the columns are the rows' own (``own_columns``; the ring's home block)."""
+    itself, where the columns are the rows' own (``own_columns``; the ring's home block);
+    "info_nce_no_diag" leaves out column i of row i (a query against keys paired with the
+    queries row for row, without its own)."""
     column_bias = bias.expand(columns.shape[0]).contiguous() if bias is not None else None
-    return Logits(bias=column_bias, scale=scale, diag_mask=kind == "nt_xent" and own_columns)
+    return Logits(bias=column_bias, scale=scale, diag_mask=kind in DIAGONAL_OUT and own_columns)
 
 
 def row_loss(kind: str, row_margin: torch.Tensor,

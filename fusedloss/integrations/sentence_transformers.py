@@ -20,17 +20,18 @@ product), q_i the queries (anchors), d_i their positives and D all documents (po
 each hard-negative column), per query i, for the selected ``directions``:
 
     query_to_doc    l_qd = LSE_j s·S(q_i, D_j)         doc_to_query  l_dq = LSE_j s·S(d_i, q_j)
-    query_to_query  l_qq = LSE_{j≠i} s·S(q_i, q_j)     doc_to_doc    l_dd = LSE_{j≠i} s·S(d_i, d_j)
+    query_to_query  l_qq = LSE_{j≠i} s·S(q_i, q_j)     doc_to_doc    l_dd = LSE_{j∉i} s·S(d_i, D_j)
 
 and loss_i = LSE_k(l_k) − s·S(q_i, d_i) ("joint") or mean_k(l_k) − s·S(q_i, d_i)
-("per_direction"), averaged over the queries. Each l_k − s·S(q_i, d_i) is one fused call:
-``fusedloss.info_nce_loss`` (query_to_doc, doc_to_query) or the NT-Xent kernel, whose
-denominators leave out the diagonal (query_to_query, doc_to_doc without hard negatives). Not
-supported (the constructor or the call raises, naming the option): ``hardness_mode``,
-"doc_to_doc" with hard-negative columns, query_to_query and doc_to_doc with
-``gather_across_devices=True``, similarity functions other than cosine and dot product. With
-``gather_across_devices=True`` the other ranks' embeddings reach this rank's rows on the ring
-(``fusedloss.distributed``) instead of an all-gather.
+("per_direction"), averaged over the queries (doc_to_doc leaves out every document of query
+i). Each l_k − s·S(q_i, d_i) comes from fused calls: ``fusedloss.info_nce_loss``
+(query_to_doc, doc_to_query) or, per block of embeddings, the kernels' LSE without the row's
+own column (``losses.contrastive.off_diagonal_margins``: query_to_query, doc_to_doc, the
+hardness modes). Not supported (the constructor or the call raises, naming the option):
+query_to_query, doc_to_doc and hardness modes with ``gather_across_devices=True``, similarity
+functions other than cosine and dot product. With ``gather_across_devices=True`` the other
+ranks' embeddings reach this rank's rows on the ring (``fusedloss.distributed``) instead of an
+all-gather.
 """
 
 from __future__ import annotations
@@ -60,31 +61,43 @@ def multiple_negatives_ranking_loss(
     similarity: str = "cosine",
     directions: tuple[str, ...] = ("query_to_doc",),
     partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
     gather_across_devices: bool = False,
     backend: str = "auto",
 ) -> Tensor:
     """sentence-transformers' ``MultipleNegativesRankingLoss`` on embeddings (the module doc's
-    loss), a scalar fp32, from one fused call per direction: no (B × B·(1 + k)) matrix.
+    loss), a scalar fp32, from fused calls: no (B × B·(1 + k)) matrix.
+
+    ``hardness_mode`` ("in_batch_negatives", "hard_negatives", "all_negatives") adds
+    α·stop_grad(S) (α = ``hardness_strength``) to query_to_doc's logits of the negatives it
+    names: their block of documents runs at the scale s + α with its gradient scaled by
+    s / (s + α), each query's own documents apart (the kernels leave a row's own column out).
 
     ``gather_across_devices``: in a torch.distributed group of W ranks with B queries each,
     this rank's queries against the documents of every rank (and its positives against every
     rank's queries, for doc_to_query) on the ring (``fusedloss.distributed.info_nce_loss``:
     the ranks' embeddings travel, nothing is gathered), the loss the mean over its own queries
     and the gradients those of the sum of the ranks' losses, as sentence-transformers' gather
-    with gradients gives them. query_to_query and doc_to_doc are not supported there."""
+    with gradients gives them; query_to_query, doc_to_doc and hardness modes are not supported
+    there."""
     _check_directions(directions, partition_mode)
-    if gather_across_devices and set(directions) & {"query_to_query", "doc_to_doc"}:
+    if hardness_mode not in (None, *HARDNESS_MODES):
+        raise ValueError(f"hardness_mode must be None or one of {HARDNESS_MODES}, got "
+                         f"{hardness_mode!r}")
+    hardness = hardness_mode is not None and hardness_strength > 0
+    if gather_across_devices and (set(directions) & {"query_to_query", "doc_to_doc"}
+                                  or hardness):
         raise ValueError("gather_across_devices=True takes the directions query_to_doc and "
-                         "doc_to_query; query_to_query and doc_to_doc are not supported there")
+                         "doc_to_query without a hardness_mode; query_to_query, doc_to_doc and "
+                         "hardness modes are not supported there")
     if similarity == "cosine":
         queries, docs = F.normalize(queries, dim=-1), [F.normalize(d, dim=-1) for d in docs]
     elif similarity != "dot":
         raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}")
-    if "doc_to_doc" in directions and len(docs) > 1:
-        raise ValueError("directions with 'doc_to_doc' take (anchor, positive) pairs here; "
-                         "hard-negative columns with doc_to_doc are not supported")
     positives = docs[0]
     keys = torch.cat(docs, dim=0) if len(docs) > 1 else positives
+    positive = scale * (queries * positives).sum(-1).float()  # s·S(q_i, d_i)
     common = dict(temperature=1.0 / scale, reduction="none", backend=backend)
     info_nce = contrastive.info_nce_loss
     key_ids = query_ids = None  # each row's positive: its own index on one process
@@ -99,14 +112,18 @@ def multiple_negatives_ranking_loss(
     # each direction's l_k − s·S(q_i, d_i), per query
     margins = []
     for direction in directions:
-        if direction == "query_to_doc":
+        if direction == "query_to_doc" and hardness:
+            margins.append(_hard_query_to_doc(queries, docs, scale, hardness_mode,
+                                              hardness_strength, backend) - positive)
+        elif direction == "query_to_doc":
             margins.append(info_nce(queries, keys, key_ids, **common))
         elif direction == "doc_to_query":
             margins.append(info_nce(positives, queries, query_ids, **common))
-        else:
-            rows = queries if direction == "query_to_query" else positives
-            margins.append(_off_diagonal_lse(rows, scale, backend)
-                           - scale * (queries * positives).sum(-1))
+        elif direction == "query_to_query":
+            margins.append(_block_lse(queries, queries, scale, True, backend) - positive)
+        else:  # doc_to_doc: every document but the query's own ones
+            blocks = [_block_lse(positives, d, scale, True, backend) for d in docs]
+            margins.append(torch.logsumexp(torch.stack(blocks), dim=0) - positive)
     if len(margins) == 1:
         return margins[0].mean()
     stacked = torch.stack(margins)
@@ -115,15 +132,61 @@ def multiple_negatives_ranking_loss(
     return stacked.mean()
 
 
-def _off_diagonal_lse(rows: Tensor, scale: float, backend: str) -> Tensor:
-    """LSE_{j≠i} s·<r_i, r_j> per row (N,) (−inf for a single row): the NT-Xent kernel's
-    denominator, which leaves out the diagonal, with each row's target the next row."""
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def _hard_query_to_doc(queries: Tensor, docs: list[Tensor], scale: float, mode: str,
+                       strength: float, backend: str) -> Tensor:
+    """LSE_j of query_to_doc's logits s·S_ij + α·stop_grad(S_ij) on the negatives ``mode``
+    names (per query (B,)): each block of documents at s, or at s + α with its gradient scaled
+    by s / (s + α), its own column in or out, and the query's own documents as terms apart."""
+    own = [scale * (queries * d).sum(-1).float() for d in docs]  # s·S(q_i, d_i), s·S(q_i, n_i)
+    harder = scale + strength
+
+    def penalized(block: Tensor, diagonal_out: bool) -> Tensor:
+        lse = _block_lse(queries, block, harder, diagonal_out, backend)
+        return _ScaledGradient.apply(lse, scale / harder)
+
+    if mode == "hard_negatives":  # the query's own hard negatives, each with its penalty
+        if len(docs) == 1:
+            return _block_lse(queries, docs[0], scale, False, backend)
+        terms = [_block_lse(queries, docs[0], scale, False, backend)]
+        terms += [_block_lse(queries, n, scale, True, backend) for n in docs[1:]]
+        terms += [t + (strength / scale) * t.detach() for t in own[1:]]
+    elif mode == "in_batch_negatives":  # every other query's documents
+        terms = own + [penalized(d, True) for d in docs]
+    else:  # all_negatives: everything but the positive
+        terms = [own[0], penalized(docs[0], True)] + [penalized(n, False) for n in docs[1:]]
+    return torch.logsumexp(torch.stack(terms), dim=0)
+
+
+def _block_lse(rows: Tensor, block: Tensor, scale: float, diagonal_out: bool,
+               backend: str) -> Tensor:
+    """LSE_j s·<r_i, b_j> per row (N,) over a block of B ≥ N rows, without j = i when
+    ``diagonal_out`` (−inf for a single row): a fused call's margin plus the target's logit."""
     n = rows.shape[0]
-    if n == 1:
+    if not diagonal_out:
+        margin = contrastive.info_nce_loss(rows, block, temperature=1.0 / scale,
+                                           reduction="none", backend=backend)
+        return margin + scale * (rows * block[:n]).sum(-1).float()
+    if block.shape[0] == 1:
         return torch.full((1,), float("-inf"), device=rows.device) + 0 * rows.sum()
-    target = torch.roll(torch.arange(n, device=rows.device), -1)
-    margin = contrastive.self_excluded_margins(rows, target, scale, backend)
-    return margin + scale * (rows * rows[target]).sum(-1).float()
+    target = (torch.arange(n, device=rows.device) + 1) % block.shape[0]
+    margin = contrastive.off_diagonal_margins(rows, block, target, scale, backend)
+    return margin + scale * (rows * block[target]).sum(-1).float()
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The identity forward, the gradient times a constant backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.factor, None
 
 
 def _check_directions(directions, partition_mode) -> None:
@@ -148,12 +211,12 @@ def _similarity_name(similarity_fct) -> str:
 def _refuse_unsupported(loss) -> None:
     """ValueError naming the first option the fused losses do not support."""
     _similarity_name(loss.similarity_fct)
-    if loss.gather_across_devices and set(loss.directions) & {"query_to_query", "doc_to_doc"}:
+    hardness = loss.hardness_mode is not None and loss.hardness_strength > 0
+    if loss.gather_across_devices and (
+            set(loss.directions) & {"query_to_query", "doc_to_doc"} or hardness):
         raise ValueError("gather_across_devices=True takes the directions query_to_doc and "
-                         "doc_to_query; query_to_query and doc_to_doc are not supported there")
-    if loss.hardness_mode is not None and loss.hardness_strength > 0:
-        raise ValueError(f"hardness_mode={loss.hardness_mode!r} is not supported by the fused "
-                         f"loss")
+                         "doc_to_query without a hardness_mode; query_to_query, doc_to_doc and "
+                         "hardness modes are not supported there")
 
 
 def _loss_of(loss, queries: Tensor, docs: list[Tensor]) -> Tensor:
@@ -162,6 +225,7 @@ def _loss_of(loss, queries: Tensor, docs: list[Tensor]) -> Tensor:
     return multiple_negatives_ranking_loss(
         queries, docs, scale=float(loss.scale), similarity=_similarity_name(loss.similarity_fct),
         directions=tuple(loss.directions), partition_mode=loss.partition_mode,
+        hardness_mode=loss.hardness_mode, hardness_strength=float(loss.hardness_strength),
         gather_across_devices=loss.gather_across_devices)
 
 

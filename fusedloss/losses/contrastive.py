@@ -68,6 +68,8 @@ def _run(kind, a, b, scale, bias, labels, filter_eps, backend, reduction) -> tor
     ops of ``ops/contrastive.py``. ``labels``: the caller's (N,) int64, or None: row i's
     positive is column i (NT-Xent: row i ± N/2)."""
     backend = resolve_backend(backend, a, b)
+    if kind == "info_nce_no_diag" and backend == "materialized":  # the tiled kernels' only
+        backend = "triton"
     eps = resolve_filter_eps(filter_eps, a.dtype)  # validates on every backend
     if backend == "materialized":  # exact: every pair is computed, no filtering
         loss, _ = ops.contrastive_materialized(a, b, scale, bias, labels, kind, reduction)
@@ -85,14 +87,16 @@ def _run(kind, a, b, scale, bias, labels, filter_eps, backend, reduction) -> tor
     return _reduce(loss, reduction)
 
 
-def self_excluded_margins(features: torch.Tensor,  # (N, D)
-                          target: torch.Tensor,  # (N,) int64: a column j ≠ i per row
-                          scale: float, backend: Backend = "auto") -> torch.Tensor:
-    """LSE_{j≠i} X_ij − X_{i,target_i} per row (N,) fp32 of X = scale · F Fᵀ, the diagonal out
-    of every denominator (the NT-Xent kernel's, any target): what a loss over the similarities
-    of one set of embeddings among themselves needs (sentence-transformers' query_to_query)."""
-    scale_t = torch.full((), float(scale), dtype=torch.float32, device=features.device)
-    return _run("nt_xent", features, features, scale_t, None, target, "auto", backend, "none")
+def off_diagonal_margins(query: torch.Tensor,  # (N, D)
+                         keys: torch.Tensor,  # (M, D), M ≥ N: key i is paired with query i
+                         target: torch.Tensor,  # (N,) int64: a column j ≠ i per row
+                         scale: float, backend: Backend = "auto") -> torch.Tensor:
+    """LSE_{j≠i} X_ij − X_{i,target_i} per row (N,) fp32 of X = scale · Q Kᵀ, each row's own
+    column i out of its denominator: what a loss needs where key i belongs to query i and must
+    not count against it (sentence-transformers' query_to_query, doc_to_doc, hardness modes).
+    The tiled kernels or the torch backend (no materialized path)."""
+    scale_t = torch.full((), float(scale), dtype=torch.float32, device=query.device)
+    return _run("info_nce_no_diag", query, keys, scale_t, None, target, "auto", backend, "none")
 
 
 def _reduce(per_row: torch.Tensor, reduction: str) -> torch.Tensor:
