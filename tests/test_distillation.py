@@ -207,6 +207,7 @@ def _on_device(inputs, dtype=torch.float32):
             t.detach().to(DEVICE, dtype).requires_grad_() for t in inputs]
 
 
+@pytest.mark.slow  # ~20 s on the interpreter: ``make test-slow``
 @requires_triton
 @given(kind=st.sampled_from(["forward", "reverse", "jsd"]),
        beta=st.sampled_from([0.0, 0.3, 0.5, 1.0]), temperature=st.sampled_from([1.0, 0.7, 2.0]),

@@ -26,6 +26,7 @@ def _registry() -> dict[str, Suite]:
         grad_cache,
         lm_head,
         post_training,
+        retrieval,
         ring,
         sizes,
         train,
@@ -33,7 +34,8 @@ def _registry() -> dict[str, Suite]:
     )
 
     suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE, train.SUITE,
-              grad_cache.SUITE, companions.SUITE, sizes.SUITE, post_training.SUITE)
+              grad_cache.SUITE, companions.SUITE, sizes.SUITE, post_training.SUITE,
+              retrieval.SUITE)
     return {suite.name: suite for suite in suites}
 
 
