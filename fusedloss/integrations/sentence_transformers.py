@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sentence_transformers
 import torch
 import torch.nn.functional as F
 from sentence_transformers import losses as st_losses
@@ -45,6 +46,12 @@ from sentence_transformers.util import cos_sim, dot_score
 from torch import Tensor
 
 from ..losses import contrastive
+
+# 6.2 computes the losses in ``compute_loss_from_embeddings`` / ``calculate_loss``, which the
+# fused classes override: an older version would ignore them and run its own loss silently
+if tuple(int(p) for p in sentence_transformers.__version__.split(".")[:2]) < (6, 2):
+    raise ImportError(f"fusedloss.integrations.sentence_transformers needs sentence-transformers "
+                      f">= 6.2, found {sentence_transformers.__version__}")
 
 __all__ = ["FusedCachedMultipleNegativesRankingLoss", "FusedMultipleNegativesRankingLoss",
            "FusedMultipleNegativesSymmetricRankingLoss", "fused_loss",
