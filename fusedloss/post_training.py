@@ -74,9 +74,11 @@ def grpo_loss(
     ``old_log_probs`` None is the policy's own, detached (one optimization step per
     generation, as TRL then does); ``ref_log_probs`` is needed when ``beta`` ≠ 0. The options
     of the head (``linear_bias``, ``softcap``, ``backend``) are ``linear_log_probs``'. On the
-    Triton backend, with gradients, the loss is fused into the head: each chunk of whole
-    sequences forms its logits, its terms and its gradient at once (three of the head's
-    products, ``ops.post_training``); elsewhere it runs on ``linear_log_probs``.
+    Triton backend, with gradients, the loss is fused into the head: each chunk of tokens (of
+    whole sequences at the sequence level) forms its logits, its terms and its gradient at
+    once (three of the head's products, ``ops.post_training``); elsewhere, and where one
+    sequence holds more logits than ``Tuning.lm_head_chunk_bytes``, it runs on
+    ``linear_log_probs``.
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
@@ -103,7 +105,9 @@ def grpo_loss(
                                  _opt_float(delta), importance_sampling_level,
                                  bool(kl_bias_correction))
     head = dict(linear_bias=linear_bias, temperature=temperature, softcap=softcap)
-    fused = fused_head_operands(input, linear_weight, completion_ids, backend=backend, **head)
+    fused = fused_head_operands(
+        input, linear_weight, completion_ids, backend=backend, **head,
+        group_rows=input.shape[-2] if importance_sampling_level == "sequence" else 1)
     if fused is not None:
         a, w, target, bias = fused
         return ops.grpo_loss_fused(
@@ -155,7 +159,8 @@ def dpo_loss(
     ``shift``, ``ignore_index``, ``softcap`` and ``backend`` are ``linear_log_probs``'. On the
     Triton backend, with gradients, the loss is fused into the policy's head: each chunk of
     whole pairs forms its logits, its log-ratios, its part of the loss and its gradient at once
-    (three of the head's products, ``ops.post_training``).
+    (three of the head's products, ``ops.post_training``), unless a pair holds more logits
+    than ``Tuning.lm_head_chunk_bytes`` (then on ``linear_log_probs``).
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
@@ -165,7 +170,8 @@ def dpo_loss(
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
     head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift, backend=backend)
     lengths = _counted(target, head).sum(dim=-1).clamp(min=1).float()
-    fused = fused_head_operands(input, linear_weight, target, linear_bias=linear_bias, **head)
+    fused = fused_head_operands(input, linear_weight, target, linear_bias=linear_bias, **head,
+                                group_rows=2 * input.shape[-2])  # a pair of sequences
     if fused is not None:
         if ref_log_probs is None:
             with torch.no_grad():

@@ -46,10 +46,12 @@ def _grads(loss, leaves):
     return torch.autograd.grad(loss, [t for t in leaves if t is not None])
 
 
-@pytest.mark.parametrize("rows", [None, T, 2 * T])
+@pytest.mark.parametrize("rows", [None, 5, 2 * T])
 @pytest.mark.parametrize("case", GRPO_CASES, ids=list(GRPO_CASES))
 def test_fused_grpo_equals_the_unfused(case, rows, tune):
-    """In one chunk, or in chunks of one or two sequences (``Tuning.lm_head_chunk_bytes``)."""
+    """In one chunk, or in chunks of 5 rows or two sequences (``Tuning.lm_head_chunk_bytes``):
+    token-level importance sampling in chunks that cut sequences, sequence level then on the
+    log-probs (a sequence must fit a chunk)."""
     kw = dict(GRPO_CASES[case])
     (h, w, b), ids, mask, adv, old, ref = _grpo_inputs(per_token=kw.pop("per_token", False),
                                                        bias=True)
@@ -89,6 +91,36 @@ def test_fused_grpo_is_the_training_path_and_nan_in_gives_nan_out():
     bad[1, 2] = V + 5
     loss = post_training.grpo_loss(h, w, bad, mask, adv, old_log_probs=old, backend="triton")
     assert loss.isnan()
+
+
+def test_fused_path_needs_a_group_to_fit_a_chunk(tune):
+    """A chunk holds whole sequences (GRPO at the sequence level) or pairs (DPO): where one
+    holds more logits than ``Tuning.lm_head_chunk_bytes`` the loss runs on the log-probs (its
+    memory bounded), with the same value; token-level GRPO stays fused with any chunk."""
+    from fusedloss.ops import post_training as ops
+
+    tune(lm_head_chunk_bytes=T * V * 4)  # one sequence of fp32 logits: not a pair
+    (h, w, _), ids, mask, adv, old, _ = _grpo_inputs()
+    (hd, wd, _), target, ref_h, ref_w = _dpo_inputs()
+    calls = []
+    originals = ops.grpo_loss_fused, ops.dpo_loss_fused
+    ops.grpo_loss_fused = lambda *a: calls.append("grpo") or originals[0](*a)
+    ops.dpo_loss_fused = lambda *a: calls.append("dpo") or originals[1](*a)
+    try:
+        for level in ("token", "sequence"):
+            post_training.grpo_loss(h, w, ids, mask, adv, old_log_probs=old, loss_type="grpo",
+                                    importance_sampling_level=level, backend="triton")
+        post_training.dpo_loss(hd, wd, target, ref_input=ref_h, ref_weight=ref_w,
+                               backend="triton")
+        assert calls == ["grpo", "grpo"]  # T rows fit: the sequence level too
+        tune(lm_head_chunk_bytes=T * V * 4 - 1)
+        calls.clear()
+        for level in ("token", "sequence"):
+            post_training.grpo_loss(h, w, ids, mask, adv, old_log_probs=old, loss_type="grpo",
+                                    importance_sampling_level=level, backend="triton")
+        assert calls == ["grpo"]
+    finally:
+        ops.grpo_loss_fused, ops.dpo_loss_fused = originals
 
 
 def _dpo_inputs(seed=1, bias=False):

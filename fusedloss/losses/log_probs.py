@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..core import engine
+from ..core import config, engine
 from ..ops import log_probs as ops
 from ..ops import vocab_parallel
 from ..ops._common import autocast_operands
@@ -145,19 +145,23 @@ def _operands(input, linear_weight, target, linear_bias, temperature, softcap, i
 
 
 def fused_head_operands(input, linear_weight, target, *, linear_bias=None, temperature=1.0,
-                        softcap=None, ignore_index=-100, shift=False, backend="auto"):
+                        softcap=None, ignore_index=-100, shift=False, backend="auto",
+                        group_rows=1):
     """For a loss fused into the head (``fusedloss.post_training``): ``linear_log_probs``'
     checks, then (input (N, D), weight, target (N,) shifted as ``shift`` asks, bias) when the
     Triton backend computes it with gradients, else None (the loss then runs on
-    ``linear_log_probs``)."""
+    ``linear_log_probs``). None too where the loss's smallest chunk, ``group_rows`` rows (a
+    sequence, a pair of them), holds more logits than ``Tuning.lm_head_chunk_bytes``: the
+    fused path's memory stays bounded."""
     input, linear_weight, linear_bias, opts = _operands(
         input, linear_weight, target, linear_bias, temperature, softcap, ignore_index, shift,
         backend)
     check_inputs(input, linear_weight, target, linear_bias, None, opts)
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
+    group_bytes = group_rows * linear_weight.shape[0] * input.element_size()
     if (not wants_grad or resolve_input_backend(backend, input) != "triton"
-            or input.numel() == 0):
+            or input.numel() == 0 or group_bytes > config.tuning().lm_head_chunk_bytes):
         return None
     return (input.reshape(-1, linear_weight.shape[1]), linear_weight,
             shifted_targets(target, shift, ignore_index), linear_bias)

@@ -70,21 +70,28 @@ def grpo_forward(
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, d input, d weight fp32, d bias fp32) of ``post_training.grpo_loss`` for an
-    upstream gradient of 1, each gradient an empty tensor when not asked for."""
+    upstream gradient of 1, each gradient an empty tensor when not asked for. Token-level
+    importance sampling: chunks of any rows (each token's terms are its own); sequence level:
+    chunks of whole sequences."""
     a, b = row_major(input), row_major(weight)
     n_seq, t = mask.shape
     options = family.GRPOOptions(beta, epsilon, epsilon_high, delta, importance_sampling_level,
                                  kl_bias_correction)
     row_target, bad = _row_targets(target, -100, b.shape[0])
+    per_token = [None if x is None else x.float().expand(n_seq, t)
+                 for x in (old, ref, advantages, mask, token_weight)]
+    if importance_sampling_level == "token":  # each token a group of its own: any chunk
+        t, n_seq = 1, n_seq * t
+        per_token = [None if x is None else x.reshape(n_seq, 1) for x in per_token]
+    old, ref, advantages, mask, token_weight = per_token
     groups = torch.arange(n_seq * t, device=a.device).view(n_seq, t)
 
     def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
         log_p = torch.where(bad[g0 * t:g1 * t].view(g1 - g0, t), float("nan"), log_p)
         part = slice(g0, g1)
         return family.grpo_loss_and_grad(
-            log_p, None if old is None else old[part].float(),
-            None if ref is None else ref[part].float(), advantages[part], mask[part],
-            token_weight[part], options)
+            log_p, None if old is None else old[part], None if ref is None else ref[part],
+            advantages[part], mask[part], token_weight[part], options)
 
     loss, *grads = chunked_log_probs.fused_loss_and_grads(
         a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0 / temperature,
