@@ -23,13 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from .families import post_training as family
-from .families.post_training import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
+from .families.post_training import (
+    CPO_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+)
 from .losses.log_probs import fused_head_operands, linear_log_probs
 from .ops import post_training as ops
 
 __all__ = ["cpo_loss", "dpo_loss", "grpo_loss", "kto_loss", "orpo_loss", "simpo_loss"]
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
 def grpo_loss(
@@ -289,6 +292,7 @@ def cpo_loss(
     softcap: float | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Contrastive preference optimization (TRL 1.16's experimental ``CPOTrainer``), a scalar:
     the mean over the pairs of ``loss_type``'s term in m = c − r (c, r each sequence's summed
@@ -298,26 +302,34 @@ def cpo_loss(
         ipo      (m − 1/(2β))²                             simpo  sigmoid's with m − γ/β
 
     plus ``cpo_alpha`` × the chosen sequences' mean token NLL (against ``nll_target``, by
-    default their ``target``); ε = ``label_smoothing``, γ = ``simpo_gamma``.
+    default their ``target``); ε = ``label_smoothing``, γ = ``simpo_gamma``. On the Triton
+    backend, with gradients, fused into the head as ``dpo_loss`` is (chunks of whole pairs,
+    three products), unless the NLL has targets of its own or a pair exceeds the chunk budget.
     """
     if loss_type not in CPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {loss_type!r}")
     _check_pairs(input)
-    head = dict(linear_bias=linear_bias, softcap=softcap, ignore_index=ignore_index, shift=shift)
-    chosen, rejected = _sequence_log_probs(
-        input, linear_weight, target, head, average=loss_type in ("ipo", "simpo")).chunk(2, 0)
+    head = dict(linear_bias=linear_bias, softcap=softcap, ignore_index=ignore_index, shift=shift,
+                backend=backend)
+    average = loss_type in ("ipo", "simpo")
+    fused = None
+    if nll_target is None or not cpo_alpha:  # the NLL on the same targets: in the fused pass
+        fused = fused_head_operands(input, linear_weight, target, **head,
+                                    group_rows=2 * input.shape[-2])
+    if fused is not None:
+        a, w, flat_target, bias = fused
+        lengths = _counted(target, head).sum(dim=-1).clamp(min=1).float()
+        return ops.cpo_loss_fused(
+            a, w, bias, flat_target, lengths, target.shape[-1], int(ignore_index), float(beta),
+            loss_type, float(label_smoothing), float(simpo_gamma), float(cpo_alpha),
+            _opt_float(softcap), a.requires_grad, w.requires_grad,
+            bias is not None and bias.requires_grad)
+    chosen, rejected = _sequence_log_probs(input, linear_weight, target, head,
+                                           average=average).chunk(2, 0)
     margin = chosen - rejected
     if loss_type == "simpo":
         margin = margin - simpo_gamma / beta
-    if loss_type in ("sigmoid", "simpo"):
-        eps = label_smoothing
-        per_pair = (-F.logsigmoid(beta * margin) * (1 - eps)
-                    - F.logsigmoid(-beta * margin) * eps)
-    elif loss_type == "hinge":
-        per_pair = torch.relu(1 - beta * margin)
-    else:
-        per_pair = (margin - 1 / (2 * beta)) ** 2
-    loss = per_pair.mean()
+    loss = family.cpo_pair_losses(margin, beta, loss_type, label_smoothing).mean()
     if cpo_alpha:
         loss = loss + cpo_alpha * _chosen_nll(input, linear_weight, target, nll_target, head)
     return loss
@@ -352,6 +364,7 @@ def kto_loss(
     softcap: float | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Kahneman-Tversky optimization (TRL 1.16's ``KTOTrainer``), a scalar: the mean over the
     completions of
@@ -362,6 +375,8 @@ def kto_loss(
     the completion (summed token log-probabilities) and z = ``kl``, the batch's KL reference
     point (TRL's: the mean log-ratio of mismatched prompt-completion pairs, clamped at 0,
     detached). The reference enters as ``ref_log_probs`` or ``ref_input`` and ``ref_weight``.
+    On the Triton backend, with gradients, fused into the head (chunks of whole completions,
+    three products of the policy's head) unless a completion exceeds the chunk budget.
     """
     if loss_type not in KTO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
@@ -369,15 +384,24 @@ def kto_loss(
     if desirable.shape != input.shape[:1]:
         raise ValueError(f"desirable must have shape ({input.shape[0]},), got "
                          f"{tuple(desirable.shape)}")
-    head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift)
+    head = dict(softcap=softcap, ignore_index=ignore_index, shift=shift, backend=backend)
+    good = desirable.to(torch.bool)
+    fused = fused_head_operands(input, linear_weight, target, linear_bias=linear_bias, **head,
+                                group_rows=input.shape[-2])
+    if fused is not None:
+        if ref_log_probs is None:
+            with torch.no_grad():
+                ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
+                                                    dict(head, linear_bias=ref_bias), False)
+        a, w, flat_target, bias = fused
+        kl_t = torch.as_tensor(kl, dtype=torch.float32, device=a.device).detach().reshape(())
+        return ops.kto_loss_fused(
+            a, w, bias, flat_target, ref_log_probs.detach().float(), good, kl_t,
+            target.shape[-1], int(ignore_index), float(beta), float(desirable_weight),
+            float(undesirable_weight), loss_type, _opt_float(softcap), a.requires_grad,
+            w.requires_grad, bias is not None and bias.requires_grad)
     ratio = _log_ratios(input, linear_weight, target, dict(head, linear_bias=linear_bias),
                         (ref_log_probs, ref_input, ref_weight, ref_bias))
     kl = torch.as_tensor(kl, dtype=ratio.dtype, device=ratio.device).detach()
-    good = desirable.to(torch.bool)
-    if loss_type == "kto":
-        losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
-                             undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
-    else:
-        losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * ratio)),
-                             undesirable_weight * torch.sigmoid(beta * ratio))
-    return losses.mean()
+    return family.kto_losses(ratio, good, kl, beta, desirable_weight, undesirable_weight,
+                             loss_type).mean()

@@ -1,5 +1,5 @@
-"""GRPO's and DPO's losses fused into the LM head (``ops.post_training``, the Triton backend)
-against the same losses on ``linear_log_probs`` (the torch backend in fp32, which
+"""GRPO's, DPO's, CPO's and KTO's losses fused into the LM head (``ops.post_training``, the
+Triton backend) against the same losses on ``linear_log_probs`` (the torch backend in fp32, which
 ``test_post_training.py`` holds to TRL's own code): values and gradients for every loss type
 and option, in one chunk and in chunks of whole sequences / pairs, ignored and bad tokens, and
 under ``torch.compile(fullgraph=True)``; bf16 within the bar on a GPU."""
@@ -163,7 +163,54 @@ def test_fused_dpo_equals_the_unfused(loss_type, extra, rows, tune):
         torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dpo"])
+@pytest.mark.parametrize("rows", [None, 2 * T])
+@pytest.mark.parametrize("loss_type, extra", [
+    ("sigmoid", dict(label_smoothing=0.1, cpo_alpha=1.0)), ("hinge", dict(shift=True)),
+    ("ipo", dict(beta=0.5, cpo_alpha=0.0)), ("simpo", dict(beta=2.0, simpo_gamma=0.5)),
+    ("simpo", dict(softcap=3.0, cpo_alpha=0.5))])
+def test_fused_cpo_equals_the_unfused(loss_type, extra, rows, tune):
+    """CPO (SimPO) with its NLL term on the chosen tokens, one chunk or one pair per chunk."""
+    (h, w, b), target, _, _ = _dpo_inputs(bias=True)
+    if rows is not None:
+        tune(lm_head_chunk_bytes=rows * V * 4)
+    results = {}
+    for backend in ("torch", "triton"):
+        loss = post_training.cpo_loss(h, w, target, linear_bias=b, loss_type=loss_type,
+                                      backend=backend, **extra)
+        results[backend] = (loss, _grads(loss, (h, w, b)))
+    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("rows", [None, T])
+@pytest.mark.parametrize("loss_type, extra", [
+    ("kto", dict(kl=0.3, desirable_weight=1.5)), ("kto", dict(shift=True, reference="head")),
+    ("apo_zero_unpaired", dict(undesirable_weight=0.7, softcap=3.0))])
+def test_fused_kto_equals_the_unfused(loss_type, extra, rows, tune):
+    """KTO, one completion per group: one chunk or one sequence per chunk."""
+    (h, w, b), target, ref_h, ref_w = _dpo_inputs(bias=True)
+    extra = dict(extra)
+    desirable = torch.tensor([True, False] * B, device=DEVICE)
+    if extra.pop("reference", None) == "head":
+        reference = dict(ref_input=ref_h, ref_weight=ref_w)
+    else:
+        reference = dict(ref_log_probs=torch.randn(2 * B, device=DEVICE) - 10)
+    if rows is not None:
+        tune(lm_head_chunk_bytes=rows * V * 4)
+    results = {}
+    for backend in ("torch", "triton"):
+        loss = post_training.kto_loss(h, w, target, desirable, linear_bias=b,
+                                      loss_type=loss_type, backend=backend, **reference, **extra)
+        results[backend] = (loss, _grads(loss, (h, w, b)))
+    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dpo", "cpo", "kto"])
 def test_fused_losses_compile_with_fullgraph(name):
     torch._dynamo.reset()
     if name == "grpo":
@@ -172,12 +219,25 @@ def test_fused_losses_compile_with_fullgraph(name):
         def fn(h, w):
             return post_training.grpo_loss(h, w, ids, mask, adv, old_log_probs=old,
                                            ref_log_probs=ref, beta=0.04, backend="triton")
-    else:
+    elif name == "dpo":
         (h, w, _), target, ref_h, ref_w = _dpo_inputs()
 
         def fn(h, w):
             return post_training.dpo_loss(h, w, target, ref_input=ref_h, ref_weight=ref_w,
                                           shift=True, backend="triton")
+    elif name == "cpo":
+        (h, w, _), target, _, _ = _dpo_inputs()
+
+        def fn(h, w):
+            return post_training.cpo_loss(h, w, target, loss_type="simpo", backend="triton")
+    else:
+        (h, w, _), target, _, _ = _dpo_inputs()
+        desirable = torch.tensor([True, False] * B, device=DEVICE)
+        ref = torch.randn(2 * B, device=DEVICE) - 10
+
+        def fn(h, w):
+            return post_training.kto_loss(h, w, target, desirable, ref_log_probs=ref,
+                                          kl=0.2, backend="triton")
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     got, want = compiled(h, w), fn(h, w)
     torch.testing.assert_close(got, want)

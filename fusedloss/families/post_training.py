@@ -187,3 +187,61 @@ def dpo_loss_and_grad(
         d = (-(1 - eps) * beta * torch.sigmoid(-beta * delta)
              - eps * beta * torch.sigmoid(beta * delta)) / (1 - 2 * eps)
     return losses.sum(), d, -d
+
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def cpo_pair_losses(margin: torch.Tensor,  # (B,) c − r (minus γ/β for "simpo")
+                    beta: float, loss_type: str, label_smoothing: float) -> torch.Tensor:
+    """Each pair's CPO loss (B,) (``cpo_loss``' doc) from its margin."""
+    if loss_type in ("sigmoid", "simpo"):
+        eps = label_smoothing
+        return (-F.logsigmoid(beta * margin) * (1 - eps)
+                - F.logsigmoid(-beta * margin) * eps)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * margin)
+    return (margin - 1 / (2 * beta)) ** 2
+
+
+def cpo_loss_and_grad(margin: torch.Tensor, beta: float, loss_type: str,
+                      label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ of the pairs' losses (), ∂/∂margin (B,)) of ``cpo_pair_losses``."""
+    losses = cpo_pair_losses(margin, beta, loss_type, label_smoothing)
+    if loss_type in ("sigmoid", "simpo"):
+        eps = label_smoothing
+        d = (-(1 - eps) * beta * torch.sigmoid(-beta * margin)
+             + eps * beta * torch.sigmoid(beta * margin))
+    elif loss_type == "hinge":
+        d = torch.where(1 - beta * margin > 0, -beta, 0.0).to(margin.dtype)
+    else:
+        d = 2 * (margin - 1 / (2 * beta))
+    return losses.sum(), d
+
+
+def kto_losses(ratio: torch.Tensor,  # (B,) log π − log π_ref of each completion
+               desirable: torch.Tensor,  # (B,) bool
+               kl: torch.Tensor,  # () the KL reference point, detached
+               beta: float, desirable_weight: float, undesirable_weight: float,
+               loss_type: str) -> torch.Tensor:
+    """Each completion's KTO loss (B,) (``kto_loss``' doc)."""
+    if loss_type == "kto":
+        return torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                           undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * ratio)),
+                       undesirable_weight * torch.sigmoid(beta * ratio))
+
+
+def kto_loss_and_grad(ratio, desirable, kl, beta, desirable_weight, undesirable_weight,
+                      loss_type) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ of the completions' losses (), ∂/∂ratio (B,)) of ``kto_losses``: σ' = σ·(1 − σ)."""
+    losses = kto_losses(ratio, desirable, kl, beta, desirable_weight, undesirable_weight,
+                        loss_type)
+    good = beta * (ratio - kl) if loss_type == "kto" else beta * ratio
+    bad = beta * (kl - ratio) if loss_type == "kto" else beta * ratio
+    s_good, s_bad = torch.sigmoid(good), torch.sigmoid(bad)
+    d_good = -desirable_weight * beta * s_good * (1 - s_good)
+    # kto: w_u·(1 − σ(β(z − ρ))), ∂/∂ρ = +w_u·β·σ'; apo: w_u·σ(βρ), ∂/∂ρ = +w_u·β·σ'
+    d_bad = undesirable_weight * beta * s_bad * (1 - s_bad)
+    return losses.sum(), torch.where(desirable, d_good, d_bad)

@@ -1,5 +1,5 @@
-"""GRPO's and DPO's losses fused into the LM head (``fusedloss.post_training``'s training path
-on the Triton backend), as custom ops.
+"""GRPO's, DPO's, CPO's (SimPO's) and KTO's losses fused into the LM head
+(``fusedloss.post_training``'s training path on the Triton backend), as custom ops.
 
 The loss is a sum over blocks of whole sequences (GRPO) or whole pairs (DPO)
 (``families.post_training``), so a chunk of those rows forms its logits, its log-probabilities,
@@ -9,6 +9,8 @@ backward scales the gradients by the loss's upstream gradient (``formed_grads_ba
 
     fusedloss::grpo_loss_fused   (loss, d input, d weight, d bias)
     fusedloss::dpo_loss_fused    (loss, d input, d weight, d bias)
+    fusedloss::cpo_loss_fused    (CPO and SimPO: pairs, no reference)
+    fusedloss::kto_loss_fused    (KTO: one completion per group)
 """
 
 from __future__ import annotations
@@ -154,6 +156,129 @@ def dpo_forward(
 dpo_op = torch.library.custom_op("fusedloss::dpo_loss_fused", dpo_forward, mutates_args=())
 
 
+def _pair_groups(pairs: int, t: int, device) -> Tensor:
+    """(B, 2T): pair p's rows, its chosen sequence's then its rejected one's."""
+    rows = torch.arange(2 * pairs * t, device=device).view(2, pairs, t)
+    return torch.cat((rows[0], rows[1]), dim=1)
+
+
+@without_autocast
+def cpo_forward(
+    input: Tensor,  # (2B·T, D): the B chosen sequences' rows, then the B rejected ones'
+    weight: Tensor,  # (V, D)
+    bias: Tensor | None,  # (V,)
+    target: Tensor,  # (2B·T,) int64 token ids, ignore_index outside the completions
+    lengths: Tensor,  # (2B,) fp32 counted tokens per sequence
+    seq_len: int,  # T
+    ignore_index: int,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    simpo_gamma: float,
+    nll_weight: float,  # cpo_alpha: × the chosen tokens' mean NLL (their own targets)
+    softcap: float | None,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d input, d weight fp32, d bias fp32) of ``post_training.cpo_loss`` (and SimPO's)
+    for an upstream gradient of 1, chunks of whole pairs."""
+    a, b = row_major(input), row_major(weight)
+    t, pairs = seq_len, lengths.shape[0] // 2
+    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
+    groups = _pair_groups(pairs, t, a.device)
+    counted = (target != ignore_index).float()
+    average = loss_type in ("ipo", "simpo")
+    # the NLL's mean over the chosen sequences' counted tokens (0 where there are none)
+    chosen_count = counted[: pairs * t].sum().clamp(min=1.0)
+
+    def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
+        rows_of = groups[g0:g1]
+        weight_of = counted[rows_of].view(g1 - g0, 2, t)
+        log_p = (torch.where(bad[rows_of], float("nan"), log_p).view(g1 - g0, 2, t)
+                 * weight_of)
+        per_seq = log_p.sum(-1)  # (k, 2)
+        norm = torch.stack((lengths[g0:g1], lengths[pairs + g0:pairs + g1]), dim=1)
+        if average:
+            per_seq = per_seq / norm
+        margin = per_seq[:, 0] - per_seq[:, 1]
+        if loss_type == "simpo":
+            margin = margin - simpo_gamma / beta
+        part, d_margin = family.cpo_loss_and_grad(margin, beta, loss_type, label_smoothing)
+        d_seq = torch.stack((d_margin, -d_margin), dim=1) / pairs
+        if average:
+            d_seq = d_seq / norm
+        grad = d_seq[:, :, None] * weight_of
+        part = part / pairs
+        if nll_weight:
+            part = part - nll_weight * log_p[:, 0].sum() / chosen_count
+            grad[:, 0] -= nll_weight * weight_of[:, 0] / chosen_count
+        return part, grad.view(g1 - g0, 2 * t)
+
+    loss, *grads = chunked_log_probs.fused_loss_and_grads(
+        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0, softcap, groups,
+        group_loss, Needs(need_input, need_weight, need_bias))
+    return _outputs(a, loss, grads)
+
+
+cpo_op = torch.library.custom_op("fusedloss::cpo_loss_fused", cpo_forward, mutates_args=())
+
+
+def cpo_loss_fused(*args) -> Tensor:
+    """CPO's (and SimPO's) loss (() fp32) of ``cpo_forward``'s arguments, with its autograd."""
+    return run_op(cpo_op, _EagerCPO, *args)[0]
+
+
+@without_autocast
+def kto_forward(
+    input: Tensor,  # (B·T, D)
+    weight: Tensor,  # (V, D)
+    bias: Tensor | None,  # (V,)
+    target: Tensor,  # (B·T,) int64 token ids, ignore_index outside the completions
+    ref_log_probs: Tensor,  # (B,) the reference's summed log-probabilities
+    desirable: Tensor,  # (B,) bool
+    kl: Tensor,  # () fp32, detached
+    seq_len: int,  # T
+    ignore_index: int,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+    loss_type: str,
+    softcap: float | None,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d input, d weight fp32, d bias fp32) of ``post_training.kto_loss`` for an
+    upstream gradient of 1, chunks of whole sequences."""
+    a, b = row_major(input), row_major(weight)
+    t, n_seq = seq_len, ref_log_probs.shape[0]
+    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
+    groups = torch.arange(n_seq * t, device=a.device).view(n_seq, t)
+    counted = (target != ignore_index).float().view(n_seq, t)
+
+    def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
+        weight_of = counted[g0:g1]
+        log_p = torch.where(bad[g0 * t:g1 * t].view(g1 - g0, t), float("nan"), log_p)
+        ratio = (log_p * weight_of).sum(-1) - ref_log_probs[g0:g1].float()
+        part, d_ratio = family.kto_loss_and_grad(
+            ratio, desirable[g0:g1], kl, beta, desirable_weight, undesirable_weight, loss_type)
+        return part / n_seq, d_ratio[:, None] * weight_of / n_seq
+
+    loss, *grads = chunked_log_probs.fused_loss_and_grads(
+        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0, softcap, groups,
+        group_loss, Needs(need_input, need_weight, need_bias))
+    return _outputs(a, loss, grads)
+
+
+kto_op = torch.library.custom_op("fusedloss::kto_loss_fused", kto_forward, mutates_args=())
+
+
+def kto_loss_fused(*args) -> Tensor:
+    """KTO's loss (() fp32) of ``kto_forward``'s arguments, with its autograd."""
+    return run_op(kto_op, _EagerKTO, *args)[0]
+
+
 def _fake(input, weight, bias, need_input, need_weight, need_bias):
     return (input.new_empty((), dtype=_F32),
             torch.empty_like(input) if need_input else nothing(input, (0,)),
@@ -172,10 +297,24 @@ def _(input, weight, bias, *args):
     return _fake(input, weight, bias, *args[-3:])
 
 
-for _op in (grpo_op, dpo_op):
+@cpo_op.register_fake
+def _(input, weight, bias, *args):
+    return _fake(input, weight, bias, *args[-3:])
+
+
+@kto_op.register_fake
+def _(input, weight, bias, *args):
+    return _fake(input, weight, bias, *args[-3:])
+
+
+for _op in (grpo_op, dpo_op, cpo_op, kto_op):
     _op.register_autograd(formed_grads_backward, setup_context=formed_grads_setup_context)
 
 _EagerGRPO = eager_function("_EagerGRPO", grpo_forward, formed_grads_setup_context,
                             formed_grads_backward, None)
 _EagerDPO = eager_function("_EagerDPO", dpo_forward, formed_grads_setup_context,
+                           formed_grads_backward, None)
+_EagerCPO = eager_function("_EagerCPO", cpo_forward, formed_grads_setup_context,
+                           formed_grads_backward, None)
+_EagerKTO = eager_function("_EagerKTO", kto_forward, formed_grads_setup_context,
                            formed_grads_backward, None)
