@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from .families import post_training as family
 from .families.post_training import (
@@ -242,12 +241,6 @@ def _chosen_nll(input, linear_weight, target, nll_target, head: dict) -> torch.T
                                 shift=head.get("shift", False))
 
 
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 − exp(x)) for x < 0, branching at −ln 2 against cancellation."""
-    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)),
-                       torch.log(-torch.expm1(x)))
-
-
 def orpo_loss(
     input: torch.Tensor,  # (2B, T, D): the B chosen sequences, then the B rejected ones
     linear_weight: torch.Tensor,  # (V, D)
@@ -259,6 +252,7 @@ def orpo_loss(
     softcap: float | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Odds-ratio preference optimization (TRL 1.16's experimental ``ORPOTrainer``), a scalar:
 
@@ -267,14 +261,27 @@ def orpo_loss(
     with c and r each sequence's mean completion-token log-probability and NLL the chosen
     sequences' mean token cross-entropy against ``nll_target`` (TRL scores the prompt too: its
     labels are the input ids wherever the attention mask is 1), by default their ``target``.
+    On the Triton backend, with gradients and no ``nll_target``, fused into the head as
+    ``cpo_loss`` is (chunks of whole pairs, three products).
     """
     _check_pairs(input)
-    head = dict(linear_bias=linear_bias, softcap=softcap, ignore_index=ignore_index, shift=shift)
+    head = dict(linear_bias=linear_bias, softcap=softcap, ignore_index=ignore_index, shift=shift,
+                backend=backend)
+    fused = None
+    if nll_target is None:  # the NLL on the same targets: in the fused pass
+        fused = fused_head_operands(input, linear_weight, target, **head,
+                                    group_rows=2 * input.shape[-2])
+    if fused is not None:
+        a, w, flat_target, bias = fused
+        lengths = _counted(target, head).sum(dim=-1).clamp(min=1).float()
+        return ops.cpo_loss_fused(
+            a, w, bias, flat_target, lengths, target.shape[-1], int(ignore_index), float(beta),
+            "orpo", 0.0, 0.0, 1.0, _opt_float(softcap), a.requires_grad, w.requires_grad,
+            bias is not None and bias.requires_grad)
     chosen, rejected = _sequence_log_probs(input, linear_weight, target, head,
                                            average=True).chunk(2, dim=0)
-    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
     nll = _chosen_nll(input, linear_weight, target, nll_target, head)
-    return nll - beta * F.logsigmoid(log_odds).mean()
+    return nll + family.orpo_pair_losses(chosen, rejected, beta).mean()
 
 
 def cpo_loss(

@@ -1,4 +1,4 @@
-"""GRPO's, DPO's, CPO's and KTO's losses fused into the LM head (``ops.post_training``, the
+"""GRPO's, DPO's, CPO's, ORPO's and KTO's losses fused into the LM head (``ops.post_training``, the
 Triton backend) against the same losses on ``linear_log_probs`` (the torch backend in fp32, which
 ``test_post_training.py`` holds to TRL's own code): values and gradients for every loss type
 and option, in one chunk and in chunks of whole sequences / pairs, ignored and bad tokens, and
@@ -184,6 +184,23 @@ def test_fused_cpo_equals_the_unfused(loss_type, extra, rows, tune):
         torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("rows", [None, 2 * T])
+@pytest.mark.parametrize("extra", [dict(beta=0.2), dict(shift=True, softcap=3.0)])
+def test_fused_orpo_equals_the_unfused(extra, rows, tune):
+    """ORPO's odds-ratio term and the chosen tokens' NLL in one pass, chunks of whole pairs."""
+    (h, w, b), target, _, _ = _dpo_inputs(bias=True)
+    if rows is not None:
+        tune(lm_head_chunk_bytes=rows * V * 4)
+    results = {}
+    for backend in ("torch", "triton"):
+        loss = post_training.orpo_loss(h, w, target, linear_bias=b, backend=backend, **extra)
+        results[backend] = (loss, _grads(loss, (h, w, b)))
+    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("rows", [None, T])
 @pytest.mark.parametrize("loss_type, extra", [
     ("kto", dict(kl=0.3, desirable_weight=1.5)), ("kto", dict(shift=True, reference="head")),
@@ -210,7 +227,7 @@ def test_fused_kto_equals_the_unfused(loss_type, extra, rows, tune):
         torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dpo", "cpo", "kto"])
+@pytest.mark.parametrize("name", ["grpo", "dpo", "cpo", "kto", "orpo"])
 def test_fused_losses_compile_with_fullgraph(name):
     torch._dynamo.reset()
     if name == "grpo":
@@ -225,10 +242,12 @@ def test_fused_losses_compile_with_fullgraph(name):
         def fn(h, w):
             return post_training.dpo_loss(h, w, target, ref_input=ref_h, ref_weight=ref_w,
                                           shift=True, backend="triton")
-    elif name == "cpo":
+    elif name in ("cpo", "orpo"):
         (h, w, _), target, _, _ = _dpo_inputs()
 
         def fn(h, w):
+            if name == "orpo":
+                return post_training.orpo_loss(h, w, target, backend="triton")
             return post_training.cpo_loss(h, w, target, loss_type="simpo", backend="triton")
     else:
         (h, w, _), target, _, _ = _dpo_inputs()

@@ -190,6 +190,7 @@ def dpo_loss_and_grad(
 
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+PAIR_LOSSES = (*CPO_LOSS_TYPES, "orpo")  # the fused pair op's loss types (besides DPO)
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
@@ -245,3 +246,27 @@ def kto_loss_and_grad(ratio, desirable, kl, beta, desirable_weight, undesirable_
     # kto: w_u·(1 − σ(β(z − ρ))), ∂/∂ρ = +w_u·β·σ'; apo: w_u·σ(βρ), ∂/∂ρ = +w_u·β·σ'
     d_bad = undesirable_weight * beta * s_bad * (1 - s_bad)
     return losses.sum(), torch.where(desirable, d_good, d_bad)
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, branching at −ln 2 against cancellation."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)),
+                       torch.log(-torch.expm1(x)))
+
+
+def orpo_pair_losses(chosen: torch.Tensor, rejected: torch.Tensor,  # (B,) mean log-probs
+                     beta: float) -> torch.Tensor:
+    """Each pair's −β·log σ(log odds) (B,), log odds = (c − r) − (log(1 − e^c) − log(1 − e^r))
+    (``orpo_loss``' doc, without its NLL)."""
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    return -beta * F.logsigmoid(log_odds)
+
+
+def orpo_loss_and_grad(chosen, rejected, beta) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    """(Σ of ``orpo_pair_losses`` (), ∂/∂chosen (B,), ∂/∂rejected (B,)): with L the log odds,
+    ∂L/∂c = 1/(1 − e^c) and ∂L/∂r = −1/(1 − e^r) (= −1/(−expm1(r)))."""
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    d_odds = -beta * torch.sigmoid(-log_odds)
+    return ((-beta * F.logsigmoid(log_odds)).sum(), d_odds / -torch.expm1(chosen),
+            -d_odds / -torch.expm1(rejected))

@@ -9,7 +9,7 @@ backward scales the gradients by the loss's upstream gradient (``formed_grads_ba
 
     fusedloss::grpo_loss_fused   (loss, d input, d weight, d bias)
     fusedloss::dpo_loss_fused    (loss, d input, d weight, d bias)
-    fusedloss::cpo_loss_fused    (CPO and SimPO: pairs, no reference)
+    fusedloss::cpo_loss_fused    (CPO, SimPO and ORPO: pairs, no reference)
     fusedloss::kto_loss_fused    (KTO: one completion per group)
 """
 
@@ -181,14 +181,15 @@ def cpo_forward(
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, d input, d weight fp32, d bias fp32) of ``post_training.cpo_loss`` (and SimPO's)
-    for an upstream gradient of 1, chunks of whole pairs."""
+    """(loss, d input, d weight fp32, d bias fp32) of ``post_training.cpo_loss`` (and SimPO's;
+    ``loss_type="orpo"``: ``orpo_loss``' odds-ratio term) for an upstream gradient of 1, chunks of
+    whole pairs."""
     a, b = row_major(input), row_major(weight)
     t, pairs = seq_len, lengths.shape[0] // 2
     row_target, bad = _row_targets(target, ignore_index, b.shape[0])
     groups = _pair_groups(pairs, t, a.device)
     counted = (target != ignore_index).float()
-    average = loss_type in ("ipo", "simpo")
+    average = loss_type in ("ipo", "simpo", "orpo")
     # the NLL's mean over the chosen sequences' counted tokens (0 where there are none)
     chosen_count = counted[: pairs * t].sum().clamp(min=1.0)
 
@@ -201,11 +202,17 @@ def cpo_forward(
         norm = torch.stack((lengths[g0:g1], lengths[pairs + g0:pairs + g1]), dim=1)
         if average:
             per_seq = per_seq / norm
-        margin = per_seq[:, 0] - per_seq[:, 1]
-        if loss_type == "simpo":
-            margin = margin - simpo_gamma / beta
-        part, d_margin = family.cpo_loss_and_grad(margin, beta, loss_type, label_smoothing)
-        d_seq = torch.stack((d_margin, -d_margin), dim=1) / pairs
+        if loss_type == "orpo":
+            part, d_chosen, d_rejected = family.orpo_loss_and_grad(per_seq[:, 0],
+                                                                   per_seq[:, 1], beta)
+        else:
+            margin = per_seq[:, 0] - per_seq[:, 1]
+            if loss_type == "simpo":
+                margin = margin - simpo_gamma / beta
+            part, d_chosen = family.cpo_loss_and_grad(margin, beta, loss_type,
+                                                      label_smoothing)
+            d_rejected = -d_chosen
+        d_seq = torch.stack((d_chosen, d_rejected), dim=1) / pairs
         if average:
             d_seq = d_seq / norm
         grad = d_seq[:, :, None] * weight_of
