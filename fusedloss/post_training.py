@@ -175,10 +175,8 @@ def dpo_loss(
     fused = fused_head_operands(input, linear_weight, target, linear_bias=linear_bias, **head,
                                 group_rows=2 * input.shape[-2])  # a pair of sequences
     if fused is not None:
-        if ref_log_probs is None:
-            with torch.no_grad():
-                ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
-                                                    dict(head, linear_bias=ref_bias), False)
+        ref_log_probs = _reference_sums((ref_log_probs, ref_input, ref_weight, ref_bias),
+                                        target, head)
         a, w, flat_target, bias = fused
         return ops.dpo_loss_fused(
             a, w, bias, flat_target, ref_log_probs.detach().float(), lengths, target.shape[-1],
@@ -214,13 +212,19 @@ def _check_reference(ref_log_probs, ref_input, ref_weight) -> None:
 def _log_ratios(input, linear_weight, target, head: dict, reference: tuple) -> torch.Tensor:
     """Each sequence's summed log π − log π_ref; ``reference`` = (its summed log-probs, or
     None and then its hidden states, head and bias, run without gradients)."""
-    ref_log_probs, ref_input, ref_weight, ref_bias = reference
     log_probs = _sequence_log_probs(input, linear_weight, target, head, average=False)
-    if ref_log_probs is None:
-        with torch.no_grad():
-            ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
-                                                dict(head, linear_bias=ref_bias), average=False)
-    return log_probs - ref_log_probs
+    return log_probs - _reference_sums(reference, target, head)
+
+
+def _reference_sums(reference: tuple, target, head: dict) -> torch.Tensor:
+    """The reference's summed log-probabilities per sequence: ``reference`` = (them, or None
+    and then its hidden states, head and bias, run here without gradients)."""
+    ref_log_probs, ref_input, ref_weight, ref_bias = reference
+    if ref_log_probs is not None:
+        return ref_log_probs
+    with torch.no_grad():
+        return _sequence_log_probs(ref_input, ref_weight, target,
+                                   dict(head, linear_bias=ref_bias), average=False)
 
 
 def _check_pairs(input: torch.Tensor) -> None:
@@ -396,10 +400,8 @@ def kto_loss(
     fused = fused_head_operands(input, linear_weight, target, linear_bias=linear_bias, **head,
                                 group_rows=input.shape[-2])
     if fused is not None:
-        if ref_log_probs is None:
-            with torch.no_grad():
-                ref_log_probs = _sequence_log_probs(ref_input, ref_weight, target,
-                                                    dict(head, linear_bias=ref_bias), False)
+        ref_log_probs = _reference_sums((ref_log_probs, ref_input, ref_weight, ref_bias),
+                                        target, head)
         a, w, flat_target, bias = fused
         kl_t = torch.as_tensor(kl, dtype=torch.float32, device=a.device).detach().reshape(())
         return ops.kto_loss_fused(

@@ -66,6 +66,25 @@ def test_loss_equals_sentence_transformers(directions, mode, similarity, negativ
         torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("directions, hardness", [
+    ("q2d", None), ("all", None), ("q2d", "in_batch_negatives")])
+def test_loss_compiles_with_fullgraph(directions, hardness):
+    """``multiple_negatives_ranking_loss`` under ``torch.compile(fullgraph=True)``: the fused
+    calls are custom ops, the hardness modes' gradient scaling an autograd Function."""
+    torch._dynamo.reset()
+    emb = _embeddings(3, seed=2)
+
+    def fn(*columns):
+        return fst.multiple_negatives_ranking_loss(
+            columns[0], list(columns[1:]), directions=DIRECTIONS[directions],
+            hardness_mode=hardness, hardness_strength=0.0 if hardness is None else 5.0)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*emb), fn(*emb)
+    torch.testing.assert_close(got, want)
+    for x, r in zip(torch.autograd.grad(got, emb), torch.autograd.grad(want, emb), strict=True):
+        torch.testing.assert_close(x, r)
+
+
 def test_symmetric_loss_equals_sentence_transformers():
     emb = _embeddings(3, seed=1)
     want = losses.MultipleNegativesSymmetricRankingLoss(

@@ -128,6 +128,7 @@ def fused_loss_and_grads(
     groups: torch.Tensor,  # (G, r) int64: the rows of each group (a sequence, a pair)
     group_loss: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     needs: Needs,
+    row_nan: torch.Tensor | None = None,  # (N,) bool: rows whose log p is NaN (a bad target)
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss () fp32, dA (N, D), dB (V, D) fp32, dbias (V,) fp32) of a loss that is a sum over
     groups of rows; ``group_loss(g0, g1, log_p)`` gives the part of groups [g0, g1) and its
@@ -159,6 +160,8 @@ def fused_loss_and_grads(
                                 float(factor), float(softcap or 1.0), **launch)
         row_max, total, target_logit = stats[0, :r], stats[1, :r], stats[2, :r]
         log_p = (target_logit - row_max) - torch.log(total)
+        if row_nan is not None:
+            log_p = torch.where(row_nan[rows], float("nan"), log_p)
         part, g = group_loss(g0, g1, log_p.view(g1 - g0, rows_per_group))
         loss += part
         g = torch.where(t_c >= 0, g.reshape(-1), 0.0).float()

@@ -44,7 +44,15 @@ def _row_targets(target: Tensor, ignore_index: int, v: int) -> tuple[Tensor, Ten
     return torch.where(in_range, target, -1), (target != ignore_index) & ~in_range
 
 
-def _outputs(a: Tensor, loss: Tensor, grads) -> tuple[Tensor, ...]:
+def _fused(a: Tensor, b: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int,
+           head: tuple[float, float | None], groups: Tensor, group_loss,
+           needs: Needs) -> tuple[Tensor, ...]:
+    """The op's outputs from ``chunked_log_probs.fused_loss_and_grads``: ``head`` = (the
+    logits' factor 1/T, the tempered softcap), a bad target's row NaN."""
+    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
+    loss, *grads = chunked_log_probs.fused_loss_and_grads(
+        a, b, None if bias is None else bias.to(a.dtype), row_target, *head, groups, group_loss,
+        needs, row_nan=bad)
     return (loss, *(nothing(a, (0,)) if g is None else g for g in grads))
 
 
@@ -79,7 +87,6 @@ def grpo_forward(
     n_seq, t = mask.shape
     options = family.GRPOOptions(beta, epsilon, epsilon_high, delta, importance_sampling_level,
                                  kl_bias_correction)
-    row_target, bad = _row_targets(target, -100, b.shape[0])
     per_token = [None if x is None else x.float().expand(n_seq, t)
                  for x in (old, ref, advantages, mask, token_weight)]
     if importance_sampling_level == "token":  # each token a group of its own: any chunk
@@ -89,17 +96,14 @@ def grpo_forward(
     groups = torch.arange(n_seq * t, device=a.device).view(n_seq, t)
 
     def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
-        log_p = torch.where(bad[g0 * t:g1 * t].view(g1 - g0, t), float("nan"), log_p)
         part = slice(g0, g1)
         return family.grpo_loss_and_grad(
             log_p, None if old is None else old[part], None if ref is None else ref[part],
             advantages[part], mask[part], token_weight[part], options)
 
-    loss, *grads = chunked_log_probs.fused_loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0 / temperature,
-        None if softcap is None else softcap / temperature, groups, group_loss,
-        Needs(need_input, need_weight, need_bias))
-    return _outputs(a, loss, grads)
+    return _fused(a, b, bias, target, -100,
+                  (1.0 / temperature, None if softcap is None else softcap / temperature),
+                  groups, group_loss, Needs(need_input, need_weight, need_bias))
 
 
 grpo_op = torch.library.custom_op("fusedloss::grpo_loss_fused", grpo_forward, mutates_args=())
@@ -129,16 +133,13 @@ def dpo_forward(
     a, b = row_major(input), row_major(weight)
     t = seq_len
     pairs = ref_log_probs.shape[0] // 2
-    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
-    rows = torch.arange(2 * pairs * t, device=a.device).view(2, pairs, t)
-    groups = torch.cat((rows[0], rows[1]), dim=1)  # (B, 2T): pair p's chosen, then rejected
+    groups = _pair_groups(pairs, t, a.device)
     counted = (target != ignore_index).float()
 
     def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
         rows_of = groups[g0:g1]
         weight_of = counted[rows_of]
-        log_p = torch.where(bad[rows_of], float("nan"), log_p) * weight_of
-        sums = log_p.view(g1 - g0, 2, t).sum(-1)
+        sums = (log_p * weight_of).view(g1 - g0, 2, t).sum(-1)
         part, d_chosen, d_rejected = family.dpo_loss_and_grad(
             sums[:, 0] - ref_log_probs[g0:g1].float(),
             sums[:, 1] - ref_log_probs[pairs + g0:pairs + g1].float(), lengths[g0:g1],
@@ -147,10 +148,8 @@ def dpo_forward(
         d_sum = torch.stack((d_chosen, d_rejected), dim=1)[:, :, None] / pairs
         return part / pairs, (d_sum * weight_of.view(g1 - g0, 2, t)).view(g1 - g0, 2 * t)
 
-    loss, *grads = chunked_log_probs.fused_loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0, softcap, groups,
-        group_loss, Needs(need_input, need_weight, need_bias))
-    return _outputs(a, loss, grads)
+    return _fused(a, b, bias, target, ignore_index, (1.0, softcap), groups, group_loss,
+                  Needs(need_input, need_weight, need_bias))
 
 
 dpo_op = torch.library.custom_op("fusedloss::dpo_loss_fused", dpo_forward, mutates_args=())
@@ -186,7 +185,6 @@ def cpo_forward(
     whole pairs."""
     a, b = row_major(input), row_major(weight)
     t, pairs = seq_len, lengths.shape[0] // 2
-    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
     groups = _pair_groups(pairs, t, a.device)
     counted = (target != ignore_index).float()
     average = loss_type in ("ipo", "simpo", "orpo")
@@ -196,8 +194,7 @@ def cpo_forward(
     def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
         rows_of = groups[g0:g1]
         weight_of = counted[rows_of].view(g1 - g0, 2, t)
-        log_p = (torch.where(bad[rows_of], float("nan"), log_p).view(g1 - g0, 2, t)
-                 * weight_of)
+        log_p = log_p.view(g1 - g0, 2, t) * weight_of
         per_seq = log_p.sum(-1)  # (k, 2)
         norm = torch.stack((lengths[g0:g1], lengths[pairs + g0:pairs + g1]), dim=1)
         if average:
@@ -222,10 +219,8 @@ def cpo_forward(
             grad[:, 0] -= nll_weight * weight_of[:, 0] / chosen_count
         return part, grad.view(g1 - g0, 2 * t)
 
-    loss, *grads = chunked_log_probs.fused_loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0, softcap, groups,
-        group_loss, Needs(need_input, need_weight, need_bias))
-    return _outputs(a, loss, grads)
+    return _fused(a, b, bias, target, ignore_index, (1.0, softcap), groups, group_loss,
+                  Needs(need_input, need_weight, need_bias))
 
 
 cpo_op = torch.library.custom_op("fusedloss::cpo_loss_fused", cpo_forward, mutates_args=())
@@ -260,22 +255,18 @@ def kto_forward(
     upstream gradient of 1, chunks of whole sequences."""
     a, b = row_major(input), row_major(weight)
     t, n_seq = seq_len, ref_log_probs.shape[0]
-    row_target, bad = _row_targets(target, ignore_index, b.shape[0])
     groups = torch.arange(n_seq * t, device=a.device).view(n_seq, t)
     counted = (target != ignore_index).float().view(n_seq, t)
 
     def group_loss(g0: int, g1: int, log_p: Tensor) -> tuple[Tensor, Tensor]:
         weight_of = counted[g0:g1]
-        log_p = torch.where(bad[g0 * t:g1 * t].view(g1 - g0, t), float("nan"), log_p)
         ratio = (log_p * weight_of).sum(-1) - ref_log_probs[g0:g1].float()
         part, d_ratio = family.kto_loss_and_grad(
             ratio, desirable[g0:g1], kl, beta, desirable_weight, undesirable_weight, loss_type)
         return part / n_seq, d_ratio[:, None] * weight_of / n_seq
 
-    loss, *grads = chunked_log_probs.fused_loss_and_grads(
-        a, b, None if bias is None else bias.to(a.dtype), row_target, 1.0, softcap, groups,
-        group_loss, Needs(need_input, need_weight, need_bias))
-    return _outputs(a, loss, grads)
+    return _fused(a, b, bias, target, ignore_index, (1.0, softcap), groups, group_loss,
+                  Needs(need_input, need_weight, need_bias))
 
 
 kto_op = torch.library.custom_op("fusedloss::kto_loss_fused", kto_forward, mutates_args=())
