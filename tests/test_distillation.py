@@ -114,6 +114,7 @@ def test_bf16_within_the_bar(kind, backend, tune):
 @pytest.mark.parametrize("beta", [0.0, 0.25, 0.5, 1.0])
 def test_jsd_equals_trls_gkd_loss(beta):
     pytest.importorskip("trl")
+    pytest.importorskip("datasets")  # TRL's trainers import it
     from trl.experimental.gkd import GKDTrainer
 
     inputs = _inputs(5, bias=True)

@@ -21,6 +21,7 @@ import fusedloss
 from fusedloss import post_training
 
 trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")  # TRL's trainers import it
 
 B, T, D, V = 4, 6, 16, 50
 

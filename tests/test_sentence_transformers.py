@@ -196,7 +196,7 @@ def test_fused_loss_refuses_what_it_does_not_support(make, match, model_dir):
 def test_trainer_steps_equal_sentence_transformers(model_dir, tmp_path):
     """Two steps of ``SentenceTransformerTrainer`` (same seed, dropout on) with
     sentence-transformers' loss and with the fused one log the same losses."""
-    from datasets import Dataset
+    Dataset = pytest.importorskip("datasets").Dataset
     from sentence_transformers import (
         SentenceTransformerTrainer,
         SentenceTransformerTrainingArguments,

@@ -27,7 +27,7 @@ METHODS = ("st-plain", "fused-plain", "st-cached", "fused-cached")
 BATCHES, QUICK_BATCHES = (1024, 8192, 65536), (16, 32)
 
 
-def make_model(layers: int, width: int, device, seed: int):
+def make_model(layers: int, width: int, device, seed: int, attention: str = "sdpa"):
     """A SentenceTransformer (BERT of ``layers`` × ``width``, mean pooling, normalize) from a
     config, its tokenizer a made-up vocabulary saved to a temporary directory."""
     from sentence_transformers import SentenceTransformer
@@ -43,7 +43,8 @@ def make_model(layers: int, width: int, device, seed: int):
     BertModel(BertConfig(vocab_size=len(words), hidden_size=width, num_hidden_layers=layers,
                          num_attention_heads=max(1, width // 64),
                          intermediate_size=4 * width)).save_pretrained(path)
-    return SentenceTransformer(modules=[Transformer(path), Pooling(width, "mean"), Normalize()],
+    encoder = Transformer(path, model_kwargs=dict(attn_implementation=attention))
+    return SentenceTransformer(modules=[encoder, Pooling(width, "mean"), Normalize()],
                                device=str(device))
 
 
@@ -72,7 +73,7 @@ def batch_features(batch: int, tokens: int, device, step: int) -> list[dict[str,
 
 def run_steps(method: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up plus ``args.steps`` steps: their losses, median ms and peak MiB."""
-    model = make_model(args.layers, args.width, args.device, args.seed)
+    model = make_model(args.layers, args.width, args.device, args.seed, args.attention)
     model.train()
     loss_fn = make_loss(method, model, args.mini_batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     lines = [f"# sentence-transformers training steps: {env['device_name']}, {env['date']}", "",
              f"torch {env['torch']}, triton {env['triton']}, fusedloss "
              f"{env['fusedloss_version']} ({env['fusedloss_revision']}). BERT {args.layers} × "
-             f"{args.width} from a config, {args.tokens} tokens per text, (anchor, positive) "
+             f"{args.width} from a config ({args.attention} attention), {args.tokens} tokens per "
+             "text, (anchor, positive) "
              f"pairs, scale 20, cached mini-batches of {args.mini_batch}; median of {args.steps}"
              " steps (forward, backward, AdamW) after one warm-up step. See "
              "benchmarks/README.md.", "", tables]
@@ -167,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
                           markdown="\n".join(lines), payload=dict(
                               environment=env, rows=rows, largest=largest,
                               settings=dict(layers=args.layers, width=args.width,
+                                            attention=args.attention,
                                             tokens=args.tokens, mini_batch=args.mini_batch)),
                           tables=tables)
     return 0
@@ -179,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=list(BATCHES), help="global batches (default 1024,8192,65536)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="the encoder's attention (sdpa's kernels refuse batches > 65535)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per text (default 32)")
     parser.add_argument("--mini-batch", type=int, default=512,
                         help="the cached losses' mini_batch_size (default 512)")
