@@ -898,7 +898,8 @@ def test_reductions(loss, backend):
 
 
 def _spy_backends(monkeypatch) -> list[str]:
-    """Records the backend every engine call runs on ("materialized" for its own path)."""
+    """Records the backend every engine call runs on ("materialized" for its own path; SigLIP's
+    chunked Triton path, which forms its gradients in the forward, counts as both calls)."""
     seen = []
     for name in ("row_stats", "grads"):
         original = getattr(engine, name)
@@ -916,6 +917,15 @@ def _spy_backends(monkeypatch) -> list[str]:
             return _original(*args)
 
         monkeypatch.setattr(materialized, name, spy_materialized)
+    from fusedloss.core import chunked_contrastive
+
+    original_chunked = chunked_contrastive.siglip_loss_and_grads
+
+    def spy_chunked(*args):  # SigLIP's Triton path: forward and backward in one call
+        seen.extend(["triton", "triton"])
+        return original_chunked(*args)
+
+    monkeypatch.setattr(chunked_contrastive, "siglip_loss_and_grads", spy_chunked)
     return seen
 
 

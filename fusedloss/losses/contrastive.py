@@ -309,7 +309,10 @@ def siglip_loss(
             its gradient; not read on the host: a value ≤ 0, ±inf or NaN gives a NaN loss and
             NaN gradients).
         logit_bias: a finite float or a one-element tensor (gets its gradient).
-        backend: as in :func:`clip_loss`. Every tile is computed (no filtering).
+        backend: as in :func:`clip_loss`. Every logit is computed (no filtering); "triton"
+            forms the logits a chunk of rows at a time with cuBLAS (fp32 output) and the loss
+            and every gradient in one pass over each row, three products in all
+            (``fusedloss/core/chunked_contrastive.py``).
 
     Returns:
         The fp32 scalar loss.
@@ -319,6 +322,12 @@ def siglip_loss(
     device = image_features.device
     scale = as_scalar(logit_scale, "logit_scale", device, positive=True)
     bias = as_scalar(logit_bias, "logit_bias", device)
+    leaves = (image_features, text_features, scale, bias)
+    if resolve_backend(backend, image_features, text_features) == "triton":
+        # three products per chunk of rows, the gradients formed in the forward (the loss
+        # alone without gradients: the same numbers either way)
+        grad = torch.is_grad_enabled()
+        return ops.siglip_chunked(*leaves, True, *(grad and t.requires_grad for t in leaves))
     return _run("siglip", image_features, text_features, scale, bias, None, None, backend,
                 "mean")
 

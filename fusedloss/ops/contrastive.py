@@ -10,7 +10,7 @@ directions come from one pass: each tile feeds the row and the column statistics
 import torch
 from torch import Tensor
 
-from ..core import config, engine, materialized
+from ..core import chunked_contrastive, config, engine, materialized
 from ..core.engine import Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -365,3 +365,78 @@ materialized_forward_op.register_autograd(_materialized_autograd_backward,
 _MaterializedFunction = eager_function("_MaterializedFunction", materialized_forward,
                                        _materialized_setup, _materialized_autograd_backward,
                                        _materialized_grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# SigLIP's training path (``core.chunked_contrastive``): the reduced loss with its gradients
+# formed in the forward, three products; the backward scales them by the upstream gradient.
+
+
+def siglip_chunked(*args) -> Tensor:
+    """SigLIP's reduced loss (() fp32) of ``siglip_chunked_forward``'s arguments, with its
+    autograd."""
+    return run_op(siglip_chunked_op, _EagerSiglipChunked, *args)[0]
+
+
+@without_autocast
+def siglip_chunked_forward(
+    a: Tensor,  # (N, D)
+    b: Tensor,  # (M, D)
+    scale: Tensor,  # () fp32
+    bias: Tensor,  # () fp32
+    mean: bool,  # reduction "mean" (÷ N), else "sum"
+    need_a: bool,
+    need_b: bool,
+    need_scale: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dA, dB fp32, d scale, d bias) for an upstream gradient of 1, each gradient an
+    empty tensor when not asked for."""
+    a = row_major(a)
+    loss, *grads = chunked_contrastive.siglip_loss_and_grads(
+        a, row_major(b), scale.float(), bias.float(), 1.0 / a.shape[0] if mean else 1.0,
+        engine.Needs(need_a, need_b, need_bias, need_scale))
+    grad_a, grad_b, grad_bias, grad_scale = grads
+    return (loss, *(nothing(a, (0,)) if g is None else g
+                    for g in (grad_a, grad_b, grad_scale, grad_bias)))
+
+
+siglip_chunked_op = torch.library.custom_op("fusedloss::siglip_chunked", siglip_chunked_forward,
+                                            mutates_args=())
+
+
+@siglip_chunked_op.register_fake
+def _(a, b, scale, bias, mean, need_a, need_b, need_scale, need_bias):
+    f32 = torch.float32
+    return (a.new_empty((), dtype=f32),
+            torch.empty_like(a) if need_a else nothing(a, (0,)),
+            b.new_empty(b.shape, dtype=f32) if need_b else nothing(a, (0,)),
+            a.new_empty((), dtype=f32) if need_scale else nothing(a, (0,)),
+            a.new_empty((), dtype=f32) if need_bias else nothing(a, (0,)))
+
+
+def _siglip_chunked_setup(ctx, inputs, output):
+    a, b, scale, bias = inputs[:4]
+    _, *grads = output
+    ctx.mark_non_differentiable(*grads)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*grads)
+    ctx.dtypes = (a.dtype, b.dtype, scale.dtype, bias.dtype)
+
+
+def _siglip_chunked_backward(ctx, grad_loss, *_, backward_fn=None):
+    from .cross_entropy import _scaled
+
+    needs = ctx.needs_input_grad[:4]
+    grads = [None] * 4
+    if grad_loss is not None:
+        grads = [_scaled(g, grad_loss, dtype) if need else None
+                 for g, need, dtype in zip(ctx.saved_tensors, needs, ctx.dtypes, strict=True)]
+    return (*grads, *[None] * 5)
+
+
+siglip_chunked_op.register_autograd(_siglip_chunked_backward,
+                                    setup_context=_siglip_chunked_setup)
+
+_EagerSiglipChunked = eager_function("_EagerSiglipChunked", siglip_chunked_forward,
+                                     _siglip_chunked_setup, _siglip_chunked_backward, None)

@@ -1,0 +1,109 @@
+"""SigLIP's training path on the GPU: the loss and every gradient from three cuBLAS products
+per chunk of rows and one Triton pass over each row between them.
+
+SigLIP's gradient needs no statistic of a whole row or column (``families.contrastive``:
+dX_ij = −g·z_ij·σ(−z_ij·X_ij)), so a reduced loss's gradient is known as soon as a chunk's
+logits are, and the forward forms it. Per chunk of R rows (``chunk_rows``):
+
+    Z = A_c Bᵀ                 cuBLAS, fp32 output (the logits are never rounded below fp32,
+                               as in the tiled kernels)
+    G, row sums                one Triton program per row (``_siglip_rows_kernel``): X = s·Z + β,
+                               the row's Σ_j softplus(−z·X), G = s·dX in the input dtype, and the
+                               row's Σ_j dX·Z and Σ_j dX (the scale's and the bias's gradients)
+    dA_c = G B                 cuBLAS into dA (input dtype)
+    dB += Gᵀ A_c               cuBLAS into an fp32 (M, D) accumulator
+
+three products in all, against the four of a forward and a backward that recomputes. Extra
+memory: the chunk's fp32 logits and its G (6·R·M bytes for 2-byte inputs, at most
+``Tuning.lm_head_chunk_bytes`` together), the fp32 dB (4·M·D) and a few fp32 numbers per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import config
+from .chunked_logits import ROW_BLOCK, ROW_WARPS
+from .engine import Needs, addmm_f32_, mm_f32
+from .logits import log1p_exp_neg, sigmoid
+
+
+def siglip_loss_and_grads(
+    a: torch.Tensor,  # (N, D) row-major image features
+    b: torch.Tensor,  # (M, D) row-major text features
+    scale: torch.Tensor,  # () fp32: s
+    bias: torch.Tensor | None,  # () fp32: β
+    coef: float,  # each row's upstream gradient: 1 / N for "mean", 1 for "sum"
+    needs: Needs,  # a, b, bias, scale
+) -> tuple[torch.Tensor, ...]:
+    """(coef · Σ_i Σ_j softplus(−z_ij X_ij) (), dA (N, D) in a's dtype, dB (M, D) fp32, d bias
+    (), d scale ()) with z = +1 where j = i and −1 elsewhere, the gradients for an upstream
+    gradient of 1; each None where not in ``needs``. Nothing is read back to the host."""
+    n, m = a.shape[0], b.shape[0]
+    f32 = dict(dtype=torch.float32, device=a.device)
+    grad_a = torch.empty_like(a) if needs.a else None
+    grad_b = torch.zeros((m, a.shape[1]), **f32) if needs.b else None
+    per_row = torch.zeros((3, max(n, 1)), **f32)  # loss, Σ dX·Z, Σ dX per row
+    chunk = max(1, min(n, config.lm_head_chunk_rows(n, m, 4 + a.element_size())))
+    z = torch.empty((chunk, m), **f32)
+    g = torch.empty((chunk, m), dtype=a.dtype, device=a.device)
+    bias_t = bias if bias is not None else torch.zeros((), **f32)
+    block = 16 if config.interpreting() else ROW_BLOCK
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        z_c, g_c = z[: r1 - r0], g[: r1 - r0]
+        mm_f32(a[r0:r1], b.T, out=z_c)
+        _siglip_rows_kernel[(r1 - r0,)](
+            z_c, g_c, z_c.stride(0), g_c.stride(0), per_row[:, r0:], per_row.stride(0),
+            scale.reshape(1), bias_t.reshape(1), m, r0, float(coef),
+            PRECISE=config.precise_math(a.dtype), BLOCK=block,
+            num_warps=ROW_WARPS if block >= 2048 else 1)
+        if grad_a is not None:
+            torch.mm(g_c, b, out=grad_a[r0:r1])
+        if grad_b is not None:
+            addmm_f32_(grad_b, g_c.T, a[r0:r1])
+    loss = per_row[0, :n].sum() * coef
+    grad_scale = per_row[1, :n].sum() if needs.scale else None
+    grad_bias = per_row[2, :n].sum() if needs.bias and bias is not None else None
+    return loss, grad_a, grad_b, grad_bias, grad_scale
+
+
+@triton.jit
+def _siglip_rows_kernel(
+    z_ptr, g_ptr, stride_z, stride_g,  # (R, M) fp32 logits A_c Bᵀ; G out (input dtype)
+    rows_ptr, stride_rows,  # (3, ≥ R) fp32 out: loss, Σ_j dX·Z, Σ_j dX per row
+    scale_ptr, bias_ptr,  # (1,) fp32 each
+    M, row0, coef,
+    PRECISE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One row i (global row0 + program): X = s·Z + β, z = +1 at column i; the row's
+    Σ softplus(−z·X), dX = −coef·z·σ(−z·X), G = s·dX, Σ dX·Z and Σ dX."""
+    row = tl.program_id(0)
+    i = row0 + row
+    z_base = z_ptr + row.to(tl.int64) * stride_z
+    g_base = g_ptr + row.to(tl.int64) * stride_g
+    s = tl.load(scale_ptr)
+    beta = tl.load(bias_ptr)
+    offs = tl.arange(0, BLOCK)
+    loss = tl.zeros([BLOCK], tl.float32)
+    d_scale = tl.zeros([BLOCK], tl.float32)
+    d_bias = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, M, BLOCK):
+        cols = c0 + offs
+        inside = cols < M
+        zz = tl.load(z_base + cols, mask=inside, other=0.0)
+        sign = tl.where(cols == i, 1.0, -1.0)
+        y = sign * (s * zz + beta)  # z·X
+        # softplus(−y) = max(−y, 0) + log(1 + e^(−|y|)); σ(−y)
+        lost = tl.maximum(-y, 0.0) + log1p_exp_neg(tl.abs(y), PRECISE)
+        dx = -coef * sign * sigmoid(-y, PRECISE)
+        loss += tl.where(inside, lost, 0.0)
+        d_scale += tl.where(inside, dx * zz, 0.0)
+        d_bias += tl.where(inside, dx, 0.0)
+        tl.store(g_base + cols, (s * dx).to(g_base.dtype.element_ty), mask=inside)
+    tl.store(rows_ptr + row, tl.sum(loss, axis=0))
+    tl.store(rows_ptr + stride_rows + row, tl.sum(d_scale, axis=0))
+    tl.store(rows_ptr + 2 * stride_rows + row, tl.sum(d_bias, axis=0))
+
