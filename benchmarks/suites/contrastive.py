@@ -48,6 +48,7 @@ _OURS, _BOTH = (FUSEDLOSS, FUSEDLOSS_COMPILE), ("random", "trained")
 SHAPES = {  # name: (loss, rows b or 2B for NT-Xent, width c, default regimes, its providers)
     "clip-16k": (CLIP, 16_384, 512, _BOTH, PROVIDER_KEYS),
     "siglip-16k": (SIGLIP, 16_384, 512, ("random",), (*_OURS, TORCH)),
+    "siglip-64k": (SIGLIP, 65_536, 512, ("random",), _OURS),
     "nt-xent-64k": (NT_XENT, 65_536, 256, _BOTH, (*_OURS, TORCH)),
     "clip-64k": (CLIP, 65_536, 512, _BOTH, PROVIDER_KEYS),
     "clip-128k": (CLIP, 131_072, 768, _BOTH, PROVIDER_KEYS),
