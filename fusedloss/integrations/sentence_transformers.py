@@ -116,6 +116,10 @@ def multiple_negatives_ranking_loss(
         own = torch.arange(b, device=queries.device)
         key_ids, query_ids = rank * keys.shape[0] + own, rank * b + own
         info_nce = ring.info_nce_loss
+    single = tuple(directions) == ("query_to_doc",) and not hardness
+    if single and info_nce is contrastive.info_nce_loss:
+        # one reduced call: fp32 features take the LM head's training path there
+        return info_nce(queries, keys, **{**common, "reduction": "mean"})
     # each direction's l_k − s·S(q_i, d_i), per query
     margins = []
     for direction in directions:

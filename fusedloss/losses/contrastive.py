@@ -32,6 +32,7 @@ import torch
 from ..core import config, engine
 from ..core.filtering import resolve_filter_eps
 from ..ops import contrastive as ops
+from ..ops import cross_entropy as lm_head_ops
 from ..ops._common import autocast_operands
 
 Reduction = Literal["none", "mean", "sum"]
@@ -82,9 +83,27 @@ def _run(kind, a, b, scale, bias, labels, filter_eps, backend, reduction) -> tor
         target = (target + n // 2) % n if kind == "nt_xent" else target
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, scale, bias))
+    if (kind == "info_nce" and backend == "triton" and a.dtype == torch.float32
+            and reduction != "none" and eps is None):
+        return _info_nce_fp32_reduced(a, b, scale, target, reduction)
     loss, *_ = ops.contrastive(a, b, scale, bias, target, kind, eps, backend, wants_grad,
                                labels is not None)
     return _reduce(loss, reduction)
+
+
+def _info_nce_fp32_reduced(a, b, scale, target, reduction) -> torch.Tensor:
+    """A reduced fp32 InfoNCE: the LM head's training path
+    (``ops.linear_cross_entropy_chunked``; with gradients or without, so that both give the
+    same value) on the scaled queries, the keys as its head. On its cuBLAS fp32 products the
+    loss takes a third of the tiled kernels' time (docs/contrastive.md, "fp32 inputs"); the logits
+    are fp32 either way, so the accuracy is PyTorch's fp32 loss's. ``scale``'s gradient flows
+    through the product ``a · scale``."""
+    scaled = a * scale
+    n, m = a.shape[0], b.shape[0]
+    return lm_head_ops.linear_cross_entropy_chunked(
+        scaled, b, target, None, None, -100, 0.0, None, 0.0, reduction == "mean",
+        scaled.requires_grad, b.requires_grad, False,
+        config.lm_head_deferred(n, m, a.element_size()))
 
 
 def off_diagonal_margins(query: torch.Tensor,  # (N, D)
