@@ -1182,6 +1182,33 @@ def test_siglip_logit_bias(backend):
     assert torch.equal(run_ours(replace(case, learn=False), problem, backend).loss, ours.loss)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, reduction):
+    """A reduced fp32 InfoNCE on the Triton backend runs on the LM head's training path, with
+    the reference's loss and gradients (the temperature's too; labels, N ≠ M); per-row losses
+    and bf16 features keep the tiled kernels."""
+    if not can_run_triton():
+        pytest.skip("needs the Triton kernels")
+    from fusedloss.core import chunked_logits
+
+    calls = []
+    original = chunked_logits.loss_and_grads
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_logits, "loss_and_grads", spy)
+    case = replace(BASE["info_nce"], dtype=torch.float32, reduction=reduction)
+    check_case(case, "triton")
+    assert calls and set(calls) == {torch.float32}
+    calls.clear()
+    run_ours(replace(case, reduction="none"), make_problem(case), "triton")
+    bf16 = replace(case, dtype=torch.bfloat16)
+    run_ours(bf16, make_problem(bf16), "triton")
+    assert calls == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_siglip_in_chunks_of_rows(dtype, tune):
     """SigLIP's Triton training path in chunks of 128 rows (the last one short, D not a multiple
