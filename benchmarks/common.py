@@ -513,7 +513,7 @@ def environment_rows(
         ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
         ("fusedloss version (git revision)", f"{env.get('fusedloss_version') or 'unknown'} "
          f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}"),
-        ("peers", peers),
+        *([("peers", peers)] if peers else []),
         *([("fusedloss tuning", ", ".join(f"{k}={v}" for k, v in settings.items()))]
           if (settings := env.get("fusedloss_environment")) else []),
         ("date", env["timestamp"]),
@@ -618,18 +618,12 @@ def results_stem(suite_slug: str, date: str, device_slug: str, tag: str | None =
 def write_results(
     out_dir: Path | str, stem: str, markdown: str, data: dict[str, Any]
 ) -> tuple[Path, Path]:
-    md_path = Path(out_dir) / f"{stem}.md"
-    json_path = write_json(out_dir, stem, data)
-    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
-    return md_path, json_path
-
-
-def write_json(out_dir: Path | str, stem: str, data: dict[str, Any]) -> Path:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    json_path = Path(out_dir) / f"{stem}.json"
+    md_path, json_path = Path(out_dir) / f"{stem}.md", Path(out_dir) / f"{stem}.json"
     json_path.write_text(json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n",
                          encoding="utf-8")
-    return json_path
+    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    return md_path, json_path
 
 
 def report_results(out_dir: Path | str, suite_slug: str, tag: str | None,
@@ -649,6 +643,22 @@ def report_results(out_dir: Path | str, suite_slug: str, tag: str | None,
     sys.stdout.flush()
 
 
+def write_report(out_dir: Path | str, suite_slug: str, tag: str | None,
+                 environment: Mapping[str, Any], title: str, settings: Sequence[tuple[str, Any]],
+                 body: Sequence[str], payload: dict[str, Any], tables: str, *,
+                 calls: Mapping[str, str] | None = None, notes: Sequence[str] = (),
+                 world: int | None = None, log: Callable[[str], None] = print) -> None:
+    """Every suite's report: "# title: device, date", the settings table, ``body`` (markdown
+    lines), the calls and notes; then :func:`report_results` writes it with ``payload``."""
+    where = f"{world} × " if world is not None else ""
+    lines = [f"# {title}{' over ' if world is not None else ': '}{where}"
+             f"{environment['device_name']}, {environment['date']}", "",
+             markdown_table(["setting", "value"], settings), "", *body,
+             *closing_sections(calls or {}, notes)]
+    report_results(out_dir, suite_slug, tag, environment, notes, markdown="\n".join(lines),
+                   payload=payload, tables=tables, world=world, log=log)
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -666,35 +676,29 @@ def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-# The options every suite takes, in three groups a suite puts its own options between.
-
-
-def add_dtype_seed_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def add_quick_device_timing_arguments(parser: argparse.ArgumentParser, quick_help: str) -> None:
-    default = TimingSettings()
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--device", default=None,
-                        help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--warmup-ms", type=float, default=None,
-                        help=f"do_bench warmup in ms (default {default.warmup_ms:g}; "
-                        f"{QUICK_TIMING.warmup_ms:g} with --quick)")
-    parser.add_argument("--rep-ms", type=float, default=None,
-                        help=f"do_bench rep in ms (default {default.rep_ms:g}; "
-                        f"{QUICK_TIMING.rep_ms:g} with --quick)")
-
-
-def add_matmul_output_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--matmul-size", type=int, default=None,
-                        help=f"size of the matmul-rate probe (default {MATMUL_SIZE}; "
-                        f"{QUICK_MATMUL_SIZE} with --quick)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
-                        help="directory for the .md and .json results (default benchmarks/results)")
-    parser.add_argument("--tag", default=None,
-                        help="suffix for the results file names (e.g. a subset's name)")
+def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dtype: bool = True,
+                         seed: bool = True, timing: bool = True, matmul: bool = True) -> None:
+    """The options every suite takes: ``--dtype``, ``--seed`` (each where asked), ``--quick``,
+    ``--device``, ``--warmup-ms`` and ``--rep-ms`` (with ``timing``), ``--matmul-size`` (with
+    ``matmul``), ``--out``, ``--tag``."""
+    add, default = parser.add_argument, TimingSettings()
+    if dtype:
+        add("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    if seed:
+        add("--seed", type=int, default=0)
+    add("--quick", action="store_true", help=quick_help)
+    add("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    if timing:
+        add("--warmup-ms", type=float, default=None, help=f"do_bench warmup in ms (default "
+            f"{default.warmup_ms:g}; {QUICK_TIMING.warmup_ms:g} with --quick)")
+        add("--rep-ms", type=float, default=None, help=f"do_bench rep in ms (default "
+            f"{default.rep_ms:g}; {QUICK_TIMING.rep_ms:g} with --quick)")
+    if matmul:
+        add("--matmul-size", type=int, default=None, help="size of the matmul-rate probe "
+            f"(default {MATMUL_SIZE}; {QUICK_MATMUL_SIZE} with --quick)")
+    add("--out", type=Path, default=RESULTS_DIR,
+        help="directory for the .md and .json results (default benchmarks/results)")
+    add("--tag", default=None, help="suffix for the results file names (e.g. a subset's name)")
 
 
 QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"

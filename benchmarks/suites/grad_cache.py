@@ -254,10 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
     parser.add_argument("--max-step-s", type=float, default=60.0,
                         help="stop a method's sweep after a step this long (default 60 s)")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)")
-    parser.add_argument("--out", default=common.RESULTS_DIR, help="results directory")
-    parser.add_argument("--tag", default=None, help="suffix for the results file names")
+    common.add_common_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)",
+                                matmul=False)
 
 
 SUITE = Suite("grad-cache", "CLIP training step over K processes (torchrun): Gradient Cache + "

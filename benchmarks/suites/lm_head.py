@@ -493,10 +493,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma list of {', '.join(keys)} (default: all)")
     add("--n", type=token_counts, help="comma list of token counts N, e.g. 4096,16384 "
         f"(default {DEFAULT_N}; {inputs.QUICK_N} with --quick)")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(
-        parser, "tiny shapes and short timing: a smoke test that also runs on CPU")
-    common.add_matmul_output_arguments(parser)
+    common.add_common_arguments(parser, "tiny shapes and short timing: a smoke test that also "
+                                "runs on CPU")
     add("--plot", nargs="+", type=Path, metavar="RESULTS.json", help="draw ms against N from "
         "these results files into --out (.svg, .png, .pdf; default docs/lm_head_speed.svg) "
         "instead of running")

@@ -152,26 +152,21 @@ def run(args: argparse.Namespace) -> int:
                ("max |loss − ST's|", lambda r: common.format_error(r.get("loss_gap"))),
                ("status", lambda r: r.get("error", "ok"))]
     tables = common.table(columns, rows)
-    lines = [f"# sentence-transformers training steps: {env['device_name']}, {env['date']}", "",
-             f"torch {env['torch']}, triton {env['triton']}, fusedloss "
-             f"{env['fusedloss_version']} ({env['fusedloss_revision']}). BERT {args.layers} × "
-             f"{args.width} from a config ({args.attention} attention), {args.tokens} tokens per "
-             "text, (anchor, positive) "
-             f"pairs, scale 20, cached mini-batches of {args.mini_batch}; median of {args.steps}"
-             " steps (forward, backward, AdamW) after one warm-up step. See "
-             "benchmarks/README.md.", "", tables]
+    lines = [f"BERT {args.layers} × {args.width} from a config ({args.attention} attention), "
+             f"{args.tokens} tokens per text, (anchor, positive) pairs, scale 20, cached "
+             f"mini-batches of {args.mini_batch}; median of {args.steps} steps (forward, "
+             "backward, AdamW) after one warm-up step. See benchmarks/README.md.", "", tables]
     if largest:
         lines += ["", "Largest batch one plain step completes (doubling from "
                   f"{args.batches[0]}, up to {args.largest_cap}): " + ", ".join(
                       f"{m} {b}" for m, b in largest.items())]
-    notes = [common.QUICK_NOTE] if args.quick else []
-    common.report_results(args.out, "retrieval", args.tag, env, notes,
-                          markdown="\n".join(lines), payload=dict(
-                              environment=env, rows=rows, largest=largest,
-                              settings=dict(layers=args.layers, width=args.width,
-                                            attention=args.attention,
-                                            tokens=args.tokens, mini_batch=args.mini_batch)),
-                          tables=tables)
+    settings = dict(layers=args.layers, width=args.width, attention=args.attention,
+                    tokens=args.tokens, mini_batch=args.mini_batch)
+    common.write_report(args.out, "retrieval", args.tag, env,
+                        "sentence-transformers training steps", common.environment_rows(env, {}),
+                        [*lines, ""], dict(environment=env, rows=rows, largest=largest,
+                                           settings=settings), tables,
+                        notes=[common.QUICK_NOTE] if args.quick else [])
     return 0
 
 
@@ -193,10 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--largest-cap", type=int, default=1 << 20)
     parser.add_argument("--plot", action="store_true",
                         help="also <results>_losses.png: each method's loss per step")
-    parser.add_argument("--seed", type=int, default=0)
-    common.add_quick_device_timing_arguments(parser, "a tiny encoder and batches 16, 32")
-    parser.add_argument("--out", default=str(common.RESULTS_DIR))
-    parser.add_argument("--tag", default=None)
+    common.add_common_arguments(parser, "a tiny encoder and batches 16, 32", dtype=False,
+                                matmul=False)
 
 
 SUITE = Suite("retrieval", "sentence-transformers' in-batch-negatives losses against fusedloss's "

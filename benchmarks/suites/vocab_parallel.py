@@ -205,9 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)), default=list(DEFAULT_SHAPES),
         help=f"comma list of {', '.join(LM_HEAD_SHAPES)} (default {','.join(DEFAULT_SHAPES)})")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(parser, "V/128, D/32, N = 128: a smoke test (gloo)")
-    common.add_matmul_output_arguments(parser)
+    common.add_common_arguments(parser, "V/128, D/32, N = 128: a smoke test (gloo)")
 
 
 SUITE = Suite("vocab-parallel", "the vocabulary-parallel LM head over K processes (torchrun): "
