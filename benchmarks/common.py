@@ -125,22 +125,18 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def capture_graph(warm_up: Callable[[], Any], captured: Callable[[], Any],
-                  device: torch.device, calls: int,
-                  before_capture: Callable[[], None] | None = None) -> tuple[Any, Any]:
-    """(graph, static outputs): ``captured`` recorded in a CUDA graph after ``calls`` calls of
-    ``warm_up`` on a side stream (compilation, autotuning, first allocations outside it)."""
+def capture_graph(step: Callable[[], Any], device: torch.device, calls: int) -> tuple[Any, Any]:
+    """(graph, static outputs): ``step`` recorded in a CUDA graph after ``calls`` calls of it on
+    a side stream (compilation, autotuning, first allocations outside it)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(calls):
-            warm_up()
+            step()
     torch.cuda.current_stream(device).wait_stream(side)
-    if before_capture is not None:
-        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outputs = captured()
+        outputs = step()
     return graph, outputs
 
 
@@ -551,11 +547,6 @@ def fastest_cell(results: Iterable[Any]) -> str:
     return f"{format_ms(best.ms)} ({best.label})" if best else "—"
 
 
-def loss_cells(result: Any) -> list[str]:
-    """The "loss" and "|loss − ref|" cells of a result's row in "All figures"."""
-    return ["—" if result.loss is None else f"{result.loss:.5f}", format_error(result.loss_error)]
-
-
 def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:
     """The report's last sections: the exact calls measured, then the notes."""
     lines: list[str] = []
@@ -674,6 +665,15 @@ def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
         return values
 
     return parse
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: a comma list of positive integers, ``4096, 16_384`` → [4096, 16384]
+    (repeats dropped)."""
+    values = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers (4096,16384), got {text!r}")
+    return values
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dtype: bool = True,

@@ -57,6 +57,8 @@ VIT_TINY = SimpleNamespace(image_size=32, patch_size=8, width=32, layers=2, head
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP (open_clip's layout); grad-cache's towers use it too."""
+
     def __init__(self, width: int, heads: int, mlp_width: int) -> None:
         super().__init__()
         self.heads = heads
@@ -169,7 +171,7 @@ def graphed_ms(step: Callable[[], None], device: torch.device,
     """Median replay time of ``step`` captured in a CUDA graph; None without CUDA."""
     if not common.uses_cuda(device):
         return None
-    graph, _ = common.capture_graph(step, step, device, 3)  # after 3 steps on a side stream
+    graph, _ = common.capture_graph(step, device, 3)  # after 3 steps on a side stream
     return common.median_ms(graph.replay, device, timing)
 
 
@@ -382,11 +384,10 @@ def write_report(report: dict, s: SimpleNamespace, args: argparse.Namespace, log
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    ints = lambda text: [int(value) for value in text.split(",")]  # a comma list
     add("--parts", type=common.comma_list(PARTS), default=list(PARTS),
         help="comma list of linear, optimizer, e2e (default: all)")
-    add("--widths", type=ints, help="linear: widths d (default 768,1024,1280,1664)")
-    add("--tokens", type=ints, help="linear: tokens (default 8192,16384,32768,65536)")
+    add("--widths", type=common.int_list, help="linear: widths d (default 768,1024,1280,1664)")
+    add("--tokens", type=common.int_list, help="linear: tokens (default 8192,16384,32768,65536)")
     add("--steps", type=int, help="e2e: steps per variant (default 300)")
     common.add_common_arguments(parser, "tiny shapes and tower, 3 steps: a CPU smoke test "
                                 "(do_bench warmup and rep default to 25 and 100 ms)", dtype=False)

@@ -314,8 +314,8 @@ FIGURE_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("× products", lambda row: common.format_ratio(row[1].times_products)),
     ("× floor", lambda row: common.format_ratio(row[1].times_floor)),
     ("MiB", lambda row: common.format_mib(row[1].peak_extra_mib)),
-    ("loss", lambda row: common.loss_cells(row[1])[0]),
-    ("|loss − ref|", lambda row: common.loss_cells(row[1])[1]),
+    ("loss", lambda row: "—" if row[1].loss is None else f"{row[1].loss:.5f}"),
+    ("|loss − ref|", lambda row: common.format_error(row[1].loss_error)),
     ("dE err", lambda row: common.format_error(row[1].err_hidden)),
     ("dC err", lambda row: common.format_error(row[1].err_classifier)),
     ("err ratio dE / dC", lambda row: _pair(row[1].ratio_hidden, row[1].ratio_classifier)),
@@ -471,14 +471,6 @@ def plot_speed(files: list[dict[str, Any]], out: Path) -> Path:
     return out
 
 
-def token_counts(text: str) -> list[int]:
-    """``--n``: a comma list of positive token counts, e.g. ``4096,16384``."""
-    counts = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
-    if not counts or min(counts) < 1:
-        raise ValueError(f"expected positive integers (4096,16384), got {text!r}")
-    return counts
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     keys, shapes = list(lm_head_providers()), list(inputs.LM_HEAD_SHAPES)
     add = parser.add_argument
@@ -491,7 +483,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)")
     add("--providers", type=common.comma_list(keys), default=keys,
         help=f"comma list of {', '.join(keys)} (default: all)")
-    add("--n", type=token_counts, help="comma list of token counts N, e.g. 4096,16384 "
+    add("--n", type=common.int_list, help="comma list of token counts N, e.g. 4096,16384 "
         f"(default {DEFAULT_N}; {inputs.QUICK_N} with --quick)")
     common.add_common_arguments(parser, "tiny shapes and short timing: a smoke test that also "
                                 "runs on CPU")

@@ -1,13 +1,5 @@
-"""Suite ``post-training``: the losses of post-training through an LM head, forward + backward,
-side by side with their peers in one run.
-
-Per head (N = B·T tokens, bf16): token log-probs with entropy (fusedloss against TRL's chunked
-log-prob head), GRPO (DAPO normalization, a KL to a reference, temperature 0.7), DPO (sigmoid, the
-reference model's head in the call) and JSD distillation (β = 0.5, a teacher of the same size, no
-teacher gradients) against liger-kernel's chunked losses; fusedloss's cross-entropy head and one
-cuBLAS product (N × D by D × V) as yardsticks. Each method's loss and d input are checked against
-fusedloss's fp32 computation of the same loss (fp32 operands), as a relative error.
-"""
+"""Suite ``post-training``: token log-probs, GRPO, DPO and JSD through an LM head, forward +
+backward, fusedloss against TRL's and liger-kernel's (definitions: benchmarks/README.md)."""
 
 from __future__ import annotations
 

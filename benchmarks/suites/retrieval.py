@@ -1,13 +1,5 @@
 """Suite ``retrieval``: sentence-transformers training steps with its in-batch-negatives losses
-and with fusedloss's (``fusedloss.integrations.sentence_transformers``), side by side.
-
-A small BERT encoder built from a config (no download; mean pooling, normalized), (anchor,
-positive) pairs of random token ids, ``--tokens`` per text. Per global batch and method: the
-median step time (forward, backward, AdamW step; wall clock between synchronizations), the peak
-memory and the loss of every step (same seed, dropout on: each fused loss's losses against
-sentence-transformers' same loss, plain or cached; ``--plot`` draws them). With
-``--largest``, the largest batch (doubling from the first) each plain loss completes a step at.
-"""
+and with fusedloss's, side by side (definitions: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -173,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
                         default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+    parser.add_argument("--batches", type=common.int_list,
                         default=list(BATCHES), help="global batches (default 1024,8192,65536)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=384)

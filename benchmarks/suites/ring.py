@@ -292,11 +292,6 @@ def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace
     return code
 
 
-def int_list(text: str) -> list[int]:
-    """An argparse type: ``65536,131_072`` → [65536, 131072]."""
-    return [int(value) for value in text.split(",")]
-
-
 # ============================================================================ the ring suite
 
 
@@ -429,7 +424,7 @@ def graphed_step(step: Callable[[], Any], device: torch.device) -> Callable[[], 
     """The replay of the step captured once in a CUDA graph (checked bit for bit)."""
     if not common.uses_cuda(device):
         raise Unavailable("CUDA graphs need a CUDA device")
-    graph, captured = common.capture_graph(step, step, device, GRAPH_WARMUP_CALLS)
+    graph, captured = common.capture_graph(step, device, GRAPH_WARMUP_CALLS)
     graph.replay()
     if not all(torch.equal(c, e) for c, e in zip(captured, step(), strict=True)):
         raise RuntimeError("a replay's gradients differ from an eager call's")
@@ -592,8 +587,8 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=int_list, default=None, help="comma list of global "
-                        f"batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
+    parser.add_argument("--batches", type=common.int_list, default=None, help="comma list of "
+                        f"global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
     parser.add_argument("--width", type=int, default=None, help=f"c (default {DEFAULT_WIDTH})")
     parser.add_argument("--providers", type=common.comma_list(PROVIDER_KEYS),
                         default=list(PROVIDER_KEYS), help="comma list (default: all)")

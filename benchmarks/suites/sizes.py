@@ -334,7 +334,7 @@ def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--losses", type=common.comma_list(list(LOSSES)), default=list(LOSSES),
                         help=f"comma list of {', '.join(LOSSES)} (default: all)")
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    parser.add_argument("--sizes", type=common.int_list, default=None,
                         help="rows (b, or the LM head's N); default: each loss's ladder")
     parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
                         default=list(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}"

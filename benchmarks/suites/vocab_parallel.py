@@ -1,9 +1,5 @@
-"""Suite ``vocab-parallel``: the vocabulary-parallel LM head over K processes (torchrun).
-
-Every rank builds the same (E, C, y) and keeps C's rows [⌊r·V/K⌋, ⌊(r+1)·V/K⌋): fusedloss's
-sharded head and a Megatron-style head against fusedloss's single-GPU head on rank 0, whose
-first call is the check's reference. See benchmarks/README.md.
-"""
+"""Suite ``vocab-parallel``: the vocabulary-parallel LM head over K processes (torchrun) against
+a Megatron-style head and the single-GPU head (definitions: benchmarks/README.md)."""
 
 from __future__ import annotations
 
