@@ -125,22 +125,18 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def capture_graph(warm_up: Callable[[], Any], captured: Callable[[], Any],
-                  device: torch.device, calls: int,
-                  before_capture: Callable[[], None] | None = None) -> tuple[Any, Any]:
-    """(graph, static outputs): ``captured`` recorded in a CUDA graph after ``calls`` calls of
-    ``warm_up`` on a side stream (compilation, autotuning, first allocations outside it)."""
+def capture_graph(step: Callable[[], Any], device: torch.device, calls: int) -> tuple[Any, Any]:
+    """(graph, static outputs): ``step`` recorded in a CUDA graph after ``calls`` calls of it on
+    a side stream (compilation, autotuning, first allocations outside it)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(calls):
-            warm_up()
+            step()
     torch.cuda.current_stream(device).wait_stream(side)
-    if before_capture is not None:
-        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outputs = captured()
+        outputs = step()
     return graph, outputs
 
 
@@ -513,7 +509,7 @@ def environment_rows(
         ("torch / triton / CUDA", f"{env['torch']} / {env['triton']} / {env['cuda']}"),
         ("fusedloss version (git revision)", f"{env.get('fusedloss_version') or 'unknown'} "
          f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}"),
-        ("peers", peers),
+        *([("peers", peers)] if peers else []),
         *([("fusedloss tuning", ", ".join(f"{k}={v}" for k, v in settings.items()))]
           if (settings := env.get("fusedloss_environment")) else []),
         ("date", env["timestamp"]),
@@ -549,11 +545,6 @@ def fastest_cell(results: Iterable[Any]) -> str:
     measured = [r for r in results if r.measured]
     best = min(measured, key=lambda r: r.ms) if measured else None
     return f"{format_ms(best.ms)} ({best.label})" if best else "—"
-
-
-def loss_cells(result: Any) -> list[str]:
-    """The "loss" and "|loss − ref|" cells of a result's row in "All figures"."""
-    return ["—" if result.loss is None else f"{result.loss:.5f}", format_error(result.loss_error)]
 
 
 def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:
@@ -618,18 +609,12 @@ def results_stem(suite_slug: str, date: str, device_slug: str, tag: str | None =
 def write_results(
     out_dir: Path | str, stem: str, markdown: str, data: dict[str, Any]
 ) -> tuple[Path, Path]:
-    md_path = Path(out_dir) / f"{stem}.md"
-    json_path = write_json(out_dir, stem, data)
-    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
-    return md_path, json_path
-
-
-def write_json(out_dir: Path | str, stem: str, data: dict[str, Any]) -> Path:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    json_path = Path(out_dir) / f"{stem}.json"
+    md_path, json_path = Path(out_dir) / f"{stem}.md", Path(out_dir) / f"{stem}.json"
     json_path.write_text(json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n",
                          encoding="utf-8")
-    return json_path
+    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    return md_path, json_path
 
 
 def report_results(out_dir: Path | str, suite_slug: str, tag: str | None,
@@ -649,6 +634,22 @@ def report_results(out_dir: Path | str, suite_slug: str, tag: str | None,
     sys.stdout.flush()
 
 
+def write_report(out_dir: Path | str, suite_slug: str, tag: str | None,
+                 environment: Mapping[str, Any], title: str, settings: Sequence[tuple[str, Any]],
+                 body: Sequence[str], payload: dict[str, Any], tables: str, *,
+                 calls: Mapping[str, str] | None = None, notes: Sequence[str] = (),
+                 world: int | None = None, log: Callable[[str], None] = print) -> None:
+    """Every suite's report: "# title: device, date", the settings table, ``body`` (markdown
+    lines), the calls and notes; then :func:`report_results` writes it with ``payload``."""
+    where = f"{world} × " if world is not None else ""
+    lines = [f"# {title}{' over ' if world is not None else ': '}{where}"
+             f"{environment['device_name']}, {environment['date']}", "",
+             markdown_table(["setting", "value"], settings), "", *body,
+             *closing_sections(calls or {}, notes)]
+    report_results(out_dir, suite_slug, tag, environment, notes, markdown="\n".join(lines),
+                   payload=payload, tables=tables, world=world, log=log)
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -666,35 +667,38 @@ def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-# The options every suite takes, in three groups a suite puts its own options between.
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: a comma list of positive integers, ``4096, 16_384`` → [4096, 16384]
+    (repeats dropped)."""
+    values = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers (4096,16384), got {text!r}")
+    return values
 
 
-def add_dtype_seed_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def add_quick_device_timing_arguments(parser: argparse.ArgumentParser, quick_help: str) -> None:
-    default = TimingSettings()
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--device", default=None,
-                        help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--warmup-ms", type=float, default=None,
-                        help=f"do_bench warmup in ms (default {default.warmup_ms:g}; "
-                        f"{QUICK_TIMING.warmup_ms:g} with --quick)")
-    parser.add_argument("--rep-ms", type=float, default=None,
-                        help=f"do_bench rep in ms (default {default.rep_ms:g}; "
-                        f"{QUICK_TIMING.rep_ms:g} with --quick)")
-
-
-def add_matmul_output_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--matmul-size", type=int, default=None,
-                        help=f"size of the matmul-rate probe (default {MATMUL_SIZE}; "
-                        f"{QUICK_MATMUL_SIZE} with --quick)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
-                        help="directory for the .md and .json results (default benchmarks/results)")
-    parser.add_argument("--tag", default=None,
-                        help="suffix for the results file names (e.g. a subset's name)")
+def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dtype: bool = True,
+                         seed: bool = True, timing: bool = True, matmul: bool = True) -> None:
+    """The options every suite takes: ``--dtype``, ``--seed`` (each where asked), ``--quick``,
+    ``--device``, ``--warmup-ms`` and ``--rep-ms`` (with ``timing``), ``--matmul-size`` (with
+    ``matmul``), ``--out``, ``--tag``."""
+    add, default = parser.add_argument, TimingSettings()
+    if dtype:
+        add("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    if seed:
+        add("--seed", type=int, default=0)
+    add("--quick", action="store_true", help=quick_help)
+    add("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    if timing:
+        add("--warmup-ms", type=float, default=None, help=f"do_bench warmup in ms (default "
+            f"{default.warmup_ms:g}; {QUICK_TIMING.warmup_ms:g} with --quick)")
+        add("--rep-ms", type=float, default=None, help=f"do_bench rep in ms (default "
+            f"{default.rep_ms:g}; {QUICK_TIMING.rep_ms:g} with --quick)")
+    if matmul:
+        add("--matmul-size", type=int, default=None, help="size of the matmul-rate probe "
+            f"(default {MATMUL_SIZE}; {QUICK_MATMUL_SIZE} with --quick)")
+    add("--out", type=Path, default=RESULTS_DIR,
+        help="directory for the .md and .json results (default benchmarks/results)")
+    add("--tag", default=None, help="suffix for the results file names (e.g. a subset's name)")
 
 
 QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"

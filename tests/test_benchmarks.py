@@ -273,10 +273,10 @@ def test_results_files_written(tmp_path):
 
 
 def test_plot_script_draws_the_suites_results(tmp_path):
-    """``python -m benchmarks.plot_lm_head RESULTS.json --out F.svg`` on results in the suite's
-    format: one panel per head and mode, the products floor, the run in the title."""
+    """``python benchmarks/run.py lm-head --plot RESULTS.json --out F.svg`` on results in the
+    suite's format: one panel per head and mode, the products floor, the run in the title."""
     pytest.importorskip("matplotlib")
-    (plot_lm_head,) = import_benchmarks("plot_lm_head")
+    (run,) = import_benchmarks("run")
     case_results = []
     for shape in ("llama3-1b", "gemma2-2b"):
         for mode in lm_head.MODES:
@@ -292,7 +292,7 @@ def test_plot_script_draws_the_suites_results(tmp_path):
     results = tmp_path / "lm_head.json"
     results.write_text(json.dumps(payload), encoding="utf-8")
     out = tmp_path / "docs" / "speed.svg"
-    assert plot_lm_head.main([str(results), "--out", str(out)]) == 0
+    assert run.main(["lm-head", "--plot", str(results), "--out", str(out)]) == 0
     svg = out.read_text(encoding="utf-8")
     assert svg.lstrip().startswith("<?xml") and "</svg>" in svg
     for text in ("gemma2-2b (V 256000, D 2304, softcap 30)", "forward only", "torch-compile",

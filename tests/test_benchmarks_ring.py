@@ -47,7 +47,7 @@ def test_overlap_fraction_undefined(a, b, c):
 
 def test_defaults_and_options():
     assert ring.DEFAULT_BATCHES == (65536, 131072, 262144, 524288, 1048576)
-    assert ring.int_list("65536, 131_072") == [65536, 131072]
+    assert common.int_list("65536, 131_072") == [65536, 131072]
     (run_module,) = import_benchmarks("run")
     args = run_module.build_parser().parse_args(["ring", "--batches", "1024,2048"])
     assert args.batches == [1024, 2048] and args.providers == list(ring.PROVIDER_KEYS)

@@ -1,8 +1,5 @@
-"""Benchmark suites. Each module defines a :class:`Suite` and is registered in ``SUITES``.
-
-Adding a suite: write ``benchmarks/suites/<name>.py`` with ``add_arguments(parser)`` and
-``run(args) -> exit code``, wrap them in a ``Suite``, and add it to ``SUITES`` below.
-"""
+"""Benchmark suites: each module defines a :class:`Suite` (``add_arguments(parser)``,
+``run(args) -> exit code``), registered in ``SUITES`` below."""
 
 from __future__ import annotations
 
@@ -33,10 +30,9 @@ def _registry() -> dict[str, Suite]:
         vocab_parallel,
     )
 
-    suites = (lm_head.SUITE, contrastive.SUITE, ring.SUITE, vocab_parallel.SUITE, train.SUITE,
-              grad_cache.SUITE, companions.SUITE, sizes.SUITE, post_training.SUITE,
-              retrieval.SUITE)
-    return {suite.name: suite for suite in suites}
+    suites = (lm_head, contrastive, ring, vocab_parallel, train, grad_cache, companions, sizes,
+              post_training, retrieval)
+    return {module.SUITE.name: module.SUITE for module in suites}
 
 
 SUITES: dict[str, Suite] = _registry()

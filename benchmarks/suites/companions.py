@@ -57,6 +57,8 @@ VIT_TINY = SimpleNamespace(image_size=32, patch_size=8, width=32, layers=2, head
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP (open_clip's layout); grad-cache's towers use it too."""
+
     def __init__(self, width: int, heads: int, mlp_width: int) -> None:
         super().__init__()
         self.heads = heads
@@ -169,7 +171,7 @@ def graphed_ms(step: Callable[[], None], device: torch.device,
     """Median replay time of ``step`` captured in a CUDA graph; None without CUDA."""
     if not common.uses_cuda(device):
         return None
-    graph, _ = common.capture_graph(step, step, device, 3)  # after 3 steps on a side stream
+    graph, _ = common.capture_graph(step, device, 3)  # after 3 steps on a side stream
     return common.median_ms(graph.replay, device, timing)
 
 
@@ -359,40 +361,36 @@ COLUMNS = {  # per part, the first columns also the terminal's
 }
 
 
-def render_markdown(report: dict, s: SimpleNamespace) -> str:
+def write_report(report: dict, s: SimpleNamespace, args: argparse.Namespace, log: Callable) -> None:
+    """The settings, a section per part, the notes; the first six columns on the terminal."""
     env = report["environment"]
     with torch.device("meta"):
         tower = list(VisionTransformer(s.model).parameters())
-    settings = [row for row in common.environment_rows(env, {}) if row[0] != "peers"]
-    settings += [common.matmul_row(report["matmul"]), ("timing", report["timing"]),
-                 ("model; SwitchBack backend; seed", f"{s.model}; {s.backend}; {s.seed}"),
-                 ("optimizer", f"the image tower's {len(tower)} tensors, "
-                  f"{sum(p.numel() for p in tower) / 1e6:.2f} M float32 parameters; {HYPER}"),
-                 ("e2e", f"batch {s.batch}, {s.steps} steps ({s.warmup_steps} untimed), "
-                  f"peak lr {LR:g}")]
-    lines = [f"# Low-precision training companions: {env['device_name']}, {env['date']}", "",
-             common.markdown_table(["setting", "value"], settings), "",
-             "Columns: benchmarks/README.md (the `companions` suite).", ""]
+    settings = [*common.environment_rows(env, {}), common.matmul_row(report["matmul"]),
+                ("timing", report["timing"]),
+                ("model; SwitchBack backend; seed", f"{s.model}; {s.backend}; {s.seed}"),
+                ("optimizer", f"the image tower's {len(tower)} tensors, "
+                 f"{sum(p.numel() for p in tower) / 1e6:.2f} M float32 parameters; {HYPER}"),
+                ("e2e", f"batch {s.batch}, {s.steps} steps ({s.warmup_steps} untimed), "
+                 f"peak lr {LR:g}")]
+    body = ["Columns: benchmarks/README.md (the `companions` suite).", ""]
     for part in s.parts:
-        columns = COLUMNS[part] + [column("note", "note")]
-        lines += common.section(part, "", columns, report[part])
-    return "\n".join(lines + common.closing_sections({}, report["notes"]))
+        body += common.section(part, "", COLUMNS[part] + [column("note", "note")], report[part])
+    tables = [common.table(COLUMNS[part][:6], report[part], text=True) for part in s.parts]
+    common.write_report(args.out, NAME, args.tag, env, "Low-precision training companions",
+                        settings, body, report, "\n\n".join(tables), notes=report["notes"],
+                        log=log)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    ints = lambda text: [int(value) for value in text.split(",")]  # a comma list
     add("--parts", type=common.comma_list(PARTS), default=list(PARTS),
         help="comma list of linear, optimizer, e2e (default: all)")
-    add("--widths", type=ints, help="linear: widths d (default 768,1024,1280,1664)")
-    add("--tokens", type=ints, help="linear: tokens (default 8192,16384,32768,65536)")
+    add("--widths", type=common.int_list, help="linear: widths d (default 768,1024,1280,1664)")
+    add("--tokens", type=common.int_list, help="linear: tokens (default 8192,16384,32768,65536)")
     add("--steps", type=int, help="e2e: steps per variant (default 300)")
-    add("--seed", type=int, default=0)
-    add("--quick", action="store_true", help="tiny shapes and tower, 3 steps: a CPU smoke test")
-    add("--device", help="torch device (default: cuda if available, else cpu)")
-    add("--warmup-ms", type=float, help="do_bench warmup (default 25; 5 with --quick)")
-    add("--rep-ms", type=float, help="do_bench rep (default 100; 20 with --quick)")
-    common.add_matmul_output_arguments(parser)
+    common.add_common_arguments(parser, "tiny shapes and tower, 3 steps: a CPU smoke test "
+                                "(do_bench warmup and rep default to 25 and 100 ms)", dtype=False)
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
@@ -440,10 +438,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         if not common.save_plot(Path(args.out) / f"{stem}.png", [(
                 "CLIP training: loss per step", "step", "CLIP loss", curves)], linewidth=1):
             log("no plot: matplotlib is not installed")
-    tables = [common.table(COLUMNS[part][:6], report[part], text=True) for part in s.parts]
-    common.report_results(args.out, NAME, args.tag, env, report["notes"],
-                          markdown=render_markdown(report, s), payload=report,
-                          tables="\n\n".join(tables), log=log)
+    write_report(report, s, args, log)
     return 0
 
 

@@ -402,10 +402,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=list(DEFAULT_PROVIDERS),
                         help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: "
                         f"{','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(
+    common.add_common_arguments(
         parser, "rows/256, widths/8 and short timing: a smoke test that also runs on CPU")
-    common.add_matmul_output_arguments(parser)
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import common
 from benchmarks.common import OK
-from benchmarks.suites import Suite, ring
+from benchmarks.suites import Suite, companions, ring
 
 PLAIN, GRAD_CACHE = "plain", "grad-cache"
 METHODS = (PLAIN, GRAD_CACHE)
@@ -31,24 +31,6 @@ IMAGE_SIZE, PATCH, TOKENS, VOCAB = 32, 8, 16, 1024
 # (width, blocks, heads) of each tower; MLP 4×
 FULL_TOWERS = {"image": (256, 4, 4), "text": (256, 2, 4)}
 QUICK_TOWERS = {"image": (32, 1, 2), "text": (32, 1, 2)}
-
-
-class Block(nn.Module):
-    """Pre-norm attention and 4× MLP."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, w = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads)
-        a = F.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4))
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, w))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 class Tower(nn.Module):
@@ -67,7 +49,8 @@ class Tower(nn.Module):
             self.embed = nn.Embedding(VOCAB, width)
             positions = TOKENS
         self.pos = nn.Parameter(torch.randn(1, positions, width) * 0.02)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(blocks))
+        self.blocks = nn.ModuleList(companions.Block(width, heads, 4 * width)
+                                    for _ in range(blocks))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, features, bias=False)
 
@@ -248,16 +231,14 @@ def _run(args: argparse.Namespace, ctx: ring.Context) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=ring.int_list, default=None, help="comma list of "
+    parser.add_argument("--batches", type=common.int_list, default=None, help="comma list of "
                         f"global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
     parser.add_argument("--max-step-s", type=float, default=60.0,
                         help="stop a method's sweep after a step this long (default 60 s)")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)")
-    parser.add_argument("--out", default=common.RESULTS_DIR, help="results directory")
-    parser.add_argument("--tag", default=None, help="suffix for the results file names")
+    common.add_common_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)",
+                                matmul=False)
 
 
 SUITE = Suite("grad-cache", "CLIP training step over K processes (torchrun): Gradient Cache + "

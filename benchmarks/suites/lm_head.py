@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -312,8 +314,8 @@ FIGURE_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("× products", lambda row: common.format_ratio(row[1].times_products)),
     ("× floor", lambda row: common.format_ratio(row[1].times_floor)),
     ("MiB", lambda row: common.format_mib(row[1].peak_extra_mib)),
-    ("loss", lambda row: common.loss_cells(row[1])[0]),
-    ("|loss − ref|", lambda row: common.loss_cells(row[1])[1]),
+    ("loss", lambda row: "—" if row[1].loss is None else f"{row[1].loss:.5f}"),
+    ("|loss − ref|", lambda row: common.format_error(row[1].loss_error)),
     ("dE err", lambda row: common.format_error(row[1].err_hidden)),
     ("dC err", lambda row: common.format_error(row[1].err_classifier)),
     ("err ratio dE / dC", lambda row: _pair(row[1].ratio_hidden, row[1].ratio_classifier)),
@@ -397,12 +399,76 @@ def results_json(run: dict[str, Any], case_results: Sequence[CaseResult]) -> dic
     return {**run, "cases": cases}
 
 
-def token_counts(text: str) -> list[int]:
-    """``--n``: a comma list of positive token counts, e.g. ``4096,16384``."""
-    counts = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
-    if not counts or min(counts) < 1:
-        raise ValueError(f"expected positive integers (4096,16384), got {text!r}")
-    return counts
+# ============================================================================= --plot
+
+
+MODE_TITLES = {"fwd+bwd": "forward+backward", "fwd": "forward only"}
+PRODUCTS = "products (cuBLAS: Z = E·Cᵀ, dE, dC)"
+
+
+def plot_speed(files: list[dict[str, Any]], out: Path) -> Path:
+    """``--plot``: ms against N (log-log) from results files, a panel per head, regime and mode,
+    a line per provider and the products dashed, into ``out`` (.svg, .png or .pdf); later
+    files replace earlier ones' points."""
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
+
+    panels: dict[tuple[str, str, str], dict[str, Any]] = {}  # title, lines: {key: {N: ms}}
+    names: dict[str, str] = {}  # the measured providers' labels by key, then the products
+    for case in (case for data in files for case in data["cases"]):
+        softcap = f", softcap {case['softcap']:g}" if case.get("softcap") else ""
+        title = (f"{case['shape']} (V {case['vocab_size']}, D {case['hidden_size']}{softcap})\n"
+                 f"{case['regime']}, {MODE_TITLES[case['mode']]}")
+        lines = panels.setdefault((case["shape"], case["regime"], case["mode"]),
+                                  {"title": title, "lines": {}})["lines"]
+        for result in case["results"]:
+            if result["status"] in ("ok", "wrong") and result.get("ms"):  # measured
+                names.setdefault(result["provider"], result["label"])
+                lines.setdefault(result["provider"], {})[case["n"]] = result["ms"]
+        if (case.get("products") or {}).get("ms"):
+            lines.setdefault(PRODUCTS, {})[case["n"]] = case["products"]["ms"]
+    names[PRODUCTS] = PRODUCTS
+    palette = matplotlib.colormaps["tab10"].colors
+    styles = {key: {"color": palette[i % len(palette)], "marker": "o", "markersize": 4}
+              for i, key in enumerate(names)}
+    styles[PRODUCTS] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+
+    heads = list(dict.fromkeys(key[:2] for key in panels))
+    modes = list(dict.fromkeys(key[2] for key in panels))
+    figure = Figure(figsize=(5.0 * len(modes), 3.3 * len(heads) + 1.2), layout="constrained")
+    axes = figure.subplots(len(heads), len(modes), squeeze=False)
+    for (row, head), (column, mode) in itertools.product(enumerate(heads), enumerate(modes)):
+        axis, panel = axes[row][column], panels.get((*head, mode))
+        if panel is None:
+            axis.set_visible(False)
+            continue
+        for key in [key for key in names if key in panel["lines"]]:
+            ns = sorted(panel["lines"][key])
+            axis.plot(ns, [panel["lines"][key][n] for n in ns], **styles[key])
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        all_ns = sorted({n for line in panel["lines"].values() for n in line})
+        axis.xaxis.set_major_locator(FixedLocator(all_ns))
+        axis.xaxis.set_minor_locator(NullLocator())
+        axis.xaxis.set_major_formatter(FuncFormatter(
+            lambda n, _: f"{int(n) // 1024}k" if n >= 1024 and int(n) % 1024 == 0 else f"{int(n)}"))
+        axis.yaxis.set_major_formatter(LogFormatter())  # plain numbers: 100, not 10²
+        axis.yaxis.set_minor_formatter(LogFormatter(minor_thresholds=(1, 0.4)))
+        axis.grid(True, which="both", alpha=0.3)
+        axis.set(title=panel["title"], xlabel="tokens N", ylabel="median ms")
+        axis.title.set_fontsize(10)
+    figure.legend([Line2D([], [], **styles[key]) for key in names], list(names.values()),
+                  loc="outside lower center", ncols=min(len(names), 4))
+    runs = dict.fromkeys(f"{d['environment']['device_name']} · torch {d['environment']['torch']} · "
+                         f"triton {d['environment']['triton']} · {d['settings']['dtype']} · "
+                         f"{d['environment']['date']}" for d in files)
+    figure.suptitle("LM-head linear cross-entropy, median ms against N\n" + "\n".join(runs),
+                    fontsize=11)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -417,15 +483,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)")
     add("--providers", type=common.comma_list(keys), default=keys,
         help=f"comma list of {', '.join(keys)} (default: all)")
-    add("--n", type=token_counts, help="comma list of token counts N, e.g. 4096,16384 "
+    add("--n", type=common.int_list, help="comma list of token counts N, e.g. 4096,16384 "
         f"(default {DEFAULT_N}; {inputs.QUICK_N} with --quick)")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(
-        parser, "tiny shapes and short timing: a smoke test that also runs on CPU")
-    common.add_matmul_output_arguments(parser)
+    common.add_common_arguments(parser, "tiny shapes and short timing: a smoke test that also "
+                                "runs on CPU")
+    add("--plot", nargs="+", type=Path, metavar="RESULTS.json", help="draw ms against N from "
+        "these results files into --out (.svg, .png, .pdf; default docs/lm_head_speed.svg) "
+        "instead of running")
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    if args.plot:
+        figure = args.out if args.out.suffix else Path("docs/lm_head_speed.svg")
+        log(str(plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)))
+        return 0
     device = common.pick_device(args.device)
     if not common.uses_cuda(device) and not args.quick:
         log("the lm-head suite needs a CUDA device at full size; use --quick for a CPU smoke run")

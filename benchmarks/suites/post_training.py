@@ -1,13 +1,5 @@
-"""Suite ``post-training``: the losses of post-training through an LM head, forward + backward,
-side by side with their peers in one run.
-
-Per head (N = B·T tokens, bf16): token log-probs with entropy (fusedloss against TRL's chunked
-log-prob head), GRPO (DAPO normalization, a KL to a reference, temperature 0.7), DPO (sigmoid, the
-reference model's head in the call) and JSD distillation (β = 0.5, a teacher of the same size, no
-teacher gradients) against liger-kernel's chunked losses; fusedloss's cross-entropy head and one
-cuBLAS product (N × D by D × V) as yardsticks. Each method's loss and d input are checked against
-fusedloss's fp32 computation of the same loss (fp32 operands), as a relative error.
-"""
+"""Suite ``post-training``: token log-probs, GRPO, DPO and JSD through an LM head, forward +
+backward, fusedloss against TRL's and liger-kernel's (definitions: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -219,17 +211,14 @@ def run(args: argparse.Namespace) -> int:
                ("d input error", lambda r: common.format_error(r.get("grad_error"))),
                ("status", lambda r: r.get("error", "ok"))]
     tables = common.table(columns, rows)
-    notes = [common.QUICK_NOTE] if args.quick else []
-    markdown = "\n".join([
-        f"# Post-training losses through an LM head: {env['device_name']}, {env['date']}", "",
-        f"torch {env['torch']}, triton {env['triton']}, fusedloss {env['fusedloss_version']} "
-        f"({env['fusedloss_revision']}), {args.dtype}. Forward + backward, median ms "
-        "(do_bench), peak MiB above the inputs; errors relative to fusedloss's fp32 computation "
-        "of the same loss; '÷ one product' is ms over one N × D × V cuBLAS product (the "
-        "losses need four: DESIGN.md §4). See benchmarks/README.md.", "", tables,
-        *(f"\nnote: {note}" for note in notes)])
-    common.report_results(args.out, "post_training", args.tag, env, notes, markdown=markdown,
-                          payload=dict(environment=env, rows=rows), tables=tables)
+    body = [f"{args.dtype}. Forward + backward, median ms (do_bench), peak MiB above the inputs; "
+            "errors relative to fusedloss's fp32 computation of the same loss; '÷ one product' is "
+            "ms over one N × D × V cuBLAS product (the losses need four: DESIGN.md §4). See "
+            "benchmarks/README.md.", "", tables, ""]
+    common.write_report(args.out, "post_training", args.tag, env,
+                        "Post-training losses through an LM head", common.environment_rows(env, {}),
+                        body, dict(environment=env, rows=rows), tables,
+                        notes=[common.QUICK_NOTE] if args.quick else [])
     return 0
 
 
@@ -239,9 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--losses", type=common.comma_list(list(LOSSES)), default=list(LOSSES),
                         help=f"comma list of {', '.join(LOSSES)} (default: all)")
     parser.add_argument("--n", type=int, default=16384, help="tokens (default 16384)")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(parser, "a small head and 256 tokens: a smoke test")
-    common.add_matmul_output_arguments(parser)
+    common.add_common_arguments(parser, "a small head and 256 tokens: a smoke test", matmul=False)
 
 
 SUITE = Suite("post-training", "token log-probs, GRPO, DPO and JSD through an LM head against "

@@ -1,13 +1,5 @@
 """Suite ``retrieval``: sentence-transformers training steps with its in-batch-negatives losses
-and with fusedloss's (``fusedloss.integrations.sentence_transformers``), side by side.
-
-A small BERT encoder built from a config (no download; mean pooling, normalized), (anchor,
-positive) pairs of random token ids, ``--tokens`` per text. Per global batch and method: the
-median step time (forward, backward, AdamW step; wall clock between synchronizations), the peak
-memory and the loss of every step (same seed, dropout on: each fused loss's losses against
-sentence-transformers' same loss, plain or cached; ``--plot`` draws them). With
-``--largest``, the largest batch (doubling from the first) each plain loss completes a step at.
-"""
+and with fusedloss's, side by side (definitions: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -152,33 +144,28 @@ def run(args: argparse.Namespace) -> int:
                ("max |loss − ST's|", lambda r: common.format_error(r.get("loss_gap"))),
                ("status", lambda r: r.get("error", "ok"))]
     tables = common.table(columns, rows)
-    lines = [f"# sentence-transformers training steps: {env['device_name']}, {env['date']}", "",
-             f"torch {env['torch']}, triton {env['triton']}, fusedloss "
-             f"{env['fusedloss_version']} ({env['fusedloss_revision']}). BERT {args.layers} × "
-             f"{args.width} from a config ({args.attention} attention), {args.tokens} tokens per "
-             "text, (anchor, positive) "
-             f"pairs, scale 20, cached mini-batches of {args.mini_batch}; median of {args.steps}"
-             " steps (forward, backward, AdamW) after one warm-up step. See "
-             "benchmarks/README.md.", "", tables]
+    lines = [f"BERT {args.layers} × {args.width} from a config ({args.attention} attention), "
+             f"{args.tokens} tokens per text, (anchor, positive) pairs, scale 20, cached "
+             f"mini-batches of {args.mini_batch}; median of {args.steps} steps (forward, "
+             "backward, AdamW) after one warm-up step. See benchmarks/README.md.", "", tables]
     if largest:
         lines += ["", "Largest batch one plain step completes (doubling from "
                   f"{args.batches[0]}, up to {args.largest_cap}): " + ", ".join(
                       f"{m} {b}" for m, b in largest.items())]
-    notes = [common.QUICK_NOTE] if args.quick else []
-    common.report_results(args.out, "retrieval", args.tag, env, notes,
-                          markdown="\n".join(lines), payload=dict(
-                              environment=env, rows=rows, largest=largest,
-                              settings=dict(layers=args.layers, width=args.width,
-                                            attention=args.attention,
-                                            tokens=args.tokens, mini_batch=args.mini_batch)),
-                          tables=tables)
+    settings = dict(layers=args.layers, width=args.width, attention=args.attention,
+                    tokens=args.tokens, mini_batch=args.mini_batch)
+    common.write_report(args.out, "retrieval", args.tag, env,
+                        "sentence-transformers training steps", common.environment_rows(env, {}),
+                        [*lines, ""], dict(environment=env, rows=rows, largest=largest,
+                                           settings=settings), tables,
+                        notes=[common.QUICK_NOTE] if args.quick else [])
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
                         default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+    parser.add_argument("--batches", type=common.int_list,
                         default=list(BATCHES), help="global batches (default 1024,8192,65536)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=384)
@@ -193,10 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--largest-cap", type=int, default=1 << 20)
     parser.add_argument("--plot", action="store_true",
                         help="also <results>_losses.png: each method's loss per step")
-    parser.add_argument("--seed", type=int, default=0)
-    common.add_quick_device_timing_arguments(parser, "a tiny encoder and batches 16, 32")
-    parser.add_argument("--out", default=str(common.RESULTS_DIR))
-    parser.add_argument("--tag", default=None)
+    common.add_common_arguments(parser, "a tiny encoder and batches 16, 32", dtype=False,
+                                matmul=False)
 
 
 SUITE = Suite("retrieval", "sentence-transformers' in-batch-negatives losses against fusedloss's "

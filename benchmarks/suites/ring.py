@@ -251,14 +251,11 @@ def write_report(args: argparse.Namespace, ctx: Context, title: str, body: list[
             *([common.matmul_row(payload["matmul"])] if "matmul" in payload else []),
             ("timing", "CUDA events" if common.uses_cuda(ctx.device) else common.WALL_CLOCK_TIMING),
             ("definitions", f"benchmarks/README.md, the `{args.suite}` suite")]
-    lines = [f"# {title} over {world} × {env['device_name']}, {env['date']}", "",
-             common.markdown_table(["setting", "value"], rows), "", *body,
-             *common.closing_sections({}, notes)]
     payload = {"suite": args.suite, "environment": env, "settings": settings, **payload,
                "notes": notes}
-    common.report_results(args.out, args.suite.replace("-", "_"), args.tag, env, notes,
-                          markdown="\n".join(lines), payload=payload, tables=summary,
-                          world=world, log=ctx.say if log else lambda _line: None)
+    common.write_report(args.out, args.suite.replace("-", "_"), args.tag, env, title, rows, body,
+                        payload, summary, notes=notes, world=world,
+                        log=ctx.say if log else lambda _line: None)
 
 
 def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace, Context], int],
@@ -293,11 +290,6 @@ def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace
         sys.stdout.flush()
         os._exit(code)
     return code
-
-
-def int_list(text: str) -> list[int]:
-    """An argparse type: ``65536,131_072`` → [65536, 131072]."""
-    return [int(value) for value in text.split(",")]
 
 
 # ============================================================================ the ring suite
@@ -432,7 +424,7 @@ def graphed_step(step: Callable[[], Any], device: torch.device) -> Callable[[], 
     """The replay of the step captured once in a CUDA graph (checked bit for bit)."""
     if not common.uses_cuda(device):
         raise Unavailable("CUDA graphs need a CUDA device")
-    graph, captured = common.capture_graph(step, step, device, GRAPH_WARMUP_CALLS)
+    graph, captured = common.capture_graph(step, device, GRAPH_WARMUP_CALLS)
     graph.replay()
     if not all(torch.equal(c, e) for c, e in zip(captured, step(), strict=True)):
         raise RuntimeError("a replay's gradients differ from an eager call's")
@@ -595,20 +587,18 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=int_list, default=None, help="comma list of global "
-                        f"batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
+    parser.add_argument("--batches", type=common.int_list, default=None, help="comma list of "
+                        f"global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
     parser.add_argument("--width", type=int, default=None, help=f"c (default {DEFAULT_WIDTH})")
     parser.add_argument("--providers", type=common.comma_list(PROVIDER_KEYS),
                         default=list(PROVIDER_KEYS), help="comma list (default: all)")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(parser, "B 256,512, c = 64: a smoke test (gloo)")
+    common.add_common_arguments(parser, "B 256,512, c = 64: a smoke test (gloo)")
     parser.add_argument("--min-reps", type=int, default=MIN_REPS,
                         help=f"at least this many timed calls (default {MIN_REPS})")
     parser.add_argument("--no-overlap", action="store_true",
                         help="skip fusedloss's compute-only and transfers-only measurements")
     parser.add_argument("--graph", action="store_true",
                         help="also time fusedloss's step replayed from a CUDA graph (CUDA only)")
-    common.add_matmul_output_arguments(parser)
 
 
 SUITE = Suite("ring", "CLIP over K processes (torchrun): fusedloss's ring against inf-cl and "

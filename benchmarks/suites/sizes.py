@@ -245,12 +245,13 @@ def run(args: argparse.Namespace) -> int:
                       f"{row['ms']:.3f} ms, host {row['host_us']:.0f} µs, "
                       f"{common.format_mib(row['mib'])} MiB", flush=True)
     _check_values(rows)
-    stem = common.results_stem("sizes", env["date"], env["device_slug"], args.tag)
-    markdown, time_table = _markdown(env, rows, steps)
-    common.write_results(args.out, stem, markdown, dict(environment=env, rows=rows, steps=steps))
+    body, time_table = _markdown(rows, steps)
+    common.write_report(args.out, "sizes", args.tag, env, "Losses against PyTorch's, by size",
+                        common.environment_rows(env, {}), body,
+                        dict(environment=env, rows=rows, steps=steps), time_table)
     if args.plot:
+        stem = common.results_stem("sizes", env["date"], env["device_slug"], args.tag)
         _plot(rows, env, Path(args.out) / f"{stem}.svg")
-    print(time_table)
     return 0
 
 
@@ -279,9 +280,8 @@ def _ratio(got: dict[str, dict[str, Any]]) -> str:
     return f"{ours / min(theirs):.2f}×" if ours and theirs else "—"
 
 
-def _markdown(env: dict[str, Any], rows: list[dict[str, Any]],
-              steps: list[dict[str, Any]]) -> tuple[str, str]:
-    """The report, and its time table alone (for the terminal)."""
+def _markdown(rows: list[dict[str, Any]], steps: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """The report's body, and its time table alone (for the terminal)."""
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     by_case: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:
@@ -291,11 +291,9 @@ def _markdown(env: dict[str, Any], rows: list[dict[str, Any]],
         ("loss", lambda c: c[0][0]), ("size", lambda c: c[0][1]),
         *((m, lambda c, m=m: _cell(c[1].get(m))) for m in methods),
         ("fusedloss ÷ best PyTorch", lambda c: _ratio(c[1]))], cases)
-    out = [f"# Losses against PyTorch's, by size: {env['device_name']}, {env['date']}", "",
-           f"torch {env['torch']}, triton {env['triton']}, fusedloss {env['fusedloss_version']} "
-           f"({env['fusedloss_revision']}). Forward + backward of the mean loss; median ms "
-           "(do_bench) / host µs to issue one call / peak MiB above inputs and gradients. "
-           "'torch' is the materialized loss (logits in the input dtype), eager and compiled.",
+    out = ["Forward + backward of the mean loss; median ms (do_bench) / host µs to issue one "
+           "call / peak MiB above inputs and gradients. 'torch' is the materialized loss "
+           "(logits in the input dtype), eager and compiled.",
            "", "## Time", "", time_table]
     if steps:
         step_ms = {(r["step"], r["method"]): r["ms"] for r in steps}
@@ -306,7 +304,7 @@ def _markdown(env: dict[str, Any], rows: list[dict[str, Any]],
                 common.table([("step", lambda name: name), *(
                     (m, lambda name, m=m: common.format_ms(step_ms.get((name, m))))
                     for m in STEP_METHODS)], STEPS)]
-    return "\n".join(out) + "\n", time_table
+    return [*out, ""], time_table
 
 
 def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
@@ -336,18 +334,16 @@ def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--losses", type=common.comma_list(list(LOSSES)), default=list(LOSSES),
                         help=f"comma list of {', '.join(LOSSES)} (default: all)")
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    parser.add_argument("--sizes", type=common.int_list, default=None,
                         help="rows (b, or the LM head's N); default: each loss's ladder")
     parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
                         default=list(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}"
                         f" (default: {','.join(DEFAULT_METHODS)})")
-    common.add_quick_device_timing_arguments(
-        parser, "sizes/64, a small LM head, short timing: a smoke test")
+    common.add_common_arguments(parser, "sizes/64, a small LM head, short timing: a smoke test",
+                                dtype=False, seed=False, matmul=False)
     parser.add_argument("--plot", action="store_true", help="also write <results>.svg")
     parser.add_argument("--steps", action="store_true",
                         help="also time tiny training steps with each loss (graphed on CUDA)")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--tag", default=None)
 
 
 SUITE = Suite("sizes", "every loss against the PyTorch loss it replaces, eager and compiled, "

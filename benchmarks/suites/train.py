@@ -295,8 +295,7 @@ SWEEP_COLUMNS = [  # items: (MethodResult, sweep point)
 ]
 
 
-def render_markdown(env: dict[str, Any], settings: dict[str, Any], results: list[MethodResult],
-                    calls: dict[str, str], notes: list[str]) -> str:
+def settings_rows(env: dict[str, Any], settings: dict[str, Any]) -> list[tuple[str, Any]]:
     s = types.SimpleNamespace(**settings)
     rows = [
         *common.environment_rows(env, {p: common.package_version(p) for p in PEERS.values()}),
@@ -307,14 +306,7 @@ def render_markdown(env: dict[str, Any], settings: dict[str, Any], results: list
         ("max-batch search", f"limit {s.max_batch_limit}, 1 warm-up + {s.sweep_steps} timed steps "
          "per batch" if s.find_max_batch else "off"),
     ]
-    lines = [f"# End-to-end training step: {env['device_name']}, {env['date']}", "",
-             common.markdown_table(["setting", "value"], rows), ""]
-    lines += common.section("Results", "Definitions: benchmarks/README.md, the `train` suite.",
-                            COLUMNS, results)
-    if any(len(r.sweep) > 1 for r in results):
-        lines += common.section("Batches tried", "", SWEEP_COLUMNS,
-                                [(r, point) for r in results for point in r.sweep])
-    return "\n".join(lines + common.closing_sections(calls, notes))
+    return rows
 
 
 def plot_results(path: Path, results: list[MethodResult]) -> Path | None:
@@ -345,12 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--find-max-batch", action="store_true", help="also double the batch until out of "
         f"memory or {MAX_BATCH_LIMIT} ({QUICK_MAX_BATCH_LIMIT} with --quick), then bisect")
     add("--sweep-steps", type=int, default=2, help="timed steps per batch tried (default 2)")
-    add("--seed", type=int, default=0)
-    add("--quick", action="store_true", help="tiny configs, seq 32: a CPU smoke test in "
-        "seconds (hf and fusedloss; the compiled methods and the peers need CUDA)")
-    add("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    add("--out", type=Path, default=common.RESULTS_DIR, help="default benchmarks/results")
-    add("--tag", default=None, help="suffix for the results file names")
+    common.add_common_arguments(parser, "tiny configs, seq 32: a CPU smoke test in seconds (hf "
+                                "and fusedloss; the compiled methods and the peers need CUDA)",
+                                dtype=False, timing=False, matmul=False)
 
 
 def run(args: argparse.Namespace, log=print) -> int:
@@ -382,10 +371,15 @@ def run(args: argparse.Namespace, log=print) -> int:
     payload = {"suite": NAME, "environment": env, "settings": settings, "calls": calls,
                "transformers": common.package_version("transformers"), "notes": notes,
                "results": [asdict(result) for result in results]}
-    common.report_results(
-        args.out, NAME, args.tag, env, notes, payload=payload,
-        markdown=render_markdown(env, settings, results, calls, notes),
-        tables=common.table(COLUMNS[:-1], results, text=True), log=log)
+    body = common.section("Results", "Definitions: benchmarks/README.md, the `train` suite.",
+                          COLUMNS, results)
+    if any(len(r.sweep) > 1 for r in results):
+        body += common.section("Batches tried", "", SWEEP_COLUMNS,
+                               [(r, point) for r in results for point in r.sweep])
+    common.write_report(args.out, NAME, args.tag, env, "End-to-end training step",
+                        settings_rows(env, settings), body, payload,
+                        common.table(COLUMNS[:-1], results, text=True), calls=calls, notes=notes,
+                        log=log)
     return 0
 
 

@@ -1,9 +1,5 @@
-"""Suite ``vocab-parallel``: the vocabulary-parallel LM head over K processes (torchrun).
-
-Every rank builds the same (E, C, y) and keeps C's rows [⌊r·V/K⌋, ⌊(r+1)·V/K⌋): fusedloss's
-sharded head and a Megatron-style head against fusedloss's single-GPU head on rank 0, whose
-first call is the check's reference. See benchmarks/README.md.
-"""
+"""Suite ``vocab-parallel``: the vocabulary-parallel LM head over K processes (torchrun) against
+a Megatron-style head and the single-GPU head (definitions: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -205,9 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)), default=list(DEFAULT_SHAPES),
         help=f"comma list of {', '.join(LM_HEAD_SHAPES)} (default {','.join(DEFAULT_SHAPES)})")
-    common.add_dtype_seed_arguments(parser)
-    common.add_quick_device_timing_arguments(parser, "V/128, D/32, N = 128: a smoke test (gloo)")
-    common.add_matmul_output_arguments(parser)
+    common.add_common_arguments(parser, "V/128, D/32, N = 128: a smoke test (gloo)")
 
 
 SUITE = Suite("vocab-parallel", "the vocabulary-parallel LM head over K processes (torchrun): "
