@@ -162,6 +162,30 @@ def test_losses_on_an_encoder_equal_sentence_transformers(kind, model_dir):
         torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-6)
 
 
+def test_cached_loss_step_memory_follows_the_mini_batch(model_dir, monkeypatch):
+    """The cached loss's fused calls run with their working memory tuned to
+    ``mini_batch_size`` rows of fp32 logits against every document, and only within the call."""
+    from fusedloss.core import config
+
+    seen = []
+    original = fst.multiple_negatives_ranking_loss
+
+    def spy(*args, **kwargs):
+        t = config.tuning()
+        seen.append((t.lm_head_chunk_bytes, t.scratch_mb, t.materialized_bytes,
+                     t.torch_chunk_elements))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fst, "multiple_negatives_ranking_loss", spy)
+    model = _model(model_dir)
+    before = config.tuning()
+    loss = fst.FusedCachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=4)
+    loss(_features(model, 3), None).backward()  # 11 queries, 2 × 11 documents
+    rows = 4 * 22
+    assert seen == [(4 * rows, 4 * rows / 2**20, 4 * rows, rows)]
+    assert config.tuning() == before
+
+
 def test_fused_loss_swaps_each_loss_with_its_settings(model_dir):
     model = _model(model_dir)
     cases = [

@@ -45,6 +45,7 @@ from sentence_transformers import losses as st_losses
 from sentence_transformers.util import cos_sim, dot_score
 from torch import Tensor
 
+from ..core import config
 from ..losses import contrastive
 
 # 6.2 computes the losses in ``compute_loss_from_embeddings`` / ``calculate_loss``, which the
@@ -270,7 +271,11 @@ class FusedCachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesR
     embeddings in mini-batches without gradients, the loss and its gradient with respect to
     them, then the mini-batches again with gradients, the random state replayed for dropout),
     its loss step one fused call per direction over the whole batch instead of mini-batches of
-    the similarity matrix."""
+    the similarity matrix. That step's working memory stays within what sentence-transformers'
+    mini-batches hold, ``mini_batch_size`` rows of fp32 logits against every document: the
+    chunks of the fp32 path, the tiled kernels' scratch, the materialized path's reach and the
+    CPU's blocks are tuned to it for the call (``fusedloss.core.config.tuned``, within the
+    block only)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -278,10 +283,14 @@ class FusedCachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesR
 
     def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
                        with_backward: bool = False) -> Tensor:
-        loss = _loss_of(self, torch.cat(reps[0]), [torch.cat(r) for r in reps[1:]])
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
+        queries, docs = torch.cat(reps[0]), [torch.cat(r) for r in reps[1:]]
+        rows = self.mini_batch_size * sum(d.shape[0] for d in docs)  # fp32 logits in one
+        with config.tuned(lm_head_chunk_bytes=4 * rows, scratch_mb=4 * rows / 2**20,
+                          materialized_bytes=4 * rows, torch_chunk_elements=rows):
+            loss = _loss_of(self, queries, docs)
+            if with_backward:
+                loss.backward()
+                loss = loss.detach()
         return loss
 
 
@@ -301,8 +310,8 @@ def fused_loss(loss: torch.nn.Module) -> torch.nn.Module:
     if cls is None:
         raise ValueError(f"no fused counterpart for {type(loss).__name__}; fused: "
                          f"{', '.join(c.__name__ for c in _FUSED)}")
-    config = dict(loss.get_config_dict())
-    config["similarity_fct"] = loss.similarity_fct
+    settings = dict(loss.get_config_dict())
+    settings["similarity_fct"] = loss.similarity_fct
     if cls is FusedMultipleNegativesSymmetricRankingLoss:
-        config = {k: config[k] for k in ("scale", "similarity_fct", "gather_across_devices")}
-    return cls(loss.model, **config)
+        settings = {k: settings[k] for k in ("scale", "similarity_fct", "gather_across_devices")}
+    return cls(loss.model, **settings)
