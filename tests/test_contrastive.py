@@ -1207,16 +1207,23 @@ def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, reduction):
     bf16 = replace(case, dtype=torch.bfloat16)
     run_ours(bf16, make_problem(bf16), "triton")
     assert calls == []
+    problem = make_problem(case)  # a label of -100 is no ignore_index here: NaN, as elsewhere
+    labels = problem.labels.clone()
+    labels[1] = -100
+    loss = fusedloss.info_nce_loss(problem.a, problem.b, labels, reduction=reduction,
+                                   backend="triton")
+    assert calls and loss.isnan()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_siglip_in_chunks_of_rows(dtype, tune):
-    """SigLIP's Triton training path in chunks of 128 rows (the last one short, D not a multiple
-    of the tile): the reference's loss and gradients (check_case), and one chunk's."""
-    case = replace(BASE["siglip"], n=300, d=24, dtype=dtype)
+    """SigLIP's Triton training path in chunks of 48 rows (the last one short, D not a multiple
+    of the tile): the reference's loss and gradients (check_case) in one chunk, and the same
+    in chunks."""
+    case = replace(BASE["siglip"], n=100, d=24, dtype=dtype)
     whole = check_case(case, "triton")
-    tune(lm_head_chunk_bytes=128 * case.n * dtype.itemsize)
-    chunked = check_case(case, "triton")
+    tune(lm_head_chunk_bytes=48 * case.n * dtype.itemsize)
+    chunked = run_ours(case, make_problem(case), "triton")
     torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-6, atol=0)
     for name, grad in whole.grads.items():
         torch.testing.assert_close(chunked.grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -366,7 +366,8 @@ MODULE_OPTIONS = [
     pytest.param(dict(weight="class-weight"), id="weight"),
     pytest.param(dict(filter_eps=1000.0), id="filter_eps"),
     pytest.param(dict(backend="torch"), id="backend-torch"),
-    pytest.param(dict(backend="triton"), id="backend-triton", marks=requires_triton),
+    pytest.param(dict(backend="triton"), id="backend-triton",
+                 marks=[requires_triton, pytest.mark.slow]),
 ]
 
 

@@ -100,8 +100,9 @@ def _info_nce_fp32_reduced(a, b, scale, target, reduction) -> torch.Tensor:
     through the product ``a · scale``."""
     scaled = a * scale
     n, m = a.shape[0], b.shape[0]
+    never = torch.iinfo(torch.int64).min  # no label is ignored: a negative one gives NaN
     return lm_head_ops.linear_cross_entropy_chunked(
-        scaled, b, target, None, None, -100, 0.0, None, 0.0, reduction == "mean",
+        scaled, b, target, None, None, never, 0.0, None, 0.0, reduction == "mean",
         scaled.requires_grad, b.requires_grad, False,
         config.lm_head_deferred(n, m, a.element_size()))
 
