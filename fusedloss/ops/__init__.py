@@ -22,6 +22,11 @@ plain traceable PyTorch.
                                                     SigLIP)
     fusedloss::contrastive_materialized / _backward   (the same at small sizes, two launches
                                                     a side: core/materialized.py)
+    fusedloss::siglip_chunked                      (SigLIP's training path on cuBLAS chunks:
+                                                    core/chunked_contrastive.py; a reduced fp32
+                                                    InfoNCE takes linear_cross_entropy_chunked)
+    fusedloss::grpo_loss_fused, dpo_loss_fused,    (ops/post_training.py: the preference and RL
+    cpo_loss_fused, kto_loss_fused                  losses fused into the head)
 
 With default options no op reads a value back to the host, so the CPU runs ahead of the GPU
 and Inductor's CUDA graphs (``mode="reduce-overhead"``) capture them with the rest of a step.
