@@ -418,6 +418,7 @@ def test_cli_options_and_cpu_refusal(tmp_path):
         assert run_module.main(["contrastive", "--out", str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, capsys):
     options = (
         "contrastive --quick --shapes clip-16k,siglip-16k,nt-xent-64k "

@@ -364,7 +364,7 @@ MODULE_OPTIONS = [
     pytest.param(dict(shift=True), id="shift"),
     pytest.param(dict(return_lse=True), id="return_lse"),
     pytest.param(dict(weight="class-weight"), id="weight"),
-    pytest.param(dict(filter_eps=1000.0), id="filter_eps"),
+    pytest.param(dict(filter_eps=1000.0), id="filter_eps", marks=pytest.mark.slow),
     pytest.param(dict(backend="torch"), id="backend-torch"),
     pytest.param(dict(backend="triton"), id="backend-triton",
                  marks=[requires_triton, pytest.mark.slow]),
@@ -440,7 +440,8 @@ def test_module_forwards_every_option(tune, option):
 
 
 @requires_triton
-@pytest.mark.parametrize("every", [pytest.param(None, marks=pytest.mark.slow), 1, 3])
+@pytest.mark.parametrize("every", [pytest.param(None, marks=pytest.mark.slow),
+                                   pytest.param(1, marks=pytest.mark.slow), 3])
 def test_module_vocab_order_every(monkeypatch, every):
     """vocab_order_every=None keeps the natural order, 1 sorts on every call (the functional
     "auto"), k sorts on calls 0, k, 2k, … and passes that order in between. The results equal
