@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO_ROOT, import_benchmarks, read_results
 
 (grad_cache,) = import_benchmarks("suites.grad_cache")
@@ -22,6 +23,7 @@ def _run(args, tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_quick_run_checks_both_methods_and_sweeps(tmp_path):
     _run([], tmp_path)
     data, markdown = read_results(tmp_path, "grad_cache_*_cpu_2proc")

@@ -223,6 +223,7 @@ def test_cce_generic_forward_computes_the_family_loss(monkeypatch, name, exact):
     assert patched(input_ids=ids, labels=labels).logits is not None and not recorded
 
 
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path):
     parser = train.argparse.ArgumentParser()
     train.add_arguments(parser)

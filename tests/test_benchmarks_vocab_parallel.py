@@ -90,6 +90,7 @@ def _results(case, key):
     return next(r for r in case["results"] if r["provider"] == key)
 
 
+@pytest.mark.slow
 def test_quick_run_over_two_processes(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
