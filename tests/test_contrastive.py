@@ -899,8 +899,8 @@ def test_reductions(loss, backend):
 
 def _spy_backends(monkeypatch) -> list[str]:
     """Records the backend every engine call runs on ("materialized" for its own path; SigLIP's
-    chunked Triton path and fp32 InfoNCE's (the LM head's training path), which form their
-    gradients in the forward, count as both calls)."""
+    chunked Triton path, which forms its gradients in the forward, counts as both calls; fp32
+    InfoNCE's, the LM head's training path, as one per call)."""
     seen = []
     for name in ("row_stats", "grads"):
         original = getattr(engine, name)
@@ -931,8 +931,8 @@ def _spy_backends(monkeypatch) -> list[str]:
 
     original_lm_head = chunked_logits.loss_and_grads
 
-    def spy_lm_head(*args, **kwargs):  # fp32 InfoNCE's Triton path
-        seen.append("triton")
+    def spy_lm_head(*args, **kwargs):  # fp32 InfoNCE's Triton path (few rows: its gradient
+        seen.append("triton")        # formed in a second call, in the backward)
         return original_lm_head(*args, **kwargs)
 
     monkeypatch.setattr(chunked_logits, "loss_and_grads", spy_lm_head)
@@ -952,7 +952,7 @@ def test_backend_option_selects_the_engine(monkeypatch, loss):
         seen.clear()
         results[backend] = run_ours(case, problem, backend)
         expected = ("materialized" if ON_GPU else "torch") if backend == "auto" else backend
-        assert seen and set(seen) == {expected}, f"backend={backend!r} ran on {seen}"
+        assert seen == [expected, expected], f"backend={backend!r} ran on {seen}"
     for backend in ("triton", "materialized"):
         if backend in results:
             fused, chunked = results[backend], results["torch"]
@@ -1182,13 +1182,17 @@ def test_siglip_logit_bias(backend):
     assert torch.equal(run_ours(replace(case, learn=False), problem, backend).loss, ours.loss)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, reduction):
+@pytest.mark.parametrize("reduction, formed", [("mean", "backward"), ("sum", "backward"),
+                                               ("mean", "forward, chunks")])
+def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, tune, reduction, formed):
     """A reduced fp32 InfoNCE on the Triton backend runs on the LM head's training path, with
-    the reference's loss and gradients (the temperature's too; labels, N ≠ M); per-row losses
-    and bf16 features keep the tiled kernels."""
+    the reference's loss and gradients (the temperature's too; labels, N ≠ M), its gradients
+    formed in the backward (few rows) or in the forward over chunks of rows; per-row losses
+    and bf16 features keep the tiled kernels; a bad label gives NaN, or the labels' error."""
     if not can_run_triton():
         pytest.skip("needs the Triton kernels")
+    if formed != "backward":
+        tune(lm_head_deferred_rows=0, lm_head_chunk_bytes=16 * 53 * 4)  # chunks of 16 rows
     from fusedloss.core import chunked_logits
 
     calls = []
@@ -1207,12 +1211,32 @@ def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, reduction):
     bf16 = replace(case, dtype=torch.bfloat16)
     run_ours(bf16, make_problem(bf16), "triton")
     assert calls == []
-    problem = make_problem(case)  # a label of -100 is no ignore_index here: NaN, as elsewhere
-    labels = problem.labels.clone()
-    labels[1] = -100
-    loss = fusedloss.info_nce_loss(problem.a, problem.b, labels, reduction=reduction,
-                                   backend="triton")
-    assert calls and loss.isnan()
+    problem = make_problem(case)  # no label is an ignore_index here: NaN, as elsewhere
+    for bad in (-100, -1, 53, torch.iinfo(torch.int64).min):
+        labels = problem.labels.clone()
+        labels[1] = bad
+        loss = fusedloss.info_nce_loss(problem.a, problem.b, labels, reduction=reduction,
+                                       backend="triton")
+        assert calls and loss.isnan(), bad
+    tune(check_values=True)
+    with pytest.raises(ValueError, match=r"labels holds 53, outside \[0, M\)"):
+        fusedloss.info_nce_loss(problem.a, problem.b, torch.full_like(labels, 53),
+                                reduction=reduction, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_create_graph_gives_the_first_order_gradients(dtype):
+    """``create_graph=True`` (a gradient penalty's first step) gives the same gradients as a
+    plain backward, on every path an InfoNCE call may take."""
+    if not can_run_triton():
+        pytest.skip("needs the Triton kernels")
+    problem = make_problem(replace(BASE["info_nce"], dtype=dtype))
+    q = problem.a.detach().requires_grad_()
+    grads = []
+    for create_graph in (False, True):
+        loss = fusedloss.info_nce_loss(q, problem.b, problem.labels, backend="triton")
+        grads.append(torch.autograd.grad(loss, q, create_graph=create_graph)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

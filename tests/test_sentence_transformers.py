@@ -164,7 +164,8 @@ def test_losses_on_an_encoder_equal_sentence_transformers(kind, model_dir):
 
 def test_cached_loss_step_memory_follows_the_mini_batch(model_dir, monkeypatch):
     """The cached loss's fused calls run with their working memory tuned to
-    ``mini_batch_size`` rows of fp32 logits against every document, and only within the call."""
+    ``mini_batch_size`` rows of fp32 logits against every document (64 MiB at least), and only
+    within the call."""
     from fusedloss.core import config
 
     seen = []
@@ -180,10 +181,15 @@ def test_cached_loss_step_memory_follows_the_mini_batch(model_dir, monkeypatch):
     model = _model(model_dir)
     before = config.tuning()
     loss = fst.FusedCachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=4)
-    loss(_features(model, 3), None).backward()  # 11 queries, 2 × 11 documents
-    rows = 4 * 22
-    assert seen == [(4 * rows, 4 * rows / 2**20, 4 * rows, rows)]
+    loss(_features(model, 3), None).backward()  # 11 queries, 2 × 11 documents: the floor
+    floor = fst.MIN_LOSS_BYTES
+    assert seen == [(floor, floor / 2**20, floor, floor // 4)]
     assert config.tuning() == before
+    seen.clear()
+    big = fst.FusedCachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=4)
+    big.mini_batch_size = floor  # a budget above the floor: mini_batch_size rows × 22 documents
+    big(_features(model, 3), None).backward()
+    assert seen == [(floor * 88, floor * 88 / 2**20, floor * 88, floor * 22)]
 
 
 def test_fused_loss_swaps_each_loss_with_its_settings(model_dir):

@@ -36,6 +36,7 @@ all-gather.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import sentence_transformers
@@ -266,16 +267,23 @@ class FusedMultipleNegativesSymmetricRankingLoss(
         return _loss_of(self, embeddings[0], list(embeddings[1:]))
 
 
+# The cached loss's working memory never goes below the tiled kernels' default scratch: narrower
+# chunks and slabs would let the host's launches set the pace.
+MIN_LOSS_BYTES = 64 * 2**20
+
+
 class FusedCachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (Gradient Cache: the
     embeddings in mini-batches without gradients, the loss and its gradient with respect to
     them, then the mini-batches again with gradients, the random state replayed for dropout),
     its loss step one fused call per direction over the whole batch instead of mini-batches of
     the similarity matrix. That step's working memory stays within what sentence-transformers'
-    mini-batches hold, ``mini_batch_size`` rows of fp32 logits against every document: the
-    chunks of the fp32 path, the tiled kernels' scratch, the materialized path's reach and the
-    CPU's blocks are tuned to it for the call (``fusedloss.core.config.tuned``, within the
-    block only)."""
+    mini-batches hold, ``mini_batch_size`` rows of fp32 logits against every document, or 64 MiB
+    (the tiled kernels' default scratch) where that is more: the chunks of the fp32 path, the
+    tiled kernels' scratch, the materialized path's reach and the CPU's blocks are set to it for
+    the call (``fusedloss.core.config.tuned``: the process's tuning, within the block only, so
+    not for two threads' calls at once; any setting of those four fields is replaced for the
+    call). With ``gather_across_devices`` the ring keeps its own plan."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -284,9 +292,11 @@ class FusedCachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesR
     def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
                        with_backward: bool = False) -> Tensor:
         queries, docs = torch.cat(reps[0]), [torch.cat(r) for r in reps[1:]]
-        rows = self.mini_batch_size * sum(d.shape[0] for d in docs)  # fp32 logits in one
-        with config.tuned(lm_head_chunk_bytes=4 * rows, scratch_mb=4 * rows / 2**20,
-                          materialized_bytes=4 * rows, torch_chunk_elements=rows):
+        budget = max(4 * self.mini_batch_size * sum(d.shape[0] for d in docs), MIN_LOSS_BYTES)
+        bounded = (contextlib.nullcontext() if self.gather_across_devices else config.tuned(
+            lm_head_chunk_bytes=budget, scratch_mb=budget / 2**20, materialized_bytes=budget,
+            torch_chunk_elements=budget // 4))
+        with bounded:
             loss = _loss_of(self, queries, docs)
             if with_backward:
                 loss.backward()

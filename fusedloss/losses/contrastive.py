@@ -85,25 +85,32 @@ def _run(kind, a, b, scale, bias, labels, filter_eps, backend, reduction) -> tor
         t is not None and t.requires_grad for t in (a, b, scale, bias))
     if (kind == "info_nce" and backend == "triton" and a.dtype == torch.float32
             and reduction != "none" and eps is None):
-        return _info_nce_fp32_reduced(a, b, scale, target, reduction)
+        return _info_nce_fp32_reduced(a, b, scale, target, reduction, labels is not None,
+                                      wants_grad)
     loss, *_ = ops.contrastive(a, b, scale, bias, target, kind, eps, backend, wants_grad,
                                labels is not None)
     return _reduce(loss, reduction)
 
 
-def _info_nce_fp32_reduced(a, b, scale, target, reduction) -> torch.Tensor:
+def _info_nce_fp32_reduced(a, b, scale, target, reduction, user_labels: bool,
+                           wants_grad: bool) -> torch.Tensor:
     """A reduced fp32 InfoNCE: the LM head's training path
     (``ops.linear_cross_entropy_chunked``; with gradients or without, so that both give the
     same value) on the scaled queries, the keys as its head. On its cuBLAS fp32 products the
-    loss takes a third of the tiled kernels' time (docs/contrastive.md, "fp32 inputs"); the logits
-    are fp32 either way, so the accuracy is PyTorch's fp32 loss's. ``scale``'s gradient flows
-    through the product ``a · scale``."""
-    scaled = a * scale
+    loss takes a third of the tiled kernels' time (docs/contrastive.md, "fp32 inputs"); the
+    logits are fp32 as there, the products at PyTorch's fp32 matmul precision (TF32 where the
+    user allows it, as for PyTorch's own loss). ``scale``'s gradient flows through the product
+    ``a · scale``. A label outside [0, M) makes the loss and the gradients NaN, as on the other
+    paths (``Tuning.check_values``: the same ValueError)."""
     n, m = a.shape[0], b.shape[0]
-    never = torch.iinfo(torch.int64).min  # no label is ignored: a negative one gives NaN
+    if user_labels:
+        if config.tuning().check_values:
+            ops.check_labels(target, m)
+        target = torch.where((target >= 0) & (target < m), target, -1)  # -1: NaN, never ignored
+    scaled = a * scale
     return lm_head_ops.linear_cross_entropy_chunked(
-        scaled, b, target, None, None, never, 0.0, None, 0.0, reduction == "mean",
-        scaled.requires_grad, b.requires_grad, False,
+        scaled, b, target, None, None, -2, 0.0, None, 0.0, reduction == "mean",
+        wants_grad and scaled.requires_grad, wants_grad and b.requires_grad, False,
         config.lm_head_deferred(n, m, a.element_size()))
 
 

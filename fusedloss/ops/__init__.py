@@ -27,6 +27,9 @@ plain traceable PyTorch.
                                                     InfoNCE takes linear_cross_entropy_chunked)
     fusedloss::grpo_loss_fused, dpo_loss_fused,    (ops/post_training.py: the preference and RL
     cpo_loss_fused, kto_loss_fused                  losses fused into the head)
+    fusedloss::scaled_gradient                     (ops/cross_entropy.py: a gradient formed in
+                                                    the forward times the upstream gradient,
+                                                    rounded once)
 
 With default options no op reads a value back to the host, so the CPU runs ahead of the GPU
 and Inductor's CUDA graphs (``mode="reduce-overhead"``) capture them with the rest of a step.

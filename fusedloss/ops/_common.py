@@ -73,7 +73,10 @@ def eager_function(name: str, forward, setup_context, autograd_backward,
                    backward) -> type[torch.autograd.Function]:
     """An autograd Function with the op's forward, setup and backward, called without the
     dispatcher (eager mode). Its forward takes ``ctx`` itself: a Function that defines
-    ``setup_context`` instead binds its arguments through ``inspect.signature`` on every call."""
+    ``setup_context`` instead binds its arguments through ``inspect.signature`` on every call.
+    The backward runs without gradient tracking, as the op's body runs below autograd through
+    the dispatcher: ``create_graph=True`` gives first-order gradients (the ops have no second
+    derivative) instead of failing on the bodies' ``out=`` products."""
 
     def function_forward(ctx, *args):
         outputs = forward(*args)
@@ -81,7 +84,8 @@ def eager_function(name: str, forward, setup_context, autograd_backward,
         return outputs
 
     def function_backward(ctx, *grads):
-        return autograd_backward(ctx, *grads, backward_fn=backward)
+        with torch.no_grad():
+            return autograd_backward(ctx, *grads, backward_fn=backward)
 
     return type(name, (torch.autograd.Function,), {
         "__doc__": eager_function.__doc__,

@@ -61,7 +61,7 @@ def forward(
     row_nan = None
     if user_target:
         if config.tuning().check_values:
-            _check_target(target, m)
+            check_labels(target, m)
         target, row_nan = _safe_target(target, m)
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
@@ -224,8 +224,9 @@ def _safe_target(target: Tensor, m: int) -> tuple[Tensor, Tensor]:
     return target.clamp(0, m - 1), torch.where(bad, float("nan"), 0.0).to(torch.float32)
 
 
-def _check_target(target: Tensor, m: int) -> None:
-    """Raises if a target is outside [0, M): one read-back, only when asked for."""
+def check_labels(target: Tensor, m: int) -> None:
+    """Raises if a label is outside [0, M): one read-back, only when asked for
+    (``Tuning.check_values``)."""
     out_of_range = (target < 0) | (target >= m)
     if out_of_range.any():
         bad = int(target[out_of_range][0])
@@ -283,7 +284,7 @@ def materialized_forward(
     the N × M similarity matrix, which exists only during each pass. A label outside [0, M)
     gives a NaN row and NaN gradients, as in ``forward``."""
     if target is not None and config.tuning().check_values:
-        _check_target(target, b.shape[0])
+        check_labels(target, b.shape[0])
     a = row_major(a)
     return materialized.forward(a, a if kind == "nt_xent" else row_major(b), scale, bias,
                                 target, kind, reduction)
