@@ -931,8 +931,9 @@ def _spy_backends(monkeypatch) -> list[str]:
 
     original_lm_head = chunked_logits.loss_and_grads
 
-    def spy_lm_head(*args, **kwargs):  # fp32 InfoNCE's Triton path (few rows: its gradient
-        seen.append("triton")        # formed in a second call, in the backward)
+    # fp32 InfoNCE's Triton path; at few rows its gradient is formed in a second call
+    def spy_lm_head(*args, **kwargs):
+        seen.append("triton")
         return original_lm_head(*args, **kwargs)
 
     monkeypatch.setattr(chunked_logits, "loss_and_grads", spy_lm_head)
