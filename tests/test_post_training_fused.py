@@ -46,6 +46,21 @@ def _grads(loss, leaves):
     return torch.autograd.grad(loss, [t for t in leaves if t is not None])
 
 
+def _assert_backends_agree(loss_of, leaves):
+    """The Triton backend's loss and gradients (input, weight, bias) equal the torch
+    backend's: ``loss_of(backend)`` computes the loss."""
+    results = {}
+    for backend in ("torch", "triton"):
+        loss = loss_of(backend)
+        results[backend] = (loss, _grads(loss, leaves))
+    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
+        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+
 @pytest.mark.parametrize("rows", [None, 5, 2 * T])
 @pytest.mark.parametrize("case", GRPO_CASES, ids=list(GRPO_CASES))
 def test_fused_grpo_equals_the_unfused(case, rows, tune):
@@ -59,16 +74,9 @@ def test_fused_grpo_equals_the_unfused(case, rows, tune):
         old = None
     if rows is not None:
         tune(lm_head_chunk_bytes=rows * V * 4)
-    results = {}
-    for backend in ("torch", "triton"):
-        loss = post_training.grpo_loss(h, w, ids, mask, adv, old_log_probs=old,
-                                       ref_log_probs=ref, linear_bias=b, backend=backend, **kw)
-        results[backend] = (loss, _grads(loss, (h, w, b)))
-    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
-    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
-        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    _assert_backends_agree(lambda backend: post_training.grpo_loss(
+        h, w, ids, mask, adv, old_log_probs=old, ref_log_probs=ref, linear_bias=b,
+        backend=backend, **kw), (h, w, b))
 
 
 def test_fused_grpo_is_the_training_path_and_nan_in_gives_nan_out():
@@ -153,16 +161,9 @@ def test_fused_dpo_equals_the_unfused(loss_type, extra, rows, tune):
         reference = dict(ref_input=ref_h, ref_weight=ref_w)
     if rows is not None:
         tune(lm_head_chunk_bytes=rows * V * 4)
-    results = {}
-    for backend in ("torch", "triton"):
-        loss = post_training.dpo_loss(h, w, target, linear_bias=b, loss_type=loss_type,
-                                      backend=backend, **reference, **extra)
-        results[backend] = (loss, _grads(loss, (h, w, b)))
-    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
-    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
-        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    _assert_backends_agree(lambda backend: post_training.dpo_loss(
+        h, w, target, linear_bias=b, loss_type=loss_type, backend=backend, **reference,
+        **extra), (h, w, b))
 
 
 @pytest.mark.parametrize("rows", [None, 2 * T])
@@ -175,16 +176,8 @@ def test_fused_cpo_equals_the_unfused(loss_type, extra, rows, tune):
     (h, w, b), target, _, _ = _dpo_inputs(bias=True)
     if rows is not None:
         tune(lm_head_chunk_bytes=rows * V * 4)
-    results = {}
-    for backend in ("torch", "triton"):
-        loss = post_training.cpo_loss(h, w, target, linear_bias=b, loss_type=loss_type,
-                                      backend=backend, **extra)
-        results[backend] = (loss, _grads(loss, (h, w, b)))
-    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
-    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
-        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    _assert_backends_agree(lambda backend: post_training.cpo_loss(
+        h, w, target, linear_bias=b, loss_type=loss_type, backend=backend, **extra), (h, w, b))
 
 
 @pytest.mark.parametrize("rows", [None, 2 * T])
@@ -194,15 +187,8 @@ def test_fused_orpo_equals_the_unfused(extra, rows, tune):
     (h, w, b), target, _, _ = _dpo_inputs(bias=True)
     if rows is not None:
         tune(lm_head_chunk_bytes=rows * V * 4)
-    results = {}
-    for backend in ("torch", "triton"):
-        loss = post_training.orpo_loss(h, w, target, linear_bias=b, backend=backend, **extra)
-        results[backend] = (loss, _grads(loss, (h, w, b)))
-    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
-    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
-        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    _assert_backends_agree(lambda backend: post_training.orpo_loss(
+        h, w, target, linear_bias=b, backend=backend, **extra), (h, w, b))
 
 
 @pytest.mark.parametrize("rows", [None, T])
@@ -220,16 +206,9 @@ def test_fused_kto_equals_the_unfused(loss_type, extra, rows, tune):
         reference = dict(ref_log_probs=torch.randn(2 * B, device=DEVICE) - 10)
     if rows is not None:
         tune(lm_head_chunk_bytes=rows * V * 4)
-    results = {}
-    for backend in ("torch", "triton"):
-        loss = post_training.kto_loss(h, w, target, desirable, linear_bias=b,
-                                      loss_type=loss_type, backend=backend, **reference, **extra)
-        results[backend] = (loss, _grads(loss, (h, w, b)))
-    (want, want_grads), (got, got_grads) = results["torch"], results["triton"]
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
-    for name, x, r in zip(("d input", "d weight", "d bias"), got_grads, want_grads, strict=True):
-        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    _assert_backends_agree(lambda backend: post_training.kto_loss(
+        h, w, target, desirable, linear_bias=b, loss_type=loss_type, backend=backend,
+        **reference, **extra), (h, w, b))
 
 
 @pytest.mark.parametrize("name", ["grpo", "dpo", "cpo", "kto", "orpo"])

@@ -285,27 +285,13 @@ def _fake(input, weight, bias, need_input, need_weight, need_bias):
             else nothing(input, (0,)))
 
 
-@grpo_op.register_fake
-def _(input, weight, bias, *args):
-    return _fake(input, weight, bias, *args[-3:])
-
-
-@dpo_op.register_fake
-def _(input, weight, bias, *args):
-    return _fake(input, weight, bias, *args[-3:])
-
-
-@cpo_op.register_fake
-def _(input, weight, bias, *args):
-    return _fake(input, weight, bias, *args[-3:])
-
-
-@kto_op.register_fake
-def _(input, weight, bias, *args):
+def _fake_of_any(input, weight, bias, *args):
+    """Every fused op's fake: its last three arguments are the need flags."""
     return _fake(input, weight, bias, *args[-3:])
 
 
 for _op in (grpo_op, dpo_op, cpo_op, kto_op):
+    _op.register_fake(_fake_of_any)
     _op.register_autograd(formed_grads_backward, setup_context=formed_grads_setup_context)
 
 _EagerGRPO = eager_function("_EagerGRPO", grpo_forward, formed_grads_setup_context,
