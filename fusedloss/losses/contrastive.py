@@ -234,6 +234,9 @@ def info_nce_loss(
             NaN gradients).
         reduction: "mean", "sum" or "none" ((N,) per-query losses).
         filter_eps, backend: as in :func:`clip_loss` (filtering bounds each row's lost mass).
+            A "mean" or "sum" loss of fp32 features on the Triton backend without an explicit
+            ``filter_eps`` runs on the LM head's training path (cuBLAS fp32 products at
+            PyTorch's fp32 matmul precision; docs/contrastive.md, "fp32 inputs").
 
     Returns:
         The fp32 loss: a scalar, or (N,) for "none".
