@@ -142,6 +142,11 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
         row_sum = gl.zeros([BLOCK_M], gl.float32, row_l)
 
         for t in range(tile_begin, tile_end):
+            # The tile's column partials, read before its products: their latency (a round
+            # trip to L2 per tile) hides behind the tensor cores' work.
+            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
+            old_max = gl.load(col_max_ptr + col_part + cols, mask=cols < V, other=float("-inf"))
+            old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
             raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             for k in gl.static_range(K_TILES):
                 slot = c % STAGES
@@ -163,8 +168,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 row_max, row_sum = _tile_statistics(
                     raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
                     n_col_tiles, tile_stat_ptr, col_max_ptr + col_part, col_sum_ptr + col_part,
-                    col_tile_stat_ptr, mma, col_l, parts_l, pcol_l, HAS_BIAS, HAS_SCALE,
-                    RECORD_TILES, BLOCK_N, WARP_ROWS)
+                    old_max, old_sum, col_tile_stat_ptr, mma, col_l, parts_l, pcol_l,
+                    HAS_BIAS, HAS_SCALE, RECORD_TILES, BLOCK_N, WARP_ROWS)
 
         if active:
             out = pid_s.to(gl.int64) * N + offs_m
@@ -174,13 +179,15 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
 
 @gluon.jit
 def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
-                     n_col_tiles, tile_stat_ptr, col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
+                     n_col_tiles, tile_stat_ptr, col_max_ptr, col_sum_ptr, old_max, old_sum,
+                     col_tile_stat_ptr,
                      mma: gl.constexpr, col_l: gl.constexpr, parts_l: gl.constexpr,
                      pcol_l: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
                      RECORD_TILES: gl.constexpr,
                      BLOCK_N: gl.constexpr, WARP_ROWS: gl.constexpr):
     """Folds one raw tile into the rows' online (max, Σ exp), the column partials (``col_*_ptr``
-    at the consumer's row) and the per-tile records; returns the rows' (max, sum)."""
+    at the consumer's row, whose values before this tile are ``old_max``, ``old_sum``) and the
+    per-tile records; returns the rows' (max, sum)."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
     m_cols = offs_n < V
     x = raw
@@ -237,9 +244,8 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
     if RECORD_TILES:
         cmass = gl.where(inside, tile_max + gl.log(tile_csum), float("-inf"))
         gl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), gl.max(cmass, axis=0))
-    # Each thread reads back only the columns it wrote (one layout): no barrier needed.
-    old_max = gl.load(col_max_ptr + cols, mask=inside, other=float("-inf"))
-    old_sum = gl.load(col_sum_ptr + cols, mask=inside, other=0.0)
+    # Each thread reads back (old_max, old_sum) only the columns it wrote (one layout): no
+    # barrier needed.
     top = gl.maximum(old_max, tile_max)
     safe_top = gl.where(top == float("-inf"), 0.0, top)
     total = old_sum * gl.exp(old_max - safe_top) + tile_csum * gl.exp(tile_max - safe_top)
