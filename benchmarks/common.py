@@ -36,9 +36,10 @@ OK, WRONG = "ok", "wrong"
 NOT_INSTALLED, UNAVAILABLE = "not installed", "unavailable"
 FAILED, OUT_OF_MEMORY = "failed", "out of memory"
 MEASURED = (OK, WRONG)
+Column = tuple[str, Callable[[Any], Any]]  # a table column: header, cell of one row item
 
 
-# ----------------------------------------------------------------------------- timing
+# ----------------------------------------------------------------------------- timing, memory
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,13 @@ class TimingSettings:
 
 
 QUICK_TIMING = TimingSettings(warmup_ms=5.0, rep_ms=20.0)
-MATMUL_SIZE = 8192
-QUICK_MATMUL_SIZE = 256
+MATMUL_SIZE, QUICK_MATMUL_SIZE = 8192, 256
 
 
-def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool) -> TimingSettings:
-    """``--warmup-ms`` / ``--rep-ms`` where given, else the (quick) defaults."""
-    default = QUICK_TIMING if quick else TimingSettings()
+def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool,
+                    default: TimingSettings | None = None) -> TimingSettings:
+    """``--warmup-ms`` / ``--rep-ms`` where given, else ``default`` (or QUICK_TIMING)."""
+    default = QUICK_TIMING if quick else default or TimingSettings()
     return TimingSettings(default.warmup_ms if warmup_ms is None else warmup_ms,
                           default.rep_ms if rep_ms is None else rep_ms)
 
@@ -70,28 +71,14 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingS
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, return_mode="median"))
-    start = time.perf_counter()
-    fn()
-    first_ms = (time.perf_counter() - start) * 1e3
+    first_ms = timed(fn, device)[0]
     if first_ms >= timing.rep_ms:
         return first_ms
     estimate_ms = max(first_ms, 1e-3)
     for _ in range(min(100, int(timing.warmup_ms / estimate_ms))):
         fn()
-    samples = []
-    for _ in range(max(1, min(1000, int(timing.rep_ms / estimate_ms)))):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
-def median_ms_fixed(fn: Callable[[], Any], device: torch.device | str, reps: int) -> float:
-    """Median ms of exactly ``reps`` calls, each timed by :func:`timed`, for calls of seconds
-    (``do_bench`` makes at least eight; no L2 flush). The caller warms up."""
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    return statistics.median(timed(fn, torch.device(device))[0] for _ in range(reps))
+    reps = max(1, min(1000, int(timing.rep_ms / estimate_ms)))
+    return statistics.median(timed(fn, device)[0] for _ in range(reps))
 
 
 def call_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
@@ -105,7 +92,7 @@ def call_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
     return elapsed
 
 
-def timed(fn: Callable[..., Any], device: torch.device, *args: Any) -> tuple[float, Any]:
+def timed(fn: Callable[..., Any], device: torch.device | str, *args: Any) -> tuple[float, Any]:
     """(ms, result) of ``fn(*args)``: CUDA events around it (wall clock without CUDA)."""
     if uses_cuda(device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -165,6 +152,10 @@ def peak_extra_mib(
     return (peak - before - accounted_bytes) / MIB
 
 
+def tensor_bytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
@@ -187,7 +178,7 @@ def probe_matmul(device: torch.device | str, size: int | None, quick: bool,
     return matmul
 
 
-# ----------------------------------------------------------------------------- provider results
+# ----------------------------------------------------------------------------- statuses, checks
 
 
 @dataclass
@@ -234,6 +225,12 @@ def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, 
     return error, [f"loss {loss:.6g} vs reference {reference:.6g}"]
 
 
+def bound_problems(errors: Mapping[str, float], bound: Callable[[str], float]) -> list[str]:
+    """A problem for each relative error above its bound (NaN fails too)."""
+    return [f"{name} relative error {value:.2e} > {bound(name)}"
+            for name, value in errors.items() if not value <= bound(name)]
+
+
 def mark_wrong(result: Any, problems: Sequence[str]) -> None:
     if problems:
         result.status = WRONG
@@ -250,18 +247,15 @@ def progress_line(result: Any, figures_text: Callable[[Any], str]) -> str:
     return text
 
 
-def note_problem(notes: list[str], case_key: str, result: Any) -> None:
+def note_problem(notes: list[str], case_key: str, label: str, status: str, note: str) -> None:
     """Notes, once, a provider that was skipped, failed or wrong."""
-    if result.measured and result.status != WRONG:
+    if status == OK:
         return
-    note = f"{case_key}: {result.label} {result.status}: {result.note}"
-    if result.status in (NOT_INSTALLED, UNAVAILABLE):
-        note = f"{result.label} skipped ({result.status}): {result.note}"
-    if note not in notes:
-        notes.append(note)
-
-
-# ----------------------------------------------------------------------------- errors
+    text = f"{case_key}: {label} {status}: {note}"
+    if status in (NOT_INSTALLED, UNAVAILABLE):
+        text = f"{label} skipped ({status}): {note}"
+    if text not in notes:
+        notes.append(text)
 
 
 def relative_l2_error(actual: Tensor, reference: Tensor, rows_per_chunk: int = 0) -> float:
@@ -286,18 +280,18 @@ def relative_l2_error(actual: Tensor, reference: Tensor, rows_per_chunk: int = 0
 
 # ----------------------------------------------------------------------------- environment
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        dtype, str(dtype).removeprefix("torch.")
-    )
+    names = {value: key for key, value in DTYPES.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(table)}")
-    return table[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def slugify(text: str) -> str:
@@ -314,19 +308,16 @@ def package_version(distribution: str) -> str | None:
 
 
 def git_revision() -> str | None:
-    def git(*args: str) -> subprocess.CompletedProcess[str]:
+    def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=10, check=False)
+                              timeout=10, check=True).stdout.strip()
 
     try:
-        out = git("rev-parse", "--short", "HEAD")
+        revision = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    revision = out.stdout.strip()
-    if out.returncode != 0 or not revision:
-        return None
-    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    return revision + ("+dirty" if dirty else "")
+    return (revision + ("+dirty" if dirty else "")) if revision else None
 
 
 def fusedloss_version() -> str | None:
@@ -334,9 +325,18 @@ def fusedloss_version() -> str | None:
     try:
         text = (REPO_ROOT / "fusedloss" / "__init__.py").read_text(encoding="utf-8")
     except OSError:
-        return package_version("fusedloss")
+        text = ""
     match = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
     return match.group(1) if match else package_version("fusedloss")
+
+
+def fusedloss_environment() -> dict[str, str]:
+    """The ``fusedloss.core.config.Tuning`` fields (``FUSEDLOSS_*``) changed from defaults."""
+    from fusedloss.core import config
+
+    tuning, default = config.tuning(), config.Tuning()
+    return {f.name: str(getattr(tuning, f.name)) for f in dataclasses.fields(tuning)
+            if getattr(tuning, f.name) != getattr(default, f.name)}
 
 
 def collect_environment(device: torch.device | str) -> dict[str, Any]:
@@ -347,18 +347,16 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    if uses_cuda(device):
-        device_name = torch.cuda.get_device_name(device)
-        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    else:
-        device_name = f"CPU ({platform.machine() or 'unknown'})"
-        capability = None
+    cuda = uses_cuda(device)
+    device_name = (torch.cuda.get_device_name(device) if cuda
+                   else f"CPU ({platform.machine() or 'unknown'})")
     now = _dt.datetime.now().astimezone()
     return {
         "device": str(device),
         "device_name": device_name,
-        "device_slug": slugify(device_name) if uses_cuda(device) else "cpu",
-        "compute_capability": capability,
+        "device_slug": slugify(device_name) if cuda else "cpu",
+        "compute_capability": (".".join(map(str, torch.cuda.get_device_capability(device)))
+                               if cuda else None),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton_version,
@@ -371,36 +369,19 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
     }
 
 
-def fusedloss_environment() -> dict[str, str]:
-    """The ``fusedloss.core.config.Tuning`` fields (``FUSEDLOSS_*``) changed from defaults."""
-    from fusedloss.core import config
-
-    tuning, default = config.tuning(), config.Tuning()
-    return {f.name: str(getattr(tuning, f.name)) for f in dataclasses.fields(tuning)
-            if getattr(tuning, f.name) != getattr(default, f.name)}
-
-
 # ----------------------------------------------------------------------------- formatting
 
 
 def format_ms(ms: float | None) -> str:
     if ms is None or not math.isfinite(ms):
         return "—"
-    if ms >= 100:
-        return f"{ms:.0f}"
-    if ms >= 10:
-        return f"{ms:.1f}"
-    return f"{ms:.2f}"
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
 def format_mib(mib: float | None) -> str:
     if mib is None or not math.isfinite(mib):
         return "—"
-    if abs(mib) >= 100:
-        return f"{mib:.0f}"
-    if abs(mib) >= 1:
-        return f"{mib:.1f}"
-    return f"{mib:.2f}"
+    return f"{mib:.0f}" if abs(mib) >= 100 else f"{mib:.1f}" if abs(mib) >= 1 else f"{mib:.2f}"
 
 
 def format_error(value: float | None) -> str:
@@ -415,9 +396,6 @@ def format_ratio(value: float | None) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
 
 
-gib_text = format_ratio
-
-
 def count_text(value: float | None) -> str:
     """A rate (tokens/s, images/s): thousands separated, 3 significant digits below 100."""
     if value is None or not math.isfinite(value):
@@ -427,6 +405,11 @@ def count_text(value: float | None) -> str:
 
 def loss_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.4f}"
+
+
+def column(header: str, key: str, text: Callable[[Any], str] = str) -> Column:
+    """A column of dict rows: ``text`` of the row's ``key`` ("—" where it has none)."""
+    return header, lambda row: "—" if row.get(key) is None else text(row[key])
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -442,34 +425,15 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
 def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A plain fixed-width table for the terminal; numeric columns are right-aligned."""
     body = [[str(v) for v in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in body:
-        for i, value in enumerate(row):
-            widths[i] = max(widths[i], len(value))
+    widths = [max(len(row[i]) for row in [headers, *body]) for i in range(len(headers))]
     numeric = [all(_looks_numeric(row[i]) for row in body) for i in range(len(headers))]
 
     def line(values: Sequence[str]) -> str:
-        parts = [
-            values[i].rjust(widths[i]) if numeric[i] else values[i].ljust(widths[i])
-            for i in range(len(values))
-        ]
-        return "  ".join(parts).rstrip()
+        cells = [value.rjust(width) if right else value.ljust(width)
+                 for value, width, right in zip(values, widths, numeric, strict=True)]
+        return "  ".join(cells).rstrip()
 
-    out = [line(list(headers)), line(["-" * w for w in widths])]
-    out.extend(line(row) for row in body)
-    return "\n".join(out)
-
-
-def table(columns: Sequence[tuple[str, Callable[[Any], Any]]], items: Iterable[Any],
-          text: bool = False) -> str:
-    """A markdown (or with ``text`` a plain) table: one row per item, ``(header, cell)``."""
-    render = text_table if text else markdown_table
-    return render([h for h, _ in columns], [[cell(i) for _, cell in columns] for i in items])
-
-
-def section(title: str, intro: str, columns: Sequence[tuple[str, Callable[[Any], Any]]],
-            items: Iterable[Any]) -> list[str]:
-    return [f"## {title}", "", *([intro, ""] if intro else []), table(columns, items), ""]
+    return "\n".join(line(row) for row in [list(headers), ["-" * w for w in widths], *body])
 
 
 def _looks_numeric(text: str) -> bool:
@@ -480,6 +444,16 @@ def _looks_numeric(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def table(columns: Sequence[Column], items: Iterable[Any], text: bool = False) -> str:
+    """A markdown (or with ``text`` a plain) table: one row per item, ``(header, cell)``."""
+    render = text_table if text else markdown_table
+    return render([h for h, _ in columns], [[cell(i) for _, cell in columns] for i in items])
+
+
+def section(title: str, intro: str, columns: Sequence[Column], items: Iterable[Any]) -> list[str]:
+    return [f"## {title}", "", *([intro, ""] if intro else []), table(columns, items), ""]
 
 
 # ----------------------------------------------------------------------------- report pieces
@@ -540,25 +514,6 @@ def time_and_memory_cell(result: Any | None, missing: str) -> str:
     return result.status
 
 
-def fastest_cell(results: Iterable[Any]) -> str:
-    """The fastest measured result of a case, as ``ms (label)``."""
-    measured = [r for r in results if r.measured]
-    best = min(measured, key=lambda r: r.ms) if measured else None
-    return f"{format_ms(best.ms)} ({best.label})" if best else "—"
-
-
-def closing_sections(calls: Mapping[str, str], notes: Sequence[str]) -> list[str]:
-    """The report's last sections: the exact calls measured, then the notes."""
-    lines: list[str] = []
-    if calls:
-        lines += ["## Calls measured", ""]
-        lines += [f"- **{key}**: `{call}`" for key, call in calls.items()]
-        lines += [""]
-    if notes:
-        lines += ["## Notes", ""] + [f"- {note}" for note in notes] + [""]
-    return lines
-
-
 def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list]], columns: int = 1,
               size: tuple[float, float] = (8, 5), **style: Any) -> Path | None:
     """Line plots, panels row-major; a panel is (title, xlabel, ylabel, [(label, xs, ys)]).
@@ -606,48 +561,53 @@ def results_stem(suite_slug: str, date: str, device_slug: str, tag: str | None =
     return f"{stem}_{slugify(tag)}" if tag else stem
 
 
-def write_results(
-    out_dir: Path | str, stem: str, markdown: str, data: dict[str, Any]
-) -> tuple[Path, Path]:
+def results_path(out_dir: Path | str, suite_slug: str, environment: Mapping[str, Any],
+                 tag: str | None, suffix: str) -> Path:
+    """``out_dir/<stem><suffix>`` (e.g. a plot beside the results files), ``out_dir`` made."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    md_path, json_path = Path(out_dir) / f"{stem}.md", Path(out_dir) / f"{stem}.json"
-    json_path.write_text(json.dumps(json_safe(data), indent=2, ensure_ascii=False) + "\n",
-                         encoding="utf-8")
-    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
-    return md_path, json_path
+    stem = results_stem(suite_slug, environment["date"], environment["device_slug"], tag)
+    return Path(out_dir) / f"{stem}{suffix}"
 
 
-def report_results(out_dir: Path | str, suite_slug: str, tag: str | None,
-                   environment: Mapping[str, Any], notes: Sequence[str], *, markdown: str,
-                   payload: dict[str, Any], tables: str, world: int | None = None,
-                   log: Callable[[str], None] = print) -> None:
-    """Writes the results files (a ``world``-rank run adds ``_<K>gpu`` / ``_<K>proc`` to the
-    device in the name), then logs the notes, the paths and the tables (last)."""
-    device = environment["device_slug"]
-    if world is not None:
-        device += f"_{world}{'gpu' if uses_cuda(environment['device']) else 'proc'}"
-    stem = results_stem(suite_slug, environment["date"], device, tag)
-    md_path, json_path = write_results(out_dir, stem, markdown, payload)
-    for line in ["", *(f"note: {note}" for note in notes), f"results: {md_path}",
-                 f"         {json_path}", "", tables]:
-        log(line)
-    sys.stdout.flush()
+def markdown_report(environment: Mapping[str, Any], title: str,
+                    settings: Sequence[tuple[str, Any]], body: Sequence[str],
+                    calls: Mapping[str, str] | None = None, notes: Sequence[str] = (),
+                    world: int | None = None) -> str:
+    """"# title: device, date", the settings table, ``body`` (markdown lines), the exact calls
+    measured and the notes."""
+    where = f" over {world} × " if world is not None else ": "
+    lines = [f"# {title}{where}{environment['device_name']}, {environment['date']}", "",
+             markdown_table(["setting", "value"], settings), "", *body]
+    if calls:
+        lines += ["## Calls measured", "", *(f"- **{k}**: `{c}`" for k, c in calls.items()), ""]
+    if notes:
+        lines += ["## Notes", "", *(f"- {note}" for note in notes), ""]
+    return "\n".join(lines)
 
 
 def write_report(out_dir: Path | str, suite_slug: str, tag: str | None,
                  environment: Mapping[str, Any], title: str, settings: Sequence[tuple[str, Any]],
                  body: Sequence[str], payload: dict[str, Any], tables: str, *,
                  calls: Mapping[str, str] | None = None, notes: Sequence[str] = (),
-                 world: int | None = None, log: Callable[[str], None] = print) -> None:
-    """Every suite's report: "# title: device, date", the settings table, ``body`` (markdown
-    lines), the calls and notes; then :func:`report_results` writes it with ``payload``."""
-    where = f"{world} × " if world is not None else ""
-    lines = [f"# {title}{' over ' if world is not None else ': '}{where}"
-             f"{environment['device_name']}, {environment['date']}", "",
-             markdown_table(["setting", "value"], settings), "", *body,
-             *closing_sections(calls or {}, notes)]
-    report_results(out_dir, suite_slug, tag, environment, notes, markdown="\n".join(lines),
-                   payload=payload, tables=tables, world=world, log=log)
+                 world: int | None = None, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """Every suite's results files, ``<stem>.md`` (:func:`markdown_report`) and ``<stem>.json``
+    (``payload``; a ``world``-rank run adds ``_<K>gpu`` / ``_<K>proc`` to the device in the
+    stem); then logs the notes, the paths and the ``tables`` (last)."""
+    device = environment["device_slug"]
+    if world is not None:
+        device += f"_{world}{'gpu' if uses_cuda(environment['device']) else 'proc'}"
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    stem = Path(out_dir) / results_stem(suite_slug, environment["date"], device, tag)
+    md_path, json_path = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+    json_path.write_text(json.dumps(json_safe(payload), indent=2, ensure_ascii=False) + "\n",
+                         encoding="utf-8")
+    markdown = markdown_report(environment, title, settings, body, calls, notes, world)
+    md_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    for line in ["", *(f"note: {note}" for note in notes), f"results: {md_path}",
+                 f"         {json_path}", "", tables]:
+        log(line)
+    sys.stdout.flush()
+    return md_path, json_path
 
 
 # ----------------------------------------------------------------------------- command line
@@ -683,7 +643,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dt
     ``matmul``), ``--out``, ``--tag``."""
     add, default = parser.add_argument, TimingSettings()
     if dtype:
-        add("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+        add("--dtype", default="bf16", choices=list(DTYPES))
     if seed:
         add("--seed", type=int, default=0)
     add("--quick", action="store_true", help=quick_help)
@@ -707,6 +667,15 @@ QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not represent
 def pick_device(name: str | None) -> torch.device:
     """``--device``, else CUDA where there is one and the CPU otherwise."""
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def cuda_or_quick(device: torch.device, quick: bool, suite: str,
+                  log: Callable[[str], None] = print) -> bool:
+    """Whether the run can go on: a full-size run needs CUDA (logs why not)."""
+    if uses_cuda(device) or quick:
+        return True
+    log(f"the {suite} suite needs a CUDA device at full size; use --quick for a CPU smoke run")
+    return False
 
 
 def use_triton_interpreter() -> str:

@@ -114,15 +114,11 @@ def load_trained_regime(path: str | os.PathLike[str] | None = None,
             labels.to(device=device, dtype=torch.int64).contiguous(), dict(payload["metadata"]))
 
 
-def trained_shape(path: str | os.PathLike[str] | None = None) -> LMHeadShape:
-    """The "trained" file's (V, D) as an LMHeadShape named "trained"."""
-    vocab_size, hidden_size = _load_trained(path)[1]["C"].shape
-    return LMHeadShape(TRAINED_REGIME, int(vocab_size), int(hidden_size))
-
-
-def trained_rows(path: str | os.PathLike[str] | None = None) -> int:
-    """How many rows (N) the "trained" file holds."""
-    return int(_load_trained(path)[1]["E"].shape[0])
+def trained_size(path: str | os.PathLike[str] | None = None) -> tuple[LMHeadShape, int]:
+    """The "trained" file's (V, D) as an LMHeadShape named "trained", and its rows (N)."""
+    payload = _load_trained(path)[1]
+    vocab_size, hidden_size = payload["C"].shape
+    return LMHeadShape(TRAINED_REGIME, int(vocab_size), int(hidden_size)), len(payload["E"])
 
 
 PAIR_REGIMES = ("random", "trained")
@@ -142,9 +138,7 @@ def pair_logit_scale(regime: str) -> float:
 
 
 def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torch.bfloat16,
-                       device: str | torch.device = "cpu", seed: int = 0,
-                       cluster_size: int = TRAINED_CLUSTER_SIZE, latent: float = TRAINED_LATENT,
-                       noise: float = TRAINED_NOISE) -> tuple[Tensor, Tensor]:
+                       device: str | torch.device = "cpu", seed: int = 0) -> tuple[Tensor, Tensor]:
     """``(image, text)``, each (b, c) L2-normalized in float32, then cast; row i of each is
     pair i: independent unit vectors ("random"), or clustered pairs ("trained", README.md)."""
     _check_regime(regime, PAIR_REGIMES)
@@ -158,10 +152,10 @@ def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torc
     if regime == "random":
         image = unit(b).to(dtype)
         return image, unit(b).to(dtype)
-    clusters = max(1, b // max(1, cluster_size))
+    clusters = max(1, b // TRAINED_CLUSTER_SIZE)
     centres = unit(clusters)
     base = centres[torch.randint(0, clusters, (b,), generator=generator, device=device)]
-    base.add_(unit(b), alpha=latent)
-    image = torch.nn.functional.normalize(base + noise * unit(b), dim=1).to(dtype)
-    text = torch.nn.functional.normalize(base.add_(unit(b), alpha=noise), dim=1).to(dtype)
+    base.add_(unit(b), alpha=TRAINED_LATENT)
+    image = torch.nn.functional.normalize(base + TRAINED_NOISE * unit(b), dim=1).to(dtype)
+    text = torch.nn.functional.normalize(base.add_(unit(b), alpha=TRAINED_NOISE), dim=1).to(dtype)
     return image, text

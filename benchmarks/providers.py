@@ -66,9 +66,6 @@ class Provider:
         return loss in self.losses
 
 
-ContrastiveProvider = Provider
-
-
 def _function(provider: Provider, module: str, name: str) -> Any:
     """``module.name``, else Unavailable (with the install hint when the import fails)."""
     try:

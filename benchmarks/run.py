@@ -15,18 +15,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# ``python benchmarks/run.py`` puts benchmarks/ on sys.path, not the repository root.
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
-
-def _ensure_repo_importable() -> None:
-    """``python benchmarks/run.py`` puts benchmarks/ on sys.path, not the repository root."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.suites import DEFAULT_SUITE, SUITES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.suites import DEFAULT_SUITE, SUITES
-
     parser = argparse.ArgumentParser(
         prog="python benchmarks/run.py",
         description=f"fusedloss benchmarks (suite defaults to {DEFAULT_SUITE}).",
@@ -38,9 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _ensure_repo_importable()
-    from benchmarks.suites import DEFAULT_SUITE, SUITES
-
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (args_list[0].startswith("-") and args_list[0] not in ("-h", "--help")):
         args_list.insert(0, DEFAULT_SUITE)

@@ -75,15 +75,14 @@ def default_roots() -> list[str]:
                   *(p for p in sys.path if os.path.basename(p) in ("site-packages",
                                                                     "dist-packages"))]
     roots: dict[str, str] = {}  # real path: the first spelling of it
-    for candidate in candidates:
-        if os.path.isdir(candidate):
-            roots.setdefault(os.path.realpath(candidate), candidate)
+    for candidate in filter(os.path.isdir, candidates):
+        roots.setdefault(os.path.realpath(candidate), candidate)
     return list(roots.values())
 
 
 def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()[:8],
-                          "big")
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big")
 
 
 def is_held_out(relative_path: str, fraction: float) -> bool:
@@ -104,8 +103,7 @@ def collect_corpus(settings: Settings) -> tuple[list[str], list[str], dict[str, 
     held = settings.held_out_fraction
     quota = {"train": (1.0 - held) * settings.corpus_mb * MB,
              "held_out": held * settings.corpus_mb * MB}
-    taken = {"train": 0, "held_out": 0}
-    texts: dict[str, list[str]] = {"train": [], "held_out": []}
+    taken, texts = {"train": 0, "held_out": 0}, {"train": [], "held_out": []}
     skipped, seen, max_bytes = Counter(), set(), settings.max_file_kb * 1000
     for root, relative in sorted(files, key=lambda f: (_digest(f"{settings.seed}:{f[1]}"), f)):
         if all(taken[split] >= quota[split] for split in taken):
@@ -217,28 +215,23 @@ def autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def cosine_decay(progress: float, floor: float) -> float:
-    """1 at ``progress`` 0, cosine down to ``floor`` at 1 (and after)."""
-    return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def learning_rate(settings: Settings, progress: float) -> float:
     """Linear warm-up over ``settings.warmup`` of the budget, then cosine to the floor."""
     if progress < settings.warmup:
         return settings.lr * progress / settings.warmup
-    decay = (progress - settings.warmup) / max(1e-9, 1.0 - settings.warmup)
-    return settings.lr * cosine_decay(decay, settings.min_lr_ratio)
+    decay = min(1.0, (progress - settings.warmup) / max(1e-9, 1.0 - settings.warmup))
+    floor = settings.min_lr_ratio
+    return settings.lr * (floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * decay)))
 
 
 def train(model: GPT, train_stream: Tensor, settings: Settings) -> dict[str, Any]:
     """Trains ``model`` in place (AdamW, gradient clip 1, batches of random windows); returns
     the training record."""
     device, seq_len = train_stream.device, settings.seq_len
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": settings.weight_decay},
-                                   {"params": others, "weight_decay": 0.0}],
-                                  lr=0.0, betas=(0.9, 0.95), fused=device.type == "cuda")
+    groups = [{"params": [p for p in model.parameters() if (p.dim() >= 2) == matrix],
+               "weight_decay": settings.weight_decay if matrix else 0.0}
+              for matrix in (True, False)]
+    optimizer = torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), fused=device.type == "cuda")
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     offsets = torch.arange(seq_len + 1, device=device)
 
@@ -271,13 +264,11 @@ def train(model: GPT, train_stream: Tensor, settings: Settings) -> dict[str, Any
                 break
         losses.append(step(learning_rate(settings, progress)))
     final_train = float(torch.stack(losses[-max(1, len(losses) // 10) :]).mean())
-    seconds = time.perf_counter() - clock
-    tokens_per_step = settings.batch_size * seq_len
+    seconds, tokens = time.perf_counter() - clock, settings.batch_size * seq_len
     print(f"{len(losses)} steps in {seconds:.0f} s: train loss {final_train:.3f} (the last "
           "tenth of the steps)", flush=True)
-    return {"steps": len(losses), "tokens": len(losses) * tokens_per_step,
-            "seconds": round(seconds, 2),
-            "tokens_per_second": round((len(losses) - 1) * tokens_per_step / seconds),
+    return {"steps": len(losses), "tokens": len(losses) * tokens, "seconds": round(seconds, 2),
+            "tokens_per_second": round((len(losses) - 1) * tokens / seconds),
             "precision": "bf16 autocast, float32 weights" if device.type == "cuda" else "float32",
             "final_train_loss": final_train}
 
@@ -318,15 +309,13 @@ def softmax_shape(hidden: Tensor, classifier: Tensor, labels: Tensor,
             outside[k].append(tail[:, vocab - k - 1] if k < vocab else torch.zeros_like(losses[-1]))
         del p, tail, log_p
     count, loss = torch.cat(counts).double(), torch.cat(losses)
-    return {
-        "rows": n, "vocab": vocab, "threshold": SOFTMAX_THRESHOLD,
-        "entries_above_threshold_mean": float(count.mean()),
-        "entries_above_threshold_median": float(count.quantile(0.5)),
-        "mass_outside_top": {str(k): float(torch.cat(outside[k]).double().mean())
-                             for k in SOFTMAX_TOP},
-        "mean_loss": float(loss.double().mean()),
-        "mean_p_target": float(torch.exp(-loss).double().mean()),
-    }
+    return {"rows": n, "vocab": vocab, "threshold": SOFTMAX_THRESHOLD,
+            "entries_above_threshold_mean": float(count.mean()),
+            "entries_above_threshold_median": float(count.quantile(0.5)),
+            "mass_outside_top": {str(k): float(torch.cat(outside[k]).double().mean())
+                                 for k in SOFTMAX_TOP},
+            "mean_loss": float(loss.double().mean()),
+            "mean_p_target": float(torch.exp(-loss).double().mean())}
 
 
 def build(settings: Settings, argv: Sequence[str] = ()) -> GPT:
@@ -346,9 +335,9 @@ def build(settings: Settings, argv: Sequence[str] = ()) -> GPT:
     corpus["tokens"] = {"train": train_stream.numel(), "held_out": held_out_stream.numel()}
     print(f"corpus from {', '.join(corpus['roots'])}: files {corpus['files']}, bytes "
           f"{corpus['bytes']}, tokens {corpus['tokens']}", flush=True)
-    count = math.ceil(settings.n / settings.seq_len)  # held-out windows of the saved rows
-    short = train_stream.numel() < settings.seq_len + 2
-    if short or held_out_stream.numel() <= count * settings.seq_len:
+    windows = math.ceil(settings.n / settings.seq_len)  # held-out windows of the saved rows
+    if (train_stream.numel() < settings.seq_len + 2
+            or held_out_stream.numel() <= windows * settings.seq_len):
         raise RuntimeError(f"too few tokens for {settings.n} held-out rows: raise corpus_mb or "
                            "held_out_fraction, or lower n")
 
@@ -356,8 +345,7 @@ def build(settings: Settings, argv: Sequence[str] = ()) -> GPT:
     training = train(model.train(), train_stream.to(device), settings)
     starts, hidden, x, y = extract_rows(model.eval(), held_out_stream.to(device), settings.n,
                                         settings.seq_len)
-    E = hidden.to(torch.bfloat16)
-    C = model.head.weight.detach().to(torch.bfloat16)
+    E, C = hidden.to(torch.bfloat16), model.head.weight.detach().to(torch.bfloat16)
     softmax = softmax_shape(E, C, y)
     print(f"rows: N={settings.n}, held-out loss {softmax['mean_loss']:.3f} (log V = "
           f"{math.log(C.shape[0]):.3f})", flush=True)

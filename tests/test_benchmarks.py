@@ -248,12 +248,10 @@ def test_results_files_written(tmp_path):
     info = _run_info()
     stem = common.results_stem("lm_head", "2026-11-22", "nvidia-h100-80gb-hbm3", "subset A")
     assert stem == "lm_head_2026-11-22_nvidia-h100-80gb-hbm3_subset-a"
-    md_path, json_path = common.write_results(
-        tmp_path / "out",
-        stem,
-        lm_head.render_markdown(info, [case_result]),
-        lm_head.results_json(info, [case_result]),
-    )
+    md_path, json_path = common.write_report(
+        tmp_path / "out", "lm_head", "subset A", info["environment"], "LM head",
+        *lm_head.report_sections(info, [case_result]), lm_head.results_json(info, [case_result]),
+        "", calls=info["calls"], notes=info["notes"], log=lambda _line: None)
     markdown = md_path.read_text(encoding="utf-8")
     for text in ("723 TFLOP/s", "benchmarks/README.md", "torch bf16 dE / dC", "4.4e-03 / 4.4e-03",
                  "| 3.00000 |", "1.0e-03", "2.0e-03", "| 20.0 |", "softcap 30", "25.00%",

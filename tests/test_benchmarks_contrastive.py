@@ -272,7 +272,7 @@ def test_inf_cl_missing_or_without_cuda(monkeypatch):
 # ----------------------------------------------------------------------------- run_provider
 
 
-class _FakeProvider(providers.ContrastiveProvider):
+class _FakeProvider(providers.Provider):
     def __init__(self, key, fn, is_peer=False):
         self.key, self.label, self.fn, self.is_peer = key, key, fn, is_peer
 
@@ -394,7 +394,9 @@ def test_report_tables():
                               backend="triton", providers=["fusedloss", "torch", "inf-cl"]),
                 matmul={"size": 8192, "dtype": "bf16", "ms": 1.52, "tflops": 723.0},
                 peer_versions={"inf-cl": None}, calls={}, notes=["inf-cl skipped"])
-    markdown = contrastive.render_markdown(info, case_results)
+    markdown = common.markdown_report(info["environment"], "Contrastive losses",
+                                      *contrastive.report_sections(info, case_results),
+                                      notes=info["notes"])
     for text in (
         "723 TFLOP/s",
         "max_memory_allocated",

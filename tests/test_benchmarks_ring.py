@@ -59,9 +59,9 @@ def test_defaults_and_options():
 def test_results_files_are_named_after_the_ranks(tmp_path):
     def names(device, slug, world, tag):
         env = {"device": device, "device_slug": slug, "date": "2026-12-01"}
-        common.report_results(tmp_path / tag, "ring", tag if tag != "none" else None, env,
-                              [], markdown="", payload={}, tables="", world=world,
-                              log=lambda _line: None)
+        env["device_name"] = slug
+        common.write_report(tmp_path / tag, "ring", tag if tag != "none" else None, env, "", [],
+                            [], {}, "", world=world, log=lambda _line: None)
         return sorted(p.name for p in (tmp_path / tag).iterdir())
 
     assert names("cuda", "nvidia-h100-80gb-hbm3", 8, "none") == [

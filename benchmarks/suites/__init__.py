@@ -1,9 +1,10 @@
-"""Benchmark suites: each module defines a :class:`Suite` (``add_arguments(parser)``,
+"""Benchmark suites: each module defines ``SUITE``, a :class:`Suite` (``add_arguments(parser)``,
 ``run(args) -> exit code``), registered in ``SUITES`` below."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,24 +17,9 @@ class Suite:
     run: Callable[[argparse.Namespace], int]
 
 
-def _registry() -> dict[str, Suite]:
-    from benchmarks.suites import (
-        companions,
-        contrastive,
-        grad_cache,
-        lm_head,
-        post_training,
-        retrieval,
-        ring,
-        sizes,
-        train,
-        vocab_parallel,
-    )
-
-    suites = (lm_head, contrastive, ring, vocab_parallel, train, grad_cache, companions, sizes,
-              post_training, retrieval)
-    return {module.SUITE.name: module.SUITE for module in suites}
-
-
-SUITES: dict[str, Suite] = _registry()
+MODULES = ("lm_head", "contrastive", "ring", "vocab_parallel", "train", "grad_cache", "companions",
+           "sizes", "post_training", "retrieval")
+SUITES: dict[str, Suite] = {
+    suite.name: suite
+    for suite in (importlib.import_module(f"benchmarks.suites.{m}").SUITE for m in MODULES)}
 DEFAULT_SUITE = "lm-head"

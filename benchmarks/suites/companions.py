@@ -12,7 +12,6 @@ import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks import common
-from benchmarks.common import TimingSettings, format_mib, format_ms, loss_text
+from benchmarks.common import TimingSettings, column, format_mib, format_ms, loss_text
 from benchmarks.suites import Suite
 
 NAME = "companions"
@@ -197,7 +196,7 @@ def measure_linear(provider: str, case: str, base: nn.Linear, x: Tensor, dy: Ten
             (step(), x.grad, layer.weight.grad), reference, strict=True)]  # step() sets the grads
         row.y_error, row.dx_error, row.dw_error = errors
         x.grad = layer.weight.grad = layer.bias.grad = None
-        gradient_bytes = sum(t.numel() * t.element_size() for t in (x, layer.weight, layer.bias))
+        gradient_bytes = common.tensor_bytes((x, layer.weight, layer.bias))
         row.peak_extra_mib = common.peak_extra_mib(step, device, gradient_bytes)
         row.ms = common.median_ms(step, device, s.timing)
         if not all(map(math.isfinite, errors)):
@@ -336,11 +335,6 @@ def train(provider: str, s: SimpleNamespace, device: torch.device) -> dict:
     return vars(row)
 
 
-def column(header: str, key: str, text: Callable[[Any], str] = str) -> tuple[str, Callable]:
-    """A table column: ``text`` of the row's ``key`` ("—" where it has none)."""
-    return header, lambda row: "—" if row.get(key) is None else text(row[key])
-
-
 MS = ("ms", lambda row: row["status"] if row["ms"] is None else format_ms(row["ms"]))
 ERROR, TIMES = common.format_error, "{:.2f}×".format
 COLUMNS = {  # per part, the first columns also the terminal's
@@ -353,7 +347,7 @@ COLUMNS = {  # per part, the first columns also the terminal's
                   column("host syncs", "host_syncs"), column("status", "status"),
                   column("peak MB", "peak_extra_mib", format_mib)],
     "e2e": [column("variant", "label"), MS, column("images/s", "images_per_s", common.count_text),
-            column("peak GiB", "peak_gib", common.gib_text),
+            column("peak GiB", "peak_gib", common.format_ratio),
             column("first loss", "losses", lambda losses: loss_text(losses[0] if losses else None)),
             column("final loss", "final_loss", loss_text),
             column("Δ final loss", "final_loss_delta", "{:+.4f}".format),
@@ -405,16 +399,14 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     device = common.pick_device(args.device)
     cuda = common.uses_cuda(device)
-    if not cuda and not args.quick:
-        log("the companions suite needs a CUDA device at full size; use --quick for a CPU run")
+    if not common.cuda_or_quick(device, args.quick, NAME, log):
         return 2
-    sizes, timing = (QUICK, common.QUICK_TIMING) if args.quick else (FULL, TRITON_TIMING)
+    sizes = QUICK if args.quick else FULL
     s = SimpleNamespace(**{
         **sizes, "widths": args.widths or sizes["widths"], "tokens": args.tokens or sizes["tokens"],
         "steps": args.steps or sizes["steps"], "parts": [p for p in PARTS if p in args.parts],
         "backend": "triton" if cuda else "torch", "seed": args.seed, "quick": args.quick,
-        "timing": TimingSettings(timing.warmup_ms if args.warmup_ms is None else args.warmup_ms,
-                                 timing.rep_ms if args.rep_ms is None else args.rep_ms)})
+        "timing": common.timing_settings(args.warmup_ms, args.rep_ms, args.quick, TRITON_TIMING)})
     env = common.collect_environment(device)
     log(f"companions on {env['device_name']}, SwitchBack backend {s.backend}: {s.parts}")
     report = {"suite": NAME, "environment": env,
@@ -432,10 +424,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         for row in rows:  # rows[0]: nn.Linear
             if row["final_loss"] is not None and rows[0]["final_loss"] is not None:
                 row["final_loss_delta"] = row["final_loss"] - rows[0]["final_loss"]
-        stem = common.results_stem(NAME, env["date"], env["device_slug"], args.tag)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         curves = [(row["label"], range(len(row["losses"])), row["losses"]) for row in rows]
-        if not common.save_plot(Path(args.out) / f"{stem}.png", [(
+        if not common.save_plot(common.results_path(args.out, NAME, env, args.tag, ".png"), [(
                 "CLIP training: loss per step", "step", "CLIP loss", curves)], linewidth=1):
             log("no plot: matplotlib is not installed")
     write_report(report, s, args, log)

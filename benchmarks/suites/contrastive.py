@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,8 +17,8 @@ from torch import Tensor
 from benchmarks import common
 from benchmarks import inputs as pairs
 from benchmarks import providers as prov
-from benchmarks.common import NOT_INSTALLED, UNAVAILABLE, TimingSettings
-from benchmarks.providers import CLIP, NT_XENT, SIGLIP, ContrastiveProvider, Unavailable
+from benchmarks.common import NOT_INSTALLED, UNAVAILABLE, Column, TimingSettings
+from benchmarks.providers import CLIP, NT_XENT, SIGLIP, Provider, Unavailable
 from benchmarks.suites import Suite
 
 NAME = "contrastive"
@@ -222,7 +223,7 @@ class CaseResult:
     results: dict[str, ProviderResult] = field(default_factory=dict)
 
 
-def run_provider(provider: ContrastiveProvider, case: Case, args: Sequence[Any],
+def run_provider(provider: Provider, case: Case, args: Sequence[Any],
                  reference: Reference | None, *, timing: TimingSettings,
                  floor_ms: float) -> ProviderResult:
     """Check, measure memory, and time one provider on one case; never raises."""
@@ -247,12 +248,13 @@ def run_provider(provider: ContrastiveProvider, case: Case, args: Sequence[Any],
         common.release_memory(device)
         if common.uses_cuda(device):
             begin = time.perf_counter()
-            grad_bytes = sum(leaf.numel() * leaf.element_size() for leaf in inputs)
-            result.peak_extra_mib = common.peak_extra_mib(forward_backward, device, grad_bytes)
+            result.peak_extra_mib = common.peak_extra_mib(forward_backward, device,
+                                                          common.tensor_bytes(inputs))
             estimate_ms = (time.perf_counter() - begin) * 1e3
-        if estimate_ms >= SLOW_MS:
+        if estimate_ms >= SLOW_MS:  # calls of seconds: do_bench would make at least eight
             reps = max(2, min(SLOW_MAX_REPS, int(SLOW_BUDGET_MS // estimate_ms)))
-            result.ms = common.median_ms_fixed(forward_backward, device, reps)
+            result.ms = statistics.median(common.timed(forward_backward, device)[0]
+                                          for _ in range(reps))
             result.timing = f"median of {reps} timed calls"
         else:
             result.ms = common.median_ms(forward_backward, device, timing)
@@ -272,15 +274,15 @@ def _check(result: ProviderResult, loss_name: str, loss: Tensor, inputs: Sequenc
         result.loss_error, loss_problems = common.check_loss(result.loss, reference.loss,
                                                              LOSS_TOLERANCE)
         problems += loss_problems
-        for name, grad in grads.items() if reference.grads is not None else ():
-            error = result.errors[name] = common.relative_l2_error(grad, reference.grads[name])
-            bound = GRADIENT_ERROR_BOUND if grad.dim() else SCALAR_ERROR_BOUND
-            if not error <= bound:  # also catches NaN
-                problems.append(f"{name} relative error {error:.2e} > {bound}")
+        if reference.grads is not None:
+            result.errors = {name: common.relative_l2_error(grad, reference.grads[name])
+                             for name, grad in grads.items()}
+            problems += common.bound_problems(result.errors, lambda name: (
+                GRADIENT_ERROR_BOUND if grads[name].dim() else SCALAR_ERROR_BOUND))
     common.mark_wrong(result, problems)
 
 
-def run_cases(cases: Sequence[Case], providers: Sequence[ContrastiveProvider], *,
+def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
               device: torch.device, dtype: torch.dtype, seed: int, timing: TimingSettings,
               tflops: float, log: Callable[[str], None] = print) -> list[CaseResult]:
     """Run every provider of every case (the case's providers among those selected)."""
@@ -339,12 +341,16 @@ def _loss_text(cr: CaseResult) -> str:
     return f"{text}, {ref.dtype}"
 
 
-Column = tuple[str, Callable[[Any], Any]]  # header, cell of one row item
-
-
 def _provider_columns(case_results: Sequence[CaseResult], cell: Callable) -> list[Column]:
     return [(label, lambda cr, k=key: cell(cr.results.get(k)))
             for key, label in common.provider_columns(case_results)]
+
+
+def _fastest(cr: CaseResult) -> str:
+    """The fastest measured result of a case, as ``ms (label)``."""
+    measured = [r for r in cr.results.values() if r.measured]
+    best = min(measured, key=lambda r: r.ms) if measured else None
+    return f"{common.format_ms(best.ms)} ({best.label})" if best else "—"
 
 
 def result_tables(case_results: Sequence[CaseResult], text: bool = False) -> dict[str, str]:
@@ -355,7 +361,7 @@ def result_tables(case_results: Sequence[CaseResult], text: bool = False) -> dic
             else "—")
     time_columns = [
         label, *_provider_columns(case_results, lambda r: common.time_and_memory_cell(r, "—")),
-        ("fastest", lambda cr: common.fastest_cell(cr.results.values())),
+        ("fastest", _fastest),
         ("floor 8r²c/R", lambda cr: common.format_ms(cr.floor_ms)),
         ("4r²c/R", lambda cr: common.format_ms(cr.floor_ms / 2)), ours]
     accuracy_columns = [label, ("mean loss (reference)", _loss_text),
@@ -364,8 +370,9 @@ def result_tables(case_results: Sequence[CaseResult], text: bool = False) -> dic
             "Losses and gradient accuracy": common.table(accuracy_columns, case_results, text)}
 
 
-def render_markdown(info: dict[str, Any], case_results: Sequence[CaseResult]) -> str:
-    """The report: settings, time and memory, losses and gradient accuracy, calls, notes."""
+def report_sections(info: dict[str, Any], case_results: Sequence[CaseResult]
+                    ) -> tuple[list[tuple[str, str]], list[str]]:
+    """The report's settings rows and body: time and memory, losses and gradient accuracy."""
     env, settings = info["environment"], info["settings"]
     timing = common.WALL_CLOCK_TIMING
     if common.uses_cuda(env["device"]):
@@ -383,11 +390,9 @@ def render_markdown(info: dict[str, Any], case_results: Sequence[CaseResult]) ->
         ("gradient error", "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ against a float64 "
                            "reference where rows²·c ≤ 2^40 (÷ torch materialized's error)"),
     ]
-    lines = [f"# Contrastive losses: {env['device_name']}, {env['date']}", "",
-             common.markdown_table(["setting", "value"], rows), ""]
-    for title, table in result_tables(case_results).items():
-        lines += [f"## {title}", "", table, ""]
-    return "\n".join(lines + common.closing_sections(info["calls"], info["notes"]))
+    body = [line for title, table in result_tables(case_results).items()
+            for line in (f"## {title}", "", table, "")]
+    return rows, body
 
 
 # ----------------------------------------------------------------------------- command line
@@ -408,8 +413,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     device = common.pick_device(args.device)
-    if not common.uses_cuda(device) and not args.quick:
-        log("the contrastive suite needs a CUDA device at full size; use --quick on a CPU")
+    if not common.cuda_or_quick(device, args.quick, NAME, log):
         return 2
     dtype = common.parse_dtype(args.dtype)
     backend = "triton" if common.uses_cuda(device) else "torch"
@@ -433,18 +437,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         for result in cr.results.values():
             if result.call:
                 calls.setdefault(f"{result.label}, {cr.case.loss}", result.call)
-            common.note_problem(notes, cr.case.label, result)
+            common.note_problem(notes, cr.case.label, result.label, result.status, result.note)
     settings = dict(dtype=common.dtype_name(dtype), seed=args.seed, quick=args.quick,
                     warmup_ms=timing.warmup_ms, rep_ms=timing.rep_ms, backend=backend,
                     providers=list(args.providers))
     info = dict(environment=environment, settings=settings, matmul=matmul,
                 peer_versions={"inf-cl": common.package_version("inf-cl")},
                 calls=calls, notes=notes)
-    common.report_results(args.out, NAME, args.tag, environment, notes,
-                          markdown=render_markdown(info, case_results),
-                          payload=dict(suite=NAME, **info, cases=list(map(asdict, case_results))),
-                          tables="\n\n".join(result_tables(case_results, text=True).values()),
-                          log=log)
+    common.write_report(args.out, NAME, args.tag, environment, "Contrastive losses",
+                        *report_sections(info, case_results),
+                        dict(suite=NAME, **info, cases=list(map(asdict, case_results))),
+                        "\n\n".join(result_tables(case_results, text=True).values()),
+                        calls=calls, notes=notes, log=log)
     return 0
 
 

@@ -155,11 +155,6 @@ def check_methods(args: argparse.Namespace, ctx: ring.Context) -> dict[str, Any]
     parameter gradients up to the order of float additions. cuDNN's TF32 (on by default for
     convolutions, the patch embedding's) is off for the check: in TF32 the two methods' batch
     splits round the convolution's weight gradient differently (~1e-4)."""
-    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
-        return _check_methods(args, ctx)
-
-
-def _check_methods(args: argparse.Namespace, ctx: ring.Context) -> dict[str, Any]:
     batch = args.batches[0]
     check: dict[str, Any] = {"batch": batch, "status": OK, "note": ""}
     results = []
@@ -167,8 +162,9 @@ def _check_methods(args: argparse.Namespace, ctx: ring.Context) -> dict[str, Any
         trainer = Trainer(args, ctx)
         trainer.dtype = torch.float32
         data = make_batch(batch // ctx.world, ctx.rank, args.seed, ctx.device)
-        ok, result = ring.stage(ctx, check, lambda t=trainer, m=method, d=data: (
-            t.step(m, *d, update=False)[1], [p.grad.float().clone() for p in t.parameters]))
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+            ok, result = ring.stage(ctx, check, lambda t=trainer, m=method, d=data: (
+                t.step(m, *d, update=False)[1], [p.grad.float().clone() for p in t.parameters]))
         if not ok:
             return check
         results.append(result)

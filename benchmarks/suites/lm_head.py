@@ -75,7 +75,7 @@ def select_cases(shapes: Sequence[str] | None, regimes: Sequence[str] | None,
                 cases.setdefault((shape_name, regime, n), []).append(
                     Case(inputs.quick_shape(shape) if quick else shape, regime, mode, n))
     if inputs.TRAINED_REGIME in (regimes or ()):
-        shape, rows = inputs.trained_shape(trained_lm), inputs.trained_rows(trained_lm)
+        shape, rows = inputs.trained_size(trained_lm)
         for n in dict.fromkeys(min(n, rows) for n in ns):
             cases[shape.name, inputs.TRAINED_REGIME, n] = [
                 Case(shape, inputs.TRAINED_REGIME, m, n) for m in (modes or ["fwd+bwd"])]
@@ -239,15 +239,12 @@ def run_provider(provider: Provider, cr: CaseResult, tensors: tuple[Tensor, Tens
                 result.ratio_hidden = result.err_hidden / cr.yardstick["dE"]
                 result.ratio_classifier = result.err_classifier / cr.yardstick["dC"]
             errors = {"dE": result.err_hidden, "dC": result.err_classifier}
-            problems += [f"{name} relative error {error:.2e} > {GRADIENT_ERROR_BOUND}"
-                         for name, error in errors.items()
-                         if not error <= GRADIENT_ERROR_BOUND]  # also catches NaN
+            problems += common.bound_problems(errors, lambda _: GRADIENT_ERROR_BOUND)
         common.mark_wrong(result, problems)
         del loss, grads
         common.release_memory(device)
-        gradient_bytes = sum(leaf.numel() for leaf in leaves) * leaves[0].element_size()
-        result.peak_extra_mib = common.peak_extra_mib(
-            timed, device, gradient_bytes if case.with_backward else 0)
+        gradient_bytes = common.tensor_bytes(leaves) if case.with_backward else 0
+        result.peak_extra_mib = common.peak_extra_mib(timed, device, gradient_bytes)
         result.ms = common.median_ms(timed, device, timing)
         result.times_floor = result.ms / cr.floor_ms
         if cr.products["ms"]:
@@ -364,8 +361,9 @@ def _time_table(case_results: Sequence[CaseResult]) -> str:
     return common.markdown_table(headers, body)
 
 
-def render_markdown(run: dict[str, Any], case_results: Sequence[CaseResult]) -> str:
-    """The report: settings, the time table, every figure, the calls and the notes."""
+def report_sections(run: dict[str, Any], case_results: Sequence[CaseResult]
+                    ) -> tuple[list[tuple[str, str]], list[str]]:
+    """The report's settings rows and body: the time table and every figure."""
     env, settings = run["environment"], run["settings"]
     timing = common.WALL_CLOCK_TIMING
     if common.uses_cuda(env["device"]):
@@ -379,12 +377,8 @@ def render_markdown(run: dict[str, Any], case_results: Sequence[CaseResult]) -> 
              "alone, 'products'), per mode. torch bf16: torch eager's relative L2 error against "
              "float64, the bar of 'err ratio'. × floor: ms ÷ 8NVD/R (fwd+bwd) or 2NVD/R (fwd), "
              "R the matmul rate above (docs/design.md).")
-    lines = [f"# LM-head linear cross-entropy: {env['device_name']}, {env['date']}", "",
-             common.markdown_table(["setting", "value"], rows), "", "## Time and memory", "",
-             intro, "", _time_table(case_results), "",
-             *common.section("All figures", "", FIGURE_COLUMNS, _rows(case_results)),
-             *common.closing_sections(run["calls"], run["notes"])]
-    return "\n".join(lines)
+    return rows, ["## Time and memory", "", intro, "", _time_table(case_results), "",
+                  *common.section("All figures", "", FIGURE_COLUMNS, _rows(case_results))]
 
 
 def results_json(run: dict[str, Any], case_results: Sequence[CaseResult]) -> dict[str, Any]:
@@ -498,8 +492,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         log(str(plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)))
         return 0
     device = common.pick_device(args.device)
-    if not common.uses_cuda(device) and not args.quick:
-        log("the lm-head suite needs a CUDA device at full size; use --quick for a CPU smoke run")
+    if not common.cuda_or_quick(device, args.quick, NAME, log):
         return 2
     quick, dtype = bool(args.quick), common.parse_dtype(args.dtype)
     ns = args.n or [inputs.QUICK_N if quick else DEFAULT_N]
@@ -520,8 +513,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     case_results = run_cases(cases, providers, device=device, dtype=dtype, seed=args.seed,
                              timing=timing, tflops=matmul["tflops"], log=log,
                              trained_lm=args.trained_lm)
-    for cr, result in _rows(case_results):
-        common.note_problem(notes, cr.case.key, result)
+    for cr, r in _rows(case_results):
+        common.note_problem(notes, cr.case.key, r.label, r.status, r.note)
     notes += [f"{cr.case.key}: {note}" for cr in case_results
               for note in (cr.yardstick["note"], cr.products["note"]) if note]
     settings = {"n": ns, "dtype": args.dtype, "seed": args.seed, "quick": quick,
@@ -531,9 +524,10 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     run_info = {"suite": NAME, "environment": environment, "settings": settings, "matmul": matmul,
                 "peer_versions": peers, "calls": calls, "notes": notes}
     summary = common.table(SUMMARY_COLUMNS, _rows(case_results), text=True)
-    common.report_results(args.out, "lm_head", args.tag, environment, notes,
-                          markdown=render_markdown(run_info, case_results),
-                          payload=results_json(run_info, case_results), tables=summary, log=log)
+    common.write_report(args.out, "lm_head", args.tag, environment,
+                        "LM-head linear cross-entropy", *report_sections(run_info, case_results),
+                        results_json(run_info, case_results), summary, calls=calls, notes=notes,
+                        log=log)
     return 0
 
 

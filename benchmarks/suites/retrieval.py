@@ -7,7 +7,6 @@ import argparse
 import os
 import statistics
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,9 +131,8 @@ def run(args: argparse.Namespace) -> int:
         panels = [(f"global batch {b}", "step", "loss",
                    [(m, list(range(len(v))), v) for (b2, m), v in losses.items() if b2 == b])
                   for b in args.batches]
-        stem = common.results_stem("retrieval", env["date"], env["device_slug"], args.tag)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        common.save_plot(Path(args.out) / f"{stem}_losses.png", panels, columns=len(panels),
+        path = common.results_path(args.out, "retrieval", env, args.tag, "_losses.png")
+        common.save_plot(path, panels, columns=len(panels),
                          size=(4, 3), marker="o")
     largest = ({m: largest_batch(m, args) for m in ("st-plain", "fused-plain")}
                if args.largest else {})

@@ -184,11 +184,6 @@ def say_row(ctx: Context, row: dict[str, Any]) -> None:
             f"{common.format_mib(row.get('peak_extra_mib'))} MB, {_errors(row)} {row['note']}")
 
 
-def bound_problems(errors: dict[str, float], bound: Callable[[str], float]) -> list[str]:
-    return [f"{name} relative error {value:.2e} > {bound(name)}"
-            for name, value in errors.items() if not value <= bound(name)]  # NaN fails too
-
-
 def _number(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -241,10 +236,7 @@ def write_report(args: argparse.Namespace, ctx: Context, title: str, body: list[
     for case in payload.get("cases", []):
         notes += [f"{case['case']}: {case['note']}"] if case["note"] else []
         for row in case["results"]:
-            skipped = row["status"] in (NOT_INSTALLED, UNAVAILABLE)
-            note = f"{'' if skipped else case['case'] + ': '}{row['label']} {row['status']}: "
-            if row["status"] != OK and note + row["note"] not in notes:
-                notes.append(note + row["note"])
+            common.note_problem(notes, case["case"], row["label"], row["status"], row["note"])
     versions = {peer: common.package_version(peer) for peer in PEERS.values()}
     rows = [*common.environment_rows(env, versions if args.suite == "ring" else {}),
             *[(k, v) for k, v in settings.items() if v is not None],
@@ -264,8 +256,7 @@ def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace
     ``body(args, context)`` and leaves it."""
     device = common.pick_device(args.device)
     cuda = device.type == "cuda"
-    if not cuda and not args.quick:
-        log(f"the {args.suite} suite needs CUDA devices at full size; use --quick on a CPU")
+    if not common.cuda_or_quick(device, args.quick, args.suite, log):
         return 2
     options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=GROUP_TIMEOUT_S)}
     if cuda:
@@ -467,7 +458,7 @@ def check_clip(row: dict[str, Any], ctx: Context, rows: slice, grads: Sequence[T
     total = scale if row["provider"] == INF_CL else math.fsum(ctx.gather(scale))
     reference_scale = float(reference.grads["ds"])
     row["errors"]["ds"] = abs(total / ctx.world - reference_scale) / abs(reference_scale)
-    return problems + bound_problems(row["errors"], lambda name: (
+    return problems + common.bound_problems(row["errors"], lambda name: (
         contrastive.SCALAR_ERROR_BOUND if name == "ds" else contrastive.GRADIENT_ERROR_BOUND))
 
 

@@ -250,8 +250,7 @@ def run(args: argparse.Namespace) -> int:
                         common.environment_rows(env, {}), body,
                         dict(environment=env, rows=rows, steps=steps), time_table)
     if args.plot:
-        stem = common.results_stem("sizes", env["date"], env["device_slug"], args.tag)
-        _plot(rows, env, Path(args.out) / f"{stem}.svg")
+        _plot(rows, env, common.results_path(args.out, "sizes", env, args.tag, ".svg"))
     return 0
 
 

@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 
 from benchmarks import common
-from benchmarks.common import OK, count_text, format_ms, gib_text, loss_text
+from benchmarks.common import OK, count_text, format_ms, format_ratio, loss_text
 from benchmarks.suites import Suite
 
 NAME = "train"
@@ -276,14 +276,14 @@ COLUMNS = [  # items: MethodResult; the terminal table leaves the note out
     ("model", lambda r: r.model), ("method", lambda r: r.label), ("status", lambda r: r.status),
     ("batch", lambda r: r.batch), ("ms/step", lambda r: format_ms(r.ms)),
     ("tokens/s", lambda r: count_text(r.point(r.batch).get("tokens_per_s"))),
-    ("peak GiB", lambda r: gib_text(r.point(r.batch).get("peak_gib"))),
+    ("peak GiB", lambda r: format_ratio(r.point(r.batch).get("peak_gib"))),
     ("first loss", lambda r: loss_text(r.losses[0] if r.losses else None)),
     ("last loss", lambda r: loss_text(r.losses[-1] if r.losses else None)),
     ("|Δ last loss|", lambda r: common.format_error(r.loss_error)),
     ("max batch (tokens)", lambda r: "—" if r.max_batch is None else
      f"{r.max_batch}{'+' if r.max_batch_limited else ''} ({r.point(r.max_batch)['tokens']})"),
     ("tokens/s at max", lambda r: count_text(r.point(r.max_batch).get("tokens_per_s"))),
-    ("peak GiB at max", lambda r: gib_text(r.point(r.max_batch).get("peak_gib"))),
+    ("peak GiB at max", lambda r: format_ratio(r.point(r.max_batch).get("peak_gib"))),
     ("note", lambda r: r.note),
 ]
 SWEEP_COLUMNS = [  # items: (MethodResult, sweep point)
@@ -291,13 +291,12 @@ SWEEP_COLUMNS = [  # items: (MethodResult, sweep point)
     ("batch", lambda i: i[1]["batch"]), ("tokens", lambda i: i[1]["tokens"]),
     ("status", lambda i: i[1]["status"]), ("ms", lambda i: format_ms(i[1].get("ms"))),
     ("tokens/s", lambda i: count_text(i[1].get("tokens_per_s"))),
-    ("peak GiB", lambda i: gib_text(i[1].get("peak_gib"))),
+    ("peak GiB", lambda i: format_ratio(i[1].get("peak_gib"))),
 ]
 
 
-def settings_rows(env: dict[str, Any], settings: dict[str, Any]) -> list[tuple[str, Any]]:
-    s = types.SimpleNamespace(**settings)
-    rows = [
+def settings_rows(env: dict[str, Any], s: argparse.Namespace) -> list[tuple[str, Any]]:
+    return [
         *common.environment_rows(env, {p: common.package_version(p) for p in PEERS.values()}),
         ("transformers", common.package_version("transformers")),
         ("settings", f"seq {s.seq}, batch {s.batch}, {s.warmup_steps} warm-up + {s.steps} timed "
@@ -306,7 +305,6 @@ def settings_rows(env: dict[str, Any], settings: dict[str, Any]) -> list[tuple[s
         ("max-batch search", f"limit {s.max_batch_limit}, 1 warm-up + {s.sweep_steps} timed steps "
          "per batch" if s.find_max_batch else "off"),
     ]
-    return rows
 
 
 def plot_results(path: Path, results: list[MethodResult]) -> Path | None:
@@ -344,8 +342,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, log=print) -> int:
     device = common.pick_device(args.device)
-    if not common.uses_cuda(device) and not args.quick:
-        log("the train suite needs a CUDA device at full size; use --quick for a CPU smoke run")
+    if not common.cuda_or_quick(device, args.quick, NAME, log):
         return 2
     args.seq = args.seq or (32 if args.quick else 4096)
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "device")}
@@ -360,13 +357,11 @@ def run(args: argparse.Namespace, log=print) -> int:
         for result in model_results:
             log(f"  {result.label}: " + common.progress_line(result, lambda r: (
                 f"{format_ms(r.ms)} ms/step, loss {loss_text(r.losses[-1])}")))
-            common.note_problem(notes, name, result)
+            common.note_problem(notes, name, result.label, result.status, result.note)
             if result.call and calls.setdefault(result.method, result.call) != result.call:
                 calls[f"{result.method} ({name})"] = result.call  # liger's function per family
         results += model_results
-    stem = common.results_stem(NAME, env["date"], env["device_slug"], args.tag)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot = plot_results(Path(args.out) / f"{stem}.png", results)
+    plot = plot_results(common.results_path(args.out, NAME, env, args.tag, ".png"), results)
     notes.append(f"plot: {plot.name}" if plot else "no plot: matplotlib not installed")
     payload = {"suite": NAME, "environment": env, "settings": settings, "calls": calls,
                "transformers": common.package_version("transformers"), "notes": notes,
@@ -377,7 +372,7 @@ def run(args: argparse.Namespace, log=print) -> int:
         body += common.section("Batches tried", "", SWEEP_COLUMNS,
                                [(r, point) for r in results for point in r.sweep])
     common.write_report(args.out, NAME, args.tag, env, "End-to-end training step",
-                        settings_rows(env, settings), body, payload,
+                        settings_rows(env, types.SimpleNamespace(**settings)), body, payload,
                         common.table(COLUMNS[:-1], results, text=True), calls=calls, notes=notes,
                         log=log)
     return 0

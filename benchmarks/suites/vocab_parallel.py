@@ -110,7 +110,7 @@ def check_head(row: dict[str, Any], ctx: ring.Context, grads: Sequence[Tensor],
     row["loss_error"] = max(error for error, _ in errors)
     row["errors"] = {"dE": max(ctx.gather(common.relative_l2_error(grads[0], reference["dE"]))),
                      "dC": ctx.relative_error(grads[1], reference["dC"])}
-    return [p for _, found in errors for p in found][:1] + ring.bound_problems(
+    return [p for _, found in errors for p in found][:1] + common.bound_problems(
         row["errors"], lambda _name: lm_head.GRADIENT_ERROR_BOUND)
 
 
