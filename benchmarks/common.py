@@ -181,20 +181,24 @@ def probe_matmul(device: torch.device | str, size: int | None, quick: bool,
 # ----------------------------------------------------------------------------- statuses, checks
 
 
-@dataclass
-class ProviderResultBase:
-    """One provider on one case; a suite's ``ProviderResult`` adds its figures (JSON order)."""
+Row = dict[str, Any]  # one provider (or method) on one case: new_row()'s keys, the suite's figures
+Gather = Callable[[Any], list[Any]]  # every rank's value of its argument, in rank order
 
-    provider: str  # command-line key
-    label: str  # column title (with version for peers)
-    status: str = OK
-    note: str = ""
-    call: str = ""
-    ms: float | None = None
 
-    @property
-    def measured(self) -> bool:
-        return self.status in MEASURED and self.ms is not None
+class Unavailable(Exception):
+    """The provider cannot run here (package or API missing); the message says why."""
+
+
+def new_row(provider: str, label: str, **figures: Any) -> Row:
+    """A result row, the one kind every suite keeps (and writes to its JSON as it is): the
+    provider's command-line key, its column title, status and note, the exact call measured,
+    the median ms, then the suite's own ``figures`` (their initial values)."""
+    return {"provider": provider, "label": label, "status": OK, "note": "", "call": "",
+            "ms": None, **figures}
+
+
+def measured(row: Row) -> bool:
+    return row["status"] in MEASURED and row.get("ms") is not None
 
 
 def describe_error(error: BaseException) -> str:
@@ -203,17 +207,84 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {first_line[:300]}"
 
 
+def failure(error: BaseException) -> tuple[str, str]:
+    """The status and note an exception gives: a missing import (or an Unavailable raised from
+    one) is "not installed", another Unavailable "unavailable", else out of memory or failed."""
+    missing = isinstance(error, ImportError) or isinstance(error.__cause__, ImportError)
+    if isinstance(error, Unavailable):
+        return (NOT_INSTALLED if missing else UNAVAILABLE), str(error)
+    status = NOT_INSTALLED if missing else OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
+    return status, describe_error(error)
+
+
 @contextlib.contextmanager
-def failures_recorded(result: Any, device: torch.device | str) -> Iterator[None]:
-    """An exception in the block becomes ``result``'s status and note (the run goes on);
-    device memory is released either way."""
+def failures_recorded(row: Row, device: torch.device | str) -> Iterator[None]:
+    """An exception in the block becomes ``row``'s status and note (the run goes on); device
+    memory is released either way."""
     try:
         yield
     except Exception as error:  # report and go on with the next provider
-        result.status = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
-        result.note = describe_error(error)
+        row["status"], row["note"] = failure(error)
     finally:
         release_memory(device)
+
+
+def stage(row: Row, action: Callable[[], Any], device: torch.device | str,
+          gather: Gather | None = None) -> tuple[bool, Any]:
+    """(True, ``action()``) where it succeeded (with ``gather``: on every rank), else (False,
+    None) with the failure in ``row`` (on every rank: an out-of-memory first, the rank named
+    where the ranks differ) and device memory released."""
+    value, error = None, None
+    try:
+        value = action()
+    except Exception as exc:  # reported; the run goes on
+        error = failure(exc)
+    errors = gather(error) if gather else [error]
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if not failed:
+        return True, value
+    rank, (row["status"], row["note"]) = next((f for f in failed if f[1][0] == OUT_OF_MEMORY),
+                                              failed[0])
+    if len(set(errors)) > 1:  # not the same failure on every rank
+        row["note"] = f"rank {rank}: {row['note']}"
+    value = None
+    release_memory(device)
+    return False, None
+
+
+def check_and_time(row: Row, device: torch.device | str, check: Callable[[], list[str] | None],
+                   step: Callable[[], Any], accounted_bytes: int,
+                   timer: Callable[[Callable[[], Any], float], Mapping[str, Any]],
+                   gather: Gather | None = None) -> bool:
+    """What every provider goes through, into ``row``: ``check()``, the untimed first call (it
+    puts its figures in the row and returns the problems found, which mark it wrong; None where
+    it failed), then on CUDA the peak MiB of one ``step`` above ``accounted_bytes``, then the
+    figures of ``timer(step, ms of the call before)`` (at least "ms"). With ``gather`` (K ranks)
+    each stage is agreed by the ranks, the peak is their max ("peak_per_rank": each's). A
+    failure becomes the row's status (the run goes on); False after one."""
+    begin = time.perf_counter()
+    ok, problems = stage(row, check, device, gather)
+    if not ok or problems is None:
+        return False
+    mark_wrong(row, problems)
+    synchronize(device)
+    last_ms = (time.perf_counter() - begin) * 1e3
+    release_memory(device)
+    if uses_cuda(device):
+        begin = time.perf_counter()
+        ok, peak = stage(row, lambda: peak_extra_mib(step, device, accounted_bytes), device,
+                         gather)
+        if not ok:
+            return False
+        last_ms = (time.perf_counter() - begin) * 1e3
+        if gather:
+            row["peak_per_rank"] = peaks = gather(peak)
+            peak = max(peaks)
+        row["peak_extra_mib"] = peak
+    ok, figures = stage(row, lambda: timer(step, last_ms), device, gather)
+    release_memory(device)
+    row.update(figures or {})
+    return ok
 
 
 def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, list[str]]:
@@ -231,24 +302,24 @@ def bound_problems(errors: Mapping[str, float], bound: Callable[[str], float]) -
             for name, value in errors.items() if not value <= bound(name)]
 
 
-def mark_wrong(result: Any, problems: Sequence[str]) -> None:
+def mark_wrong(row: Row, problems: Sequence[str]) -> None:
     if problems:
-        result.status = WRONG
-        result.note = "; ".join(problems)
+        row["status"], row["note"] = WRONG, "; ".join(problems)
 
 
-def progress_line(result: Any, figures_text: Callable[[Any], str]) -> str:
+def progress_line(row: Row, figures_text: Callable[[Row], str]) -> str:
     """A provider's progress-log line: its figures (flagged when wrong), else its status."""
-    if not result.measured:
-        return f"{result.status}: {result.note}"
-    text = figures_text(result)
-    if result.status != OK:
-        text += f"  [{result.status}: {result.note}]"
+    if not measured(row):
+        return f"{row['status']}: {row['note']}"
+    text = figures_text(row)
+    if row["status"] != OK:
+        text += f"  [{row['status']}: {row['note']}]"
     return text
 
 
-def note_problem(notes: list[str], case_key: str, label: str, status: str, note: str) -> None:
+def note_problem(notes: list[str], case_key: str, row: Row) -> None:
     """Notes, once, a provider that was skipped, failed or wrong."""
+    label, status, note = row["label"], row["status"], row["note"]
     if status == OK:
         return
     text = f"{case_key}: {label} {status}: {note}"
@@ -407,6 +478,15 @@ def loss_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.4f}"
 
 
+def errors_text(row: Row | None) -> str:
+    """A row's gradient errors (and their ratios where it has them): "dI 2.5e-03 (0.85×), …"."""
+    if not (row or {}).get("errors"):
+        return "—"
+    ratios = row.get("ratios", {})
+    return ", ".join(f"{name} {error:.1e}" + (f" ({ratios[name]:.2g}×)" if name in ratios else "")
+                     for name, error in row["errors"].items())
+
+
 def column(header: str, key: str, text: Callable[[Any], str] = str) -> Column:
     """A column of dict rows: ``text`` of the row's ``key`` ("—" where it has none)."""
     return header, lambda row: "—" if row.get(key) is None else text(row[key])
@@ -499,25 +579,27 @@ def provider_columns(case_results: Iterable[Any]) -> list[tuple[str, str]]:
     """(key, label) of every provider that ran on some case, in order of first appearance."""
     columns: dict[str, str] = {}
     for case_result in case_results:
-        for key, result in case_result.results.items():
-            columns.setdefault(key, result.label)
+        for key, row in case_result.results.items():
+            columns.setdefault(key, row["label"])
     return list(columns.items())
 
 
-def time_and_memory_cell(result: Any | None, missing: str) -> str:
+def time_and_memory_cell(row: Row | None, missing: str) -> str:
     """``ms / MB`` if measured, else its status; ``missing`` if it did not run."""
-    if result is None:
+    if row is None:
         return missing
-    if result.measured:
-        text = f"{format_ms(result.ms)} / {format_mib(result.peak_extra_mib)}"
-        return text + (" (wrong)" if result.status == WRONG else "")
-    return result.status
+    if measured(row):
+        text = f"{format_ms(row['ms'])} / {format_mib(row.get('peak_extra_mib'))}"
+        return text + (" (wrong)" if row["status"] == WRONG else "")
+    return row["status"]
 
 
-def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list]], columns: int = 1,
-              size: tuple[float, float] = (8, 5), **style: Any) -> Path | None:
-    """Line plots, panels row-major; a panel is (title, xlabel, ylabel, [(label, xs, ys)]).
-    ``None`` (nothing written) without matplotlib."""
+def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list] | None], columns: int = 1,
+              size: tuple[float, float] = (8, 5), title: str = "", log: str = "",
+              **style: Any) -> Path | None:
+    """Line plots, panels row-major; a panel is (title, xlabel, ylabel, [(label, xs, ys) or
+    (label, xs, ys, its own style)]), or None (left empty); ``log``: the log-scaled axes ("x",
+    "y", "xy"; x in base 2). ``None`` (nothing written) without matplotlib."""
     try:
         import matplotlib
 
@@ -528,14 +610,26 @@ def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list]], columns:
     rows = max(1, math.ceil(len(panels) / columns))
     figure, axes = plt.subplots(rows, columns, figsize=(size[0] * columns, size[1] * rows),
                                 squeeze=False)
-    for axis, (title, xlabel, ylabel, lines) in zip(axes.flat, panels, strict=False):
-        for label, xs, ys in lines:
-            axis.plot(xs, ys, label=label, **style)
-        axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
-        axis.grid(True, alpha=0.3)
+    for axis, panel in zip(axes.flat, [*panels, *[None] * (axes.size - len(panels))],
+                           strict=True):
+        if panel is None:
+            axis.set_visible(False)
+            continue
+        panel_title, xlabel, ylabel, lines = panel
+        for label, xs, ys, *own in lines:
+            axis.plot(xs, ys, label=label, **{**style, **(own[0] if own else {})})
+        if "x" in log:
+            axis.set_xscale("log", base=2)
+        if "y" in log:
+            axis.set_yscale("log")
+        axis.set(title=panel_title, xlabel=xlabel, ylabel=ylabel)
+        axis.grid(True, which="both" if log else "major", alpha=0.3)
         if lines:
             axis.legend(fontsize="small")
+    if title:
+        figure.suptitle(title, fontsize="medium")
     figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path

@@ -1,5 +1,5 @@
 """The implementations the benchmarks compare (ours, torch's, the peers'), by command-line key:
-a provider builds the loss function (mean) a suite times, or raises :class:`Unavailable`."""
+a provider builds the loss function (mean) a suite times, or raises ``common.Unavailable``."""
 
 from __future__ import annotations
 
@@ -13,14 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from benchmarks.common import package_version
+from benchmarks.common import Unavailable, package_version
 
 CLIP, NT_XENT, SIGLIP = "clip", "nt-xent", "siglip"
 CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP)
-
-
-class Unavailable(Exception):
-    """The provider cannot run here (package or API missing); the message says why."""
 
 
 @dataclass(eq=False)

@@ -128,22 +128,16 @@ def _case(shape="gemma2-2b", regime="peaked", mode="fwd+bwd"):
 
 
 def _result(key, ms=None, mib=None, status=common.OK, err=(None, None), label=None):
-    return lm_head.ProviderResult(
-        key,
-        label or key,
-        status=status,
-        ms=ms,
-        peak_extra_mib=mib,
-        err_hidden=err[0],
-        err_classifier=err[1],
-    )
+    return common.new_row(key, label or key, **{
+        **dict.fromkeys(lm_head.FIGURES), "status": status, "ms": ms, "peak_extra_mib": mib,
+        "err_hidden": err[0], "err_classifier": err[1]})
 
 
 def _case_result(case, *results, products_ms=20.0):
     products = {"ms": products_ms, "rows_per_chunk": case.n, "method": "whole", "note": ""}
     yardstick = {"dE": 4.4e-3, "dC": 4.4e-3, "note": ""}
     return lm_head.CaseResult(case, case.floor_ms(723.0), 3.0, yardstick, products,
-                              {r.provider: r for r in results})
+                              {r["provider"]: r for r in results})
 
 
 # ----------------------------------------------------------------------------- providers
@@ -243,8 +237,7 @@ def test_results_files_written(tmp_path):
         _result("fusedloss", ms=30.0, mib=1.0, err=(1e-3, 2e-3)),
         _result("torch-compile", ms=46.6, mib=4000.0),
     )
-    case_result.results["fusedloss"].times_products = 1.5
-    case_result.results["fusedloss"].tiles_skipped = 0.25
+    case_result.results["fusedloss"].update(times_products=1.5, tiles_skipped=0.25)
     info = _run_info()
     stem = common.results_stem("lm_head", "2026-11-22", "nvidia-h100-80gb-hbm3", "subset A")
     assert stem == "lm_head_2026-11-22_nvidia-h100-80gb-hbm3_subset-a"
@@ -436,7 +429,7 @@ def test_check_records_the_tiles_filtering_skipped():
 
         result = lm_head.run_provider(providers.Provider(name, name, build), case_result,
                                       (hidden, classifier, labels), reference, timing)
-        assert result.status == common.OK and result.err_hidden < 0.05, result
-        skipped[name] = result.tiles_skipped
+        assert result["status"] == common.OK and result["err_hidden"] < 0.05, result
+        skipped[name] = result["tiles_skipped"]
     assert skipped["exact"] == 0.0 and skipped["torch"] is None
     assert 0.0 < skipped["filtered"] < 1.0

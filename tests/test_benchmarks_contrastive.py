@@ -278,7 +278,7 @@ class _FakeProvider(providers.Provider):
 
     def build(self, device, loss):
         if self.fn is None:
-            raise providers.Unavailable("fake_peer not importable: no module")
+            raise providers.Unavailable("fake_peer not importable") from ImportError("no module")
         return self.fn
 
     def describe(self, loss):
@@ -314,17 +314,16 @@ def test_run_provider_reports_failures_and_goes_on():
             ("good", good, False),
         ]
     }
-    assert outcomes["oom"].status == common.OUT_OF_MEMORY and outcomes["oom"].ms is None
-    assert outcomes["broken"].status == common.FAILED
-    assert "ValueError: bad shapes" in outcomes["broken"].note
-    assert outcomes["off"].status == common.WRONG and outcomes["off"].ms > 0
-    assert outcomes["absent"].status == common.NOT_INSTALLED
-    good_result = outcomes["good"]
-    assert good_result.status == common.OK and good_result.ms > 0
-    assert good_result.timing == "wall-clock median"
-    assert good_result.times_floor == pytest.approx(good_result.ms)
-    assert set(good_result.errors) == {"dI", "dT", "ds"} and good_result.loss_error < 1e-5
-    assert good_result.peak_extra_mib is None  # no memory figures without CUDA
+    assert outcomes["oom"]["status"] == common.OUT_OF_MEMORY and outcomes["oom"]["ms"] is None
+    assert outcomes["broken"]["status"] == common.FAILED
+    assert "ValueError: bad shapes" in outcomes["broken"]["note"]
+    assert outcomes["off"]["status"] == common.WRONG and outcomes["off"]["ms"] > 0
+    assert outcomes["absent"]["status"] == common.NOT_INSTALLED
+    good = outcomes["good"]
+    assert good["status"] == common.OK and good["ms"] > 0 and good["timing"] == "wall-clock median"
+    assert good["times_floor"] == pytest.approx(good["ms"])
+    assert set(good["errors"]) == {"dI", "dT", "ds"} and good["loss_error"] < 1e-5
+    assert good["peak_extra_mib"] is None  # no memory figures without CUDA
 
 
 @pytest.mark.parametrize("budget_ms, reps", [(1e9, 3), (0.0, 2)])
@@ -341,7 +340,7 @@ def test_slow_calls_are_timed_one_by_one(monkeypatch, budget_ms, reps):
 
     result = contrastive.run_provider(_FakeProvider("slow", counted), case, args, ref,
                                       timing=common.TimingSettings(), floor_ms=1.0)
-    assert result.timing == f"median of {reps} timed calls" and result.ms > 0
+    assert result["timing"] == f"median of {reps} timed calls" and result["ms"] > 0
     assert len(calls) == 1 + reps  # the check, then the timed calls
 
 
@@ -378,14 +377,14 @@ def test_case_selection_quick_sizes_and_floors():
 
 
 def _result(key, ms=None, mib=None, floor=None):
-    return contrastive.ProviderResult(key, key, ms=ms, peak_extra_mib=mib, times_floor=floor)
+    return common.new_row(key, key, ms=ms, peak_extra_mib=mib, times_floor=floor)
 
 
 def test_report_tables():
     shape = contrastive.SHAPES["clip-16k"]
     case = contrastive.Case("clip-16k", shape[0], shape[1], shape[2], "random", shape[-1])
     ours = _result("fusedloss", 3.0, 10.0, floor=2.0)
-    ours.errors, ours.ratios = {"dI": 2.5e-3}, {"dI": 0.85}
+    ours.update(errors={"dI": 2.5e-3}, ratios={"dI": 0.85})
     case_results = [contrastive.CaseResult(
         case, case.floor_ms(723.0), contrastive.Reference(9.9, "float64", (9.8, 10.0)),
         {"fusedloss": ours, "torch": _result("torch", 13.1)})]

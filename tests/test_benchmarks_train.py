@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import import_benchmarks
 
-(train,) = import_benchmarks("suites.train")
+common, train = import_benchmarks("common", "suites.train")
 
 CPU = torch.device("cpu")
 
@@ -110,15 +110,15 @@ def test_find_max_batch(capacity, start, limit, expected):
 
 def test_loss_check_marks_disagreeing_methods_wrong():
     def result(method, losses):
-        return train.MethodResult("m", method, train.LABELS[method], 2, ms=1.0, losses=losses)
+        return common.new_row(method, train.LABELS[method], method=method, ms=1.0, losses=losses)
 
     results = [result("hf", [5.0, 4.0]), result("fusedloss", [5.01, 4.02]),
                result("cce", [5.5, 4.0]), result("liger", [5.0, 4.5])]
     train.check_losses(results)
-    assert [r.status for r in results] == ["ok", "ok", "wrong", "wrong"]
-    assert results[1].loss_error == pytest.approx(0.02)
-    assert "first-step" in results[2].note and "last-step" in results[3].note
-    assert "HF eager" in results[3].note
+    assert [r["status"] for r in results] == ["ok", "ok", "wrong", "wrong"]
+    assert results[1]["loss_error"] == pytest.approx(0.02)
+    assert "first-step" in results[2]["note"] and "last-step" in results[3]["note"]
+    assert "HF eager" in results[3]["note"]
 
 
 def fake_liger(monkeypatch, mlp_flag):

@@ -150,19 +150,14 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
 
-def new_row(provider: str, label: str, **figures: Any) -> SimpleNamespace:
-    return SimpleNamespace(provider=provider, label=label, status=common.OK, note="", ms=None,
-                           **figures)
-
-
 @contextlib.contextmanager
-def recorded(row: SimpleNamespace, device: torch.device) -> Iterator[None]:
+def recorded(row: common.Row, device: torch.device) -> Iterator[None]:
     """``common.failures_recorded``, an error of UNAVAILABLE_ERRORS recorded unavailable."""
     with common.failures_recorded(row, device):
         try:
             yield
         except UNAVAILABLE_ERRORS as error:
-            row.status, row.note = common.UNAVAILABLE, common.describe_error(error)
+            row["status"], row["note"] = common.UNAVAILABLE, common.describe_error(error)
 
 
 def graphed_ms(step: Callable[[], None], device: torch.device,
@@ -176,12 +171,12 @@ def graphed_ms(step: Callable[[], None], device: torch.device,
 
 def measure_linear(provider: str, case: str, base: nn.Linear, x: Tensor, dy: Tensor,
                    reference: tuple[Tensor, ...], s: SimpleNamespace,
-                   device: torch.device) -> SimpleNamespace:
+                   device: torch.device) -> common.Row:
     """One provider's row, its layer sharing ``base``'s weight and bias."""
     from fusedloss.nn import SwitchBackLinear
 
     label, options = LINEAR_PROVIDERS[provider]
-    row = new_row(provider, label, case=case, graphed_ms=None)
+    row = common.new_row(provider, label, case=case, graphed_ms=None)
     with recorded(row, device):
         layer = base if options is None else SwitchBackLinear.from_linear(
             base, backend=s.backend, **options)
@@ -194,14 +189,14 @@ def measure_linear(provider: str, case: str, base: nn.Linear, x: Tensor, dy: Ten
 
         errors = [common.relative_l2_error(value, expected) for value, expected in zip(
             (step(), x.grad, layer.weight.grad), reference, strict=True)]  # step() sets the grads
-        row.y_error, row.dx_error, row.dw_error = errors
+        row["y_error"], row["dx_error"], row["dw_error"] = errors
         x.grad = layer.weight.grad = layer.bias.grad = None
         gradient_bytes = common.tensor_bytes((x, layer.weight, layer.bias))
-        row.peak_extra_mib = common.peak_extra_mib(step, device, gradient_bytes)
-        row.ms = common.median_ms(step, device, s.timing)
+        row["peak_extra_mib"] = common.peak_extra_mib(step, device, gradient_bytes)
+        row["ms"] = common.median_ms(step, device, s.timing)
         if not all(map(math.isfinite, errors)):
-            row.status, row.note = common.WRONG, "y, dx or dw not finite"
-        row.graphed_ms = graphed_ms(step, device, s.timing)  # a failure keeps the eager figures
+            row["status"], row["note"] = common.WRONG, "y, dx or dw not finite"
+        row["graphed_ms"] = graphed_ms(step, device, s.timing)  # a failure keeps the eager figures
     return row
 
 
@@ -228,10 +223,10 @@ def run_linear(s: SimpleNamespace, device: torch.device, log: Callable) -> list[
         results = [measure_linear(p, case, base, x, dy, reference, s, device)
                    for p in LINEAR_PROVIDERS]
         for row in results:
-            row.speedup = ratio(results[0].ms, row.ms)
-            row.graphed_speedup = ratio(results[0].graphed_ms, row.graphed_ms)
-        log(f"  {case}: " + ", ".join(f"{r.label} {format_ms(r.ms)} ms" for r in results))
-        rows += [vars(row) for row in results]
+            row["speedup"] = ratio(results[0]["ms"], row["ms"])
+            row["graphed_speedup"] = ratio(results[0]["graphed_ms"], row["graphed_ms"])
+        log(f"  {case}: " + ", ".join(f"{r['label']} {format_ms(r['ms'])} ms" for r in results))
+        rows += results
     return rows
 
 
@@ -263,18 +258,18 @@ def run_optimizer(s: SimpleNamespace, device: torch.device) -> list[dict]:
         p.grad = 1e-2 * torch.randn(p.shape, generator=generator, device=device)
     rows = []
     for key, (label, options) in OPTIMIZERS.items():
-        row = new_row(key, label)
+        row = common.new_row(key, label)
         kind = StableAdamW if key.startswith("stable") else torch.optim.AdamW
         with recorded(row, device):
             optimizer = kind(params, **HYPER, **options)
             optimizer.step()  # creates the state
-            row.host_syncs = host_syncs(optimizer.step, device)
-            row.peak_extra_mib = common.peak_extra_mib(optimizer.step, device)
-            row.ms = common.median_ms(optimizer.step, device, s.timing)
+            row["host_syncs"] = host_syncs(optimizer.step, device)
+            row["peak_extra_mib"] = common.peak_extra_mib(optimizer.step, device)
+            row["ms"] = common.median_ms(optimizer.step, device, s.timing)
         rows.append(row)
     for row in rows:
-        row.vs_fused = ratio(row.ms, rows[-1].ms)  # rows[-1]: fused AdamW
-    return [vars(row) for row in rows]
+        row["vs_fused"] = ratio(row["ms"], rows[-1]["ms"])  # rows[-1]: fused AdamW
+    return rows
 
 
 def lr_factor(step: int, steps: int) -> float:
@@ -293,13 +288,13 @@ def train(provider: str, s: SimpleNamespace, device: torch.device) -> dict:
     from fusedloss.switchback import swap_linear_layers
 
     label, options = LINEAR_PROVIDERS[provider]
-    row = new_row(provider, label, swapped=0, final_loss=None, losses=[], step_ms=[])
+    row = common.new_row(provider, label, swapped=0, final_loss=None, losses=[], step_ms=[])
     with recorded(row, device):
         torch.manual_seed(s.seed)
         model = ClipModel(s.model).to(device)
         if options is not None:
             # the blocks' linears, not the patch embedding or the head
-            row.swapped = len(swap_linear_layers(model.visual, include="blocks.*",
+            row["swapped"] = len(swap_linear_layers(model.visual, include="blocks.*",
                                                  backend=s.backend, **options))
         groups = [{"params": [p for p in model.parameters() if (p.ndim >= 2) == matrix],
                    "weight_decay": HYPER["weight_decay"] if matrix else 0.0}  # matrices only
@@ -323,16 +318,16 @@ def train(provider: str, s: SimpleNamespace, device: torch.device) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = LR * lr_factor(index, s.steps)
             ms, loss = common.timed(step, device, *next(batches))
-            row.losses.append(float(loss))
-            row.step_ms.append(ms)
-        row.ms = statistics.median(row.step_ms[s.warmup_steps:] or row.step_ms[-1:])
-        row.images_per_s = s.batch / (row.ms * 1e-3)
+            row["losses"].append(float(loss))
+            row["step_ms"].append(ms)
+        row["ms"] = statistics.median(row["step_ms"][s.warmup_steps:] or row["step_ms"][-1:])
+        row["images_per_s"] = s.batch / (row["ms"] * 1e-3)
         if common.uses_cuda(device):
-            row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-        row.final_loss = statistics.fmean(row.losses[-10:])  # the mean of the last 10 steps
-        if not all(map(math.isfinite, row.losses)):
-            row.status, row.note = common.WRONG, "non-finite loss"
-    return vars(row)
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["final_loss"] = statistics.fmean(row["losses"][-10:])  # the mean of the last 10
+        if not all(map(math.isfinite, row["losses"])):
+            row["status"], row["note"] = common.WRONG, "non-finite loss"
+    return row
 
 
 MS = ("ms", lambda row: row["status"] if row["ms"] is None else format_ms(row["ms"]))

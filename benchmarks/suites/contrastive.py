@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,8 +16,8 @@ from torch import Tensor
 from benchmarks import common
 from benchmarks import inputs as pairs
 from benchmarks import providers as prov
-from benchmarks.common import NOT_INSTALLED, UNAVAILABLE, Column, TimingSettings
-from benchmarks.providers import CLIP, NT_XENT, SIGLIP, Provider, Unavailable
+from benchmarks.common import Column, TimingSettings
+from benchmarks.providers import CLIP, NT_XENT, SIGLIP, Provider
 from benchmarks.suites import Suite
 
 NAME = "contrastive"
@@ -205,81 +204,64 @@ def contrastive_reference(loss: str, args: Sequence[Any], *, with_grads: bool,
 
 
 @dataclass
-class ProviderResult(common.ProviderResultBase):
-    timing: str = ""  # how ms was measured
-    peak_extra_mib: float | None = None
-    loss: float | None = None
-    loss_error: float | None = None  # |loss − reference|
-    errors: dict[str, float] = field(default_factory=dict)  # gradient → relative L2 error
-    ratios: dict[str, float] = field(default_factory=dict)  # error ÷ torch materialized's
-    times_floor: float | None = None  # ms ÷ 8·r²·c/R
-
-
-@dataclass
 class CaseResult:
     case: Case
     floor_ms: float
     reference: Reference | None  # none above REFERENCE_LOSS_MAX_ROWS: the loss checked finite
-    results: dict[str, ProviderResult] = field(default_factory=dict)
+    results: dict[str, common.Row] = field(default_factory=dict)
 
 
 def run_provider(provider: Provider, case: Case, args: Sequence[Any],
                  reference: Reference | None, *, timing: TimingSettings,
-                 floor_ms: float) -> ProviderResult:
-    """Check, measure memory, and time one provider on one case; never raises."""
+                 floor_ms: float) -> common.Row:
+    """Check, measure memory, and time one provider on one case; never raises. The row's
+    figures: how ms was measured, peak MiB, the loss, |loss − reference|, each gradient's
+    relative L2 error and its ratio to torch materialized's, ms ÷ 8·r²·c/R."""
     device, inputs = args[0].device, tuple(a for a in args if isinstance(a, Tensor))
-    result = ProviderResult(provider.key, provider.display_name())
-    try:
-        loss_fn = provider.build(device, case.loss)
-    except Unavailable as error:
-        peer_missing = provider.is_peer and "not importable" in str(error)
-        result.status, result.note = (NOT_INSTALLED if peer_missing else UNAVAILABLE), str(error)
-        return result
-    result.call = provider.describe(case.loss)
+    row = common.new_row(provider.key, provider.display_name(), timing="", peak_extra_mib=None,
+                         loss=None, loss_error=None, errors={}, ratios={}, times_floor=None)
+    ok, loss_fn = common.stage(row, lambda: provider.build(device, case.loss), device)
+    if not ok:
+        return row
+    row["call"] = provider.describe(case.loss)
 
     def forward_backward() -> tuple[Tensor, ...]:
         return torch.autograd.grad(loss_fn(*args), inputs)
 
-    with common.failures_recorded(result, device):
-        begin = time.perf_counter()
-        _check(result, case.loss, loss_fn(*args), inputs, reference)
-        common.synchronize(device)
-        estimate_ms = (time.perf_counter() - begin) * 1e3
-        common.release_memory(device)
-        if common.uses_cuda(device):
-            begin = time.perf_counter()
-            result.peak_extra_mib = common.peak_extra_mib(forward_backward, device,
-                                                          common.tensor_bytes(inputs))
-            estimate_ms = (time.perf_counter() - begin) * 1e3
-        if estimate_ms >= SLOW_MS:  # calls of seconds: do_bench would make at least eight
-            reps = max(2, min(SLOW_MAX_REPS, int(SLOW_BUDGET_MS // estimate_ms)))
-            result.ms = statistics.median(common.timed(forward_backward, device)[0]
-                                          for _ in range(reps))
-            result.timing = f"median of {reps} timed calls"
-        else:
-            result.ms = common.median_ms(forward_backward, device, timing)
-            result.timing = "do_bench" if common.uses_cuda(device) else "wall-clock median"
-        result.times_floor = result.ms / floor_ms
-    return result
+    def timer(step: Callable[[], Any], last_ms: float) -> dict[str, Any]:
+        if last_ms < SLOW_MS:
+            how = "do_bench" if common.uses_cuda(device) else "wall-clock median"
+            return {"ms": common.median_ms(step, device, timing), "timing": how}
+        reps = max(2, min(SLOW_MAX_REPS, int(SLOW_BUDGET_MS // last_ms)))  # do_bench: ≥ 8 calls
+        return {"ms": statistics.median(common.timed(step, device)[0] for _ in range(reps)),
+                "timing": f"median of {reps} timed calls"}
+
+    def check() -> list[str]:
+        return _check(row, case.loss, loss_fn(*args), inputs, reference)
+
+    if common.check_and_time(row, device, check, forward_backward, common.tensor_bytes(inputs),
+                             timer):
+        row["times_floor"] = row["ms"] / floor_ms
+    return row
 
 
-def _check(result: ProviderResult, loss_name: str, loss: Tensor, inputs: Sequence[Tensor],
-           reference: Reference | None) -> None:
+def _check(row: common.Row, loss_name: str, loss: Tensor, inputs: Sequence[Tensor],
+           reference: Reference | None) -> list[str]:
     """First (untimed) call: finite loss and gradients, compared with the reference."""
     grads = dict(zip(GRAD_NAMES[loss_name], torch.autograd.grad(loss, inputs), strict=True))
-    result.loss = float(loss.detach().float())
-    problems = [] if math.isfinite(result.loss) else [f"loss {result.loss}"]
+    row["loss"] = float(loss.detach().float())
+    problems = [] if math.isfinite(row["loss"]) else [f"loss {row['loss']}"]
     problems += [f"{name} not finite" for name, g in grads.items() if not torch.isfinite(g).all()]
     if reference is not None:
-        result.loss_error, loss_problems = common.check_loss(result.loss, reference.loss,
+        row["loss_error"], loss_problems = common.check_loss(row["loss"], reference.loss,
                                                              LOSS_TOLERANCE)
         problems += loss_problems
         if reference.grads is not None:
-            result.errors = {name: common.relative_l2_error(grad, reference.grads[name])
+            row["errors"] = {name: common.relative_l2_error(grad, reference.grads[name])
                              for name, grad in grads.items()}
-            problems += common.bound_problems(result.errors, lambda name: (
+            problems += common.bound_problems(row["errors"], lambda name: (
                 GRADIENT_ERROR_BOUND if grads[name].dim() else SCALAR_ERROR_BOUND))
-    common.mark_wrong(result, problems)
+    return problems
 
 
 def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
@@ -301,12 +283,12 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
                 continue
             result = cr.results[provider.key] = run_provider(
                 provider, case, args, cr.reference, timing=timing, floor_ms=cr.floor_ms)
-            log(f"  {case.label:<22} {result.label:<20} "
+            log(f"  {case.label:<22} {result['label']:<20} "
                 + common.progress_line(result, _figures_text))
         base = cr.results.get(TORCH)  # error ratios against torch materialized
         for result in cr.results.values() if base else ():
-            result.ratios = {k: e / base.errors[k] for k, e in result.errors.items()
-                             if base.errors.get(k)}
+            result["ratios"] = {k: e / base["errors"][k] for k, e in result["errors"].items()
+                                if base["errors"].get(k)}
         if cr.reference:
             cr.reference.grads = None
         del args
@@ -317,17 +299,9 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
 # ----------------------------------------------------------------------------- reports
 
 
-def _figures_text(result: ProviderResult) -> str:
-    return (f"{common.format_ms(result.ms)} ms ({result.timing}), "
-            f"{common.format_mib(result.peak_extra_mib)} MB, {_errors_text(result)}")
-
-
-def _errors_text(result: ProviderResult | None) -> str:
-    if result is None or not result.errors:
-        return "—"
-    return ", ".join(f"{name} {error:.1e}" + (f" ({result.ratios[name]:.2g}×)"
-                                              if name in result.ratios else "")
-                     for name, error in result.errors.items())
+def _figures_text(row: common.Row) -> str:
+    return (f"{common.format_ms(row['ms'])} ms ({row['timing']}), "
+            f"{common.format_mib(row['peak_extra_mib'])} MB, {common.errors_text(row)}")
 
 
 def _loss_text(cr: CaseResult) -> str:
@@ -348,24 +322,23 @@ def _provider_columns(case_results: Sequence[CaseResult], cell: Callable) -> lis
 
 def _fastest(cr: CaseResult) -> str:
     """The fastest measured result of a case, as ``ms (label)``."""
-    measured = [r for r in cr.results.values() if r.measured]
-    best = min(measured, key=lambda r: r.ms) if measured else None
-    return f"{common.format_ms(best.ms)} ({best.label})" if best else "—"
+    measured = [r for r in cr.results.values() if common.measured(r)]
+    best = min(measured, key=lambda r: r["ms"]) if measured else None
+    return f"{common.format_ms(best['ms'])} ({best['label']})" if best else "—"
 
 
 def result_tables(case_results: Sequence[CaseResult], text: bool = False) -> dict[str, str]:
     """The time-and-memory and the accuracy tables by title (markdown, or plain text)."""
     label: Column = ("case (loss b×c regime)", lambda cr: cr.case.label)
     ours = ("fusedloss × floor",
-            lambda cr: common.format_ratio(r.times_floor) if (r := cr.results.get(FUSEDLOSS))
-            else "—")
+            lambda cr: common.format_ratio(cr.results.get(FUSEDLOSS, {}).get("times_floor")))
     time_columns = [
         label, *_provider_columns(case_results, lambda r: common.time_and_memory_cell(r, "—")),
         ("fastest", _fastest),
         ("floor 8r²c/R", lambda cr: common.format_ms(cr.floor_ms)),
         ("4r²c/R", lambda cr: common.format_ms(cr.floor_ms / 2)), ours]
     accuracy_columns = [label, ("mean loss (reference)", _loss_text),
-                        *_provider_columns(case_results, _errors_text)]
+                        *_provider_columns(case_results, common.errors_text)]
     return {"Time and memory": common.table(time_columns, case_results, text),
             "Losses and gradient accuracy": common.table(accuracy_columns, case_results, text)}
 
@@ -435,9 +408,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     calls: dict[str, str] = {}
     for cr in case_results:
         for result in cr.results.values():
-            if result.call:
-                calls.setdefault(f"{result.label}, {cr.case.loss}", result.call)
-            common.note_problem(notes, cr.case.label, result.label, result.status, result.note)
+            if result["call"]:
+                calls.setdefault(f"{result['label']}, {cr.case.loss}", result["call"])
+            common.note_problem(notes, cr.case.label, result)
     settings = dict(dtype=common.dtype_name(dtype), seed=args.seed, quick=args.quick,
                     warmup_ms=timing.warmup_ms, rep_ms=timing.rep_ms, backend=backend,
                     providers=list(args.providers))

@@ -140,7 +140,7 @@ def measure(trainer: Trainer, method: str, batch: int, ctx: ring.Context, seed: 
         peak = (torch.cuda.max_memory_allocated(device) - before) / common.MIB if cuda else None
         return [ms for ms, _ in samples], samples[-1][1], peak
 
-    ok, figures = ring.stage(ctx, row, steps)
+    ok, figures = ctx.stage(row, steps)
     if ok:
         samples, loss, peak = figures
         row["ms_per_rank"] = ctx.gather(statistics.median(samples))
@@ -163,7 +163,7 @@ def check_methods(args: argparse.Namespace, ctx: ring.Context) -> dict[str, Any]
         trainer.dtype = torch.float32
         data = make_batch(batch // ctx.world, ctx.rank, args.seed, ctx.device)
         with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
-            ok, result = ring.stage(ctx, check, lambda t=trainer, m=method, d=data: (
+            ok, result = ctx.stage(check, lambda t=trainer, m=method, d=data: (
                 t.step(m, *d, update=False)[1], [p.grad.float().clone() for p in t.parameters]))
         if not ok:
             return check

@@ -9,7 +9,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from benchmarks import common, inputs
-from benchmarks.common import NOT_INSTALLED, UNAVAILABLE, TimingSettings
-from benchmarks.providers import Provider, Unavailable, lm_head_providers, torch_eager_loss
+from benchmarks.common import TimingSettings, column, format_error, format_ms
+from benchmarks.providers import Provider, lm_head_providers, torch_eager_loss
 from benchmarks.suites import Suite
 
 NAME = "lm-head"
@@ -174,20 +174,11 @@ def time_products(hidden: Tensor, classifier: Tensor, with_backward: bool, timin
     return result
 
 
-@dataclass
-class ProviderResult(common.ProviderResultBase):
-    """One provider on one case; the JSON's result fields, in this order."""
-
-    peak_extra_mib: float | None = None
-    loss: float | None = None
-    loss_error: float | None = None  # |loss − float64 reference|
-    err_hidden: float | None = None  # relative L2 error of dE
-    err_classifier: float | None = None  # relative L2 error of dC
-    ratio_hidden: float | None = None  # err_hidden ÷ torch eager's (the yardstick)
-    ratio_classifier: float | None = None
-    times_floor: float | None = None  # ms ÷ the case's floor
-    times_products: float | None = None  # ms ÷ the case's products
-    tiles_skipped: float | None = None  # fusedloss's Triton backward: share of tiles skipped
+# A row's figures (JSON order): peak MiB, the loss and its error against float64, the relative
+# L2 errors of dE and dC and their ratio to torch eager's (the yardstick), ms ÷ the case's floor
+# and ÷ its products, the share of tiles fusedloss's Triton backward skipped.
+FIGURES = ("peak_extra_mib", "loss", "loss_error", "err_hidden", "err_classifier", "ratio_hidden",
+           "ratio_classifier", "times_floor", "times_products", "tiles_skipped")
 
 
 @dataclass
@@ -197,23 +188,20 @@ class CaseResult:
     reference_loss: float
     yardstick: dict  # torch eager's errors: {dE, dC, note}
     products: dict  # time_products()
-    results: dict[str, ProviderResult] = field(default_factory=dict)
+    results: dict[str, common.Row] = field(default_factory=dict)
 
 
 def run_provider(provider: Provider, cr: CaseResult, tensors: tuple[Tensor, Tensor, Tensor],
-                 reference: Reference, timing: TimingSettings) -> ProviderResult:
+                 reference: Reference, timing: TimingSettings) -> common.Row:
     """Check (the untimed first call: loss, gradients, tiles skipped), measure memory, time."""
     from fusedloss.core import engine
 
     case, device, leaves = cr.case, tensors[0].device, tensors[:2]
-    result = ProviderResult(provider.key, provider.display_name())
-    try:
-        loss_fn = provider.build(device, case.shape.softcap)
-    except Unavailable as error:
-        result.status = NOT_INSTALLED if provider.is_peer else UNAVAILABLE
-        result.note = str(error)
-        return result
-    result.call = provider.describe()
+    row = common.new_row(provider.key, provider.display_name(), **dict.fromkeys(FIGURES))
+    ok, loss_fn = common.stage(row, lambda: provider.build(device, case.shape.softcap), device)
+    if not ok:
+        return row
+    row["call"] = provider.describe()
 
     def timed() -> Any:  # fwd+bwd: autograd.grad; fwd: no graph (no gradient formed inside)
         if case.with_backward:
@@ -221,35 +209,34 @@ def run_provider(provider: Provider, cr: CaseResult, tensors: tuple[Tensor, Tens
         with torch.no_grad():
             return loss_fn(*tensors)
 
-    with common.failures_recorded(result, device):
+    def check() -> list[str]:
         with engine.recording_backward_tiles() as tiles:
             loss = loss_fn(*tensors)
             grads = torch.autograd.grad(loss, leaves) if case.with_backward else None
         if tiles:  # fusedloss's Triton backward ran: what its filter skipped
             computed, total = (int(x) for x in torch.stack(tiles).sum(0).tolist())
-            result.tiles_skipped = 1.0 - computed / total
-        result.loss = float(loss.detach().float())
-        result.loss_error, problems = common.check_loss(result.loss, reference.loss,
+            row["tiles_skipped"] = 1.0 - computed / total
+        row["loss"] = float(loss.detach().float())
+        row["loss_error"], problems = common.check_loss(row["loss"], reference.loss,
                                                         LOSS_TOLERANCE)
         if grads is not None:
-            result.err_hidden, result.err_classifier = (
+            row["err_hidden"], row["err_classifier"] = (
                 common.relative_l2_error(grad, exact)
                 for grad, exact in zip(grads, reference[1:], strict=True))
             if cr.yardstick["dE"]:
-                result.ratio_hidden = result.err_hidden / cr.yardstick["dE"]
-                result.ratio_classifier = result.err_classifier / cr.yardstick["dC"]
-            errors = {"dE": result.err_hidden, "dC": result.err_classifier}
+                row["ratio_hidden"] = row["err_hidden"] / cr.yardstick["dE"]
+                row["ratio_classifier"] = row["err_classifier"] / cr.yardstick["dC"]
+            errors = {"dE": row["err_hidden"], "dC": row["err_classifier"]}
             problems += common.bound_problems(errors, lambda _: GRADIENT_ERROR_BOUND)
-        common.mark_wrong(result, problems)
-        del loss, grads
-        common.release_memory(device)
-        gradient_bytes = common.tensor_bytes(leaves) if case.with_backward else 0
-        result.peak_extra_mib = common.peak_extra_mib(timed, device, gradient_bytes)
-        result.ms = common.median_ms(timed, device, timing)
-        result.times_floor = result.ms / cr.floor_ms
+        return problems
+
+    gradient_bytes = common.tensor_bytes(leaves) if case.with_backward else 0
+    if common.check_and_time(row, device, check, timed, gradient_bytes, lambda step, _: {
+            "ms": common.median_ms(step, device, timing)}):
+        row["times_floor"] = row["ms"] / cr.floor_ms
         if cr.products["ms"]:
-            result.times_products = result.ms / cr.products["ms"]
-    return result
+            row["times_products"] = row["ms"] / cr.products["ms"]
+    return row
 
 
 def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *, device: torch.device,
@@ -284,9 +271,9 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *, device: t
             for provider in providers:
                 r = cr.results[provider.key] = run_provider(provider, cr, tensors, reference,
                                                             timing)
-                cells = {head: cell((cr, r)) for head, cell in FIGURE_COLUMNS[2:]}
+                cells = {head: cell(_item(cr, r)) for head, cell in FIGURE_COLUMNS[2:]}
                 figures = ", ".join(f"{head} {text}" for head, text in cells.items() if text)
-                log(f"  {case.key}, {r.label}: {figures}")
+                log(f"  {case.key}, {r['label']}: {figures}")
             case_results.append(cr)
         del hidden, classifier, labels, tensors, reference
         common.release_memory(device)
@@ -300,32 +287,30 @@ def _pair(a: float | None, b: float | None, fmt: str = ".2f") -> str:
     return "—" if a is None or b is None else f"{a:{fmt}} / {b:{fmt}}"
 
 
-Row = tuple[CaseResult, ProviderResult]
-# "All figures" of the report; the summary printed last takes the columns of SUMMARY_COLUMNS.
-FIGURE_COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
-    ("case", lambda row: row[0].case.key),
-    ("provider", lambda row: row[1].label),
-    ("status", lambda row: row[1].status),
-    ("ms", lambda row: common.format_ms(row[1].ms)),
-    ("products ms", lambda row: common.format_ms(row[0].products["ms"])),
-    ("× products", lambda row: common.format_ratio(row[1].times_products)),
-    ("× floor", lambda row: common.format_ratio(row[1].times_floor)),
-    ("MiB", lambda row: common.format_mib(row[1].peak_extra_mib)),
-    ("loss", lambda row: "—" if row[1].loss is None else f"{row[1].loss:.5f}"),
-    ("|loss − ref|", lambda row: common.format_error(row[1].loss_error)),
-    ("dE err", lambda row: common.format_error(row[1].err_hidden)),
-    ("dC err", lambda row: common.format_error(row[1].err_classifier)),
-    ("err ratio dE / dC", lambda row: _pair(row[1].ratio_hidden, row[1].ratio_classifier)),
-    ("tiles skipped", lambda row: "—" if row[1].tiles_skipped is None
-     else f"{100 * row[1].tiles_skipped:.2f}%"),
-    ("note", lambda row: row[1].note),
+# "All figures" of the report (items: _item()); the summary printed last leaves some out.
+FIGURE_COLUMNS: list[common.Column] = [
+    column("case", "case"), column("provider", "label"), column("status", "status"),
+    column("ms", "ms", format_ms), column("products ms", "products_ms", format_ms),
+    column("× products", "times_products", common.format_ratio),
+    column("× floor", "times_floor", common.format_ratio),
+    column("MiB", "peak_extra_mib", common.format_mib), column("loss", "loss", "{:.5f}".format),
+    column("|loss − ref|", "loss_error", format_error),
+    column("dE err", "err_hidden", format_error), column("dC err", "err_classifier", format_error),
+    ("err ratio dE / dC", lambda r: _pair(r.get("ratio_hidden"), r.get("ratio_classifier"))),
+    column("tiles skipped", "tiles_skipped", lambda share: f"{100 * share:.2f}%"),
+    column("note", "note"),
 ]
-SUMMARY_COLUMNS = [column for column in FIGURE_COLUMNS
-                   if column[0] not in ("loss", "|loss − ref|", "dE err", "dC err", "note")]
+SUMMARY_COLUMNS = [c for c in FIGURE_COLUMNS
+                   if c[0] not in ("loss", "|loss − ref|", "dE err", "dC err", "note")]
 
 
-def _rows(case_results: Sequence[CaseResult]) -> list[Row]:
-    return [(cr, r) for cr in case_results for r in cr.results.values()]
+def _item(cr: CaseResult, row: common.Row) -> common.Row:
+    """A row of the figure tables: the provider's row with its case's key and products' ms."""
+    return {**row, "case": cr.case.key, "products_ms": cr.products["ms"]}
+
+
+def _items(case_results: Sequence[CaseResult]) -> list[common.Row]:
+    return [_item(cr, r) for cr in case_results for r in cr.results.values()]
 
 
 def _time_table(case_results: Sequence[CaseResult]) -> str:
@@ -343,9 +328,9 @@ def _time_table(case_results: Sequence[CaseResult]) -> str:
         method = "" if cr.products["method"] == "whole" else f" ({cr.products['method']})"
         row = [common.format_ms(cr.products["ms"]) + method]
         for key, _ in columns:
-            r = cr.results.get(key)
-            ratio = "" if r is None or r.times_products is None else f" ({r.times_products:.2f}×)"
-            row.append(common.time_and_memory_cell(r, "") + ratio)
+            r = cr.results.get(key) or {}
+            ratio = f" ({r['times_products']:.2f}×)" if r.get("times_products") else ""
+            row.append(common.time_and_memory_cell(r or None, "") + ratio)
         return row
 
     body = []
@@ -378,7 +363,7 @@ def report_sections(run: dict[str, Any], case_results: Sequence[CaseResult]
              "float64, the bar of 'err ratio'. × floor: ms ÷ 8NVD/R (fwd+bwd) or 2NVD/R (fwd), "
              "R the matmul rate above (docs/design.md).")
     return rows, ["## Time and memory", "", intro, "", _time_table(case_results), "",
-                  *common.section("All figures", "", FIGURE_COLUMNS, _rows(case_results))]
+                  *common.section("All figures", "", FIGURE_COLUMNS, _items(case_results))]
 
 
 def results_json(run: dict[str, Any], case_results: Sequence[CaseResult]) -> dict[str, Any]:
@@ -388,7 +373,7 @@ def results_json(run: dict[str, Any], case_results: Sequence[CaseResult]) -> dic
               "softcap": cr.case.shape.softcap, "n": cr.case.n, "regime": cr.case.regime,
               "mode": cr.case.mode, "floor_ms": cr.floor_ms, "products": cr.products,
               "reference_loss": cr.reference_loss, "torch_bf16_error": cr.yardstick,
-              "results": [asdict(r) for r in cr.results.values()]}
+              "results": list(cr.results.values())}
              for cr in case_results]
     return {**run, "cases": cases}
 
@@ -400,15 +385,10 @@ MODE_TITLES = {"fwd+bwd": "forward+backward", "fwd": "forward only"}
 PRODUCTS = "products (cuBLAS: Z = E·Cᵀ, dE, dC)"
 
 
-def plot_speed(files: list[dict[str, Any]], out: Path) -> Path:
+def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
     """``--plot``: ms against N (log-log) from results files, a panel per head, regime and mode,
     a line per provider and the products dashed, into ``out`` (.svg, .png or .pdf); later
-    files replace earlier ones' points."""
-    import matplotlib
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
-
+    files replace earlier ones' points. None without matplotlib."""
     panels: dict[tuple[str, str, str], dict[str, Any]] = {}  # title, lines: {key: {N: ms}}
     names: dict[str, str] = {}  # the measured providers' labels by key, then the products
     for case in (case for data in files for case in data["cases"]):
@@ -418,51 +398,34 @@ def plot_speed(files: list[dict[str, Any]], out: Path) -> Path:
         lines = panels.setdefault((case["shape"], case["regime"], case["mode"]),
                                   {"title": title, "lines": {}})["lines"]
         for result in case["results"]:
-            if result["status"] in ("ok", "wrong") and result.get("ms"):  # measured
+            if common.measured(result):
                 names.setdefault(result["provider"], result["label"])
                 lines.setdefault(result["provider"], {})[case["n"]] = result["ms"]
         if (case.get("products") or {}).get("ms"):
             lines.setdefault(PRODUCTS, {})[case["n"]] = case["products"]["ms"]
     names[PRODUCTS] = PRODUCTS
-    palette = matplotlib.colormaps["tab10"].colors
-    styles = {key: {"color": palette[i % len(palette)], "marker": "o", "markersize": 4}
-              for i, key in enumerate(names)}
+    styles = {key: {"color": f"C{i}", "marker": "o", "markersize": 4}
+              for i, key in enumerate(names)}  # a provider's colour is the same in every panel
     styles[PRODUCTS] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+
+    def plotted(panel: dict[str, Any] | None) -> tuple[str, str, str, list] | None:
+        if panel is None:
+            return None
+        points = {key: sorted(panel["lines"][key].items()) for key in names
+                  if key in panel["lines"]}
+        lines = [(names[key], [n for n, _ in xy], [ms for _, ms in xy], styles[key])
+                 for key, xy in points.items()]
+        return panel["title"], "tokens N", "median ms", lines
 
     heads = list(dict.fromkeys(key[:2] for key in panels))
     modes = list(dict.fromkeys(key[2] for key in panels))
-    figure = Figure(figsize=(5.0 * len(modes), 3.3 * len(heads) + 1.2), layout="constrained")
-    axes = figure.subplots(len(heads), len(modes), squeeze=False)
-    for (row, head), (column, mode) in itertools.product(enumerate(heads), enumerate(modes)):
-        axis, panel = axes[row][column], panels.get((*head, mode))
-        if panel is None:
-            axis.set_visible(False)
-            continue
-        for key in [key for key in names if key in panel["lines"]]:
-            ns = sorted(panel["lines"][key])
-            axis.plot(ns, [panel["lines"][key][n] for n in ns], **styles[key])
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        all_ns = sorted({n for line in panel["lines"].values() for n in line})
-        axis.xaxis.set_major_locator(FixedLocator(all_ns))
-        axis.xaxis.set_minor_locator(NullLocator())
-        axis.xaxis.set_major_formatter(FuncFormatter(
-            lambda n, _: f"{int(n) // 1024}k" if n >= 1024 and int(n) % 1024 == 0 else f"{int(n)}"))
-        axis.yaxis.set_major_formatter(LogFormatter())  # plain numbers: 100, not 10²
-        axis.yaxis.set_minor_formatter(LogFormatter(minor_thresholds=(1, 0.4)))
-        axis.grid(True, which="both", alpha=0.3)
-        axis.set(title=panel["title"], xlabel="tokens N", ylabel="median ms")
-        axis.title.set_fontsize(10)
-    figure.legend([Line2D([], [], **styles[key]) for key in names], list(names.values()),
-                  loc="outside lower center", ncols=min(len(names), 4))
     runs = dict.fromkeys(f"{d['environment']['device_name']} · torch {d['environment']['torch']} · "
                          f"triton {d['environment']['triton']} · {d['settings']['dtype']} · "
                          f"{d['environment']['date']}" for d in files)
-    figure.suptitle("LM-head linear cross-entropy, median ms against N\n" + "\n".join(runs),
-                    fontsize=11)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    return out
+    return common.save_plot(
+        out, [plotted(panels.get((*head, mode))) for head in heads for mode in modes],
+        columns=len(modes), size=(5.0, 3.6), log="xy",
+        title="LM-head linear cross-entropy, median ms against N\n" + "\n".join(runs))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -489,8 +452,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     if args.plot:
         figure = args.out if args.out.suffix else Path("docs/lm_head_speed.svg")
-        log(str(plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)))
-        return 0
+        figure = plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)
+        log(str(figure or "no plot: matplotlib is not installed"))
+        return 0 if figure else 2
     device = common.pick_device(args.device)
     if not common.cuda_or_quick(device, args.quick, NAME, log):
         return 2
@@ -513,17 +477,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     case_results = run_cases(cases, providers, device=device, dtype=dtype, seed=args.seed,
                              timing=timing, tflops=matmul["tflops"], log=log,
                              trained_lm=args.trained_lm)
-    for cr, r in _rows(case_results):
-        common.note_problem(notes, cr.case.key, r.label, r.status, r.note)
+    for cr in case_results:
+        for r in cr.results.values():
+            common.note_problem(notes, cr.case.key, r)
     notes += [f"{cr.case.key}: {note}" for cr in case_results
               for note in (cr.yardstick["note"], cr.products["note"]) if note]
     settings = {"n": ns, "dtype": args.dtype, "seed": args.seed, "quick": quick,
                 "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "providers": args.providers}
     peers = {name: common.package_version(name) for name in ("cut-cross-entropy", "liger-kernel")}
-    calls = {r.label: r.call for _, r in _rows(case_results) if r.call}
+    calls = {r["label"]: r["call"] for r in _items(case_results) if r["call"]}
     run_info = {"suite": NAME, "environment": environment, "settings": settings, "matmul": matmul,
                 "peer_versions": peers, "calls": calls, "notes": notes}
-    summary = common.table(SUMMARY_COLUMNS, _rows(case_results), text=True)
+    summary = common.table(SUMMARY_COLUMNS, _items(case_results), text=True)
     common.write_report(args.out, "lm_head", args.tag, environment,
                         "LM-head linear cross-entropy", *report_sections(run_info, case_results),
                         results_json(run_info, case_results), summary, calls=calls, notes=notes,

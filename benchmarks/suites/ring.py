@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks import common
-from benchmarks.common import FAILED, NOT_INSTALLED, OK, OUT_OF_MEMORY, UNAVAILABLE, WRONG
+from benchmarks.common import OUT_OF_MEMORY, column, format_ms
 from benchmarks.inputs import make_pair_features, pair_logit_scale
 from benchmarks.providers import Unavailable, inf_cl_head_dim, inf_clip_loss
 from benchmarks.suites import Suite, contrastive
@@ -71,43 +71,15 @@ class Context:
         common.synchronize(self.device)
         self.gather(None)
 
+    def stage(self, row: dict[str, Any], action: Callable[[], Any]) -> tuple[bool, Any]:
+        """``common.stage`` agreed by the ranks."""
+        return common.stage(row, action, self.device, self.gather)
+
     def relative_error(self, actual: Tensor, reference: Tensor) -> float:
         """‖a − ref‖₂ / ‖ref‖₂ of a tensor split over the ranks."""
         a, r = actual.double(), reference.double()
         diff = math.fsum(self.gather(float(((a - r) ** 2).sum())))
         return math.sqrt(diff / math.fsum(self.gather(float((r**2).sum()))))
-
-
-def new_row(key: str, label: str) -> dict[str, Any]:
-    return {"provider": key, "label": label, "status": OK, "note": ""}
-
-
-def measured(row: dict[str, Any]) -> bool:
-    return row["status"] in common.MEASURED and row.get("ms") is not None
-
-
-def stage(ctx: Context, row: dict[str, Any], action: Callable[[], Any]) -> tuple[bool, Any]:
-    """(True, ``action()``) where it succeeded on every rank, else (False, None) with the
-    failure (an out-of-memory first) in ``row`` on every rank."""
-    value, error = None, None
-    try:
-        value = action()
-    except Exception as exc:  # reported; the run goes on
-        status = OUT_OF_MEMORY if common.is_out_of_memory(exc) else FAILED
-        status = NOT_INSTALLED if isinstance(exc, ImportError) else status
-        status = UNAVAILABLE if isinstance(exc, Unavailable) else status
-        error = (status, common.describe_error(exc))
-    errors = ctx.gather(error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if not failed:
-        return True, value
-    rank, (row["status"], row["note"]) = next((f for f in failed if f[1][0] == OUT_OF_MEMORY),
-                                              failed[0])
-    if len(set(errors)) > 1:  # not the same failure on every rank
-        row["note"] = f"rank {rank}: {row['note']}"
-    value = None
-    common.release_memory(ctx.device)
-    return False, None
 
 
 def time_on_all_ranks(fn: Callable[[], Any], ctx: Context, min_reps: int,
@@ -146,46 +118,34 @@ def time_on_all_ranks(fn: Callable[[], Any], ctx: Context, min_reps: int,
 def measure_provider(row: dict[str, Any], ctx: Context, loss_fn: Callable[[], Tensor],
                      leaves: Sequence[Tensor], check: Callable[[Tensor, Sequence[Tensor]], Any],
                      min_reps: int, host: bool = False) -> Callable[[], Any] | None:
-    """On every rank: the first call (forward, agreed, backward, agreed) to ``check``, peak memory
-    above inputs and gradients, the time; returns the timed step, None after a failure."""
-    device = ctx.device
-    common.release_memory(device)
-    ok, loss = stage(ctx, row, loss_fn)
-    if ok:
-        ok, grads = stage(ctx, row, lambda: torch.autograd.grad(loss, leaves))
-    if not ok:
-        return None
-    row["rank_losses"] = ctx.gather(float(loss.detach().float()))
-    finite = all(ctx.gather(all(bool(torch.isfinite(t).all()) for t in (loss, *grads))))
-    problems = check(loss, grads) + ([] if finite else ["not finite (on some rank)"])
-    if problems:
-        row["status"], row["note"] = WRONG, "; ".join(problems)
-    loss = grads = None
-    common.release_memory(device)
+    """``common.check_and_time`` on every rank: the first call (forward, agreed, backward,
+    agreed) to ``check``, peak memory above inputs and gradients, the time; returns the timed
+    step, None after a failure."""
+
+    def first_call() -> list[str] | None:
+        ok, loss = ctx.stage(row, loss_fn)
+        if ok:
+            ok, grads = ctx.stage(row, lambda: torch.autograd.grad(loss, leaves))
+        if not ok:
+            return None
+        row["rank_losses"] = ctx.gather(float(loss.detach().float()))
+        finite = all(ctx.gather(all(bool(torch.isfinite(t).all()) for t in (loss, *grads))))
+        return check(loss, grads) + ([] if finite else ["not finite (on some rank)"])
 
     def step() -> tuple[Tensor, ...]:
         return torch.autograd.grad(loss_fn(), leaves)
 
-    if common.uses_cuda(device):
-        gradient_bytes = sum(t.numel() * t.element_size() for t in leaves)
-        ok, peak = stage(ctx, row, lambda: common.peak_extra_mib(step, device, gradient_bytes))
-        if not ok:
-            return None
-        row["peak_per_rank"] = ctx.gather(peak)
-        row["peak_extra_mib"] = max(row["peak_per_rank"])
-    ok, timed = stage(ctx, row, lambda: time_on_all_ranks(step, ctx, min_reps, host))
-    common.release_memory(device)
-    row.update(timed or {})
+    common.release_memory(ctx.device)
+    ok = common.check_and_time(row, ctx.device, first_call, step, common.tensor_bytes(leaves),
+                               lambda fn, _: time_on_all_ranks(fn, ctx, min_reps, host),
+                               ctx.gather)
     return step if ok else None
 
 
 def say_row(ctx: Context, row: dict[str, Any]) -> None:
-    ctx.say(f"  {row['label']:<26} {row['status']}: {common.format_ms(row.get('ms'))} ms, "
-            f"{common.format_mib(row.get('peak_extra_mib'))} MB, {_errors(row)} {row['note']}")
-
-
-def _number(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+    ctx.say(f"  {row['label']:<26} {row['status']}: {format_ms(row['ms'])} ms, "
+            f"{common.format_mib(row.get('peak_extra_mib'))} MB, {common.errors_text(row)} "
+            f"{row['note']}")
 
 
 def _loss_check(row: dict[str, Any]) -> str:
@@ -193,22 +153,13 @@ def _loss_check(row: dict[str, Any]) -> str:
     return row.get("check") or "—" if error is None else f"{error:.1e} ({row['check']})"
 
 
-def _errors(row: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:.1e}" for k, v in row.get("errors", {}).items()) or "—"
-
-
 # One row per case and provider: a row with its case's key under "case".
-RESULT_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
-    ("case", lambda r: r["case"]),
-    ("provider", lambda r: r["label"]),
-    ("status", lambda r: r["status"]),
-    ("ms", lambda r: common.format_ms(r.get("ms"))),
-    ("MB", lambda r: common.format_mib(r.get("peak_extra_mib"))),
-    ("× floor", lambda r: common.format_ratio(r.get("times_floor"))),
-    ("|loss − ref|", _loss_check),
-    ("gradient errors", _errors),
-    ("loss", lambda r: _number(r.get("loss"), ".5f")),
-    ("note", lambda r: r["note"]),
+RESULT_COLUMNS: list[common.Column] = [
+    column("case", "case"), column("provider", "label"), column("status", "status"),
+    column("ms", "ms", format_ms), column("MB", "peak_extra_mib", common.format_mib),
+    column("× floor", "times_floor", common.format_ratio), ("|loss − ref|", _loss_check),
+    ("gradient errors", common.errors_text), column("loss", "loss", "{:.5f}".format),
+    column("note", "note"),
 ]
 
 
@@ -236,7 +187,7 @@ def write_report(args: argparse.Namespace, ctx: Context, title: str, body: list[
     for case in payload.get("cases", []):
         notes += [f"{case['case']}: {case['note']}"] if case["note"] else []
         for row in case["results"]:
-            common.note_problem(notes, case["case"], row["label"], row["status"], row["note"])
+            common.note_problem(notes, case["case"], row)
     versions = {peer: common.package_version(peer) for peer in PEERS.values()}
     rows = [*common.environment_rows(env, versions if args.suite == "ring" else {}),
             *[(k, v) for k, v in settings.items() if v is not None],
@@ -377,9 +328,9 @@ def time_variant(row: dict[str, Any], name: str, make: Callable[[], Callable[[],
     """``make()``'s function timed like the step, into ``row[name + "_ms"]`` and
     ``row[name + "_per_rank"]``, or why not into ``row[name + "_note"]``."""
     probe: dict[str, Any] = {}
-    ok, fn = stage(ctx, probe, make)
+    ok, fn = ctx.stage(probe, make)
     if ok:
-        ok, timed = stage(ctx, probe, lambda: time_on_all_ranks(fn, ctx, min_reps))
+        ok, timed = ctx.stage(probe, lambda: time_on_all_ranks(fn, ctx, min_reps))
     fn = None
     common.release_memory(ctx.device)
     if ok:
@@ -467,8 +418,8 @@ def run_provider(key: str, case: dict[str, Any], leaves: tuple[Tensor, ...], row
     """One provider on one case, on every rank; a failure on any rank is the row's status."""
     device = ctx.device
     version = common.package_version(PEERS[key]) if key in PEERS else None
-    row = new_row(key, f"{key} {version}" if version else key)
-    ok, loss_fn = stage(ctx, row, lambda: build_loss(key, ctx, args.width))
+    row = common.new_row(key, f"{key} {version}" if version else key)
+    ok, loss_fn = ctx.stage(row, lambda: build_loss(key, ctx, args.width))
     if not ok:
         return row
     # open_clip's two b_r × B log-softmax outputs, predicted: a rank that ran out of memory
@@ -498,7 +449,7 @@ def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, An
     case = {"case": f"{batch}×{args.width} ({ctx.world}×{per_rank})", "global_batch": batch,
             "per_rank_batch": per_rank, "reference": None, "note": "", "results": []}
     rows = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
-    ok, features = stage(ctx, case, lambda: make_pair_features(
+    ok, features = ctx.stage(case, lambda: make_pair_features(
         batch, args.width, REGIME, dtype=ctx.dtype, device=ctx.device, seed=args.seed))
     if not ok:
         case["note"] = f"inputs could not be made: {case.pop('status')}: {case['note']}"
@@ -511,7 +462,7 @@ def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, An
     grads = batch**2 * args.width <= contrastive.REFERENCE_GRADS_MAX_WORK
     reference = None
     if batch <= contrastive.REFERENCE_LOSS_MAX_ROWS:
-        ok, reference = stage(ctx, case, lambda: contrastive.contrastive_reference(
+        ok, reference = ctx.stage(case, lambda: contrastive.contrastive_reference(
             "clip", (*features, scale), with_grads=grads,
             dtype=torch.float64 if grads else torch.float32))
         case["reference"] = {"loss": reference.loss, "dtype": reference.dtype} if ok else None
@@ -522,7 +473,7 @@ def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, An
         case["results"].append(run_provider(key, case, leaves, rows, reference, ctx, args))
         row = case["results"][-1]
         say_row(ctx, row)
-        if reference is None and key == FUSEDLOSS and measured(row):
+        if reference is None and key == FUSEDLOSS and common.measured(row):
             reference = SimpleNamespace(loss=row["loss"], dtype="fusedloss", grads=None)
     leaves = reference = None
     common.release_memory(ctx.device)
@@ -530,16 +481,14 @@ def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, An
 
 
 # fusedloss's rows: (a) the step, (b) compute only, (c) transfers only, host, CUDA graph.
-OVERLAP_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
-    ("case", lambda r: r["case"]),
-    ("a: ring", lambda r: common.format_ms(r["ms"])),
-    ("host", lambda r: common.format_ms(r.get("host_ms"))),
-    ("graphed", lambda r: common.format_ms(r.get("graphed_ms"))),
-    ("b: compute only", lambda r: common.format_ms(r.get("compute_ms"))),
-    ("c: transfers only", lambda r: common.format_ms(r.get("comm_ms"))),
-    ("exposed a − b", lambda r: common.format_ms(r.get("exposed_comm_ms"))),
-    ("overlap %", lambda r: _number(r.get("overlap") and 100 * r["overlap"], ".0f")),
-    ("MB sent / rank", lambda r: _number(r.get("comm_bytes", 0) / 2**20 or None, ".1f")),
+OVERLAP_COLUMNS: list[common.Column] = [
+    column("case", "case"), column("a: ring", "ms", format_ms),
+    column("host", "host_ms", format_ms), column("graphed", "graphed_ms", format_ms),
+    column("b: compute only", "compute_ms", format_ms),
+    column("c: transfers only", "comm_ms", format_ms),
+    column("exposed a − b", "exposed_comm_ms", format_ms),
+    column("overlap %", "overlap", lambda share: f"{100 * share:.0f}"),
+    column("MB sent / rank", "comm_bytes", lambda sent: f"{sent / 2**20:.1f}" if sent else "—"),
     ("note", lambda r: "; ".join(r[k] for k in ("compute_note", "comm_note", "graphed_note")
                                  if k in r)),
 ]
@@ -559,9 +508,10 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
         # One rank's share of the one-pass floor, 8·b_r·B·c / R.
         cases[-1]["floor_ms"] = 8.0 * batch**2 / ctx.world * args.width / matmul["tflops"] / 1e9
         for row in cases[-1]["results"]:
-            row["times_floor"] = row["ms"] / cases[-1]["floor_ms"] if measured(row) else None
+            row["times_floor"] = (row["ms"] / cases[-1]["floor_ms"] if common.measured(row)
+                                  else None)
         items = result_items(cases)
-        ours = [r for r in items if r["provider"] == FUSEDLOSS and measured(r)]
+        ours = [r for r in items if r["provider"] == FUSEDLOSS and common.measured(r)]
         body = common.section("Results", "ms: forward+backward step, max over the ranks of each "
                               "rank's median; MB: peak per rank above inputs and gradients, max "
                               "over the ranks; loss: mean over the ctx.", RESULT_COLUMNS, items)

@@ -306,28 +306,21 @@ def _markdown(rows: list[dict[str, Any]], steps: list[dict[str, Any]]) -> tuple[
     return [*out, ""], time_table
 
 
-def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
+def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> Path | None:
     """ms against size, log-log, a panel per loss and a line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    losses = list(dict.fromkeys(r["loss"] for r in rows))
-    fig, axes = plt.subplots(1, len(losses), figsize=(3.2 * len(losses), 3.2), squeeze=False)
-    for ax, loss in zip(axes[0], losses, strict=True):
-        for method, style in zip(METHODS, ("o-", "d-.", "v-.", "s--", "^:"), strict=True):
+    styles = dict(zip(METHODS, ("o-", "d-.", "v-.", "s--", "^:"), strict=True))
+    panels = []
+    for loss in dict.fromkeys(r["loss"] for r in rows):
+        lines = []
+        for method, style in styles.items():
             points = sorted((r["size"], r["ms"]) for r in rows
                             if r["loss"] == loss and r["method"] == method and "ms" in r)
-            if points:
-                ax.plot(*zip(*points, strict=True), style, label=method, markersize=3)
-        ax.set(xscale="log", yscale="log", title=loss, xlabel="size (rows)")
-    axes[0][0].set_ylabel("ms, forward + backward")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{env['device_name']}, torch {env['torch']}, triton {env['triton']}, "
-                 f"{env['date']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+            lines += [(method, [size for size, _ in points], [ms for _, ms in points],
+                       {"marker": style[0], "linestyle": style[1:]})] if points else []
+        panels.append((loss, "size (rows)", "ms, forward + backward", lines))
+    return common.save_plot(path, panels, columns=len(panels), size=(3.2, 3.2), log="xy",
+                            title=f"{env['device_name']}, torch {env['torch']}, triton "
+                            f"{env['triton']}, {env['date']}", markersize=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

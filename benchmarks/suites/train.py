@@ -9,7 +9,6 @@ import importlib
 import inspect
 import statistics
 import types
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -17,7 +16,7 @@ from unittest import mock
 import torch
 
 from benchmarks import common
-from benchmarks.common import OK, count_text, format_ms, format_ratio, loss_text
+from benchmarks.common import OK, column, count_text, format_ms, format_ratio, loss_text
 from benchmarks.suites import Suite
 
 NAME = "train"
@@ -138,31 +137,9 @@ def prepare_method(method: str, model: Any, cuda: bool) -> tuple[Any, str]:
     return model, call
 
 
-@dataclass
-class MethodResult:
-    """One method on one model; ``sweep``: a point per batch measured, the fixed one included."""
-
-    model: str
-    method: str
-    label: str
-    batch: int  # the fixed batch
-    status: str = OK
-    note: str = ""
-    call: str = ""
-    ms: float | None = None  # median step at the fixed batch
-    losses: list[float] = field(default_factory=list)  # every step's, at the fixed batch
-    loss_error: float | None = None  # |last loss − HF eager's|
-    max_batch: int | None = None
-    max_batch_limited: bool = False  # the search stopped at its limit, not out of memory
-    sweep: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def measured(self) -> bool:
-        return self.status in common.MEASURED and self.ms is not None
-
-    def point(self, batch: int | None) -> dict[str, Any]:
-        """The sweep point at ``batch`` ({} if not measured)."""
-        return next((p for p in self.sweep if p["batch"] == batch), {})
+def _point(row: common.Row, batch: int | None) -> dict[str, Any]:
+    """The sweep point of a method's row at ``batch`` ({} if not measured)."""
+    return next((p for p in row["sweep"] if p["batch"] == batch), {})
 
 
 def measure(step, vocab: int, batch: int, args, device: torch.device, first: int,
@@ -198,11 +175,11 @@ def find_max_batch(fits, start: int, limit: int) -> tuple[int | None, bool]:
     return (low or None), False
 
 
-def measure_method(result: MethodResult, args, device: torch.device, log) -> None:
+def measure_method(row: common.Row, args, device: torch.device, log) -> None:
     """Builds, patches and trains the model at the fixed batch, then at each batch searched."""
     cuda = common.uses_cuda(device)
-    model = build_model(result.model, args, device)
-    call, result.call = prepare_method(result.method, model, cuda)
+    model = build_model(row["model"], args, device)
+    call, row["call"] = prepare_method(row["method"], model, cuda)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
 
     def step(ids: Any) -> Any:
@@ -213,20 +190,17 @@ def measure_method(result: MethodResult, args, device: torch.device, log) -> Non
         return loss.detach()
 
     vocab = model.config.vocab_size
-    point, result.losses = measure(step, vocab, args.batch, args, device, 0, args.warmup_steps,
+    point, row["losses"] = measure(step, vocab, args.batch, args, device, 0, args.warmup_steps,
                                    args.steps)
-    result.ms, result.sweep = point["ms"], [point]
+    row["ms"], row["sweep"] = point["ms"], [point]
     tried = {args.batch: point}
 
     def fits(batch: int) -> bool:  # 1 warm-up step (a recompile) and --sweep-steps timed
-        if batch not in tried:
-            try:
-                tried[batch] = measure(step, vocab, batch, args, device, 10_000, 1,
-                                       args.sweep_steps)[0]
-            except Exception as error:  # out of memory (or a failure) ends the growth
-                failed = common.OUT_OF_MEMORY if common.is_out_of_memory(error) else common.FAILED
-                tried[batch] = dict(batch=batch, tokens=batch * args.seq, status=failed,
-                                    note=common.describe_error(error))
+        if batch not in tried:  # out of memory (or a failure) ends the growth
+            failed = {"batch": batch, "tokens": batch * args.seq}
+            ok, point = common.stage(failed, lambda: measure(
+                step, vocab, batch, args, device, 10_000, 1, args.sweep_steps)[0], device)
+            tried[batch] = point if ok else failed
             optimizer.zero_grad(set_to_none=True)
             common.release_memory(device)
             log(f"    batch {batch}: {tried[batch]['status']}")
@@ -234,19 +208,25 @@ def measure_method(result: MethodResult, args, device: torch.device, log) -> Non
 
     if args.find_max_batch:
         limit = QUICK_MAX_BATCH_LIMIT if args.quick else MAX_BATCH_LIMIT
-        result.max_batch, result.max_batch_limited = find_max_batch(fits, args.batch, limit)
-        result.sweep = sorted(tried.values(), key=lambda p: p["batch"])
+        row["max_batch"], row["max_batch_limited"] = find_max_batch(fits, args.batch, limit)
+        row["sweep"] = sorted(tried.values(), key=lambda p: p["batch"])
 
 
-def run_method(name: str, method: str, args, device: torch.device, log=print) -> MethodResult:
-    """One method on one model; a failure becomes its status (the run goes on)."""
+def run_method(name: str, method: str, args, device: torch.device, log=print) -> common.Row:
+    """One method on one model, its row: losses (every step's at the fixed batch), |last loss −
+    HF eager's|, the largest batch (whether the search stopped at its limit, not out of
+    memory), a sweep point per batch measured (the fixed one included); a failure becomes its
+    status (the run goes on)."""
     version = common.package_version(PEERS[method]) if method in PEERS else None
     label = LABELS[method].replace(" (", f" {version} (", 1) if version else LABELS[method]
-    result = MethodResult(name, method, label, args.batch)
+    result = common.new_row(method, label, model=name, method=method, batch=args.batch,
+                            losses=[], loss_error=None, max_batch=None, max_batch_limited=False,
+                            sweep=[])
     if method in PEERS and not version:
-        result.status, result.note = common.NOT_INSTALLED, INSTALL_HINT
+        result["status"], result["note"] = common.NOT_INSTALLED, INSTALL_HINT
     elif not common.uses_cuda(device) and (method in PEERS or method.endswith("-compile")):
-        result.status, result.note = common.UNAVAILABLE, "needs CUDA (Triton kernels, compile)"
+        result["status"] = common.UNAVAILABLE
+        result["note"] = "needs CUDA (Triton kernels, compile)"
     else:
         model_type = MODEL_CONFIGS[name]["model_type"]
         family = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -258,36 +238,37 @@ def run_method(name: str, method: str, args, device: torch.device, log=print) ->
     return result
 
 
-def check_losses(results: list[MethodResult]) -> None:
+def check_losses(results: list[common.Row]) -> None:
     """Marks wrong a method whose first or last loss is off HF eager's (else the first's)."""
-    measured = [r for r in results if r.measured]
-    reference = next((r for r in measured if r.method == "hf"), measured[0] if measured else None)
+    measured = [r for r in results if common.measured(r)]
+    reference = next((r for r in measured if r["method"] == "hf"), measured and measured[0])
     for result in measured:
         problems = []
         for step, index, tolerance in (("first", 0, FIRST_LOSS_TOLERANCE),
                                        ("last", -1, LAST_LOSS_TOLERANCE)):  # error: the last's
-            result.loss_error, found = common.check_loss(
-                result.losses[index], reference.losses[index], tolerance)
-            problems += [f"{step}-step {problem} ({reference.label})" for problem in found]
+            result["loss_error"], found = common.check_loss(
+                result["losses"][index], reference["losses"][index], tolerance)
+            problems += [f"{step}-step {problem} ({reference['label']})" for problem in found]
         common.mark_wrong(result, problems)
 
 
-COLUMNS = [  # items: MethodResult; the terminal table leaves the note out
-    ("model", lambda r: r.model), ("method", lambda r: r.label), ("status", lambda r: r.status),
-    ("batch", lambda r: r.batch), ("ms/step", lambda r: format_ms(r.ms)),
-    ("tokens/s", lambda r: count_text(r.point(r.batch).get("tokens_per_s"))),
-    ("peak GiB", lambda r: format_ratio(r.point(r.batch).get("peak_gib"))),
-    ("first loss", lambda r: loss_text(r.losses[0] if r.losses else None)),
-    ("last loss", lambda r: loss_text(r.losses[-1] if r.losses else None)),
-    ("|Δ last loss|", lambda r: common.format_error(r.loss_error)),
-    ("max batch (tokens)", lambda r: "—" if r.max_batch is None else
-     f"{r.max_batch}{'+' if r.max_batch_limited else ''} ({r.point(r.max_batch)['tokens']})"),
-    ("tokens/s at max", lambda r: count_text(r.point(r.max_batch).get("tokens_per_s"))),
-    ("peak GiB at max", lambda r: format_ratio(r.point(r.max_batch).get("peak_gib"))),
-    ("note", lambda r: r.note),
+COLUMNS = [  # items: run_method()'s rows; the terminal table leaves the note out
+    column("model", "model"), column("method", "label"), column("status", "status"),
+    column("batch", "batch"), column("ms/step", "ms", format_ms),
+    ("tokens/s", lambda r: count_text(_point(r, r["batch"]).get("tokens_per_s"))),
+    ("peak GiB", lambda r: format_ratio(_point(r, r["batch"]).get("peak_gib"))),
+    ("first loss", lambda r: loss_text(r["losses"][0] if r["losses"] else None)),
+    ("last loss", lambda r: loss_text(r["losses"][-1] if r["losses"] else None)),
+    column("|Δ last loss|", "loss_error", common.format_error),
+    ("max batch (tokens)", lambda r: "—" if r["max_batch"] is None else
+     f"{r['max_batch']}{'+' if r['max_batch_limited'] else ''} "
+     f"({_point(r, r['max_batch'])['tokens']})"),
+    ("tokens/s at max", lambda r: count_text(_point(r, r["max_batch"]).get("tokens_per_s"))),
+    ("peak GiB at max", lambda r: format_ratio(_point(r, r["max_batch"]).get("peak_gib"))),
+    column("note", "note"),
 ]
-SWEEP_COLUMNS = [  # items: (MethodResult, sweep point)
-    ("model", lambda i: i[0].model), ("method", lambda i: i[0].label),
+SWEEP_COLUMNS = [  # items: (run_method()'s row, sweep point)
+    ("model", lambda i: i[0]["model"]), ("method", lambda i: i[0]["label"]),
     ("batch", lambda i: i[1]["batch"]), ("tokens", lambda i: i[1]["tokens"]),
     ("status", lambda i: i[1]["status"]), ("ms", lambda i: format_ms(i[1].get("ms"))),
     ("tokens/s", lambda i: count_text(i[1].get("tokens_per_s"))),
@@ -307,12 +288,12 @@ def settings_rows(env: dict[str, Any], s: argparse.Namespace) -> list[tuple[str,
     ]
 
 
-def plot_results(path: Path, results: list[MethodResult]) -> Path | None:
+def plot_results(path: Path, results: list[common.Row]) -> Path | None:
     """Peak memory and tokens/s against tokens per step, one line per method, per model."""
     panels = []
-    for model in dict.fromkeys(r.model for r in results):
-        ok = [(r.label, [p for p in r.sweep if p["status"] == OK]) for r in results
-              if r.model == model]
+    for model in dict.fromkeys(r["model"] for r in results):
+        ok = [(r["label"], [p for p in r["sweep"] if p["status"] == OK]) for r in results
+              if r["model"] == model]
         for title, key, unit in (("peak memory", "peak_gib", "peak GiB"),
                                  ("throughput", "tokens_per_s", "tokens/s")):
             lines = [(label, [p["tokens"] for p in points], [p[key] for p in points])
@@ -355,22 +336,23 @@ def run(args: argparse.Namespace, log=print) -> int:
         model_results = [run_method(name, method, args, device, log) for method in args.methods]
         check_losses(model_results)
         for result in model_results:
-            log(f"  {result.label}: " + common.progress_line(result, lambda r: (
-                f"{format_ms(r.ms)} ms/step, loss {loss_text(r.losses[-1])}")))
-            common.note_problem(notes, name, result.label, result.status, result.note)
-            if result.call and calls.setdefault(result.method, result.call) != result.call:
-                calls[f"{result.method} ({name})"] = result.call  # liger's function per family
+            log(f"  {result['label']}: " + common.progress_line(result, lambda r: (
+                f"{format_ms(r['ms'])} ms/step, loss {loss_text(r['losses'][-1])}")))
+            common.note_problem(notes, name, result)
+            call, method = result["call"], result["method"]
+            if call and calls.setdefault(method, call) != call:
+                calls[f"{method} ({name})"] = call  # liger's function per family
         results += model_results
     plot = plot_results(common.results_path(args.out, NAME, env, args.tag, ".png"), results)
     notes.append(f"plot: {plot.name}" if plot else "no plot: matplotlib not installed")
     payload = {"suite": NAME, "environment": env, "settings": settings, "calls": calls,
                "transformers": common.package_version("transformers"), "notes": notes,
-               "results": [asdict(result) for result in results]}
+               "results": results}
     body = common.section("Results", "Definitions: benchmarks/README.md, the `train` suite.",
                           COLUMNS, results)
-    if any(len(r.sweep) > 1 for r in results):
+    if any(len(r["sweep"]) > 1 for r in results):
         body += common.section("Batches tried", "", SWEEP_COLUMNS,
-                               [(r, point) for r in results for point in r.sweep])
+                               [(r, point) for r in results for point in r["sweep"]])
     common.write_report(args.out, NAME, args.tag, env, "End-to-end training step",
                         settings_rows(env, types.SimpleNamespace(**settings)), body, payload,
                         common.table(COLUMNS[:-1], results, text=True), calls=calls, notes=notes,

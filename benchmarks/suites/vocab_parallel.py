@@ -126,7 +126,7 @@ def run_case(name: str, n: int, ctx: ring.Context, args: argparse.Namespace) -> 
     case = {"case": f"{name} ({vocab}, {width}) {REGIME}, N={n}, K={world}",
             "vocab_size": vocab, "hidden_size": width, "n": n, "shards": shards,
             "reference": None, "note": "", "results": []}
-    ok, inputs = ring.stage(ctx, case, lambda: make_lm_head_inputs(
+    ok, inputs = ctx.stage(case, lambda: make_lm_head_inputs(
         n, vocab, width, REGIME, dtype=ctx.dtype, device=device, seed=args.seed))
     if not ok:
         case["note"] = f"inputs could not be made: {case.pop('status')}: {case['note']}"
@@ -134,7 +134,7 @@ def run_case(name: str, n: int, ctx: ring.Context, args: argparse.Namespace) -> 
     (hidden, classifier, target), inputs = inputs, None
     hidden.requires_grad_(True)
 
-    single, first = ring.new_row(SINGLE_GPU, SINGLE_GPU), {}
+    single, first = common.new_row(SINGLE_GPU, SINGLE_GPU), {}
 
     def check_single(loss: Tensor, grads: Sequence[Tensor]) -> list[str]:
         first["grads"] = grads
@@ -162,7 +162,7 @@ def run_case(name: str, n: int, ctx: ring.Context, args: argparse.Namespace) -> 
     losses = {FUSEDLOSS: lambda: fusedloss_head(hidden, shard, target, ctx.backend, True),
               MEGATRON: lambda: megatron_loss(hidden, shard, target, start)}
     for key in (FUSEDLOSS, MEGATRON):
-        row = ring.new_row(key, key)
+        row = common.new_row(key, key)
         ring.measure_provider(row, ctx, losses[key], (hidden, shard),
                               lambda loss, grads, row=row: check_head(row, ctx, grads, reference),
                               ring.MIN_REPS)
@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace, ctx: ring.Context) -> int:
             floor = 8.0 * args.n * case["vocab_size"] * case["hidden_size"] / matmul["tflops"] / 1e9
             for row in case["results"]:
                 share = floor if row["provider"] == SINGLE_GPU else floor / ctx.world
-                row["times_floor"] = row["ms"] / share if ring.measured(row) else None
+                row["times_floor"] = row["ms"] / share if common.measured(row) else None
         items = ring.result_items(cases)
         body = common.section("Results", "ms: forward+backward step, max over the ranks of each "
                               "rank's median (single-gpu: rank 0 alone, the full C); MB: peak "
