@@ -81,6 +81,53 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingS
     return statistics.median(timed(fn, device)[0] for _ in range(reps))
 
 
+PRODUCTS_CHUNK_ROWS = 16384
+PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
+
+
+def time_products(e: Tensor, c: Tensor, timing: TimingSettings, *, backward: bool = True,
+                  logit_products: int = 1, rows_per_chunk: int | None = None) -> dict[str, Any]:
+    """Median ms of the cuBLAS products an exact method cannot avoid: Z = E Cᵀ
+    ``logit_products`` times (2 where a backward recomputes the logits), with ``backward``
+    also dE = G C and dC = Gᵀ E for a random G; whole unless Z and G would take over
+    PRODUCTS_MEMORY_SHARE of free memory, else in chunks of rows: {ms, rows_per_chunk, method,
+    note}."""
+    e, c = e.detach(), c.detach()
+    n, cols, device = e.shape[0], c.shape[0], e.device
+    rows = min(n, rows_per_chunk or n)
+    if rows_per_chunk is None and n > PRODUCTS_CHUNK_ROWS and uses_cuda(device):
+        needed = (2 if backward else 1) * n * cols * e.element_size()
+        if needed > PRODUCTS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
+            rows = PRODUCTS_CHUNK_ROWS
+    chunks = -(-n // rows)
+    result = {"ms": None, "rows_per_chunk": rows, "logit_products": logit_products,
+              "method": "whole" if chunks == 1 else f"{chunks} chunks of {rows} rows", "note": ""}
+
+    def products() -> None:
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            for _ in range(logit_products):
+                torch.mm(e[start:stop], c.T, out=z[: stop - start])
+            if backward:
+                torch.mm(g[: stop - start], c, out=grad_e[start:stop])
+                beta = 0 if start == 0 else 1  # dC accumulated over the chunks
+                grad_c.addmm_(g[: stop - start].T, e[start:stop], beta=beta)
+
+    try:
+        z = e.new_empty(rows, cols)
+        if backward:
+            generator = torch.Generator(device=device).manual_seed(0)
+            g = e.new_empty(rows, cols).normal_(generator=generator)  # dense: no zeros
+            grad_e, grad_c = torch.empty_like(e), torch.empty_like(c)
+        result["ms"] = median_ms(products, device, timing)
+    except Exception as error:  # an OOM here must not end the run
+        result["note"] = f"products not timed: {describe_error(error)}"
+    finally:
+        z = g = grad_e = grad_c = None
+    release_memory(device)
+    return result
+
+
 def call_ms(fn: Callable[[], Any], device: torch.device | str) -> float:
     """Wall-clock ms of one synchronized call of ``fn``."""
     synchronize(device)

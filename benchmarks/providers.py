@@ -15,8 +15,8 @@ from torch import Tensor
 
 from benchmarks.common import Unavailable, package_version
 
-CLIP, NT_XENT, SIGLIP = "clip", "nt-xent", "siglip"
-CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP)
+CLIP, NT_XENT, SIGLIP, INFO_NCE = "clip", "nt-xent", "siglip", "info-nce"
+CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP, INFO_NCE)
 
 
 @dataclass(eq=False)
@@ -139,7 +139,8 @@ def lm_head_providers() -> dict[str, Provider]:
 # The fusedloss function of each contrastive loss, and the arguments every provider takes.
 CONTRASTIVE_ARGS = {CLIP: ("clip_loss", "image, text, logit_scale"),
                     NT_XENT: ("nt_xent_loss", "z, temperature=τ"),
-                    SIGLIP: ("siglip_loss", "image, text, logit_scale, logit_bias")}
+                    SIGLIP: ("siglip_loss", "image, text, logit_scale, logit_bias"),
+                    INFO_NCE: ("info_nce_loss", "query, keys, temperature=τ")}
 
 
 def _fusedloss_contrastive(backend: str) -> Callable[..., Callable[..., Tensor]]:
@@ -147,6 +148,8 @@ def _fusedloss_contrastive(backend: str) -> Callable[..., Callable[..., Tensor]]
         function = _function(p, "fusedloss", CONTRASTIVE_ARGS[loss][0])
         if loss == NT_XENT:
             return lambda z, tau: function(z, temperature=tau, backend=backend)
+        if loss == INFO_NCE:
+            return lambda q, k, tau: function(q, k, temperature=tau, backend=backend)
         return lambda *args: function(*args, backend=backend)
 
     return build
@@ -178,8 +181,15 @@ def materialized_siglip_loss(
     return -F.logsigmoid((labels * logits).float()).sum() / n
 
 
+def materialized_info_nce_loss(query: Tensor, keys: Tensor, temperature: float) -> Tensor:
+    """MoCo-style InfoNCE: N×M logits ``Q Kᵀ/τ`` in the input dtype, CE in fp32, query i's
+    positive key i."""
+    logits = (query @ keys.T) / temperature
+    return F.cross_entropy(logits.float(), torch.arange(logits.shape[0], device=logits.device))
+
+
 MATERIALIZED = {CLIP: materialized_clip_loss, NT_XENT: materialized_nt_xent_loss,
-                SIGLIP: materialized_siglip_loss}
+                SIGLIP: materialized_siglip_loss, INFO_NCE: materialized_info_nce_loss}
 
 # inf-cl's process group: created here only when none exists, destroyed at the suite's end.
 _benchmark_process_group: dict[str, Any] = {"created": False, "note": ""}

@@ -114,7 +114,8 @@ def test_products_yardstick_runs_whole_or_in_chunks(rows_per_chunk):
     hidden, classifier, _ = inputs.make_lm_head_inputs(23, 97, 16, "flat")
     timing = common.TimingSettings(warmup_ms=0.0, rep_ms=1.0)
     for with_backward in (True, False):
-        products = lm_head.time_products(hidden, classifier, with_backward, timing, rows_per_chunk)
+        products = common.time_products(hidden, classifier, timing, backward=with_backward,
+                                        logit_products=2, rows_per_chunk=rows_per_chunk)
         assert products["ms"] > 0 and not products["note"]
         assert products["method"] == ("whole" if rows_per_chunk is None else "5 chunks of 5 rows")
         assert products["rows_per_chunk"] == (23 if rows_per_chunk is None else 5)

@@ -193,7 +193,8 @@ def test_reference_loss_only_in_float32():
 
 
 def _case(loss, rows, width, regime="trained"):
-    shape = {"clip": "clip-16k", "nt-xent": "nt-xent-64k", "siglip": "siglip-16k"}[loss]
+    shape = {"clip": "clip-16k", "nt-xent": "nt-xent-64k", "siglip": "siglip-16k",
+             "info-nce": "info-nce-16k"}[loss]
     providers_run = contrastive.SHAPES[shape][-1]
     return contrastive.Case(shape, loss, rows, width, regime, providers_run)
 
@@ -202,7 +203,7 @@ def _grad_leaves(args):
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 
-@pytest.mark.parametrize("loss", ["clip", "nt-xent", "siglip"])
+@pytest.mark.parametrize("loss", ["clip", "nt-xent", "siglip", "info-nce"])
 def test_materialized_and_fusedloss_providers_agree_with_reference(loss):
     case = _case(loss, 32, 16)
     args = contrastive.make_case_inputs(case, dtype=torch.float32, device=CPU, seed=0)
@@ -385,9 +386,10 @@ def test_report_tables():
     case = contrastive.Case("clip-16k", shape[0], shape[1], shape[2], "random", shape[-1])
     ours = _result("fusedloss", 3.0, 10.0, floor=2.0)
     ours.update(errors={"dI": 2.5e-3}, ratios={"dI": 0.85})
+    ours["times_products"] = 2.0
     case_results = [contrastive.CaseResult(
         case, case.floor_ms(723.0), contrastive.Reference(9.9, "float64", (9.8, 10.0)),
-        {"fusedloss": ours, "torch": _result("torch", 13.1)})]
+        {"fusedloss": ours, "torch": _result("torch", 13.1)}, {"ms": 1.5})]
     info = dict(environment=common.collect_environment("cpu"),
                 settings=dict(dtype="bf16", seed=0, quick=False, warmup_ms=100, rep_ms=1000,
                               backend="triton", providers=["fusedloss", "torch", "inf-cl"]),
@@ -400,8 +402,9 @@ def test_report_tables():
         "723 TFLOP/s",
         "max_memory_allocated",
         "| 9.9000 (i→t 9.8000, t→i 10.0000), float64 | dI 2.5e-03 (0.85×) | — |",
-        "| floor 8r²c/R | 4r²c/R | fusedloss × floor |",
-        "| 3.00 / 10.0 | 13.1 / — | 3.00 (fusedloss) | 1.52 | 0.76 | 2.00 |",
+        "| floor 8r²c/R | 4r²c/R | fusedloss × floor | products | fusedloss × products |",
+        "| 3.00 / 10.0 | 13.1 / — | 3.00 (fusedloss) | 1.52 | 0.76 | 2.00 | 1.50 | 2.00 |",
+        "products: the median ms of the cuBLAS products",
         "inf-cl not installed",
         "## Notes",
     ):
@@ -454,6 +457,36 @@ def test_quick_run_end_to_end(tmp_path, capsys):
             assert results["inf-cl"]["status"] in ("not installed", "unavailable")
         assert case["reference"]["dtype"] == "float64" and case["reference"]["grads"] is None
     assert common.QUICK_NOTE in markdown and "## Losses and gradient accuracy" in markdown
+
+
+def test_grid_run_times_the_products_and_plots(tmp_path, capsys):
+    """``--losses/--rows/--widths``: every combination, each with its cuBLAS products (two
+    logit products, SigLIP's one) and fusedloss's ratio to them; ``--plot`` draws ms against b
+    from the results file, a panel per loss and width, the products dashed."""
+    grid = contrastive.select_cases(None, None, True, (["info-nce", "siglip"], [16384], [512]))
+    assert [(c.shape, c.loss, c.rows, c.width, c.logit_products) for c in grid] == [
+        ("info-nce-16384x512", "info-nce", 64, 64, 2), ("siglip-16384x512", "siglip", 64, 64, 1)]
+    assert grid[0].parameters == {"temperature": contrastive.INFO_NCE_TEMPERATURE}
+    options = ("contrastive --quick --losses info-nce,siglip --rows 16384,32768 --widths 512,768 "
+               "--providers fusedloss,torch --matmul-size 64 --rep-ms 1 --warmup-ms 0 --device cpu")
+    assert run_module.main([*options.split(), "--out", str(tmp_path), "--tag", "g"]) == 0
+    capsys.readouterr()
+    data, markdown = read_results(tmp_path, "contrastive_*_g")
+    assert data["settings"]["grid"] == [["info-nce", "siglip"], [16384, 32768], [512, 768]]
+    assert len(data["cases"]) == 8 and "| products | fusedloss × products |" in markdown
+    for case in data["cases"]:
+        assert case["products"]["ms"] > 0 and case["products"]["logit_products"] == (
+            1 if case["case"]["loss"] == "siglip" else 2)
+        ours = case["results"]["fusedloss"]
+        assert ours["status"] == "ok" and ours["times_products"] == pytest.approx(
+            ours["ms"] / case["products"]["ms"])
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "speed.svg"
+    (results,) = tmp_path.glob("contrastive_*_g.json")
+    assert run_module.main(["contrastive", "--plot", str(results), "--out", str(out)]) == 0
+    svg = out.read_text(encoding="utf-8")
+    for text in ("info-nce, c = 96", "siglip, c = 64", "products (cuBLAS", "torch materialized"):
+        assert text in svg, text
 
 
 @requires_cuda

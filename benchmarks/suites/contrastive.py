@@ -1,12 +1,15 @@
-"""Suite ``contrastive``: CLIP, NT-Xent and SigLIP losses, ours against PyTorch and inf-cl."""
+"""Suite ``contrastive``: CLIP, InfoNCE, NT-Xent and SigLIP losses, ours against PyTorch and
+inf-cl and against the cuBLAS products of the same shapes; ``--plot`` draws ms against b."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +20,7 @@ from benchmarks import common
 from benchmarks import inputs as pairs
 from benchmarks import providers as prov
 from benchmarks.common import Column, TimingSettings
-from benchmarks.providers import CLIP, NT_XENT, SIGLIP, Provider
+from benchmarks.providers import CLIP, INFO_NCE, NT_XENT, SIGLIP, Provider
 from benchmarks.suites import Suite
 
 NAME = "contrastive"
@@ -27,6 +30,7 @@ DEFAULT_PROVIDERS = (FUSEDLOSS, TORCH, INF_CL)  # fusedloss-compile on request
 
 SIGLIP_LOGIT_SCALE, SIGLIP_LOGIT_BIAS = 10.0, -10.0  # SigLIP's initialization
 NT_XENT_TEMPERATURE = 0.5  # SimCLR's large-batch temperature
+INFO_NCE_TEMPERATURE = 0.05  # sentence-transformers' scale 20
 
 # The check: |loss − ref| ≤ LOSS_TOLERANCE·max(1, |ref|), relative L2 gradient errors ≤ bounds.
 LOSS_TOLERANCE = 1e-2
@@ -43,7 +47,8 @@ MEMORY_DEFINITION = (
     "one forward+backward call − memory_allocated() just before it − the gradients' bytes) "
     "/ 2^20; allocator cache emptied and peak counter reset right before the call"
 )
-GRAD_NAMES = {CLIP: ("dI", "dT", "ds"), NT_XENT: ("dZ",), SIGLIP: ("dI", "dT", "ds", "db")}
+GRAD_NAMES = {CLIP: ("dI", "dT", "ds"), NT_XENT: ("dZ",), SIGLIP: ("dI", "dT", "ds", "db"),
+              INFO_NCE: ("dQ", "dK")}
 _OURS, _BOTH = (FUSEDLOSS, FUSEDLOSS_COMPILE), ("random", "trained")
 SHAPES = {  # name: (loss, rows b or 2B for NT-Xent, width c, default regimes, its providers)
     "clip-16k": (CLIP, 16_384, 512, _BOTH, PROVIDER_KEYS),
@@ -54,7 +59,11 @@ SHAPES = {  # name: (loss, rows b or 2B for NT-Xent, width c, default regimes, i
     "clip-128k": (CLIP, 131_072, 768, _BOTH, PROVIDER_KEYS),
     "clip-256k": (CLIP, 262_144, 512, _BOTH, _OURS),
     "clip-1m": (CLIP, 1_048_576, 512, ("random",), _OURS),
+    "info-nce-16k": (INFO_NCE, 16_384, 512, ("random",), (*_OURS, TORCH)),
+    "info-nce-64k": (INFO_NCE, 65_536, 512, ("random",), _OURS),
 }
+# --losses/--rows/--widths: a grid of cases instead of the named shapes, every provider.
+GRID_LOSSES = (CLIP, INFO_NCE, NT_XENT, SIGLIP)
 QUICK_ROWS_DIVISOR, QUICK_WIDTH_DIVISOR = 256, 8  # --quick: clip-1m → 4096 × 64, runs on CPU
 
 
@@ -79,7 +88,15 @@ class Case:
             return {"logit_scale": pairs.pair_logit_scale(self.regime)}
         if self.loss == SIGLIP:
             return {"logit_scale": SIGLIP_LOGIT_SCALE, "logit_bias": SIGLIP_LOGIT_BIAS}
+        if self.loss == INFO_NCE:
+            return {"temperature": INFO_NCE_TEMPERATURE}
         return {"temperature": NT_XENT_TEMPERATURE}
+
+    @property
+    def logit_products(self) -> int:
+        """The logits' products of a forward and backward: SigLIP's gradient is known from the
+        forward's tile, the others' backward recomputes it."""
+        return 1 if self.loss == SIGLIP else 2
 
     def floor_ms(self, tflops: float) -> float:
         """The one-pass cost floor 8·r²·c/R (docs/design.md); half of it with reuse."""
@@ -94,11 +111,18 @@ class Case:
 
 
 def select_cases(shapes: Sequence[str] | None, regimes: Sequence[str] | None,
-                 quick: bool) -> list[Case]:
-    """Every chosen shape (default: all) × the chosen regimes (default: the shape's own)."""
+                 quick: bool, grid: tuple[Sequence[str], Sequence[int], Sequence[int]] | None = None
+                 ) -> list[Case]:
+    """Every chosen shape (default: all) × the chosen regimes (default: the shape's own); with
+    ``grid`` (losses, rows, widths) every combination instead, random features by default."""
+    table = SHAPES
+    if grid:
+        losses, all_rows, widths = grid
+        table = {f"{loss}-{rows}x{width}": (loss, rows, width, ("random",), PROVIDER_KEYS)
+                 for loss in losses for rows in all_rows for width in widths}
     cases = []
-    for name in shapes or SHAPES:
-        loss, rows, width, default_regimes, providers = SHAPES[name]
+    for name in (table if grid else shapes or SHAPES):
+        loss, rows, width, default_regimes, providers = table[name]
         if quick:
             rows = max(16, rows // QUICK_ROWS_DIVISOR)
             rows, width = rows - rows % 2, max(16, width // QUICK_WIDTH_DIVISOR)
@@ -116,6 +140,8 @@ def make_case_inputs(case: Case, *, dtype: torch.dtype, device: torch.device,
                                            device=device, seed=seed)
     if case.loss == NT_XENT:
         return torch.cat([image, text]).requires_grad_(True), NT_XENT_TEMPERATURE
+    if case.loss == INFO_NCE:
+        return image.requires_grad_(True), text.requires_grad_(True), INFO_NCE_TEMPERATURE
     return (image.requires_grad_(True), text.requires_grad_(True), *(
         torch.tensor(v, dtype=torch.float32, device=device, requires_grad=True)
         for v in case.parameters.values()))
@@ -139,7 +165,7 @@ def contrastive_reference(loss: str, args: Sequence[Any], *, with_grads: bool,
     device = args[0].device
     features = args[:1] if loss == NT_XENT else args[:2]
     values = [torch.as_tensor(v).item() for v in args[len(features):]]  # NT-Xent: scale 1/τ
-    values = [1.0 / values[0]] if loss == NT_XENT else values
+    values = [1.0 / values[0]] if loss in (NT_XENT, INFO_NCE) else values
     tensors = [t.detach().to(dtype).requires_grad_(with_grads) for t in features] + [
         torch.tensor(v, dtype=dtype, device=device, requires_grad=with_grads) for v in values]
     a, b, scale = tensors[0], tensors[len(features) - 1], tensors[len(features)]
@@ -197,7 +223,7 @@ def contrastive_reference(loss: str, args: Sequence[Any], *, with_grads: bool,
         value = sum(directions) / 2
     grads = None
     if with_grads:
-        leaves = tensors[:1] if loss == NT_XENT else tensors
+        leaves = tensors[: len(GRAD_NAMES[loss])]
         grads = {name: t.grad for name, t in zip(GRAD_NAMES[loss], leaves, strict=True)}
     name = "float64" if dtype == torch.float64 else common.dtype_name(dtype)
     return Reference(value, name + (" (TF32 products)" if tf32 else ""), directions, grads)
@@ -209,6 +235,7 @@ class CaseResult:
     floor_ms: float
     reference: Reference | None  # none above REFERENCE_LOSS_MAX_ROWS: the loss checked finite
     results: dict[str, common.Row] = field(default_factory=dict)
+    products: dict[str, Any] = field(default_factory=dict)  # common.time_products()
 
 
 def run_provider(provider: Provider, case: Case, args: Sequence[Any],
@@ -277,7 +304,11 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
         cr = CaseResult(case, case.floor_ms(tflops), reference)
         case_results.append(cr)
         common.release_memory(device)
-        log(f"[{case.label}] {case.parameters}: reference loss {_loss_text(cr)}")
+        features = [t for t in args if isinstance(t, Tensor)][:2]
+        cr.products = common.time_products(features[0], features[-1], timing,
+                                           logit_products=case.logit_products)
+        log(f"[{case.label}] {case.parameters}: reference loss {_loss_text(cr)}, products "
+            f"{common.format_ms(cr.products['ms'])} ms {cr.products['note']}".rstrip())
         for provider in providers:
             if provider.key not in case.providers or not provider.supports(case.loss):
                 continue
@@ -285,6 +316,9 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
                 provider, case, args, cr.reference, timing=timing, floor_ms=cr.floor_ms)
             log(f"  {case.label:<22} {result['label']:<20} "
                 + common.progress_line(result, _figures_text))
+        for result in cr.results.values():
+            if common.measured(result) and cr.products["ms"]:
+                result["times_products"] = result["ms"] / cr.products["ms"]
         base = cr.results.get(TORCH)  # error ratios against torch materialized
         for result in cr.results.values() if base else ():
             result["ratios"] = {k: e / base["errors"][k] for k, e in result["errors"].items()
@@ -332,11 +366,14 @@ def result_tables(case_results: Sequence[CaseResult], text: bool = False) -> dic
     label: Column = ("case (loss b×c regime)", lambda cr: cr.case.label)
     ours = ("fusedloss × floor",
             lambda cr: common.format_ratio(cr.results.get(FUSEDLOSS, {}).get("times_floor")))
+    products = [("products", lambda cr: common.format_ms(cr.products.get("ms"))),
+                ("fusedloss × products", lambda cr: common.format_ratio(
+                    cr.results.get(FUSEDLOSS, {}).get("times_products")))]
     time_columns = [
         label, *_provider_columns(case_results, lambda r: common.time_and_memory_cell(r, "—")),
         ("fastest", _fastest),
         ("floor 8r²c/R", lambda cr: common.format_ms(cr.floor_ms)),
-        ("4r²c/R", lambda cr: common.format_ms(cr.floor_ms / 2)), ours]
+        ("4r²c/R", lambda cr: common.format_ms(cr.floor_ms / 2)), ours, *products]
     accuracy_columns = [label, ("mean loss (reference)", _loss_text),
                         *_provider_columns(case_results, common.errors_text)]
     return {"Time and memory": common.table(time_columns, case_results, text),
@@ -359,13 +396,55 @@ def report_sections(info: dict[str, Any], case_results: Sequence[CaseResult]
         common.matmul_row(info["matmul"]), ("timing", timing), ("memory", MEMORY_DEFINITION),
         ("time and memory", "median ms / peak MB, forward+backward (— = not run on this shape); "
                             "cost floors (docs/design.md) 8·r²·c/R, 4·r²·c/R with reuse (r = b, "
-                            "or 2B for NT-Xent)"),
+                            "or 2B for NT-Xent); products: the median ms of the cuBLAS products "
+                            "of the same shapes timed together (the logits twice, SigLIP's once, "
+                            "dA = G·B, dB = Gᵀ·A; in chunks of rows where large)"),
         ("gradient error", "relative L2 error ‖g − g_ref‖₂ / ‖g_ref‖₂ against a float64 "
                            "reference where rows²·c ≤ 2^40 (÷ torch materialized's error)"),
     ]
     body = [line for title, table in result_tables(case_results).items()
             for line in (f"## {title}", "", table, "")]
     return rows, body
+
+
+# ----------------------------------------------------------------------------- --plot
+
+
+PRODUCTS = "products (cuBLAS, same shapes)"
+
+
+def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
+    """``--plot``: ms against b (log-log) from results files, a panel per loss and width, a
+    line per provider and the products dashed, into ``out`` (.svg, .png or .pdf); later files
+    replace earlier ones' points. None without matplotlib."""
+    panels: dict[tuple[str, int], dict[str, dict[int, float]]] = {}  # lines: {key: {b: ms}}
+    names: dict[str, str] = {}  # the measured providers' labels by key, then the products
+    for cr in (cr for data in files for cr in data["cases"]):
+        case = cr["case"]
+        lines = panels.setdefault((case["loss"], case["width"]), {})
+        for row in cr["results"].values():
+            if common.measured(row):
+                names.setdefault(row["provider"], row["label"])
+                lines.setdefault(row["provider"], {})[case["rows"]] = row["ms"]
+        if (cr.get("products") or {}).get("ms"):
+            lines.setdefault(PRODUCTS, {})[case["rows"]] = cr["products"]["ms"]
+    names[PRODUCTS] = PRODUCTS
+    styles = {key: {"color": f"C{i}", "marker": "o", "markersize": 4}
+              for i, key in enumerate(names)}  # a provider's colour is the same in every panel
+    styles[PRODUCTS] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+    plotted = []
+    for (loss, width), lines in sorted(panels.items()):
+        points = {key: sorted(lines[key].items()) for key in names if key in lines}
+        plotted.append((f"{loss}, c = {width}", "rows b (2B for NT-Xent)", "median ms",
+                        [(names[key], [b for b, _ in xy], [ms for _, ms in xy], styles[key])
+                         for key, xy in points.items()]))
+    runs = dict.fromkeys(f"{d['environment']['device_name']} · torch {d['environment']['torch']} · "
+                         f"triton {d['environment']['triton']} · {d['settings']['dtype']} · "
+                         f"{d['environment']['date']}" for d in files)
+    widths = len({width for _, width in panels}) or 1
+    return common.save_plot(out, plotted, columns=widths, size=(4.5, 3.4), log="xy",
+                            title="Contrastive losses, forward+backward, median ms against b\n"
+                            + "\n".join(runs))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -380,11 +459,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=list(DEFAULT_PROVIDERS),
                         help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: "
                         f"{','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports")
+    parser.add_argument("--losses", type=common.comma_list(list(GRID_LOSSES)),
+                        default=list(GRID_LOSSES), help="with --rows: the grid's losses "
+                        f"(default {','.join(GRID_LOSSES)})")
+    parser.add_argument("--rows", type=common.int_list,
+                        help="a grid of cases instead of --shapes: rows b (2B for NT-Xent), "
+                        "e.g. 16384,65536,262144")
+    parser.add_argument("--widths", type=common.int_list, default=[512],
+                        help="with --rows: the grid's widths c (default 512)")
+    parser.add_argument("--plot", nargs="+", type=Path, metavar="RESULTS.json",
+                        help="draw ms against b from these results files into --out (.svg, "
+                        ".png, .pdf; default docs/contrastive_speed.svg) instead of running")
     common.add_common_arguments(
         parser, "rows/256, widths/8 and short timing: a smoke test that also runs on CPU")
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    if args.plot:
+        figure = args.out if args.out.suffix else Path("docs/contrastive_speed.svg")
+        figure = plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)
+        log(str(figure or "no plot: matplotlib is not installed"))
+        return 0 if figure else 2
     device = common.pick_device(args.device)
     if not common.cuda_or_quick(device, args.quick, NAME, log):
         return 2
@@ -393,7 +488,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
     table = prov.contrastive_providers(backend)
     providers = [table[key] for key in args.providers]
-    cases = select_cases(args.shapes, args.regimes, args.quick)
+    grid = (args.losses, args.rows, args.widths) if args.rows else None
+    cases = select_cases(args.shapes, args.regimes, args.quick, grid)
     environment = common.collect_environment(device)
     matmul = common.probe_matmul(device, args.matmul_size, args.quick, timing, dtype, log)
     try:
@@ -413,7 +509,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
             common.note_problem(notes, cr.case.label, result)
     settings = dict(dtype=common.dtype_name(dtype), seed=args.seed, quick=args.quick,
                     warmup_ms=timing.warmup_ms, rep_ms=timing.rep_ms, backend=backend,
-                    providers=list(args.providers))
+                    providers=list(args.providers), grid=grid and list(map(list, grid)))
     info = dict(environment=environment, settings=settings, matmul=matmul,
                 peer_versions={"inf-cl": common.package_version("inf-cl")},
                 calls=calls, notes=notes)
@@ -425,5 +521,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     return 0
 
 
-SUITE = Suite(NAME, "CLIP, NT-Xent and SigLIP losses against materialized PyTorch and inf-cl",
+SUITE = Suite(NAME, "CLIP, InfoNCE, NT-Xent and SigLIP losses against materialized PyTorch, "
+              "inf-cl and their cuBLAS products",
               add_arguments, run)

@@ -30,8 +30,6 @@ DEFAULT_CASES = (("gemma2-2b", "peaked", "fwd+bwd"), ("gemma2-2b", "flat", "fwd+
 # Sanity bounds of the check: they catch a broken provider, not inaccuracy.
 LOSS_TOLERANCE = 1e-2  # |loss − reference| ≤ LOSS_TOLERANCE · max(1, |reference|)
 GRADIENT_ERROR_BOUND = 5e-2  # relative L2 error of dE and dC
-PRODUCTS_CHUNK_ROWS = 16384
-PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
 NO_YARDSTICK = {"dE": None, "dC": None, "note": ""}  # torch eager's gradient errors
 
 
@@ -134,46 +132,6 @@ def measure_yardstick(tensors: tuple[Tensor, Tensor, Tensor], reference: Referen
         return {**NO_YARDSTICK, "note": note}
 
 
-def time_products(hidden: Tensor, classifier: Tensor, with_backward: bool, timing: TimingSettings,
-                  rows_per_chunk: int | None = None) -> dict[str, Any]:
-    """Median ms of the cuBLAS products an exact method cannot avoid (Z = E Cᵀ; with the
-    backward also dE = G C, dC = Gᵀ E for a random G), whole unless Z and G would take over
-    PRODUCTS_MEMORY_SHARE of free memory: {ms, rows_per_chunk, method, note}."""
-    e, c = hidden.detach(), classifier.detach()
-    n, vocab, device = e.shape[0], c.shape[0], e.device
-    rows = min(n, rows_per_chunk or n)
-    if rows_per_chunk is None and n > PRODUCTS_CHUNK_ROWS and common.uses_cuda(device):
-        needed = (2 if with_backward else 1) * n * vocab * e.element_size()
-        if needed > PRODUCTS_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
-            rows = PRODUCTS_CHUNK_ROWS
-    chunks = -(-n // rows)
-    result = {"ms": None, "rows_per_chunk": rows,
-              "method": "whole" if chunks == 1 else f"{chunks} chunks of {rows} rows", "note": ""}
-
-    def products() -> None:
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
-            torch.mm(e[start:stop], c.T, out=z[: stop - start])
-            if with_backward:
-                torch.mm(g[: stop - start], c, out=grad_hidden[start:stop])
-                beta = 0 if start == 0 else 1  # dC accumulated over the chunks
-                grad_classifier.addmm_(g[: stop - start].T, e[start:stop], beta=beta)
-
-    try:
-        z = e.new_empty(rows, vocab)
-        if with_backward:
-            generator = torch.Generator(device=device).manual_seed(0)
-            g = e.new_empty(rows, vocab).normal_(generator=generator)  # dense: no zeros
-            grad_hidden, grad_classifier = torch.empty_like(e), torch.empty_like(c)
-        result["ms"] = common.median_ms(products, device, timing)
-    except Exception as error:  # an OOM here must not end the run
-        result["note"] = f"products not timed: {common.describe_error(error)}"
-    finally:
-        z = g = grad_hidden = grad_classifier = None
-    common.release_memory(device)
-    return result
-
-
 # A row's figures (JSON order): peak MiB, the loss and its error against float64, the relative
 # L2 errors of dE and dC and their ratio to torch eager's (the yardstick), ms ÷ the case's floor
 # and ÷ its products, the share of tiles fusedloss's Triton backward skipped.
@@ -187,7 +145,7 @@ class CaseResult:
     floor_ms: float
     reference_loss: float
     yardstick: dict  # torch eager's errors: {dE, dC, note}
-    products: dict  # time_products()
+    products: dict  # common.time_products()
     results: dict[str, common.Row] = field(default_factory=dict)
 
 
@@ -265,7 +223,8 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *, device: t
             f"{common.format_error(bar['dE'])}, dC {common.format_error(bar['dC'])} "
             f"{bar['note']}".rstrip())
         for case in group:
-            products = time_products(hidden, classifier, case.with_backward, timing)
+            products = common.time_products(hidden, classifier, timing,
+                                              backward=case.with_backward)
             cr = CaseResult(case, case.floor_ms(tflops), reference.loss,
                             dict(bar if case.with_backward else NO_YARDSTICK), products)
             for provider in providers:
