@@ -398,6 +398,7 @@ def test_results_record_the_fusedloss_tuning(tune):
     assert rows["fusedloss tuning"] == "scratch_mb=32.0"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not can_run_triton(), reason="needs CUDA or Triton's interpreter")
 def test_check_records_the_tiles_filtering_skipped():
     """The lm-head suite's check call records the share of the backward's tiles that fusedloss's

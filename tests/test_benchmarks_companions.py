@@ -155,6 +155,7 @@ def test_provider_failing_when_called(tmp_path, monkeypatch, error, status):
     assert f"| 16x16 N32 | SwitchBack | {status} |" in markdown  # the status in the ms column
 
 
+@pytest.mark.slow
 def test_options_select_what_runs(tmp_path, monkeypatch):
     data, _ = run_quick(tmp_path, "--parts e2e,optimizer --steps 2", tag="e2e")
     assert "linear" not in data and data["settings"]["parts"] == ["optimizer", "e2e"]

@@ -42,6 +42,7 @@ def test_quick_run_checks_both_methods_and_sweeps(tmp_path):
     assert "| grad-cache | 128 | 64 | ok |" in markdown
 
 
+@pytest.mark.slow
 def test_sweep_stops_after_a_step_over_the_limit(tmp_path):
     _run(["--batches", "32,64,128", "--max-step-s", "0", "--micro-batch", "8", "--tag", "limit"],
          tmp_path)

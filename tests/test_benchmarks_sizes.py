@@ -34,6 +34,7 @@ def test_quick_run_writes_every_case(tmp_path):
     assert "| clip | 2 |" in next(tmp_path.glob("sizes_*_t.md")).read_text()
 
 
+@pytest.mark.slow
 @requires_triton
 def test_tiled_and_materialized_methods_pick_their_backend(tmp_path, monkeypatch):
     """"fusedloss-tiled" asks the contrastive losses for backend="triton",

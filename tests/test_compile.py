@@ -357,7 +357,8 @@ def test_triton_backward_in_row_blocks_compiled_matches_eager(device, requires_t
     assert len(record) > 2  # two backward calls, compiled and eager, in blocks
 
 
-@pytest.mark.parametrize("rows", [16, None], ids=["in-forward", "deferred"])
+@pytest.mark.parametrize("rows", [16, pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["in-forward", "deferred"])
 def test_triton_training_path_compiled_matches_eager(device, requires_triton, rows):
     """The LM head's training path (``core.chunked_logits``): in chunks of 16 rows with the
     gradient formed in the forward, or for these 60 rows in the backward (the policy's);
@@ -598,6 +599,7 @@ def test_model_trains_like_eager_aot_eager(name, device):
     _check_training(name, device, "aot_eager")
 
 
+@pytest.mark.slow
 def test_causal_lm_trains_like_eager_inductor(device):
     """~5 s in a full run; ~25 s alone, which pays Inductor's one-time C++ warm-up."""
     _check_training("causal-lm", device, "inductor")

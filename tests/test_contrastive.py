@@ -57,6 +57,10 @@ LOSSES = ["clip", "info_nce", "nt_xent", "siglip"]
 BACKENDS = [pytest.param("torch", id="torch"),
             pytest.param("triton", id="triton", marks=requires_triton),
             pytest.param("materialized", id="materialized", marks=requires_triton)]
+# The same, the Triton backend's case among the slow tests (`make test-slow`).
+BACKENDS_SLOW_TRITON = [
+    pytest.param("triton", id="triton", marks=[requires_triton, pytest.mark.slow])
+    if p.values[0] == "triton" else p for p in BACKENDS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,7 +684,8 @@ MATERIALIZED_SHAPES = TORCH_SHAPES if ON_GPU else dict(batches=[37, 1, 2, 3, 37,
 
 
 @requires_triton
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("loss", [pytest.param(loss, marks=pytest.mark.slow) if loss == "nt_xent"
+                                  else loss for loss in LOSSES])
 @given(data=st.data())  # two short passes: a draw takes a second or less on the interpreter
 def test_materialized_backend_matches_reference(loss, data):
     check_case(data.draw(cases(loss, **MATERIALIZED_SHAPES), label="case"), "materialized")
@@ -1106,7 +1111,7 @@ def test_filter_eps(tune, loss, tuning):
         assert torch.equal(auto.grads[name], grad), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_SLOW_TRITON)
 def test_info_nce_labels(backend):
     """Explicit labels pick each query's positive key: a permutation changes the result and
     matches the reference; labels=arange(N) equals labels=None; M > N keys (a queue) work."""
@@ -1126,7 +1131,7 @@ def test_info_nce_labels(backend):
         torch.testing.assert_close(loss, ours.loss, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_SLOW_TRITON)
 @pytest.mark.parametrize("loss", ["info_nce", "nt_xent"])
 def test_temperature(loss, backend):
     """A float and a tensor give the same loss; the tensor gets the reference's gradient; the
@@ -1240,7 +1245,8 @@ def test_create_graph_gives_the_first_order_gradients(dtype):
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow),
+                                   torch.bfloat16])
 def test_siglip_in_chunks_of_rows(dtype, tune):
     """SigLIP's Triton training path in chunks of 48 rows (the last one short, D not a multiple
     of the tile): the reference's loss and gradients (check_case) in one chunk, and the same

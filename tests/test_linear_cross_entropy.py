@@ -627,7 +627,8 @@ FIXED = [
 
 
 @requires_triton
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FIXED])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.lead == (70,) else []) for c in FIXED])
 def test_triton_named_shapes(case):
     check_case(case, "triton")
 
@@ -732,7 +733,8 @@ ROW_CHUNK_CASES = [
 
 
 @requires_triton
-@pytest.mark.parametrize("order", [False, True], ids=["natural", "permuted"])
+@pytest.mark.parametrize("order", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["natural", "permuted"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ROW_CHUNK_CASES])
 def test_backward_in_row_chunks_equals_one_call(monkeypatch, tune, case, order):
     """Beyond ``backward_row_chunk`` rows the backward runs in blocks of rows (engine
@@ -948,7 +950,9 @@ def test_training_path_is_deterministic():
 
 
 @requires_triton
-@pytest.mark.parametrize("needs", [("input",), ("linear_weight",), ("linear_bias",)],
+@pytest.mark.parametrize("needs", [("input",),
+                                   pytest.param(("linear_weight",), marks=pytest.mark.slow),
+                                   pytest.param(("linear_bias",), marks=pytest.mark.slow)],
                          ids=["input-only", "weight-only", "bias-only"])
 def test_training_path_partial_requires_grad(needs):
     """Only the gradients asked for are computed and returned; they equal the full call's."""
@@ -1076,8 +1080,10 @@ def test_strided_inputs_and_narrow_targets(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("needs", [("input",), ("linear_weight",), ("input", "linear_weight")],
-                         ids=["input-only", "weight-only", "no-bias-grad"])
+@pytest.mark.parametrize("needs", [
+    ("input",), pytest.param(("linear_weight",), marks=pytest.mark.slow),
+    pytest.param(("input", "linear_weight"), marks=pytest.mark.slow)],
+    ids=["input-only", "weight-only", "no-bias-grad"])
 def test_partial_requires_grad(backend, needs):
     """Gradients that are not asked for are not computed, and the rest do not change; under
     no_grad the loss is the same."""

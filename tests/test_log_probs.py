@@ -197,6 +197,7 @@ def test_triton_backend_matches_reference(case):
     check(case, "triton")
 
 
+@pytest.mark.slow
 @requires_triton
 def test_triton_many_column_splits():
     """Few rows and a wide vocabulary: the forward splits the columns over programs and merges
@@ -345,6 +346,7 @@ def test_compiles_with_fullgraph():
         torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @requires_triton
 def test_triton_is_deterministic():
     case = Case(lead=(37,), v=300, d=16, dtype=torch.float32, temperature=0.7)

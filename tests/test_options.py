@@ -61,7 +61,7 @@ def with_option(backend: str, base: Case, **option):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("alpha", [0.1, 1.0])
+@pytest.mark.parametrize("alpha", [0.1, pytest.param(1.0, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("class_weight", [False, True], ids=["no-class-weight", "class-weight"])
 def test_label_smoothing(backend, alpha, class_weight):
     on, off = with_option(backend, replace(BASE, class_weight=class_weight),
@@ -70,7 +70,7 @@ def test_label_smoothing(backend, alpha, class_weight):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("cap", [5.0, 30.0])
+@pytest.mark.parametrize("cap", [pytest.param(5.0, marks=pytest.mark.slow), 30.0])
 def test_softcap(backend, cap):
     on, off = with_option(backend, replace(BASE, bias=True), softcap=cap)
     # peaked logits reach ~15: c = 30 bends them by a few percent, c = 5 by a lot
@@ -331,7 +331,7 @@ def test_filtering_keeps_unlikely_targets(tune, order):
 @pytest.mark.parametrize("eps", [2.0**-10, pytest.param(2.0**-6, marks=pytest.mark.slow),
                                  pytest.param(0.25, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tuning", [pytest.param({}, id="defaults"),
-                                    pytest.param(SPARSE, id="sparse")])
+                                    pytest.param(SPARSE, id="sparse", marks=pytest.mark.slow)])
 def test_filter_eps_bounds_the_gradient_change(tune, tuning, eps):
     """filter_eps is a proven bound: each row loses ≤ eps of its softmax mass, so with unit
     coefficients (reduction="sum", no options) ‖ΔdA_i‖ ≤ eps · max_j ‖B_j‖ and

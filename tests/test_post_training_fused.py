@@ -211,7 +211,8 @@ def test_fused_kto_equals_the_unfused(loss_type, extra, rows, tune):
         **reference, **extra), (h, w, b))
 
 
-@pytest.mark.parametrize("name", ["grpo", "dpo", "cpo", "kto", "orpo"])
+@pytest.mark.parametrize("name", ["grpo", pytest.param("dpo", marks=pytest.mark.slow), "cpo", "kto",
+                                  "orpo"])
 def test_fused_losses_compile_with_fullgraph(name):
     torch._dynamo.reset()
     if name == "grpo":

@@ -552,7 +552,8 @@ def test_trainer_gradient_accumulation(tmp_path):
 # torch.compile
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere"])
+@pytest.mark.parametrize("model_type", ["llama", pytest.param("gemma2", marks=pytest.mark.slow),
+                                        "cohere"])
 def test_compile_fullgraph(model_type):
     ref, fused = pair(model_type)
     for m in (ref, fused):

@@ -270,6 +270,7 @@ def _compiled_case(rank, world):
     return o_single.loss.detach(), o_fused.loss.detach(), _grads(single), _grads(fused)
 
 
+@pytest.mark.slow
 def test_vocab_sharded_head_under_torch_compile(workers):
     """The patched forward of a tensor-parallel model compiled (the vocabulary-parallel head
     runs eagerly inside it, as the distributed layer does under torch.compile): the loss and
