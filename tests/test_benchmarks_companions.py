@@ -78,6 +78,7 @@ def test_host_syncs_without_cuda():
     assert not calls
 
 
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, capsys):
     data, markdown = run_quick(tmp_path)
     printed = capsys.readouterr().out

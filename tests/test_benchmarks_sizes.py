@@ -23,6 +23,7 @@ def test_materialized_losses_match_fusedloss(name):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_case(tmp_path):
     assert run_module.main(["sizes", "--quick", "--losses", "clip,lm-gemma2", "--methods",
                             "fusedloss,torch", "--out", str(tmp_path), "--tag", "t"]) == 0

@@ -1084,7 +1084,7 @@ def filter_case(loss: str, **changes) -> Case:
 
 @requires_triton
 @pytest.mark.parametrize("tuning", [pytest.param({}, id="defaults"),
-                                    pytest.param(SPARSE, id="sparse")])
+                                    pytest.param(SPARSE, id="sparse", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("loss", WITH_REDUCTION)
 def test_filter_eps(tune, loss, tuning):
     """filter_eps is wired in: a large eps (0.5) moves the gradients measurably, None computes
@@ -1188,8 +1188,9 @@ def test_siglip_logit_bias(backend):
     assert torch.equal(run_ours(replace(case, learn=False), problem, backend).loss, ours.loss)
 
 
-@pytest.mark.parametrize("reduction, formed", [("mean", "backward"), ("sum", "backward"),
-                                               ("mean", "forward, chunks")])
+@pytest.mark.parametrize("reduction, formed", [
+    ("mean", "backward"), pytest.param("sum", "backward", marks=pytest.mark.slow),
+    ("mean", "forward, chunks")])
 def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, tune, reduction, formed):
     """A reduced fp32 InfoNCE on the Triton backend runs on the LM head's training path, with
     the reference's loss and gradients (the temperature's too; labels, N ≠ M), its gradients

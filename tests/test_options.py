@@ -114,7 +114,7 @@ def test_class_weight(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("reduction", ["mean", pytest.param("sum", marks=pytest.mark.slow), "none"])
 def test_shift_equals_slicing(backend, reduction):
     """shift=True on (B, T, D) equals the unshifted call on input[:, :-1] and target[:, 1:]."""
     case = replace(BASE, lead=(3, 13), shift=True, ignore="some", reduction=reduction)
