@@ -641,6 +641,29 @@ def time_and_memory_cell(row: Row | None, missing: str) -> str:
     return row["status"]
 
 
+def speed_lines(lines: Mapping[str, Mapping[int, float]], names: Mapping[str, str],
+                dashed: str) -> list[tuple[str, list, list, dict]]:
+    """A panel's lines of ms against size (``lines``: {key: {size: ms}}), in the order of
+    ``names`` (key → label), a key's colour fixed by its place there (the same in every
+    panel); ``dashed``: the key drawn as a black dashed line (the products)."""
+    out = []
+    for i, (key, label) in enumerate(names.items()):
+        if key in lines:
+            xy = sorted(lines[key].items())
+            style = ({"color": "black", "linestyle": "--", "linewidth": 1.2} if key == dashed
+                     else {"color": f"C{i}", "marker": "o", "markersize": 4})
+            out.append((label, [x for x, _ in xy], [ms for _, ms in xy], style))
+    return out
+
+
+def runs_text(files: Iterable[Mapping[str, Any]]) -> str:
+    """One line per distinct run of these results files: GPU, torch, triton, dtype, date."""
+    return "\n".join(dict.fromkeys(
+        f"{d['environment']['device_name']} · torch {d['environment']['torch']} · triton "
+        f"{d['environment']['triton']} · {d['settings']['dtype']} · {d['environment']['date']}"
+        for d in files))
+
+
 def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list] | None], columns: int = 1,
               size: tuple[float, float] = (8, 5), title: str = "", log: str = "",
               **style: Any) -> Path | None:

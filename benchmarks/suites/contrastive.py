@@ -429,22 +429,13 @@ def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
         if (cr.get("products") or {}).get("ms"):
             lines.setdefault(PRODUCTS, {})[case["rows"]] = cr["products"]["ms"]
     names[PRODUCTS] = PRODUCTS
-    styles = {key: {"color": f"C{i}", "marker": "o", "markersize": 4}
-              for i, key in enumerate(names)}  # a provider's colour is the same in every panel
-    styles[PRODUCTS] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
-    plotted = []
-    for (loss, width), lines in sorted(panels.items()):
-        points = {key: sorted(lines[key].items()) for key in names if key in lines}
-        plotted.append((f"{loss}, c = {width}", "rows b (2B for NT-Xent)", "median ms",
-                        [(names[key], [b for b, _ in xy], [ms for _, ms in xy], styles[key])
-                         for key, xy in points.items()]))
-    runs = dict.fromkeys(f"{d['environment']['device_name']} · torch {d['environment']['torch']} · "
-                         f"triton {d['environment']['triton']} · {d['settings']['dtype']} · "
-                         f"{d['environment']['date']}" for d in files)
+    plotted = [(f"{loss}, c = {width}", "rows b (2B for NT-Xent)", "median ms",
+                common.speed_lines(lines, names, PRODUCTS))
+               for (loss, width), lines in sorted(panels.items())]
     widths = len({width for _, width in panels}) or 1
     return common.save_plot(out, plotted, columns=widths, size=(4.5, 3.4), log="xy",
                             title="Contrastive losses, forward+backward, median ms against b\n"
-                            + "\n".join(runs))
+                            + common.runs_text(files))
 
 
 # ----------------------------------------------------------------------------- command line

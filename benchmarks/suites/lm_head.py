@@ -363,28 +363,19 @@ def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
         if (case.get("products") or {}).get("ms"):
             lines.setdefault(PRODUCTS, {})[case["n"]] = case["products"]["ms"]
     names[PRODUCTS] = PRODUCTS
-    styles = {key: {"color": f"C{i}", "marker": "o", "markersize": 4}
-              for i, key in enumerate(names)}  # a provider's colour is the same in every panel
-    styles[PRODUCTS] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
 
     def plotted(panel: dict[str, Any] | None) -> tuple[str, str, str, list] | None:
         if panel is None:
             return None
-        points = {key: sorted(panel["lines"][key].items()) for key in names
-                  if key in panel["lines"]}
-        lines = [(names[key], [n for n, _ in xy], [ms for _, ms in xy], styles[key])
-                 for key, xy in points.items()]
-        return panel["title"], "tokens N", "median ms", lines
+        return (panel["title"], "tokens N", "median ms",
+                common.speed_lines(panel["lines"], names, PRODUCTS))
 
     heads = list(dict.fromkeys(key[:2] for key in panels))
     modes = list(dict.fromkeys(key[2] for key in panels))
-    runs = dict.fromkeys(f"{d['environment']['device_name']} · torch {d['environment']['torch']} · "
-                         f"triton {d['environment']['triton']} · {d['settings']['dtype']} · "
-                         f"{d['environment']['date']}" for d in files)
     return common.save_plot(
         out, [plotted(panels.get((*head, mode))) for head in heads for mode in modes],
         columns=len(modes), size=(5.0, 3.6), log="xy",
-        title="LM-head linear cross-entropy, median ms against N\n" + "\n".join(runs))
+        title="LM-head linear cross-entropy, median ms against N\n" + common.runs_text(files))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
