@@ -1,6 +1,7 @@
 """Smoke test of the post-training suite (benchmarks/suites/post_training.py): a ``--quick``
 run on the CPU (the torch backend; TRL's head where TRL is installed, liger-kernel's losses
-where it is), each method's loss and d input checked against the fp32 computation."""
+where it is), every method's row present and fusedloss's loss and d input checked against the
+fp32 computation (a peer's errors are reported, not bounded here)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,6 @@ def test_quick_run_end_to_end(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert r["ms"] > 0 and r["head"] == "phi3.5" and r["n"] == 256
-        if "loss_error" in r:
+        if "loss_error" in r and r["method"] == "fusedloss":  # a peer's error is its own
             # bf16 logits of a teacher near the student: JSD's gradient is the loosest
             assert r["loss_error"] < 2e-2 and r["grad_error"] < 0.2, r

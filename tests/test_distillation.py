@@ -49,6 +49,25 @@ def _call(kind, beta, inputs, temperature, reduction="none", labels=True, backen
     return fusedloss.linear_kl_div(a_s, w_s, a_t, w_t, direction=kind, **common)
 
 
+def _torch_divergence(kind, beta, a_s, w_s, a_t, w_t, b_s=None, b_t=None, temperature=1.0):
+    """Each token's divergence in plain PyTorch, the logits in the inputs' dtype and the rest
+    in fp32: PyTorch's own error in that dtype, the yardstick of ``assert_close_to_ref``."""
+    s = F.log_softmax(F.linear(a_s, w_s, b_s).float() / temperature, -1)
+    t = F.log_softmax(F.linear(a_t, w_t, b_t).float() / temperature, -1)
+
+    def kl(p, q):  # KL(p ‖ q) from log-probabilities
+        return F.kl_div(q, p, reduction="none", log_target=True).sum(-1)
+
+    if kind == "jsd" and beta in (0.0, 1.0):
+        kind = "forward" if beta == 0.0 else "reverse"
+    if kind == "forward":
+        return kl(t, s)
+    if kind == "reverse":
+        return kl(s, t)
+    m = torch.log(beta * t.exp() + (1 - beta) * s.exp())
+    return beta * kl(t, m) + (1 - beta) * kl(s, m)
+
+
 @given(kind=st.sampled_from(["forward", "reverse", "jsd"]),
        beta=st.sampled_from([0.0, 0.3, 0.5, 1.0]), temperature=st.sampled_from([1.0, 0.7, 2.0]),
        bias=st.booleans(), seed=st.integers(0, 2**16),
@@ -86,15 +105,7 @@ def test_bf16_within_the_bar(kind, backend, tune):
     ours = _call(kind, 0.5, inputs, 1.0, backend=backend)
     ref = torch.where(y != -100, linear_divergence_ref(a_s, w_s, a_t, w_t, kind=kind), 0.0)
 
-    s = F.log_softmax(F.linear(a_s, w_s).float(), -1)
-    t = F.log_softmax(F.linear(a_t, w_t).float(), -1)
-    theirs = {"forward": F.kl_div(s, t, reduction="none", log_target=True).sum(-1),
-              "reverse": F.kl_div(t, s, reduction="none", log_target=True).sum(-1)}.get(kind)
-    if theirs is None:
-        m = torch.log(0.5 * s.exp() + 0.5 * t.exp())
-        theirs = 0.5 * (F.kl_div(m, t, reduction="none", log_target=True).sum(-1)
-                        + F.kl_div(m, s, reduction="none", log_target=True).sum(-1))
-    theirs = torch.where(y != -100, theirs, 0.0)
+    theirs = torch.where(y != -100, _torch_divergence(kind, 0.5, a_s, w_s, a_t, w_t), 0.0)
     assert_close_to_ref(ours, theirs, ref, name=f"{kind} values")
     grads = [torch.autograd.grad(x.sum(), (a_s, w_s), retain_graph=True)
              for x in (ours, theirs, ref)]
@@ -241,8 +252,17 @@ def test_triton_matches_float64_reference(kind, beta, temperature, bias, seed, r
         got_grads = torch.autograd.grad((got * upstream).sum(), students)
     want_grads = torch.autograd.grad((want * upstream.cpu().double()).sum(),
                                      [t for t in (a_s, w_s, b_s) if t is not None])
-    for x, r in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(x.cpu().double(), r, rtol=1e-4, atol=2e-6)
+    # PyTorch's fp32 computation of the same quantity: the gradients' yardstick (a gradient
+    # entry summed over cancelling terms is off by more than a fixed tolerance on a GPU)
+    theirs = _torch_divergence(kind, beta, *dev[:6], temperature=temperature)
+    if labels:
+        theirs = torch.where(dev[6] != -100, theirs, 0.0)
+    theirs = {"none": theirs, "sum": theirs.sum(), "mean": theirs.sum() / count}[
+        reduction]
+    their_grads = torch.autograd.grad((theirs * upstream).sum(), students)
+    for x, t, r, name in zip(got_grads, their_grads, want_grads, ("input", "weight", "bias"),
+                             strict=False):
+        assert_close_to_ref(x.cpu(), t.cpu(), r, name=f"d student_{name}")
 
 
 @requires_triton

@@ -112,8 +112,10 @@ def _divergence_rows_kernel(
                          mask=cols < V)
         tl.store(out_ptr + row, 0.0)
     else:
-        lse_s = _tempered_lse(base_s, V, temperature, inv_temperature, PRECISE, BLOCK_V)
-        lse_t = _tempered_lse(base_t, V, temperature, inv_temperature, PRECISE, BLOCK_V)
+        # each row's (max, log Σ exp(x − max)): log-probabilities (x − max) − log Σ, rounded
+        # at the scale of the log-sum, not of the logits (as log_softmax forms them)
+        max_s, lsum_s = _tempered_lse(base_s, V, temperature, inv_temperature, PRECISE, BLOCK_V)
+        max_t, lsum_t = _tempered_lse(base_t, V, temperature, inv_temperature, PRECISE, BLOCK_V)
         log_1mb = tl.log(1.0 - beta)
         log_b = tl.log(beta)
         scale = c * inv_temperature  # the chain rule through x = Z / T
@@ -123,9 +125,9 @@ def _divergence_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             in_row = cols < V
-            s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, lse_s, lse_t,
-                                            temperature, inv_temperature, log_1mb, log_b,
-                                            KIND, PRECISE)
+            s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, (max_s, lsum_s),
+                                            (max_t, lsum_t), temperature, inv_temperature,
+                                            log_1mb, log_b, KIND, PRECISE)
             if KIND == 0:
                 acc_t += tl.where(p_t > 0, p_t * (t - s), 0.0)
                 if GRAD:  # the forward KL's gradient needs no sum: written in this pass
@@ -153,9 +155,9 @@ def _divergence_rows_kernel(
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + offs
                 in_row = cols < V
-                s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, lse_s, lse_t,
-                                                temperature, inv_temperature, log_1mb, log_b,
-                                                KIND, PRECISE)
+                s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, (max_s, lsum_s),
+                                                (max_t, lsum_t), temperature,
+                                                inv_temperature, log_1mb, log_b, KIND, PRECISE)
                 if KIND == 1:
                     gap = tl.where(p_s > 0, s - t, 0.0)
                 else:
@@ -178,7 +180,8 @@ def _tempered(base, cols, in_row, temperature, inv_temperature, PRECISE: tl.cons
 @triton.jit
 def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
                   BLOCK_V: tl.constexpr):
-    """log Σ_j exp(Z_j / T) over a row: a running (max, Σ exp) per lane, then combined."""
+    """(max_j x_j, log Σ_j exp(x_j − max)) of x = Z / T over a row: a running (max, Σ exp) per
+    lane, then combined."""
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_V], tl.float32)
@@ -191,16 +194,19 @@ def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
         m = m_new
     m_row = tl.max(m, axis=0)
     total = tl.sum(s * exp(m - m_row, PRECISE), axis=0)
-    return m_row + log(total, PRECISE)
+    return m_row, log(total, PRECISE)
 
 
 @triton.jit
-def _log_probs(base_s, base_t, cols, in_row, lse_s, lse_t, temperature, inv_temperature,
+def _log_probs(base_s, base_t, cols, in_row, stats_s, stats_t, temperature, inv_temperature,
                log_1mb, log_b, KIND: tl.constexpr, PRECISE: tl.constexpr):
-    """(s, t, p_s, p_t, log m) at ``cols`` (p = 0 outside the row; log m, the log of the JSD's
-    mixture β·p_t + (1 − β)·p_s, only for KIND 2)."""
-    s = _tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - lse_s
-    t = _tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - lse_t
+    """(s, t, p_s, p_t, log m) at ``cols`` from each row's (max, log Σ exp(x − max)) (p = 0
+    outside the row; log m, the log of the JSD's mixture β·p_t + (1 − β)·p_s, only for
+    KIND 2)."""
+    s = (_tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - stats_s[0]
+         - stats_s[1])
+    t = (_tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - stats_t[0]
+         - stats_t[1])
     p_s = exp(s, PRECISE)
     p_t = exp(t, PRECISE)
     lm = s
