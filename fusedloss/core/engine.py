@@ -1051,11 +1051,17 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, **common,
     )
 
+    # Every slab dense: the Hopper recompute where it applies.
+    sm90 = None if sparse else _sm90_recompute(problem, a_rows, cfg, live, (scratch, dscale))
+
     def recompute_slab(k: int, row_blocks: int, dense: bool) -> None:
         """Launches slab k's recompute into the scratch."""
         nt = min(slab, n_ct - k * slab)
-        recompute((row_blocks * nt,), slab_tile_start=k * slab, slab_tiles=nt,
-                  ZERO_DEAD=dense)
+        if sm90 is not None:
+            sm90(k * slab, nt, row_blocks)
+        else:
+            recompute((row_blocks * nt,), slab_tile_start=k * slab, slab_tiles=nt,
+                      ZERO_DEAD=dense)
 
     # At most one host sync, after everything above is queued: the number of valid rows and
     # each slab's live count pick the grid and the dense or sparse path. The first slab's
@@ -1189,6 +1195,25 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         bias=grad_bias,
         scale=dscale.sum() if need_scale else None,
     )
+
+
+def _sm90_recompute(problem: _Problem, a_rows: torch.Tensor | None, cfg: config.TileConfig,
+                    live: torch.Tensor, out: tuple):
+    """The Hopper recompute (``lse_backward_sm90.Recompute``) for this backward's dense slabs,
+    or None where the Triton kernel runs: softmax losses on bf16/fp16 operands that TMA reads
+    (``a_rows``, A in compact row order), D ≤ 512, scale and bias only (no softcap, vocabulary
+    order, diagonal mask or entropy term), on the backward's 64 × 128 tiles."""
+    a, b, logits, rows, stats, coef, _, sigmoid = problem.unpacked()
+    if (a_rows is None or sigmoid or coef.logit is not None or logits.softcap
+            or logits.col_order is not None or logits.diag_mask
+            or not (config.tuning().gluon_backward and config.gluon_enabled(a.device))):
+        return None
+    from . import lse_backward_sm90 as sm90
+    from .lse_forward_sm90 import supports
+
+    if not supports(a, b) or (cfg.block_m, cfg.block_n) != (sm90.BLOCK_M, sm90.BLOCK_N):
+        return None
+    return sm90.Recompute(a_rows, b, logits, rows, stats, coef, live, out)
 
 
 def _capturing(device: torch.device) -> bool:

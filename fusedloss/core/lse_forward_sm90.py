@@ -322,11 +322,19 @@ def _clip_forward_sm90_kernel(
         mbarrier.invalidate(empty.index(i))
 
 
-def stages(d: int, element_size: int) -> int:
-    """B chunk slots that fit beside the two consumers' resident A blocks."""
-    a_bytes = 2 * BLOCK_M * d * element_size
+def stages(d: int, element_size: int, reserve: int = 0) -> int:
+    """B chunk slots that fit beside the two consumers' resident A blocks (and ``reserve``
+    bytes kept for a kernel's own use)."""
+    a_bytes = 2 * BLOCK_M * d * element_size + reserve
     return max(2, min(2 * (d // BLOCK_K), (_SMEM_BUDGET - a_bytes) // (BLOCK_N * BLOCK_K
                                                                          * element_size)))
+
+
+def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """The TMA descriptor of a row-major bf16/fp16 operand read in (rows × BLOCK_K) blocks."""
+    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl_dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
 
 
 def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -366,14 +374,8 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
            record_tiles: bool) -> None:
     """Runs the kernel; ``a_rows``: A in compact row order, TMA-ready (engine._tma_ready), as
     b; ``logits``: the engine's ``Logits`` (scale and bias; no softcap, order or mask)."""
-    gl_dtype = gl.bfloat16 if a_rows.dtype == torch.bfloat16 else gl.float16
     d = b.shape[1]
     bias, scale = logits.bias, logits.scale
-
-    def descriptor(t, rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl_dtype)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
-
     dummy = out.row_sum
     _clip_forward_sm90_kernel[(schedule.groups, schedule.splits)](
         descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
