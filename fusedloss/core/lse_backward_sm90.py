@@ -67,6 +67,17 @@ COALESCE = False
 
 
 @gluon.jit
+def _logits(raw, scale, bias, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """X = scale · raw (one rounded product, as ``logits.mul_rn``) + bias."""
+    x = raw
+    if HAS_SCALE:
+        x = _mul_rn(x, scale)
+    if HAS_BIAS:
+        x = x + gl.expand_dims(bias, 0)
+    return x
+
+
+@gluon.jit
 def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
                bias_ptr, scale, V, width, slab_tile_start, scratch_ptr,
@@ -78,26 +89,29 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
     same order; returns each row's Σ_j dX_ij·raw_ij over the tile (GRAD_SCALE, else 0)."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
     m_cols = offs_n < V
-    x = raw
-    if HAS_SCALE:
-        x = _mul_rn(x, scale)
+    bias = gl.zeros([BLOCK_N], gl.float32, col_l)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + offs_n, mask=m_cols, other=0.0).to(gl.float32)
-        x = x + gl.expand_dims(bias, 0)
-    e = gl.exp(x - gl.expand_dims(row_max, 1))
+    # X and P's exponentials are formed inside each branch: across a branch only the raw tile
+    # is live (X, P and raw together would not fit in the registers).
     if COL_LSE:
         if ref - low <= _FACTOR_RANGE:
             # r_i·P + c_j·Q = e_ij · (r_i + a_i·b_j): one exponential per entry
             b = gl.convert_layout(ccoef_v * gl.exp(ref - cmax_v), col_l)
+            x = _logits(raw, scale, bias, HAS_SCALE, HAS_BIAS)
+            e = gl.exp(x - gl.expand_dims(row_max, 1))
             dx = e * (gl.expand_dims(coef_lse, 1)
                       + gl.expand_dims(a_row, 1) * gl.expand_dims(b, 0))
         else:
             cmax = gl.convert_layout(cmax_v, col_l)
             ccoef = gl.convert_layout(ccoef_v, col_l)
+            x = _logits(raw, scale, bias, HAS_SCALE, HAS_BIAS)
+            e = gl.exp(x - gl.expand_dims(row_max, 1))
             dx = (gl.expand_dims(coef_lse, 1) * e
                   + gl.expand_dims(ccoef, 0) * gl.exp(x - gl.expand_dims(cmax, 0)))
     else:
-        dx = gl.expand_dims(coef_lse, 1) * e
+        x = _logits(raw, scale, bias, HAS_SCALE, HAS_BIAS)
+        dx = gl.expand_dims(coef_lse, 1) * gl.exp(x - gl.expand_dims(row_max, 1))
     if HAS_TARGET:
         lo = t * BLOCK_N
         if (t_hi >= lo) & (t_lo < lo + BLOCK_N):  # some row's target may lie in this tile

@@ -47,6 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# A TMA copy into shared memory: ``async_load`` in newer Tritons, which removed the older name.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 BLOCK_M = 64   # rows of a tile: one warpgroup, 16 rows per warp
 BLOCK_N = 128  # columns of a tile: the backward's column tile (its statistics address it)
 BLOCK_K = 64   # width of one operand chunk (128 bytes of bf16: one TMA swizzle row)
@@ -91,7 +94,7 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
             mbarrier.wait(a_empty.index(w), (pair & 1) ^ 1, pred=active)
             mbarrier.expect(a_ready.index(w), K_TILES * a_desc.block_type.nbytes, pred=active)
             for k in gl.static_range(K_TILES):
-                tma.async_copy_global_to_shared(a_desc, [rb * BLOCK_M, k * BLOCK_K],
+                _tma_load(a_desc, [rb * BLOCK_M, k * BLOCK_K],
                                                 a_ready.index(w), a_smem.index(w * K_TILES + k),
                                                 pred=active)
         for t in range(tile_begin, tile_end):
@@ -99,7 +102,7 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 slot = c % STAGES
                 mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(b_desc, [t * BLOCK_N, k * BLOCK_K],
+                _tma_load(b_desc, [t * BLOCK_N, k * BLOCK_K],
                                                 ready.index(slot), b_smem.index(slot))
                 c += 1
 
