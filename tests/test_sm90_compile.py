@@ -1,0 +1,127 @@
+"""The Hopper Gluon kernels compile for sm90 on any machine, without a GPU.
+
+Gluon kernels do not run under Triton's interpreter, so the GPU tests
+(``tests/test_sm90_forward.py``, ``tests/test_sm90_backward.py``) are the only ones that run
+them. Here both kernels are compiled ahead of time for an sm90 target with the Triton at hand
+(its ``GluonASTSource`` and the ptxas its wheel ships): a Triton that renamed or removed a
+Gluon function, a layout the compiler rejects, or a shared-memory plan over Hopper's 227 KiB
+fails on a CPU machine too. Skipped where this Triton cannot compile Gluon offline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:  # an older Triton: nothing to compile offline with
+    GluonASTSource = None
+
+pytestmark = [
+    pytest.mark.slow,  # ~1 minute of compiling
+    pytest.mark.skipif(GluonASTSource is None,
+                       reason="this Triton cannot compile Gluon kernels offline"),
+]
+
+HOPPER_SHARED_BYTES = 227 * 1024
+
+
+def _type(value) -> str:
+    """The kernel signature's type of one argument value."""
+    if isinstance(value, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                      torch.int64: "i64", torch.uint8: "u8"}[value.dtype]
+    if hasattr(value, "__mangle__"):  # a TMA descriptor
+        return value.__mangle__()
+    return "fp32" if isinstance(value, float) else "i32"
+
+
+def _compile(kernel, args, constants, **options):
+    """Compiles ``kernel`` for sm90: ``args`` its runtime arguments in order, ``constants``
+    its constexpr ones by name."""
+    names = kernel.arg_names
+    runtime = iter(args)
+    signature, constexprs = {}, {}
+    for i, (name, param) in enumerate(zip(names, kernel.params, strict=True)):
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+        else:
+            signature[name] = _type(next(runtime))
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    source = GluonASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+
+
+def _operands(d, dtype=torch.bfloat16, n=4096):
+    from fusedloss.core import lse_forward_sm90 as fwd
+
+    a, b = torch.empty(n, d, dtype=dtype), torch.empty(n, d, dtype=dtype)
+    return fwd.descriptor(a, fwd.BLOCK_M), fwd.descriptor(b, fwd.BLOCK_N), a
+
+
+def _constants(d, stages, **flags):
+    from fusedloss.core import lse_forward_sm90 as fwd
+
+    return dict(flags, BLOCK_M=fwd.BLOCK_M, BLOCK_N=fwd.BLOCK_N, BLOCK_K=fwd.BLOCK_K,
+                K_TILES=d // fwd.BLOCK_K, STAGES=stages, CONSUMER_REGS=fwd.CONSUMER_REGS)
+
+
+def compile_forward() -> None:
+    from fusedloss.core import lse_forward_sm90 as fwd
+
+    d = fwd.MAX_D
+    a_desc, b_desc, _ = _operands(d)
+    f32, i64 = torch.empty(1), torch.empty(1, dtype=torch.int64)
+    kernel = _compile(
+        fwd._clip_forward_sm90_kernel,
+        [a_desc, b_desc, f32, f32, i64, *[f32] * 6, 4096, 4096, 8, 4, 32],
+        _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True),
+        num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+
+
+def compile_recompute(coalesce: bool) -> None:
+    from fusedloss.core import lse_backward_sm90 as bwd
+    from fusedloss.core import lse_forward_sm90 as fwd
+
+    d = fwd.MAX_D
+    a_desc, b_desc, a = _operands(d, torch.float16)
+    f32, i64 = torch.empty(1), torch.empty(1, dtype=torch.int64)
+    u8 = torch.empty(1, dtype=torch.uint8)
+    stages = fwd.stages(d, 2, bwd._EXCHANGE_BYTES if coalesce else 0)
+    kernel = _compile(
+        bwd._clip_grad_sm90_kernel,
+        [a_desc, b_desc, f32, f32, i64, f32, f32, i64, *[f32] * 5, u8, a, f32,
+         4096, 4096, 64, 0, 32, 32, 8, 32],
+        _constants(d, stages, HAS_BIAS=True, HAS_SCALE=True, SCALE_DX=False, HAS_TARGET=True,
+                   COL_LSE=True, GRAD_SCALE=True, COALESCE=coalesce),
+        num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+
+
+def _in_a_compiler_process(call: str) -> None:
+    """Runs ``call`` (a function of this module) in a fresh Python without Triton's
+    interpreter, which would wrap the kernels for the CPU instead of compiling them."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
+           f"import test_sm90_compile as t; t.{call}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_forward_compiles_for_sm90():
+    _in_a_compiler_process("compile_forward()")
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_recompute_compiles_for_sm90(coalesce):
+    _in_a_compiler_process(f"compile_recompute({coalesce})")
