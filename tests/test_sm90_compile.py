@@ -24,7 +24,7 @@ except ImportError:  # an older Triton: nothing to compile offline with
     GluonASTSource = None
 
 pytestmark = [
-    pytest.mark.slow,  # ~1 minute of compiling
+    pytest.mark.slow,  # ~20 s of compiling
     pytest.mark.skipif(GluonASTSource is None,
                        reason="this Triton cannot compile Gluon kernels offline"),
 ]
