@@ -75,7 +75,7 @@ def _constants(d, stages, **flags):
                 K_TILES=d // fwd.BLOCK_K, STAGES=stages, CONSUMER_REGS=fwd.CONSUMER_REGS)
 
 
-def compile_forward() -> None:
+def compile_forward(pingpong: bool) -> None:
     from fusedloss.core import lse_forward_sm90 as fwd
 
     d = fwd.MAX_D
@@ -84,12 +84,13 @@ def compile_forward() -> None:
     kernel = _compile(
         fwd._clip_forward_sm90_kernel,
         [a_desc, b_desc, f32, f32, i64, *[f32] * 6, 4096, 4096, 8, 4, 32],
-        _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True),
+        _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True,
+                   LAG=fwd.lag(d, fwd.stages(d, 2), pingpong)),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
 
-def compile_recompute(coalesce: bool) -> None:
+def compile_recompute(coalesce: bool, pingpong: bool) -> None:
     from fusedloss.core import lse_backward_sm90 as bwd
     from fusedloss.core import lse_forward_sm90 as fwd
 
@@ -103,7 +104,8 @@ def compile_recompute(coalesce: bool) -> None:
         [a_desc, b_desc, f32, f32, i64, f32, f32, i64, *[f32] * 5, u8, a, f32,
          4096, 4096, 64, 0, 32, 32, 8, 32],
         _constants(d, stages, HAS_BIAS=True, HAS_SCALE=True, SCALE_DX=False, HAS_TARGET=True,
-                   COL_LSE=True, GRAD_SCALE=True, COALESCE=coalesce),
+                   COL_LSE=True, GRAD_SCALE=True, COALESCE=coalesce,
+                   LAG=fwd.lag(d, stages, pingpong)),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
@@ -118,10 +120,11 @@ def _in_a_compiler_process(call: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def test_forward_compiles_for_sm90():
-    _in_a_compiler_process("compile_forward()")
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_forward_compiles_for_sm90(pingpong):
+    _in_a_compiler_process(f"compile_forward({pingpong})")
 
 
-@pytest.mark.parametrize("coalesce", [False, True])
-def test_recompute_compiles_for_sm90(coalesce):
-    _in_a_compiler_process(f"compile_recompute({coalesce})")
+@pytest.mark.parametrize("coalesce, pingpong", [(False, False), (True, True)])
+def test_recompute_compiles_for_sm90(coalesce, pingpong):
+    _in_a_compiler_process(f"compile_recompute({coalesce}, {pingpong})")

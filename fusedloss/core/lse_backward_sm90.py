@@ -36,11 +36,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from . import config
 from .lse_forward_sm90 import (
@@ -52,7 +48,9 @@ from .lse_forward_sm90 import (
     WARPS,
     _loader,
     _mul_rn,
+    _tile_products,
     descriptor,
+    lag,
     stages,
 )
 
@@ -143,7 +141,7 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
               bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr, coef_target_ptr,
               block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr, live_ptr,
               scratch_ptr, dscale_ptr,
@@ -153,7 +151,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
               COALESCE: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, LAG: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against the tiles
     [tile_begin, tile_end) of the slab."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -204,20 +202,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 cmax_v = gl.load(col_max_ptr + cols, mask=cols < V, other=0.0)
                 ccoef_v = gl.load(coef_col_ptr + cols, mask=cols < V, other=0.0)
                 low = gl.load(tile_low_ptr + t)
-            raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            for k in gl.static_range(K_TILES):
-                slot = c % STAGES
-                mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-                raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
-                                    b_smem.index(slot).permute((1, 0)), raw,
-                                    use_acc=k > 0, is_async=True)
-                # The previous chunk's product is done: its slot may be refilled.
-                raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
-                if k > 0:
-                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-                c += 1
-            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            raw, c = _tile_products(W, a_smem, b_smem, ready, empty, turn, c, mma,
+                                    BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)
             mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
             if active:
                 scale_rows += _grad_tile(
@@ -257,7 +243,8 @@ def _clip_grad_sm90_kernel(
     HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
     COALESCE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Program (g, s): row blocks of group g × the slab's tiles of split s; a loader warp and
     two consumer warpgroups that share the B chunks (as ``_clip_forward_sm90_kernel``)."""
@@ -276,30 +263,32 @@ def _clip_grad_sm90_kernel(
     a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(a_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
 
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
                      coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
                      HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, COALESCE,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
-        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
                      coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
                      HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, COALESCE,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
@@ -308,6 +297,7 @@ def _clip_grad_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.invalidate(a_ready.index(i))
         mbarrier.invalidate(a_empty.index(i))
+        mbarrier.invalidate(turn.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -375,12 +365,13 @@ class Recompute:
             tile_low, live.view(torch.uint8), scratch, dscale if dscale is not None else dummy,
         )
         self._width = scratch.shape[1]
+        n_stages = stages(d, a_rows.element_size(), _EXCHANGE_BYTES if coalesce else 0)
         self._flags = dict(
             HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
             SCALE_DX=logits.scale is not None and logits.bias is None, HAS_TARGET=has_target,
             COL_LSE=col_lse, GRAD_SCALE=dscale is not None, COALESCE=coalesce,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-            STAGES=stages(d, a_rows.element_size(), _EXCHANGE_BYTES if coalesce else 0),
+            STAGES=n_stages, LAG=lag(d, n_stages),
             CONSUMER_REGS=CONSUMER_REGS, num_warps=WARPS, maxnreg=MAX_REGS,
         )
 

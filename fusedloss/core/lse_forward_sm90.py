@@ -63,6 +63,9 @@ CONSUMER_REGS = 232
 # this many nats of it: exp(X − ref) ≥ e⁻⁸⁰ stays a normal fp32 number (e⁻⁸⁷ is the least).
 _REF_RANGE = gl.constexpr(80.0)
 _SMEM_BUDGET = 208 * 1024  # of Hopper's 227 KiB per block; the rest for layout exchanges
+# The consumers take turns at the tensor cores, as many chunks apart as the ring allows
+# (``_tile_products``' LAG), or run freely (False).
+PINGPONG = False
 
 
 @gluon.jit
@@ -108,7 +111,42 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
+def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, turn, c, mma: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
+                   STAGES: gl.constexpr, LAG: gl.constexpr):
+    """(raw tile, chunk count): consumer W's resident A block times the ring's next K_TILES B
+    chunks (c of them consumed so far), asynchronous products, each chunk's slot released once
+    its product is done.
+
+    LAG > 0 (≤ STAGES): the consumers take turns (ping-pong). W starts a tile's products once
+    the other consumer has issued LAG chunks of its tile, and lets it go on after issuing LAG
+    of its own: the two stay LAG chunks apart, so that one's epilogue runs beside the other's
+    products instead of both waiting for the same chunk and then both forming statistics.
+    """
+    if LAG > 0:
+        # consumer 0's first wait passes (barriers start with phase 1 complete)
+        mbarrier.wait(turn.index(W), ((c // K_TILES) & 1) ^ (1 - W))
+    raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    for k in gl.static_range(K_TILES):
+        slot = c % STAGES
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        raw = warpgroup_mma(a_smem.index(W * K_TILES + k), b_smem.index(slot).permute((1, 0)),
+                            raw, use_acc=k > 0, is_async=True)
+        if LAG > 0:
+            if k == LAG - 1:
+                mbarrier.arrive(turn.index(1 - W), count=1)
+        # The previous chunk's product is done: its slot may be refilled.
+        raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
+        if k > 0:
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+        c += 1
+    raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+    return raw, c
+
+
+@gluon.jit
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
               bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
               col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
               n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
@@ -116,7 +154,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
               RECORD_TILES: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, LAG: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against every tile of the
     split. Its column partials are row 2·g + W of the (2 · groups, V) arrays."""
     WARP_ROWS: gl.constexpr = BLOCK_M // 4
@@ -150,20 +188,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
             old_max = gl.load(col_max_ptr + col_part + cols, mask=cols < V, other=float("-inf"))
             old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
-            raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            for k in gl.static_range(K_TILES):
-                slot = c % STAGES
-                mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-                raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
-                                    b_smem.index(slot).permute((1, 0)), raw,
-                                    use_acc=k > 0, is_async=True)
-                # The previous chunk's product is done: its slot may be refilled.
-                raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
-                if k > 0:
-                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-                c += 1
-            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            raw, c = _tile_products(W, a_smem, b_smem, ready, empty, turn, c, mma,
+                                    BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)
             # The block's last product is done: the loader may bring the next block in
             # while this tile's statistics are formed.
             mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
@@ -272,7 +298,8 @@ def _clip_forward_sm90_kernel(
     HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
     RECORD_TILES: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Program (g, c) visits row blocks of group g × column tiles of split c, as the Triton
     kernel's grid (engine._forward_grid), with three partitions: a loader warp and two
@@ -292,26 +319,28 @@ def _clip_forward_sm90_kernel(
     a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(a_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
 
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
                      n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
-        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
                      n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
@@ -320,6 +349,7 @@ def _clip_forward_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.invalidate(a_ready.index(i))
         mbarrier.invalidate(a_empty.index(i))
+        mbarrier.invalidate(turn.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -331,6 +361,13 @@ def stages(d: int, element_size: int, reserve: int = 0) -> int:
     a_bytes = 2 * BLOCK_M * d * element_size + reserve
     return max(2, min(2 * (d // BLOCK_K), (_SMEM_BUDGET - a_bytes) // (BLOCK_N * BLOCK_K
                                                                          * element_size)))
+
+
+def lag(d: int, n_stages: int, pingpong: bool | None = None) -> int:
+    """``_tile_products``' LAG: the chunks one consumer runs ahead of the other with
+    ``pingpong`` (None: ``PINGPONG``), at most a tile's and the ring's; 0 without."""
+    on = PINGPONG if pingpong is None else pingpong
+    return min(d // BLOCK_K, n_stages) if on else 0
 
 
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -379,6 +416,7 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
     b; ``logits``: the engine's ``Logits`` (scale and bias; no softcap, order or mask)."""
     d = b.shape[1]
     bias, scale = logits.bias, logits.scale
+    n_stages = stages(d, a_rows.element_size())
     dummy = out.row_sum
     _clip_forward_sm90_kernel[(schedule.groups, schedule.splits)](
         descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
@@ -389,6 +427,6 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         RECORD_TILES=record_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-        STAGES=stages(d, a_rows.element_size()), CONSUMER_REGS=CONSUMER_REGS,
+        STAGES=n_stages, LAG=lag(d, n_stages), CONSUMER_REGS=CONSUMER_REGS,
         num_warps=WARPS, maxnreg=MAX_REGS,
     )
