@@ -6,7 +6,8 @@ H200) and skip elsewhere. Each case runs the same loss twice, the recompute's dX
 the Gluon kernel and from the Triton one, and compares the loss and every gradient (the dX
 tiles are formed by the same arithmetic, so the gradients agree to the last bits; the logit
 scale's gradient sums the tiles in another order). A counter checks that the Gluon kernel did
-run.
+run. The cases run with the plain store and free consumers, and with the coalesced store and
+the ping-pong schedule (the forward's too).
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def _assert_same(tune, launches, loss_fn, *leaves, scale_index=None):
             assert (got == want).float().mean() > 0.999
 
 
+@pytest.fixture(params=[(False, False), (True, True)], ids=["plain", "coalesced-pingpong"])
+def variant(request, monkeypatch):
+    """The recompute's store (``COALESCE``) and the consumers' schedule (``PINGPONG``)."""
+    from fusedloss.core import lse_backward_sm90, lse_forward_sm90
+
+    coalesce, pingpong = request.param
+    monkeypatch.setattr(lse_backward_sm90, "COALESCE", coalesce)
+    monkeypatch.setattr(lse_forward_sm90, "PINGPONG", pingpong)
+    return request.param
+
+
 CLIP_CASES = [
     # b, d, dtype, scale, filter_eps
     (333, 64, torch.bfloat16, 14.3, None),
@@ -78,7 +90,7 @@ CLIP_CASES = [
 
 @pytest.mark.parametrize("case", CLIP_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}".replace(
     "torch.", ""))
-def test_clip_gradients_match_the_triton_kernel(tune, launches, case):
+def test_clip_gradients_match_the_triton_kernel(tune, launches, variant, case):
     b, d, dtype, scale, filter_eps = case
     img, txt = _features(b, d, dtype, b), _features(b, d, dtype, b + 1)
     logit_scale = torch.tensor(scale, device=DEV)
@@ -86,7 +98,7 @@ def test_clip_gradients_match_the_triton_kernel(tune, launches, case):
         x, y, s, filter_eps=filter_eps, backend="triton"), img, txt, logit_scale, scale_index=2)
 
 
-def test_clip_wide_tiles_take_the_exact_column_terms(tune, launches):
+def test_clip_wide_tiles_take_the_exact_column_terms(tune, launches, variant):
     """Texts of two opposite directions at scale 100: columns whose max lies 200 below the
     rows' (the per-entry form of Q, beside tiles of the factored one)."""
     d = 256
@@ -100,7 +112,7 @@ def test_clip_wide_tiles_take_the_exact_column_terms(tune, launches):
 
 
 @pytest.mark.parametrize("m", [1000, 3000])
-def test_info_nce_with_a_queue_matches_the_triton_kernel(tune, launches, m):
+def test_info_nce_with_a_queue_matches_the_triton_kernel(tune, launches, variant, m):
     """Row statistics only (no column terms), M ≠ N, labels, a learnable temperature."""
     q, k = _features(700, 128, torch.bfloat16, 5), _features(m, 128, torch.bfloat16, 6)
     labels = torch.randint(0, m, (700,), device=DEV)
@@ -110,7 +122,7 @@ def test_info_nce_with_a_queue_matches_the_triton_kernel(tune, launches, m):
         scale_index=2)
 
 
-def test_lm_head_with_bias_ignored_rows_and_smoothing(tune, launches):
+def test_lm_head_with_bias_ignored_rows_and_smoothing(tune, launches, variant):
     """A narrow LM head per token (the core's backward; a reduced bf16 loss takes the training
     path): bias, ignored targets and label smoothing (the rank-1 term outside the tiles),
     unfiltered (dense slabs)."""

@@ -61,8 +61,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["free", "pingpong"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}")
-def test_matches_triton_kernel_and_float64(tune, case):
+def test_matches_triton_kernel_and_float64(tune, monkeypatch, case, pingpong):
+    """Both schedules of the consumers (``lse_forward_sm90.PINGPONG``) give these statistics
+    bit for bit."""
+    from fusedloss.core import lse_forward_sm90
+
+    monkeypatch.setattr(lse_forward_sm90, "PINGPONG", pingpong)
     n, v, d, n_valid, with_bias, dtype, scale, same = case
     a = _features(n, d, dtype, n)
     b = a.clone() if same else _features(v, d, dtype, v + 1)
