@@ -305,8 +305,8 @@ def test_filter_eps_filters(tune, regime):
 
 
 @requires_triton
-@pytest.mark.parametrize("order", [pytest.param("auto", marks=pytest.mark.slow), None,
-                                   pytest.param("permutation", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~25 s a case on the interpreter: make test-slow
+@pytest.mark.parametrize("order", ["auto", None, "permutation"])
 def test_filtering_keeps_unlikely_targets(tune, order):
     """A target the model finds unlikely sits in a tile with no mass: only its one-hot term
     keeps that tile live (mark_targets_live, through the column order). Dropping it would lose
@@ -328,10 +328,10 @@ def test_filtering_keeps_unlikely_targets(tune, order):
 
 
 @requires_triton
-@pytest.mark.parametrize("eps", [2.0**-10, pytest.param(2.0**-6, marks=pytest.mark.slow),
-                                 pytest.param(0.25, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~20 s a case on the interpreter: make test-slow
+@pytest.mark.parametrize("eps", [2.0**-10, 2.0**-6, 0.25])
 @pytest.mark.parametrize("tuning", [pytest.param({}, id="defaults"),
-                                    pytest.param(SPARSE, id="sparse", marks=pytest.mark.slow)])
+                                    pytest.param(SPARSE, id="sparse")])
 def test_filter_eps_bounds_the_gradient_change(tune, tuning, eps):
     """filter_eps is a proven bound: each row loses ≤ eps of its softmax mass, so with unit
     coefficients (reduction="sum", no options) ‖ΔdA_i‖ ≤ eps · max_j ‖B_j‖ and

@@ -90,7 +90,8 @@ def _clip(dtype):
 @requires_triton
 @pytest.mark.parametrize("dtype", [
     torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("run", [_lm_head, _clip], ids=["lm-head", "clip"])
+@pytest.mark.parametrize("run", [pytest.param(_lm_head, marks=pytest.mark.slow), _clip],
+                         ids=["lm-head", "clip"])
 def test_tma_and_pointer_paths_agree(tune, run, dtype):
     """The same dots in the same order over D: the two load paths agree to the last bit under
     the interpreter, and to a few ulps on a GPU (where the compiler may pick other MMAs)."""
