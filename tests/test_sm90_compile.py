@@ -75,14 +75,17 @@ def _constants(d, stages, **flags):
                 K_TILES=d // fwd.BLOCK_K, STAGES=stages, CONSUMER_REGS=fwd.CONSUMER_REGS)
 
 
-def compile_forward(pingpong: bool) -> None:
+def compile_forward(pingpong: bool, transposed: bool = False) -> None:
     from fusedloss.core import lse_forward_sm90 as fwd
+    from fusedloss.core import lse_forward_sm90_t as fwd_t
 
     d = fwd.MAX_D
-    a_desc, b_desc, _ = _operands(d)
+    a_desc, b_desc, a = _operands(d)
+    if transposed:
+        a_desc = fwd.descriptor(a, 2 * fwd.BLOCK_M)
     f32, i64 = torch.empty(1), torch.empty(1, dtype=torch.int64)
     kernel = _compile(
-        fwd._clip_forward_sm90_kernel,
+        fwd_t._clip_forward_sm90_t_kernel if transposed else fwd._clip_forward_sm90_kernel,
         [a_desc, b_desc, f32, f32, i64, *[f32] * 6, 4096, 4096, 8, 4, 32],
         _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True,
                    LAG=fwd.lag(d, fwd.stages(d, 2), pingpong)),
@@ -120,9 +123,9 @@ def _in_a_compiler_process(call: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-@pytest.mark.parametrize("pingpong", [False, True])
-def test_forward_compiles_for_sm90(pingpong):
-    _in_a_compiler_process(f"compile_forward({pingpong})")
+@pytest.mark.parametrize("pingpong, transposed", [(False, False), (True, False), (True, True)])
+def test_forward_compiles_for_sm90(pingpong, transposed):
+    _in_a_compiler_process(f"compile_forward({pingpong}, {transposed})")
 
 
 @pytest.mark.parametrize("coalesce, pingpong", [(False, False), (True, True)])

@@ -395,8 +395,13 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     record_tiles = wants.record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
-    part_max = torch.empty((splits, n), **f32)
-    part_sum = torch.empty((splits, n), **f32)
+    parts = splits
+    if a_sm90 is not None:
+        from . import lse_forward_sm90
+
+        parts = lse_forward_sm90.row_parts(splits)
+    part_max = torch.empty((parts, n), **f32)
+    part_sum = torch.empty((parts, n), **f32)
     has_target = rows.target is not None
     # The sigmoid loss needs each tile's targets (they flip sign); the others take the target
     # logits from a launch of their own (_target_logit_kernel), bit for bit the tiles' values.

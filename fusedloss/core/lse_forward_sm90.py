@@ -66,6 +66,9 @@ _SMEM_BUDGET = 208 * 1024  # of Hopper's 227 KiB per block; the rest for layout 
 # The consumers take turns at the tensor cores, as many chunks apart as the ring allows
 # (``_tile_products``' LAG), or run freely (False).
 PINGPONG = False
+# Transposed tiles (``lse_forward_sm90_t``: a tile of Xᵀ per consumer, column sums within a
+# quad, row sums per thread), or the plain ones (False).
+TRANSPOSED = False
 
 
 @gluon.jit
@@ -113,10 +116,11 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
 @gluon.jit
 def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, turn, c, mma: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-                   STAGES: gl.constexpr, LAG: gl.constexpr):
+                   STAGES: gl.constexpr, LAG: gl.constexpr, TRANSPOSED: gl.constexpr = False):
     """(raw tile, chunk count): consumer W's resident A block times the ring's next K_TILES B
     chunks (c of them consumed so far), asynchronous products, each chunk's slot released once
-    its product is done.
+    its product is done. ``TRANSPOSED``: the tile is Xᵀ instead, W's half of each B chunk (its
+    BLOCK_M rows) times the resident A block shared by both consumers (its BLOCK_N rows).
 
     LAG > 0 (≤ STAGES): the consumers take turns (ping-pong). W starts a tile's products once
     the other consumer has issued LAG chunks of its tile, and lets it go on after issuing LAG
@@ -130,8 +134,14 @@ def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, turn, c, mma: 
     for k in gl.static_range(K_TILES):
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-        raw = warpgroup_mma(a_smem.index(W * K_TILES + k), b_smem.index(slot).permute((1, 0)),
-                            raw, use_acc=k > 0, is_async=True)
+        if TRANSPOSED:
+            raw = warpgroup_mma(b_smem.index(slot).slice(W * BLOCK_M, BLOCK_M, dim=0),
+                                a_smem.index(k).permute((1, 0)), raw, use_acc=k > 0,
+                                is_async=True)
+        else:
+            raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
+                                b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
+                                is_async=True)
         if LAG > 0:
             if k == LAG - 1:
                 mbarrier.arrive(turn.index(1 - W), count=1)
@@ -370,6 +380,12 @@ def lag(d: int, n_stages: int, pingpong: bool | None = None) -> int:
     return min(d // BLOCK_K, n_stages) if on else 0
 
 
+def row_parts(splits: int) -> int:
+    """Rows of the row partials (``Partials.row_max``) for ``splits`` column splits: one per
+    split, two with transposed tiles (each consumer writes its own)."""
+    return 2 * splits if TRANSPOSED else splits
+
+
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """The TMA descriptor of a row-major bf16/fp16 operand read in (rows × BLOCK_K) blocks."""
     gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
@@ -387,9 +403,9 @@ def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Partials:
-    """What the kernel writes: the row partials (splits, N) fp32, the per-tile records, and
-    the column partials (2 · row groups, V) fp32, one row per consumer warpgroup (as
-    ``_lse_forward_kernel``'s outputs otherwise)."""
+    """What the kernel writes: the row partials (``row_parts(splits)``, N) fp32, the per-tile
+    records (from -inf), and the column partials (2 · row groups, V) fp32 (from -inf and 0),
+    one row per consumer warpgroup (as ``_lse_forward_kernel``'s outputs otherwise)."""
 
     row_max: torch.Tensor
     row_sum: torch.Tensor
@@ -418,8 +434,13 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
     bias, scale = logits.bias, logits.scale
     n_stages = stages(d, a_rows.element_size())
     dummy = out.row_sum
-    _clip_forward_sm90_kernel[(schedule.groups, schedule.splits)](
-        descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
+    kernel, a_block = _clip_forward_sm90_kernel, BLOCK_M
+    if TRANSPOSED:
+        from .lse_forward_sm90_t import _clip_forward_sm90_t_kernel as kernel
+
+        a_block = 2 * BLOCK_M
+    kernel[(schedule.groups, schedule.splits)](
+        descriptor(a_rows, a_block), descriptor(b, BLOCK_N),
         bias if bias is not None else dummy, scale if scale is not None else dummy, n_valid,
         out.row_max, out.row_sum, out.tiles, out.col_max, out.col_sum, out.col_tiles,
         a_rows.shape[0], b.shape[0], schedule.blocks_per_group, schedule.tiles_per_split,
