@@ -125,8 +125,8 @@ def _divergence_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             in_row = cols < V
-            s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, (max_s, lsum_s),
-                                            (max_t, lsum_t), temperature, inv_temperature,
+            s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, max_s, lsum_s,
+                                            max_t, lsum_t, temperature, inv_temperature,
                                             log_1mb, log_b, KIND, PRECISE)
             if KIND == 0:
                 acc_t += tl.where(p_t > 0, p_t * (t - s), 0.0)
@@ -155,8 +155,8 @@ def _divergence_rows_kernel(
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + offs
                 in_row = cols < V
-                s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, (max_s, lsum_s),
-                                                (max_t, lsum_t), temperature,
+                s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, max_s, lsum_s,
+                                                max_t, lsum_t, temperature,
                                                 inv_temperature, log_1mb, log_b, KIND, PRECISE)
                 if KIND == 1:
                     gap = tl.where(p_s > 0, s - t, 0.0)
@@ -198,15 +198,13 @@ def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
 
 
 @triton.jit
-def _log_probs(base_s, base_t, cols, in_row, stats_s, stats_t, temperature, inv_temperature,
-               log_1mb, log_b, KIND: tl.constexpr, PRECISE: tl.constexpr):
-    """(s, t, p_s, p_t, log m) at ``cols`` from each row's (max, log Σ exp(x − max)) (p = 0
+def _log_probs(base_s, base_t, cols, in_row, max_s, lsum_s, max_t, lsum_t, temperature,
+               inv_temperature, log_1mb, log_b, KIND: tl.constexpr, PRECISE: tl.constexpr):
+    """(s, t, p_s, p_t, log m) at ``cols`` from each row's max and log Σ exp(x − max) (p = 0
     outside the row; log m, the log of the JSD's mixture β·p_t + (1 − β)·p_s, only for
     KIND 2)."""
-    s = (_tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - stats_s[0]
-         - stats_s[1])
-    t = (_tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - stats_t[0]
-         - stats_t[1])
+    s = _tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - max_s - lsum_s
+    t = _tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - max_t - lsum_t
     p_s = exp(s, PRECISE)
     p_t = exp(t, PRECISE)
     lm = s
