@@ -1,6 +1,6 @@
 """What every suite shares: timing, memory, errors, environment, options, statuses, report
-pieces, results files. Timing is ``triton.testing.do_bench(..., return_mode="median")`` on
-CUDA; without CUDA (``--quick`` smoke runs) a wall-clock median, labelled as such."""
+pieces, results files. Timing is ``do_bench(..., return_mode="median")`` on CUDA, else a
+wall-clock median, labelled as such."""
 
 from __future__ import annotations
 
@@ -35,13 +35,12 @@ MIB = float(1 << 20)
 OK, WRONG = "ok", "wrong"
 NOT_INSTALLED, UNAVAILABLE = "not installed", "unavailable"
 FAILED, OUT_OF_MEMORY = "failed", "out of memory"
-MEASURED = (OK, WRONG)
 Column = tuple[str, Callable[[Any], Any]]  # a table column: header, cell of one row item
+Row = dict[str, Any]  # one provider (or method) on one case: new_row()'s keys, the suite's figures
+Gather = Callable[[Any], list[Any]]  # every rank's value of its argument, in rank order
 
 
 # ----------------------------------------------------------------------------- timing, memory
-
-
 @dataclass(frozen=True)
 class TimingSettings:
     warmup_ms: float = 100.0
@@ -50,6 +49,9 @@ class TimingSettings:
 
 QUICK_TIMING = TimingSettings(warmup_ms=5.0, rep_ms=20.0)
 MATMUL_SIZE, QUICK_MATMUL_SIZE = 8192, 256
+PRODUCTS_CHUNK_ROWS = 16384
+PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
+WALL_CLOCK_TIMING = "wall-clock median (no CUDA: not comparable with GPU figures)"
 
 
 def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool,
@@ -60,13 +62,22 @@ def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool,
                           default.rep_ms if rep_ms is None else rep_ms)
 
 
+def do_bench_text(timing: TimingSettings) -> str:
+    return (f"triton.testing.do_bench(fn, warmup={timing.warmup_ms:g}, rep={timing.rep_ms:g}, "
+            'return_mode="median")')
+
+
+def timing_text(device: torch.device | str, timing: TimingSettings) -> str:
+    """How :func:`median_ms` timed on ``device``, for a report."""
+    return do_bench_text(timing) if uses_cuda(device) else WALL_CLOCK_TIMING
+
+
 def uses_cuda(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingSettings) -> float:
-    """Median ms of ``fn()``: ``do_bench`` on CUDA (L2 flushed between calls); elsewhere a
-    wall-clock median of ~rep_ms worth of calls (one call if it alone takes rep_ms)."""
+    """Median ms of ``fn()``: ``do_bench`` on CUDA, else a wall-clock median of ~rep_ms."""
     if uses_cuda(device):
         from triton.testing import do_bench
 
@@ -81,17 +92,10 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingS
     return statistics.median(timed(fn, device)[0] for _ in range(reps))
 
 
-PRODUCTS_CHUNK_ROWS = 16384
-PRODUCTS_MEMORY_SHARE = 0.5  # Z and G whole while they take at most this share of free memory
-
-
 def time_products(e: Tensor, c: Tensor, timing: TimingSettings, *, backward: bool = True,
                   logit_products: int = 1, rows_per_chunk: int | None = None) -> dict[str, Any]:
-    """Median ms of the cuBLAS products an exact method cannot avoid: Z = E Cᵀ
-    ``logit_products`` times (2 where a backward recomputes the logits), with ``backward``
-    also dE = G C and dC = Gᵀ E for a random G; whole unless Z and G would take over
-    PRODUCTS_MEMORY_SHARE of free memory, else in chunks of rows: {ms, rows_per_chunk, method,
-    note}."""
+    """Median ms of the cuBLAS products an exact method cannot avoid (Z = E Cᵀ, and dE = G C,
+    dC = Gᵀ E for a random G), in chunks of rows where whole they would not fit."""
     e, c = e.detach(), c.detach()
     n, cols, device = e.shape[0], c.shape[0], e.device
     rows = min(n, rows_per_chunk or n)
@@ -160,8 +164,7 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def capture_graph(step: Callable[[], Any], device: torch.device, calls: int) -> tuple[Any, Any]:
-    """(graph, static outputs): ``step`` recorded in a CUDA graph after ``calls`` calls of it on
-    a side stream (compilation, autotuning, first allocations outside it)."""
+    """(graph, static outputs) of ``step`` captured after ``calls`` calls on a side stream."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -181,12 +184,10 @@ def release_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
-def peak_extra_mib(
-    fn: Callable[[], Any], device: torch.device | str, accounted_bytes: int = 0
-) -> float | None:
-    """MiB of ``max_memory_allocated`` during one ``fn()`` above ``memory_allocated`` before
-    it, less ``accounted_bytes`` (output the caller counts, e.g. gradient buffers); what
-    ``fn`` returns stays alive until the peak is read. ``None`` without CUDA."""
+def peak_extra_mib(fn: Callable[[], Any], device: torch.device | str,
+                   accounted_bytes: int = 0) -> float | None:
+    """MiB of the peak during one ``fn()`` above the memory before it, less ``accounted_bytes``
+    (e.g. gradient buffers); ``None`` without CUDA."""
     if not uses_cuda(device):
         return None
     release_memory(device)
@@ -203,15 +204,10 @@ def tensor_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
 def probe_matmul(device: torch.device | str, size: int | None, quick: bool,
                  timing: TimingSettings, dtype: torch.dtype,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The matmul rate R every cost floor divides by: median ms of a ``size``³ random product
-    (``--matmul-size``, else the default) → TFLOP/s, logged."""
+    """The matmul rate R every cost floor divides by: a ``size``³ random product, logged."""
     size = size or (QUICK_MATMUL_SIZE if quick else MATMUL_SIZE)
     generator = torch.Generator(device=device)
     generator.manual_seed(1234)
@@ -226,26 +222,19 @@ def probe_matmul(device: torch.device | str, size: int | None, quick: bool,
 
 
 # ----------------------------------------------------------------------------- statuses, checks
-
-
-Row = dict[str, Any]  # one provider (or method) on one case: new_row()'s keys, the suite's figures
-Gather = Callable[[Any], list[Any]]  # every rank's value of its argument, in rank order
-
-
 class Unavailable(Exception):
     """The provider cannot run here (package or API missing); the message says why."""
 
 
 def new_row(provider: str, label: str, **figures: Any) -> Row:
-    """A result row, the one kind every suite keeps (and writes to its JSON as it is): the
-    provider's command-line key, its column title, status and note, the exact call measured,
-    the median ms, then the suite's own ``figures`` (their initial values)."""
+    """A result row (written to the JSON as it is): the provider's key, its title, status,
+    note, the exact call measured, the median ms, then the suite's own ``figures``."""
     return {"provider": provider, "label": label, "status": OK, "note": "", "call": "",
             "ms": None, **figures}
 
 
 def measured(row: Row) -> bool:
-    return row["status"] in MEASURED and row.get("ms") is not None
+    return row["status"] in (OK, WRONG) and row.get("ms") is not None
 
 
 def describe_error(error: BaseException) -> str:
@@ -260,14 +249,15 @@ def failure(error: BaseException) -> tuple[str, str]:
     missing = isinstance(error, ImportError) or isinstance(error.__cause__, ImportError)
     if isinstance(error, Unavailable):
         return (NOT_INSTALLED if missing else UNAVAILABLE), str(error)
-    status = NOT_INSTALLED if missing else OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
+    out_of_memory = (isinstance(error, torch.cuda.OutOfMemoryError)
+                     or "out of memory" in str(error).lower())
+    status = NOT_INSTALLED if missing else OUT_OF_MEMORY if out_of_memory else FAILED
     return status, describe_error(error)
 
 
 @contextlib.contextmanager
 def failures_recorded(row: Row, device: torch.device | str) -> Iterator[None]:
-    """An exception in the block becomes ``row``'s status and note (the run goes on); device
-    memory is released either way."""
+    """An exception in the block becomes ``row``'s status and note; memory is released."""
     try:
         yield
     except Exception as error:  # report and go on with the next provider
@@ -279,8 +269,7 @@ def failures_recorded(row: Row, device: torch.device | str) -> Iterator[None]:
 def stage(row: Row, action: Callable[[], Any], device: torch.device | str,
           gather: Gather | None = None) -> tuple[bool, Any]:
     """(True, ``action()``) where it succeeded (with ``gather``: on every rank), else (False,
-    None) with the failure in ``row`` (on every rank: an out-of-memory first, the rank named
-    where the ranks differ) and device memory released."""
+    None) with the failure in ``row`` (an out-of-memory first, the rank named if they differ)."""
     value, error = None, None
     try:
         value = action()
@@ -303,12 +292,10 @@ def check_and_time(row: Row, device: torch.device | str, check: Callable[[], lis
                    step: Callable[[], Any], accounted_bytes: int,
                    timer: Callable[[Callable[[], Any], float], Mapping[str, Any]],
                    gather: Gather | None = None) -> bool:
-    """What every provider goes through, into ``row``: ``check()``, the untimed first call (it
-    puts its figures in the row and returns the problems found, which mark it wrong; None where
-    it failed), then on CUDA the peak MiB of one ``step`` above ``accounted_bytes``, then the
-    figures of ``timer(step, ms of the call before)`` (at least "ms"). With ``gather`` (K ranks)
-    each stage is agreed by the ranks, the peak is their max ("peak_per_rank": each's). A
-    failure becomes the row's status (the run goes on); False after one."""
+    """What every provider goes through: ``check()``, the untimed first call (it fills ``row``
+    and returns the problems that mark it wrong; None if it failed), on CUDA the peak MiB of one
+    ``step`` above ``accounted_bytes``, then ``timer(step, ms of the call before)``'s figures.
+    With ``gather`` every stage is agreed by the ranks. False after a failure."""
     begin = time.perf_counter()
     ok, problems = stage(row, check, device, gather)
     if not ok or problems is None:
@@ -335,8 +322,7 @@ def check_and_time(row: Row, device: torch.device | str, check: Callable[[], lis
 
 
 def check_loss(loss: float, reference: float, tolerance: float) -> tuple[float, list[str]]:
-    """``|loss − reference|``, and a problem if above ``tolerance · max(1, |reference|)``
-    (or NaN)."""
+    """``|loss − reference|``, and a problem if above ``tolerance · max(1, |reference|)``."""
     error = abs(loss - reference)
     if error <= tolerance * max(1.0, abs(reference)):
         return error, []
@@ -377,8 +363,7 @@ def note_problem(notes: list[str], case_key: str, row: Row) -> None:
 
 
 def relative_l2_error(actual: Tensor, reference: Tensor, rows_per_chunk: int = 0) -> float:
-    """``‖actual − reference‖₂ / ‖reference‖₂`` in float64, a block of rows at a time (a
-    full float64 copy of a 256000×2304 gradient would take 4.7 GB)."""
+    """``‖actual − reference‖₂ / ‖reference‖₂`` in float64, a block of rows at a time."""
     if actual.shape != reference.shape:
         raise ValueError(f"shape mismatch: {tuple(actual.shape)} vs {tuple(reference.shape)}")
     actual2d = actual.reshape(actual.shape[0], -1) if actual.dim() else actual.reshape(1, 1)
@@ -397,7 +382,6 @@ def relative_l2_error(actual: Tensor, reference: Tensor, rows_per_chunk: int = 0
 
 
 # ----------------------------------------------------------------------------- environment
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -406,16 +390,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return names.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 def slugify(text: str) -> str:
     """``"NVIDIA H100 80GB HBM3"`` → ``"nvidia-h100-80gb-hbm3"``."""
-    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    return slug or "unknown"
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
 def package_version(distribution: str) -> str | None:
@@ -438,27 +415,10 @@ def git_revision() -> str | None:
     return (revision + ("+dirty" if dirty else "")) if revision else None
 
 
-def fusedloss_version() -> str | None:
-    """The version in fusedloss/__init__.py (read, not imported: importing builds kernels)."""
-    try:
-        text = (REPO_ROOT / "fusedloss" / "__init__.py").read_text(encoding="utf-8")
-    except OSError:
-        text = ""
-    match = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
-    return match.group(1) if match else package_version("fusedloss")
-
-
-def fusedloss_environment() -> dict[str, str]:
-    """The ``fusedloss.core.config.Tuning`` fields (``FUSEDLOSS_*``) changed from defaults."""
+def collect_environment(device: torch.device | str) -> dict[str, Any]:
+    """Device, versions, ``Tuning`` fields changed from their defaults, date: every header."""
     from fusedloss.core import config
 
-    tuning, default = config.tuning(), config.Tuning()
-    return {f.name: str(getattr(tuning, f.name)) for f in dataclasses.fields(tuning)
-            if getattr(tuning, f.name) != getattr(default, f.name)}
-
-
-def collect_environment(device: torch.device | str) -> dict[str, Any]:
-    """Device name and slug, library versions, date: the header of every results file."""
     try:
         import triton
 
@@ -468,6 +428,12 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
     cuda = uses_cuda(device)
     device_name = (torch.cuda.get_device_name(device) if cuda
                    else f"CPU ({platform.machine() or 'unknown'})")
+    tuning, default = config.tuning(), config.Tuning()
+    try:  # the version in fusedloss/__init__.py, read (importing builds kernels)
+        text = (REPO_ROOT / "fusedloss" / "__init__.py").read_text(encoding="utf-8")
+    except OSError:
+        text = ""
+    match = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
     now = _dt.datetime.now().astimezone()
     return {
         "device": str(device),
@@ -479,25 +445,29 @@ def collect_environment(device: torch.device | str) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": platform.python_version(),
-        "fusedloss_version": fusedloss_version(),
+        "fusedloss_version": match.group(1) if match else package_version("fusedloss"),
         "fusedloss_revision": git_revision(),
-        "fusedloss_environment": fusedloss_environment(),
+        "fusedloss_environment": {f.name: str(getattr(tuning, f.name))
+                                  for f in dataclasses.fields(tuning)
+                                  if getattr(tuning, f.name) != getattr(default, f.name)},
         "date": now.date().isoformat(),
         "timestamp": now.isoformat(timespec="seconds"),
     }
 
 
 # ----------------------------------------------------------------------------- formatting
+def _missing(value: float | None) -> bool:
+    return value is None or not math.isfinite(value)
 
 
 def format_ms(ms: float | None) -> str:
-    if ms is None or not math.isfinite(ms):
+    if _missing(ms):
         return "—"
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
 def format_mib(mib: float | None) -> str:
-    if mib is None or not math.isfinite(mib):
+    if _missing(mib):
         return "—"
     return f"{mib:.0f}" if abs(mib) >= 100 else f"{mib:.1f}" if abs(mib) >= 1 else f"{mib:.2f}"
 
@@ -511,12 +481,12 @@ def format_tflops(tflops: float) -> str:
 
 
 def format_ratio(value: float | None) -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
+    return "—" if _missing(value) else f"{value:.2f}"
 
 
 def count_text(value: float | None) -> str:
     """A rate (tokens/s, images/s): thousands separated, 3 significant digits below 100."""
-    if value is None or not math.isfinite(value):
+    if _missing(value):
         return "—"
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
@@ -549,6 +519,16 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def _looks_numeric(text: str) -> bool:
+    if text in ("", "—"):
+        return True
+    try:
+        float(text.split(" / ")[0])
+    except ValueError:
+        return False
+    return True
+
+
 def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A plain fixed-width table for the terminal; numeric columns are right-aligned."""
     body = [[str(v) for v in row] for row in rows]
@@ -563,16 +543,6 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(line(row) for row in [list(headers), ["-" * w for w in widths], *body])
 
 
-def _looks_numeric(text: str) -> bool:
-    if text in ("", "—"):
-        return True
-    try:
-        float(text.split(" / ")[0])
-    except ValueError:
-        return False
-    return True
-
-
 def table(columns: Sequence[Column], items: Iterable[Any], text: bool = False) -> str:
     """A markdown (or with ``text`` a plain) table: one row per item, ``(header, cell)``."""
     render = text_table if text else markdown_table
@@ -584,26 +554,13 @@ def section(title: str, intro: str, columns: Sequence[Column], items: Iterable[A
 
 
 # ----------------------------------------------------------------------------- report pieces
-
-WALL_CLOCK_TIMING = "wall-clock median (no CUDA: not comparable with GPU figures)"
-
-
-def do_bench_text(timing: TimingSettings) -> str:
-    return (
-        f"triton.testing.do_bench(fn, warmup={timing.warmup_ms:g}, rep={timing.rep_ms:g}, "
-        'return_mode="median")'
-    )
-
-
-def environment_rows(
-    env: Mapping[str, Any], peer_versions: Mapping[str, str | None], version_suffix: str = ""
-) -> list[tuple[str, str]]:
+def environment_rows(env: Mapping[str, Any], peer_versions: Mapping[str, str | None],
+                     version_suffix: str = "") -> list[tuple[str, str]]:
     """The first rows of a report's settings table: device, versions, peers, date."""
     capability = env.get("compute_capability")
-    peers = ", ".join(
-        f"{name} {version}" if version else f"{name} not installed"
-        for name, version in peer_versions.items()
-    )
+    peers = ", ".join(f"{name} {version}" if version else f"{name} not installed"
+                      for name, version in peer_versions.items())
+    settings = env.get("fusedloss_environment")
     return [
         ("GPU / device",
          env["device_name"] + (f" (compute capability {capability})" if capability else "")),
@@ -612,7 +569,7 @@ def environment_rows(
          f"({env.get('fusedloss_revision') or 'unknown'}){version_suffix}"),
         *([("peers", peers)] if peers else []),
         *([("fusedloss tuning", ", ".join(f"{k}={v}" for k, v in settings.items()))]
-          if (settings := env.get("fusedloss_environment")) else []),
+          if settings else []),
         ("date", env["timestamp"]),
     ]
 
@@ -641,11 +598,23 @@ def time_and_memory_cell(row: Row | None, missing: str) -> str:
     return row["status"]
 
 
+# ----------------------------------------------------------------------------- plots
+def add_speed_points(lines: dict[str, dict[int, float]], names: dict[str, str],
+                     rows: Iterable[Row], size: int, products_ms: float | None,
+                     products: str) -> None:
+    """A case's points of a speed plot: each measured row's ms, and the products' ms."""
+    for row in rows:
+        if measured(row):
+            names.setdefault(row["provider"], row["label"])
+            lines.setdefault(row["provider"], {})[size] = row["ms"]
+    if products_ms:
+        lines.setdefault(products, {})[size] = products_ms
+
+
 def speed_lines(lines: Mapping[str, Mapping[int, float]], names: Mapping[str, str],
                 dashed: str) -> list[tuple[str, list, list, dict]]:
-    """A panel's lines of ms against size (``lines``: {key: {size: ms}}), in the order of
-    ``names`` (key → label), a key's colour fixed by its place there (the same in every
-    panel); ``dashed``: the key drawn as a black dashed line (the products)."""
+    """A panel's lines of ms against size (``lines``: {key: {size: ms}}) in ``names``' order,
+    which fixes each key's colour; ``dashed``: the key drawn black and dashed (the products)."""
     out = []
     for i, (key, label) in enumerate(names.items()):
         if key in lines:
@@ -664,12 +633,21 @@ def runs_text(files: Iterable[Mapping[str, Any]]) -> str:
         for d in files))
 
 
+def plot_results_files(args: argparse.Namespace, default: str,
+                       plot: Callable[[list[dict[str, Any]], Path], Path | None],
+                       log: Callable[[str], None]) -> int:
+    """``--plot RESULTS.json …``: ``plot(their data, --out or default)``; 2 if not drawn."""
+    figure = args.out if args.out.suffix else Path(default)
+    figure = plot([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)
+    log(str(figure or "no plot: matplotlib is not installed"))
+    return 0 if figure else 2
+
+
 def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list] | None], columns: int = 1,
               size: tuple[float, float] = (8, 5), title: str = "", log: str = "",
               **style: Any) -> Path | None:
-    """Line plots, panels row-major; a panel is (title, xlabel, ylabel, [(label, xs, ys) or
-    (label, xs, ys, its own style)]), or None (left empty); ``log``: the log-scaled axes ("x",
-    "y", "xy"; x in base 2). ``None`` (nothing written) without matplotlib."""
+    """Panels (title, xlabel, ylabel, [(label, xs, ys[, style])]) or None (empty), row-major;
+    ``log``: the log axes ("x", "y", "xy"). ``None`` (nothing written) without matplotlib."""
     try:
         import matplotlib
 
@@ -706,8 +684,6 @@ def save_plot(path: Path, panels: Sequence[tuple[str, str, str, list] | None], c
 
 
 # ----------------------------------------------------------------------------- results files
-
-
 def json_safe(value: Any) -> Any:
     """Non-finite floats (not valid JSON) replaced by strings, recursively."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -737,8 +713,7 @@ def markdown_report(environment: Mapping[str, Any], title: str,
                     settings: Sequence[tuple[str, Any]], body: Sequence[str],
                     calls: Mapping[str, str] | None = None, notes: Sequence[str] = (),
                     world: int | None = None) -> str:
-    """"# title: device, date", the settings table, ``body`` (markdown lines), the exact calls
-    measured and the notes."""
+    """The title, the settings table, ``body`` (markdown lines), the calls and the notes."""
     where = f" over {world} × " if world is not None else ": "
     lines = [f"# {title}{where}{environment['device_name']}, {environment['date']}", "",
              markdown_table(["setting", "value"], settings), "", *body]
@@ -754,14 +729,12 @@ def write_report(out_dir: Path | str, suite_slug: str, tag: str | None,
                  body: Sequence[str], payload: dict[str, Any], tables: str, *,
                  calls: Mapping[str, str] | None = None, notes: Sequence[str] = (),
                  world: int | None = None, log: Callable[[str], None] = print) -> tuple[Path, Path]:
-    """Every suite's results files, ``<stem>.md`` (:func:`markdown_report`) and ``<stem>.json``
-    (``payload``; a ``world``-rank run adds ``_<K>gpu`` / ``_<K>proc`` to the device in the
-    stem); then logs the notes, the paths and the ``tables`` (last)."""
+    """``<stem>.md`` and ``<stem>.json`` (``payload``), the stem's device ``_<K>gpu`` /
+    ``_<K>proc`` with ``world``; then logs the notes, the paths and the ``tables`` (last)."""
     device = environment["device_slug"]
     if world is not None:
         device += f"_{world}{'gpu' if uses_cuda(environment['device']) else 'proc'}"
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    stem = Path(out_dir) / results_stem(suite_slug, environment["date"], device, tag)
+    stem = results_path(out_dir, suite_slug, {**environment, "device_slug": device}, tag, "")
     md_path, json_path = stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
     json_path.write_text(json.dumps(json_safe(payload), indent=2, ensure_ascii=False) + "\n",
                          encoding="utf-8")
@@ -775,6 +748,7 @@ def write_report(out_dir: Path | str, suite_slug: str, tag: str | None,
 
 
 # ----------------------------------------------------------------------------- command line
+QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"
 
 
 def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -792,19 +766,27 @@ def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def int_list(text: str) -> list[int]:
-    """An argparse ``type``: a comma list of positive integers, ``4096, 16_384`` → [4096, 16384]
-    (repeats dropped)."""
+    """An argparse ``type``: comma-separated positive integers, repeats dropped."""
     values = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
     if not values or min(values) < 1:
         raise ValueError(f"expected positive integers (4096,16384), got {text!r}")
     return values
 
 
+def add_list(parser: argparse.ArgumentParser, flag: str, choices: Iterable[str],
+             default: Iterable[str] | None = None, note: str | None = None) -> None:
+    """A comma-list option of ``choices``; its help names them, then ``note`` (by default the
+    default: "all" for every choice)."""
+    choices, default = list(choices), None if default is None else list(default)
+    if note is None:
+        note = f"(default: {'all' if default in (None, choices) else ','.join(default)})"
+    parser.add_argument(flag, type=comma_list(choices), default=default,
+                        help=f"comma list of {', '.join(choices)} {note}".rstrip())
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dtype: bool = True,
                          seed: bool = True, timing: bool = True, matmul: bool = True) -> None:
-    """The options every suite takes: ``--dtype``, ``--seed`` (each where asked), ``--quick``,
-    ``--device``, ``--warmup-ms`` and ``--rep-ms`` (with ``timing``), ``--matmul-size`` (with
-    ``matmul``), ``--out``, ``--tag``."""
+    """The options every suite takes (``--dtype``, ``--seed``, timing, matmul: where asked)."""
     add, default = parser.add_argument, TimingSettings()
     if dtype:
         add("--dtype", default="bf16", choices=list(DTYPES))
@@ -825,26 +807,23 @@ def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dt
     add("--tag", default=None, help="suffix for the results file names (e.g. a subset's name)")
 
 
-QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"
-
-
 def pick_device(name: str | None) -> torch.device:
     """``--device``, else CUDA where there is one and the CPU otherwise."""
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def cuda_or_quick(device: torch.device, quick: bool, suite: str,
-                  log: Callable[[str], None] = print) -> bool:
-    """Whether the run can go on: a full-size run needs CUDA (logs why not)."""
-    if uses_cuda(device) or quick:
-        return True
+def run_device(args: argparse.Namespace, suite: str,
+               log: Callable[[str], None] = print) -> torch.device | None:
+    """:func:`pick_device`; None (logged) for a full-size run without CUDA."""
+    device = pick_device(args.device)
+    if uses_cuda(device) or args.quick:
+        return device
     log(f"the {suite} suite needs a CUDA device at full size; use --quick for a CPU smoke run")
-    return False
+    return None
 
 
 def use_triton_interpreter() -> str:
-    """Without CUDA: turns Triton's CPU interpreter on (read when fusedloss is imported)
-    unless already chosen; returns the note that says so."""
+    """Turns Triton's CPU interpreter on unless chosen; returns the note that says so."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     return ("no CUDA: Triton kernels ran on the CPU interpreter "
             f"(TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})")

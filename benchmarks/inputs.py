@@ -117,8 +117,8 @@ def load_trained_regime(path: str | os.PathLike[str] | None = None,
 def trained_size(path: str | os.PathLike[str] | None = None) -> tuple[LMHeadShape, int]:
     """The "trained" file's (V, D) as an LMHeadShape named "trained", and its rows (N)."""
     payload = _load_trained(path)[1]
-    vocab_size, hidden_size = payload["C"].shape
-    return LMHeadShape(TRAINED_REGIME, int(vocab_size), int(hidden_size)), len(payload["E"])
+    vocab_size, hidden_size = map(int, payload["C"].shape)
+    return LMHeadShape(TRAINED_REGIME, vocab_size, hidden_size), len(payload["E"])
 
 
 PAIR_REGIMES = ("random", "trained")
@@ -132,7 +132,6 @@ TRAINED_NOISE = 1.5
 
 
 def pair_logit_scale(regime: str) -> float:
-    """The logit_scale a pair regime is measured at."""
     _check_regime(regime, PAIR_REGIMES)
     return RANDOM_LOGIT_SCALE if regime == "random" else TRAINED_LOGIT_SCALE
 
@@ -150,8 +149,7 @@ def make_pair_features(b: int, c: int, regime: str, *, dtype: torch.dtype = torc
         return torch.nn.functional.normalize(x, dim=1)
 
     if regime == "random":
-        image = unit(b).to(dtype)
-        return image, unit(b).to(dtype)
+        return unit(b).to(dtype), unit(b).to(dtype)
     clusters = max(1, b // TRAINED_CLUSTER_SIZE)
     centres = unit(clusters)
     base = centres[torch.randint(0, clusters, (b,), generator=generator, device=device)]

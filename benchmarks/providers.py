@@ -21,15 +21,13 @@ CONTRASTIVE_LOSSES = (CLIP, NT_XENT, SIGLIP, INFO_NCE)
 
 @dataclass(eq=False)
 class Provider:
-    """``key``: command-line name; ``label``: column title; ``builder(provider, device, arg)``
-    makes the loss function (``arg``: the head's soft-cap, or the contrastive loss); ``call``:
-    the exact call measured (a dict by loss for contrastive providers). A peer (third party)
-    has an ``install_hint`` and its version in its display name."""
+    """``builder(provider, device, arg)`` makes the loss function (``arg``: the head's soft-cap,
+    or the contrastive loss); a peer (third party) has an ``install_hint``."""
 
-    key: str = ""
-    label: str = ""
+    key: str = ""  # command-line name
+    label: str = ""  # column title
     builder: Callable[..., Callable[..., Tensor]] | None = None
-    call: str | dict[str, str] = ""
+    call: str | dict[str, str] = ""  # the exact call measured (contrastive: by loss)
     distribution: str | None = None
     install_hint: str = ""
     compile: dict[str, bool] | None = None
@@ -75,8 +73,6 @@ def _function(provider: Provider, module: str, name: str) -> Any:
 
 
 # ============================================================================= LM head
-
-
 def torch_eager_loss(e: Tensor, c: Tensor, y: Tensor, softcap: float | None = None) -> Tensor:
     """bf16 logits, upcast, soft-capped (``s·tanh(z/s)``), cross-entropy (mean)."""
     logits = F.linear(e, c).float()
@@ -96,11 +92,6 @@ def _fusedloss_lce(exact: bool) -> Callable[..., Callable[..., Tensor]]:
 
 def _torch(p: Provider, device: torch.device, softcap: float | None = None) -> Any:
     return functools.partial(torch_eager_loss, softcap=softcap)
-
-
-def _cce(p: Provider, device: torch.device, softcap: float | None = None) -> Any:
-    function = _function(p, "cut_cross_entropy", "linear_cross_entropy")
-    return lambda e, c, y: function(e, c, y, softcap=softcap)
 
 
 def _liger(p: Provider, device: torch.device, softcap: float | None = None) -> Any:
@@ -123,7 +114,8 @@ def lm_head_providers() -> dict[str, Provider]:
                  call.format(""), compile={"fullgraph": True}),
         Provider("torch-eager", "torch eager", _torch, torch_call),
         Provider("torch-compile", "torch.compile", _torch, torch_call, compile={"dynamic": False}),
-        Provider("cce", "cut-cross-entropy", _cce,
+        Provider("cce", "cut-cross-entropy", lambda p, device, softcap=None: functools.partial(
+                 _function(p, "cut_cross_entropy", "linear_cross_entropy"), softcap=softcap),
                  "cut_cross_entropy.linear_cross_entropy(E, C, y, softcap=s)",
                  "cut-cross-entropy", "pip install cut-cross-entropy==25.1.1 --no-deps"),
         Provider("liger", "liger-kernel", _liger,
@@ -134,8 +126,6 @@ def lm_head_providers() -> dict[str, Provider]:
 
 
 # ============================================================================= contrastive
-
-
 # The fusedloss function of each contrastive loss, and the arguments every provider takes.
 CONTRASTIVE_ARGS = {CLIP: ("clip_loss", "image, text, logit_scale"),
                     NT_XENT: ("nt_xent_loss", "z, temperature=τ"),

@@ -1,12 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark runner for fusedloss.
-
-    python benchmarks/run.py [SUITE] [options]      # SUITE defaults to lm-head
-    python benchmarks/run.py lm-head --help
-
-Run from the repository root (``make bench`` does). Results go to benchmarks/results/
-as a markdown report and a JSON file with every raw number; a short table is printed last.
-"""
+"""Benchmark runner: ``python benchmarks/run.py [SUITE] [options]`` (SUITE defaults to lm-head)
+from the repository root (``make bench`` does); ``benchmarks/README.md`` has the rest."""
 
 from __future__ import annotations
 

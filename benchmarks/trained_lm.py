@@ -201,8 +201,7 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * layers) if name.endswith("_out.weight") else 0.02
                 nn.init.normal_(parameter, std=std)
 
-    def hidden(self, tokens: Tensor) -> Tensor:
-        """The final normed states, the head's input."""
+    def hidden(self, tokens: Tensor) -> Tensor:  # the final normed states, the head's input
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
@@ -210,8 +209,7 @@ class GPT(nn.Module):
         return self.norm(x)
 
 
-def autocast(device: torch.device) -> torch.autocast:
-    """bf16 autocast on CUDA; float32 elsewhere."""
+def autocast(device: torch.device) -> torch.autocast:  # bf16 on CUDA, float32 elsewhere
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
@@ -225,8 +223,7 @@ def learning_rate(settings: Settings, progress: float) -> float:
 
 
 def train(model: GPT, train_stream: Tensor, settings: Settings) -> dict[str, Any]:
-    """Trains ``model`` in place (AdamW, gradient clip 1, batches of random windows); returns
-    the training record."""
+    """Trains ``model`` in place (AdamW, gradient clip 1, random windows): the record."""
     device, seq_len = train_stream.device, settings.seq_len
     groups = [{"params": [p for p in model.parameters() if (p.dim() >= 2) == matrix],
                "weight_decay": settings.weight_decay if matrix else 0.0}

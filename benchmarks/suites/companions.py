@@ -373,8 +373,7 @@ def write_report(report: dict, s: SimpleNamespace, args: argparse.Namespace, log
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--parts", type=common.comma_list(PARTS), default=list(PARTS),
-        help="comma list of linear, optimizer, e2e (default: all)")
+    common.add_list(parser, "--parts", PARTS, PARTS)
     add("--widths", type=common.int_list, help="linear: widths d (default 768,1024,1280,1664)")
     add("--tokens", type=common.int_list, help="linear: tokens (default 8192,16384,32768,65536)")
     add("--steps", type=int, help="e2e: steps per variant (default 300)")
@@ -392,11 +391,10 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
 
 
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    device = common.pick_device(args.device)
-    cuda = common.uses_cuda(device)
-    if not common.cuda_or_quick(device, args.quick, NAME, log):
+    device = common.run_device(args, NAME, log)
+    if device is None:
         return 2
-    sizes = QUICK if args.quick else FULL
+    cuda, sizes = common.uses_cuda(device), QUICK if args.quick else FULL
     s = SimpleNamespace(**{
         **sizes, "widths": args.widths or sizes["widths"], "tokens": args.tokens or sizes["tokens"],
         "steps": args.steps or sizes["steps"], "parts": [p for p in PARTS if p in args.parts],
@@ -408,7 +406,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> int:
               "settings": {**vars(s), "model": vars(s.model), "timing": asdict(s.timing)},
               "matmul": common.probe_matmul(device, args.matmul_size, s.quick, s.timing,
                                             torch.bfloat16, log),
-              "timing": common.do_bench_text(s.timing) if cuda else common.WALL_CLOCK_TIMING,
+              "timing": common.timing_text(device, s.timing),
               "notes": [common.QUICK_NOTE] if s.quick else []}
     if "linear" in s.parts:
         report["linear"] = run_linear(s, device, log)

@@ -4,7 +4,6 @@ inf-cl and against the cuBLAS products of the same shapes; ``--plot`` draws ms a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -93,9 +92,7 @@ class Case:
         return {"temperature": NT_XENT_TEMPERATURE}
 
     @property
-    def logit_products(self) -> int:
-        """The logits' products of a forward and backward: SigLIP's gradient is known from the
-        forward's tile, the others' backward recomputes it."""
+    def logit_products(self) -> int:  # SigLIP's backward reuses the forward's tile
         return 1 if self.loss == SIGLIP else 2
 
     def floor_ms(self, tflops: float) -> float:
@@ -241,9 +238,7 @@ class CaseResult:
 def run_provider(provider: Provider, case: Case, args: Sequence[Any],
                  reference: Reference | None, *, timing: TimingSettings,
                  floor_ms: float) -> common.Row:
-    """Check, measure memory, and time one provider on one case; never raises. The row's
-    figures: how ms was measured, peak MiB, the loss, |loss − reference|, each gradient's
-    relative L2 error and its ratio to torch materialized's, ms ÷ 8·r²·c/R."""
+    """Check, measure memory, and time one provider on one case; never raises."""
     device, inputs = args[0].device, tuple(a for a in args if isinstance(a, Tensor))
     row = common.new_row(provider.key, provider.display_name(), timing="", peak_extra_mib=None,
                          loss=None, loss_error=None, errors={}, ratios={}, times_floor=None)
@@ -263,32 +258,28 @@ def run_provider(provider: Provider, case: Case, args: Sequence[Any],
         return {"ms": statistics.median(common.timed(step, device)[0] for _ in range(reps)),
                 "timing": f"median of {reps} timed calls"}
 
-    def check() -> list[str]:
-        return _check(row, case.loss, loss_fn(*args), inputs, reference)
+    def check() -> list[str]:  # finite loss and gradients, compared with the reference
+        loss = loss_fn(*args)
+        grads = dict(zip(GRAD_NAMES[case.loss], torch.autograd.grad(loss, inputs), strict=True))
+        row["loss"] = float(loss.detach().float())
+        problems = [] if math.isfinite(row["loss"]) else [f"loss {row['loss']}"]
+        problems += [f"{name} not finite" for name, g in grads.items()
+                     if not torch.isfinite(g).all()]
+        if reference is not None:
+            row["loss_error"], found = common.check_loss(row["loss"], reference.loss,
+                                                         LOSS_TOLERANCE)
+            problems += found
+        if reference is not None and reference.grads is not None:
+            row["errors"] = {name: common.relative_l2_error(grad, reference.grads[name])
+                             for name, grad in grads.items()}
+            problems += common.bound_problems(row["errors"], lambda name: (
+                GRADIENT_ERROR_BOUND if grads[name].dim() else SCALAR_ERROR_BOUND))
+        return problems
 
     if common.check_and_time(row, device, check, forward_backward, common.tensor_bytes(inputs),
                              timer):
         row["times_floor"] = row["ms"] / floor_ms
     return row
-
-
-def _check(row: common.Row, loss_name: str, loss: Tensor, inputs: Sequence[Tensor],
-           reference: Reference | None) -> list[str]:
-    """First (untimed) call: finite loss and gradients, compared with the reference."""
-    grads = dict(zip(GRAD_NAMES[loss_name], torch.autograd.grad(loss, inputs), strict=True))
-    row["loss"] = float(loss.detach().float())
-    problems = [] if math.isfinite(row["loss"]) else [f"loss {row['loss']}"]
-    problems += [f"{name} not finite" for name, g in grads.items() if not torch.isfinite(g).all()]
-    if reference is not None:
-        row["loss_error"], loss_problems = common.check_loss(row["loss"], reference.loss,
-                                                             LOSS_TOLERANCE)
-        problems += loss_problems
-        if reference.grads is not None:
-            row["errors"] = {name: common.relative_l2_error(grad, reference.grads[name])
-                             for name, grad in grads.items()}
-            problems += common.bound_problems(row["errors"], lambda name: (
-                GRADIENT_ERROR_BOUND if grads[name].dim() else SCALAR_ERROR_BOUND))
-    return problems
 
 
 def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
@@ -314,8 +305,9 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
                 continue
             result = cr.results[provider.key] = run_provider(
                 provider, case, args, cr.reference, timing=timing, floor_ms=cr.floor_ms)
-            log(f"  {case.label:<22} {result['label']:<20} "
-                + common.progress_line(result, _figures_text))
+            log(f"  {case.label:<22} {result['label']:<20} " + common.progress_line(
+                result, lambda r: f"{common.format_ms(r['ms'])} ms ({r['timing']}), "
+                f"{common.format_mib(r['peak_extra_mib'])} MB, {common.errors_text(r)}"))
         for result in cr.results.values():
             if common.measured(result) and cr.products["ms"]:
                 result["times_products"] = result["ms"] / cr.products["ms"]
@@ -331,13 +323,6 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *,
 
 
 # ----------------------------------------------------------------------------- reports
-
-
-def _figures_text(row: common.Row) -> str:
-    return (f"{common.format_ms(row['ms'])} ms ({row['timing']}), "
-            f"{common.format_mib(row['peak_extra_mib'])} MB, {common.errors_text(row)}")
-
-
 def _loss_text(cr: CaseResult) -> str:
     """The reference loss (CLIP: and its two directions) and its dtype, else why none."""
     ref = cr.reference
@@ -384,10 +369,10 @@ def report_sections(info: dict[str, Any], case_results: Sequence[CaseResult]
                     ) -> tuple[list[tuple[str, str]], list[str]]:
     """The report's settings rows and body: time and memory, losses and gradient accuracy."""
     env, settings = info["environment"], info["settings"]
-    timing = common.WALL_CLOCK_TIMING
+    timing = common.timing_text(env["device"], TimingSettings(settings["warmup_ms"],
+                                                              settings["rep_ms"]))
     if common.uses_cuda(env["device"]):
-        do_bench = common.do_bench_text(TimingSettings(settings["warmup_ms"], settings["rep_ms"]))
-        timing = (f"torch.autograd.grad(loss, leaves): {do_bench}; calls of ≥ {SLOW_MS:g} ms: "
+        timing = (f"torch.autograd.grad(loss, leaves): {timing}; calls of ≥ {SLOW_MS:g} ms: "
                   f"median of clamp({SLOW_BUDGET_MS / 1e3:g} s / call, 2, {SLOW_MAX_REPS}) "
                   "calls timed by CUDA events (the JSON's 'timing' says which)")
     rows = [
@@ -408,26 +393,19 @@ def report_sections(info: dict[str, Any], case_results: Sequence[CaseResult]
 
 
 # ----------------------------------------------------------------------------- --plot
-
-
 PRODUCTS = "products (cuBLAS, same shapes)"
 
 
 def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
     """``--plot``: ms against b (log-log) from results files, a panel per loss and width, a
-    line per provider and the products dashed, into ``out`` (.svg, .png or .pdf); later files
-    replace earlier ones' points. None without matplotlib."""
+    line per provider and the products dashed; later files replace earlier ones' points."""
     panels: dict[tuple[str, int], dict[str, dict[int, float]]] = {}  # lines: {key: {b: ms}}
     names: dict[str, str] = {}  # the measured providers' labels by key, then the products
     for cr in (cr for data in files for cr in data["cases"]):
         case = cr["case"]
-        lines = panels.setdefault((case["loss"], case["width"]), {})
-        for row in cr["results"].values():
-            if common.measured(row):
-                names.setdefault(row["provider"], row["label"])
-                lines.setdefault(row["provider"], {})[case["rows"]] = row["ms"]
-        if (cr.get("products") or {}).get("ms"):
-            lines.setdefault(PRODUCTS, {})[case["rows"]] = cr["products"]["ms"]
+        common.add_speed_points(panels.setdefault((case["loss"], case["width"]), {}), names,
+                                cr["results"].values(), case["rows"],
+                                (cr.get("products") or {}).get("ms"), PRODUCTS)
     names[PRODUCTS] = PRODUCTS
     plotted = [(f"{loss}, c = {width}", "rows b (2B for NT-Xent)", "median ms",
                 common.speed_lines(lines, names, PRODUCTS))
@@ -439,42 +417,32 @@ def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- command line
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", type=common.comma_list(list(SHAPES)),
-                        help=f"comma list of {', '.join(SHAPES)} (default: all)")
-    parser.add_argument("--regimes", type=common.comma_list(pairs.PAIR_REGIMES),
-                        help="comma list of random, trained (default: each shape's own)")
-    parser.add_argument("--providers", type=common.comma_list(PROVIDER_KEYS),
-                        default=list(DEFAULT_PROVIDERS),
-                        help=f"comma list of {', '.join(PROVIDER_KEYS)} (default: "
-                        f"{','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports")
-    parser.add_argument("--losses", type=common.comma_list(list(GRID_LOSSES)),
-                        default=list(GRID_LOSSES), help="with --rows: the grid's losses "
-                        f"(default {','.join(GRID_LOSSES)})")
-    parser.add_argument("--rows", type=common.int_list,
-                        help="a grid of cases instead of --shapes: rows b (2B for NT-Xent), "
-                        "e.g. 16384,65536,262144")
-    parser.add_argument("--widths", type=common.int_list, default=[512],
-                        help="with --rows: the grid's widths c (default 512)")
-    parser.add_argument("--plot", nargs="+", type=Path, metavar="RESULTS.json",
-                        help="draw ms against b from these results files into --out (.svg, "
-                        ".png, .pdf; default docs/contrastive_speed.svg) instead of running")
+    add = parser.add_argument
+    common.add_list(parser, "--shapes", SHAPES)
+    common.add_list(parser, "--regimes", pairs.PAIR_REGIMES, note="(default: each shape's own)")
+    common.add_list(parser, "--providers", PROVIDER_KEYS, DEFAULT_PROVIDERS, note=(
+        f"(default: {','.join(DEFAULT_PROVIDERS)}); each shape runs those it supports"))
+    common.add_list(parser, "--losses", GRID_LOSSES, GRID_LOSSES, note="(with --rows; default: "
+                    "all)")
+    add("--rows", type=common.int_list, help="a grid of cases instead of --shapes: rows b (2B "
+        "for NT-Xent), e.g. 16384,65536,262144")
+    add("--widths", type=common.int_list, default=[512],
+        help="with --rows: the grid's widths c (default 512)")
+    add("--plot", nargs="+", type=Path, metavar="RESULTS.json", help="draw ms against b from "
+        "these results files into --out (.svg, .png, .pdf; default docs/contrastive_speed.svg) "
+        "instead of running")
     common.add_common_arguments(
         parser, "rows/256, widths/8 and short timing: a smoke test that also runs on CPU")
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     if args.plot:
-        figure = args.out if args.out.suffix else Path("docs/contrastive_speed.svg")
-        figure = plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)
-        log(str(figure or "no plot: matplotlib is not installed"))
-        return 0 if figure else 2
-    device = common.pick_device(args.device)
-    if not common.cuda_or_quick(device, args.quick, NAME, log):
+        return common.plot_results_files(args, "docs/contrastive_speed.svg", plot_speed, log)
+    device = common.run_device(args, NAME, log)
+    if device is None:
         return 2
-    dtype = common.parse_dtype(args.dtype)
+    dtype = common.DTYPES[args.dtype]
     backend = "triton" if common.uses_cuda(device) else "torch"
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
     table = prov.contrastive_providers(backend)
@@ -513,5 +481,4 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
 
 
 SUITE = Suite(NAME, "CLIP, InfoNCE, NT-Xent and SigLIP losses against materialized PyTorch, "
-              "inf-cl and their cuBLAS products",
-              add_arguments, run)
+              "inf-cl and their cuBLAS products", add_arguments, run)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import common
-from benchmarks.common import OK
+from benchmarks.common import OK, column
 from benchmarks.suites import Suite, companions, ring
 
 PLAIN, GRAD_CACHE = "plain", "grad-cache"
@@ -151,10 +151,9 @@ def measure(trainer: Trainer, method: str, batch: int, ctx: ring.Context, seed: 
 
 
 def check_methods(args: argparse.Namespace, ctx: ring.Context) -> dict[str, Any]:
-    """Both methods from the same initial model and batch in float32: the same loss and
-    parameter gradients up to the order of float additions. cuDNN's TF32 (on by default for
-    convolutions, the patch embedding's) is off for the check: in TF32 the two methods' batch
-    splits round the convolution's weight gradient differently (~1e-4)."""
+    """Both methods from the same model and batch in float32 must give the same loss and
+    gradients (cuDNN's TF32 off: the methods' batch splits would round the patch embedding's
+    weight gradient differently)."""
     batch = args.batches[0]
     check: dict[str, Any] = {"batch": batch, "status": OK, "note": ""}
     results = []
@@ -180,14 +179,10 @@ def check_methods(args: argparse.Namespace, ctx: ring.Context) -> dict[str, Any]
 
 
 STEP_COLUMNS = [
-    ("method", lambda r: r["method"]),
-    ("B", lambda r: r["batch"]),
-    ("b_r", lambda r: r["per_rank"]),
-    ("status", lambda r: r["status"]),
-    ("ms per step", lambda r: common.format_ms(r.get("ms"))),
-    ("peak MB per rank", lambda r: common.format_mib(r.get("peak_mib"))),
-    ("loss", lambda r: common.loss_text(r.get("loss"))),
-    ("note", lambda r: r["note"]),
+    column("method", "method"), column("B", "batch"), column("b_r", "per_rank"),
+    column("status", "status"), column("ms per step", "ms", common.format_ms),
+    column("peak MB per rank", "peak_mib", common.format_mib),
+    column("loss", "loss", common.loss_text), column("note", "note"),
 ]
 
 
@@ -227,12 +222,13 @@ def _run(args: argparse.Namespace, ctx: ring.Context) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=common.int_list, default=None, help="comma list of "
-                        f"global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
-    parser.add_argument("--micro-batch", type=int, default=None,
-                        help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
-    parser.add_argument("--max-step-s", type=float, default=60.0,
-                        help="stop a method's sweep after a step this long (default 60 s)")
+    add = parser.add_argument
+    add("--batches", type=common.int_list, default=None,
+        help=f"comma list of global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
+    add("--micro-batch", type=int, default=None,
+        help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
+    add("--max-step-s", type=float, default=60.0,
+        help="stop a method's sweep after a step this long (default 60 s)")
     common.add_common_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)",
                                 matmul=False)
 

@@ -1,12 +1,10 @@
-"""Suite ``lm-head``: linear cross-entropy of an LM head, ours against torch and the peers.
-Per case and provider: a check against float64 (recording the tiles skipped), peak memory and
-the median ms against the case's cuBLAS products. Definitions: benchmarks/README.md."""
+"""Suite ``lm-head``: linear cross-entropy of an LM head, ours against torch and the peers, each
+checked against float64, then its peak memory and median ms against the case's cuBLAS products."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +29,9 @@ DEFAULT_CASES = (("gemma2-2b", "peaked", "fwd+bwd"), ("gemma2-2b", "flat", "fwd+
 LOSS_TOLERANCE = 1e-2  # |loss − reference| ≤ LOSS_TOLERANCE · max(1, |reference|)
 GRADIENT_ERROR_BOUND = 5e-2  # relative L2 error of dE and dC
 NO_YARDSTICK = {"dE": None, "dC": None, "note": ""}  # torch eager's gradient errors
+# A row's figures, in JSON order (benchmarks/README.md defines them).
+FIGURES = ("peak_extra_mib", "loss", "loss_error", "err_hidden", "err_classifier", "ratio_hidden",
+           "ratio_classifier", "times_floor", "times_products", "tiles_skipped")
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,8 @@ class Case:
 def select_cases(shapes: Sequence[str] | None, regimes: Sequence[str] | None,
                  modes: Sequence[str] | None, ns: Sequence[int], quick: bool,
                  trained_lm: str | None = None) -> list[Case]:
-    """DEFAULT_CASES, or shapes × regimes × modes (unchosen axes: every shape, "peaked",
-    "fwd+bwd"), each at every N, grouped by (shape, regime, N). "trained" runs at the trained
-    model's own head (``trained_lm`` or $FUSEDLOSS_TRAINED_LM), N capped at its rows."""
+    """DEFAULT_CASES, or shapes × regimes × modes (unchosen: every shape, "peaked", "fwd+bwd"),
+    each at every N, grouped by (shape, regime, N); "trained" at its own head, N ≤ its rows."""
     if shapes is None and regimes is None and modes is None:
         triples = list(DEFAULT_CASES)
     else:
@@ -130,13 +130,6 @@ def measure_yardstick(tensors: tuple[Tensor, Tensor, Tensor], reference: Referen
     except Exception as error:  # an OOM here must not end the run
         note = f"torch eager yardstick unavailable: {common.describe_error(error)}"
         return {**NO_YARDSTICK, "note": note}
-
-
-# A row's figures (JSON order): peak MiB, the loss and its error against float64, the relative
-# L2 errors of dE and dC and their ratio to torch eager's (the yardstick), ms ÷ the case's floor
-# and ÷ its products, the share of tiles fusedloss's Triton backward skipped.
-FIGURES = ("peak_extra_mib", "loss", "loss_error", "err_hidden", "err_classifier", "ratio_hidden",
-           "ratio_classifier", "times_floor", "times_products", "tiles_skipped")
 
 
 @dataclass
@@ -220,11 +213,10 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *, device: t
         common.release_memory(device)
         log(f"[{shape.label} {regime}, N {n}]: reference loss {reference.loss:.4f} (log V = "
             f"{math.log(shape.vocab_size):.2f}); torch bf16 error dE "
-            f"{common.format_error(bar['dE'])}, dC {common.format_error(bar['dC'])} "
-            f"{bar['note']}".rstrip())
+            f"{format_error(bar['dE'])}, dC {format_error(bar['dC'])} {bar['note']}".rstrip())
         for case in group:
             products = common.time_products(hidden, classifier, timing,
-                                              backward=case.with_backward)
+                                            backward=case.with_backward)
             cr = CaseResult(case, case.floor_ms(tflops), reference.loss,
                             dict(bar if case.with_backward else NO_YARDSTICK), products)
             for provider in providers:
@@ -237,9 +229,6 @@ def run_cases(cases: Sequence[Case], providers: Sequence[Provider], *, device: t
         del hidden, classifier, labels, tensors, reference
         common.release_memory(device)
     return case_results
-
-
-# ============================================================================= report
 
 
 def _pair(a: float | None, b: float | None, fmt: str = ".2f") -> str:
@@ -285,7 +274,7 @@ def _time_table(case_results: Sequence[CaseResult]) -> str:
         if cr is None:
             return [""] * (1 + len(columns))
         method = "" if cr.products["method"] == "whole" else f" ({cr.products['method']})"
-        row = [common.format_ms(cr.products["ms"]) + method]
+        row = [format_ms(cr.products["ms"]) + method]
         for key, _ in columns:
             r = cr.results.get(key) or {}
             ratio = f" ({r['times_products']:.2f}×)" if r.get("times_products") else ""
@@ -309,13 +298,11 @@ def report_sections(run: dict[str, Any], case_results: Sequence[CaseResult]
                     ) -> tuple[list[tuple[str, str]], list[str]]:
     """The report's settings rows and body: the time table and every figure."""
     env, settings = run["environment"], run["settings"]
-    timing = common.WALL_CLOCK_TIMING
-    if common.uses_cuda(env["device"]):
-        timing = common.do_bench_text(TimingSettings(settings["warmup_ms"], settings["rep_ms"]))
+    timing = TimingSettings(settings["warmup_ms"], settings["rep_ms"])
     rows = [*common.environment_rows(env, run["peer_versions"]),
             ("N, dtype, seed", f"{', '.join(map(str, settings['n']))} tokens, "
              f"{settings['dtype']}, seed {settings['seed']}"),
-            common.matmul_row(run["matmul"]), ("timing", timing),
+            common.matmul_row(run["matmul"]), ("timing", common.timing_text(env["device"], timing)),
             ("definitions", "benchmarks/README.md, 'The lm-head suite'")]
     intro = ("Median ms / peak MiB above inputs and gradient buffers (× the cuBLAS products "
              "alone, 'products'), per mode. torch bf16: torch eager's relative L2 error against "
@@ -337,59 +324,43 @@ def results_json(run: dict[str, Any], case_results: Sequence[CaseResult]) -> dic
     return {**run, "cases": cases}
 
 
-# ============================================================================= --plot
-
-
 MODE_TITLES = {"fwd+bwd": "forward+backward", "fwd": "forward only"}
 PRODUCTS = "products (cuBLAS: Z = E·Cᵀ, dE, dC)"
 
 
 def plot_speed(files: list[dict[str, Any]], out: Path) -> Path | None:
     """``--plot``: ms against N (log-log) from results files, a panel per head, regime and mode,
-    a line per provider and the products dashed, into ``out`` (.svg, .png or .pdf); later
-    files replace earlier ones' points. None without matplotlib."""
+    a line per provider and the products dashed; later files replace earlier ones' points."""
     panels: dict[tuple[str, str, str], dict[str, Any]] = {}  # title, lines: {key: {N: ms}}
     names: dict[str, str] = {}  # the measured providers' labels by key, then the products
     for case in (case for data in files for case in data["cases"]):
         softcap = f", softcap {case['softcap']:g}" if case.get("softcap") else ""
         title = (f"{case['shape']} (V {case['vocab_size']}, D {case['hidden_size']}{softcap})\n"
                  f"{case['regime']}, {MODE_TITLES[case['mode']]}")
-        lines = panels.setdefault((case["shape"], case["regime"], case["mode"]),
-                                  {"title": title, "lines": {}})["lines"]
-        for result in case["results"]:
-            if common.measured(result):
-                names.setdefault(result["provider"], result["label"])
-                lines.setdefault(result["provider"], {})[case["n"]] = result["ms"]
-        if (case.get("products") or {}).get("ms"):
-            lines.setdefault(PRODUCTS, {})[case["n"]] = case["products"]["ms"]
+        panel = panels.setdefault((case["shape"], case["regime"], case["mode"]),
+                                  {"title": title, "lines": {}})
+        common.add_speed_points(panel["lines"], names, case["results"], case["n"],
+                                (case.get("products") or {}).get("ms"), PRODUCTS)
     names[PRODUCTS] = PRODUCTS
-
-    def plotted(panel: dict[str, Any] | None) -> tuple[str, str, str, list] | None:
-        if panel is None:
-            return None
-        return (panel["title"], "tokens N", "median ms",
-                common.speed_lines(panel["lines"], names, PRODUCTS))
-
     heads = list(dict.fromkeys(key[:2] for key in panels))
     modes = list(dict.fromkeys(key[2] for key in panels))
+    plotted = [panel and (panel["title"], "tokens N", "median ms",
+                          common.speed_lines(panel["lines"], names, PRODUCTS))
+               for panel in (panels.get((*head, mode)) for head in heads for mode in modes)]
     return common.save_plot(
-        out, [plotted(panels.get((*head, mode))) for head in heads for mode in modes],
-        columns=len(modes), size=(5.0, 3.6), log="xy",
+        out, plotted, columns=len(modes), size=(5.0, 3.6), log="xy",
         title="LM-head linear cross-entropy, median ms against N\n" + common.runs_text(files))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    keys, shapes = list(lm_head_providers()), list(inputs.LM_HEAD_SHAPES)
     add = parser.add_argument
-    add("--shapes", type=common.comma_list(shapes), help=f"comma list of {', '.join(shapes)}")
-    add("--regimes", type=common.comma_list([*inputs.REGIMES, inputs.TRAINED_REGIME]),
-        help="comma list of peaked, flat, trained (default with --shapes/--modes: peaked)")
+    common.add_list(parser, "--shapes", inputs.LM_HEAD_SHAPES, note="")
+    common.add_list(parser, "--regimes", [*inputs.REGIMES, inputs.TRAINED_REGIME],
+                    note="(default with --shapes/--modes: peaked)")
     add("--trained-lm", help="the trained regime's directory or file, from `python -m "
         f"benchmarks.trained_lm --out DIR` (default ${inputs.TRAINED_LM_ENV})")
-    add("--modes", type=common.comma_list(MODES),
-        help="comma list of fwd+bwd, fwd (default with --shapes/--regimes: fwd+bwd)")
-    add("--providers", type=common.comma_list(keys), default=keys,
-        help=f"comma list of {', '.join(keys)} (default: all)")
+    common.add_list(parser, "--modes", MODES, note="(default with --shapes/--regimes: fwd+bwd)")
+    common.add_list(parser, "--providers", lm_head_providers(), lm_head_providers())
     add("--n", type=common.int_list, help="comma list of token counts N, e.g. 4096,16384 "
         f"(default {DEFAULT_N}; {inputs.QUICK_N} with --quick)")
     common.add_common_arguments(parser, "tiny shapes and short timing: a smoke test that also "
@@ -401,14 +372,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     if args.plot:
-        figure = args.out if args.out.suffix else Path("docs/lm_head_speed.svg")
-        figure = plot_speed([json.loads(p.read_text(encoding="utf-8")) for p in args.plot], figure)
-        log(str(figure or "no plot: matplotlib is not installed"))
-        return 0 if figure else 2
-    device = common.pick_device(args.device)
-    if not common.cuda_or_quick(device, args.quick, NAME, log):
+        return common.plot_results_files(args, "docs/lm_head_speed.svg", plot_speed, log)
+    device = common.run_device(args, NAME, log)
+    if device is None:
         return 2
-    quick, dtype = bool(args.quick), common.parse_dtype(args.dtype)
+    quick, dtype = bool(args.quick), common.DTYPES[args.dtype]
     ns = args.n or [inputs.QUICK_N if quick else DEFAULT_N]
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, quick)
     notes: list[str] = [common.QUICK_NOTE] if quick else []

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
+from benchmarks.common import column
 from benchmarks.inputs import LM_HEAD_SHAPES, quick_shape
 from benchmarks.suites import Suite
 
@@ -124,17 +125,12 @@ def _methods(loss: str, x: dict[str, Any]) -> dict[str, Callable[[], torch.Tenso
     return methods
 
 
-def _fp32_reference(loss: str, x: dict[str, Any]) -> tuple[float, torch.Tensor]:
-    """(loss, d input) of fusedloss's method on fp32 copies of the operands."""
+def measure(loss: str, x: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each method's errors against fusedloss's on fp32 copies of the operands, ms, peak MiB."""
     x32 = {k: (v.detach().float().requires_grad_(k in ("h", "w")) if v.is_floating_point()
                else v) for k, v in x.items()}
-    value = _methods(loss, x32)["fusedloss"]()
-    grad = torch.autograd.grad(value, x32["h"])[0]
-    return float(value), grad
-
-
-def measure(loss: str, x: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    ref_value, ref_grad = _fp32_reference(loss, x)
+    ref = _methods(loss, x32)["fusedloss"]()
+    ref_value, ref_grad = float(ref), torch.autograd.grad(ref, x32["h"])[0]
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
     rows = []
     for method, fn in _methods(loss, x).items():
@@ -173,8 +169,8 @@ def yardsticks(x: dict[str, Any], args: argparse.Namespace) -> list[dict[str, An
         x["h"].grad = x["w"].grad = None
         fusedloss.linear_cross_entropy(h, w, y).backward()
     out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device)
-    rows = [dict(loss="cross-entropy", method="fusedloss", ms=common.median_ms(ce, args.device,
-                                                                                timing),
+    rows = [dict(loss="cross-entropy", method="fusedloss",
+                 ms=common.median_ms(ce, args.device, timing),
                  mib=common.peak_extra_mib(ce, args.device)),
             dict(loss="product", method="cuBLAS", ms=common.median_ms(
                 lambda: torch.mm(h.detach(), w.detach().T, out=out), args.device, timing))]
@@ -185,7 +181,7 @@ def yardsticks(x: dict[str, Any], args: argparse.Namespace) -> list[dict[str, An
 def run(args: argparse.Namespace) -> int:
     args.device = common.pick_device(args.device)
     env = common.collect_environment(args.device)
-    dtype = common.parse_dtype(args.dtype)
+    dtype = common.DTYPES[args.dtype]
     rows = []
     for name in args.shapes:
         shape = LM_HEAD_SHAPES[name]
@@ -202,13 +198,12 @@ def run(args: argparse.Namespace) -> int:
         rows += head_rows
         del x
         common.release_memory(args.device)
-    columns = [("head", lambda r: r["head"]), ("N", lambda r: r["n"]),
-               ("loss", lambda r: r["loss"]), ("method", lambda r: r["method"]),
-               ("ms", lambda r: common.format_ms(r.get("ms"))),
-               ("÷ one product", lambda r: common.format_ratio(r.get("products"))),
-               ("peak MiB", lambda r: common.format_mib(r.get("mib"))),
-               ("loss error", lambda r: common.format_error(r.get("loss_error"))),
-               ("d input error", lambda r: common.format_error(r.get("grad_error"))),
+    columns = [column("head", "head"), column("N", "n"), column("loss", "loss"),
+               column("method", "method"), column("ms", "ms", common.format_ms),
+               column("÷ one product", "products", common.format_ratio),
+               column("peak MiB", "mib", common.format_mib),
+               column("loss error", "loss_error", common.format_error),
+               column("d input error", "grad_error", common.format_error),
                ("status", lambda r: r.get("error", "ok"))]
     tables = common.table(columns, rows)
     body = [f"{args.dtype}. Forward + backward, median ms (do_bench), peak MiB above the inputs; "
@@ -223,10 +218,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)),
-                        default=list(SHAPES), help=f"LM heads (default: {','.join(SHAPES)})")
-    parser.add_argument("--losses", type=common.comma_list(list(LOSSES)), default=list(LOSSES),
-                        help=f"comma list of {', '.join(LOSSES)} (default: all)")
+    common.add_list(parser, "--shapes", LM_HEAD_SHAPES, SHAPES)
+    common.add_list(parser, "--losses", LOSSES, LOSSES)
     parser.add_argument("--n", type=int, default=16384, help="tokens (default 16384)")
     common.add_common_arguments(parser, "a small head and 256 tokens: a smoke test", matmul=False)
 

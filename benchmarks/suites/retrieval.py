@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
+from benchmarks.common import column
 from benchmarks.suites import Suite
 
 METHODS = ("st-plain", "fused-plain", "st-cached", "fused-cached")
@@ -132,14 +133,13 @@ def run(args: argparse.Namespace) -> int:
                    [(m, list(range(len(v))), v) for (b2, m), v in losses.items() if b2 == b])
                   for b in args.batches]
         path = common.results_path(args.out, "retrieval", env, args.tag, "_losses.png")
-        common.save_plot(path, panels, columns=len(panels),
-                         size=(4, 3), marker="o")
+        common.save_plot(path, panels, columns=len(panels), size=(4, 3), marker="o")
     largest = ({m: largest_batch(m, args) for m in ("st-plain", "fused-plain")}
                if args.largest else {})
-    columns = [("batch", lambda r: r["batch"]), ("method", lambda r: r["method"]),
-               ("step ms", lambda r: common.format_ms(r.get("ms"))),
-               ("peak MiB", lambda r: common.format_mib(r.get("mib"))),
-               ("max |loss − ST's|", lambda r: common.format_error(r.get("loss_gap"))),
+    columns = [column("batch", "batch"), column("method", "method"),
+               column("step ms", "ms", common.format_ms),
+               column("peak MiB", "mib", common.format_mib),
+               column("max |loss − ST's|", "loss_gap", common.format_error),
                ("status", lambda r: r.get("error", "ok"))]
     tables = common.table(columns, rows)
     lines = [f"BERT {args.layers} × {args.width} from a config ({args.attention} attention), "
@@ -161,23 +161,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
-                        default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
-    parser.add_argument("--batches", type=common.int_list,
-                        default=list(BATCHES), help="global batches (default 1024,8192,65536)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
-                        help="the encoder's attention (sdpa's kernels refuse batches > 65535)")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens per text (default 32)")
-    parser.add_argument("--mini-batch", type=int, default=512,
-                        help="the cached losses' mini_batch_size (default 512)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
-    parser.add_argument("--largest", action="store_true",
-                        help="also the largest batch each plain loss completes a step at")
-    parser.add_argument("--largest-cap", type=int, default=1 << 20)
-    parser.add_argument("--plot", action="store_true",
-                        help="also <results>_losses.png: each method's loss per step")
+    add = parser.add_argument
+    common.add_list(parser, "--methods", METHODS, METHODS)
+    add("--batches", type=common.int_list, default=list(BATCHES),
+        help="global batches (default 1024,8192,65536)")
+    add("--layers", type=int, default=4)
+    add("--width", type=int, default=384)
+    add("--attention", choices=("sdpa", "eager"), default="sdpa",
+        help="the encoder's attention (sdpa's kernels refuse batches > 65535)")
+    add("--tokens", type=int, default=32, help="tokens per text (default 32)")
+    add("--mini-batch", type=int, default=512,
+        help="the cached losses' mini_batch_size (default 512)")
+    add("--steps", type=int, default=3, help="timed steps (default 3)")
+    add("--largest", action="store_true",
+        help="also the largest batch each plain loss completes a step at")
+    add("--largest-cap", type=int, default=1 << 20)
+    add("--plot", action="store_true",
+        help="also <results>_losses.png: each method's loss per step")
     common.add_common_arguments(parser, "a tiny encoder and batches 16, 32", dtype=False,
                                 matmul=False)
 

@@ -1,7 +1,6 @@
-"""Suite ``ring``: CLIP over K processes (torchrun), fusedloss's ring against inf-cl and
-open_clip; and the frame every torchrun suite shares: the process group, collectives that agree
-across the ranks, the timing, the report rank 0 writes. Rows are dicts, written to the JSON as
-they are; benchmarks/README.md defines the figures."""
+"""Suite ``ring``: CLIP over K processes (torchrun), fusedloss's ring against inf-cl and open_clip;
+and the frame every torchrun suite shares (process group, collectives agreed across the ranks,
+timing, the report rank 0 writes). benchmarks/README.md defines the figures."""
 
 from __future__ import annotations
 
@@ -43,13 +42,11 @@ GROUP_TIMEOUT_S = 1800.0
 CPU = torch.device("cpu")
 RING_SHIFT = "fusedloss.distributed.ring.Shift"  # the ring's transfers go through it
 
+
 # ============================================================================ the shared frame
-
-
 @dataclass
 class Context:
-    """This process in the default group (world 1: alone) and what a torchrun suite's body
-    starts from; every method is a collective: every rank calls it, in the same order."""
+    """This process in the default group (world 1: alone); every method is a collective."""
 
     rank: int
     world: int
@@ -72,7 +69,6 @@ class Context:
         self.gather(None)
 
     def stage(self, row: dict[str, Any], action: Callable[[], Any]) -> tuple[bool, Any]:
-        """``common.stage`` agreed by the ranks."""
         return common.stage(row, action, self.device, self.gather)
 
     def relative_error(self, actual: Tensor, reference: Tensor) -> float:
@@ -84,8 +80,8 @@ class Context:
 
 def time_on_all_ranks(fn: Callable[[], Any], ctx: Context, min_reps: int,
                       host: bool = False) -> dict[str, Any]:
-    """Each rank's median ms of ``fn()`` over the same number of calls on every rank (and with
-    ``host`` of the time to issue one started on an idle GPU); ``ms``: the max over ctx."""
+    """Each rank's median ms of ``fn()`` over the same number of calls on every rank (with
+    ``host`` also the time to issue one on an idle GPU); ``ms``: the max over the ranks."""
     device, timing = ctx.device, ctx.timing
     estimate = max(max(ctx.gather(common.call_ms(fn, device))), 1e-3)
     for _ in range(min(MAX_WARMUP, int(timing.warmup_ms / estimate))):
@@ -118,9 +114,8 @@ def time_on_all_ranks(fn: Callable[[], Any], ctx: Context, min_reps: int,
 def measure_provider(row: dict[str, Any], ctx: Context, loss_fn: Callable[[], Tensor],
                      leaves: Sequence[Tensor], check: Callable[[Tensor, Sequence[Tensor]], Any],
                      min_reps: int, host: bool = False) -> Callable[[], Any] | None:
-    """``common.check_and_time`` on every rank: the first call (forward, agreed, backward,
-    agreed) to ``check``, peak memory above inputs and gradients, the time; returns the timed
-    step, None after a failure."""
+    """``common.check_and_time`` on every rank (the first call's forward and backward each
+    agreed, then ``check``); the timed step, None after a failure."""
 
     def first_call() -> list[str] | None:
         ok, loss = ctx.stage(row, loss_fn)
@@ -148,16 +143,12 @@ def say_row(ctx: Context, row: dict[str, Any]) -> None:
             f"{row['note']}")
 
 
-def _loss_check(row: dict[str, Any]) -> str:
-    error = row.get("loss_error")
-    return row.get("check") or "—" if error is None else f"{error:.1e} ({row['check']})"
-
-
-# One row per case and provider: a row with its case's key under "case".
-RESULT_COLUMNS: list[common.Column] = [
+RESULT_COLUMNS: list[common.Column] = [  # items: rows with their case's key under "case"
     column("case", "case"), column("provider", "label"), column("status", "status"),
     column("ms", "ms", format_ms), column("MB", "peak_extra_mib", common.format_mib),
-    column("× floor", "times_floor", common.format_ratio), ("|loss − ref|", _loss_check),
+    column("× floor", "times_floor", common.format_ratio),
+    ("|loss − ref|", lambda r: r.get("check") or "—" if r.get("loss_error") is None
+     else f"{r['loss_error']:.1e} ({r['check']})"),
     ("gradient errors", common.errors_text), column("loss", "loss", "{:.5f}".format),
     column("note", "note"),
 ]
@@ -167,18 +158,9 @@ def result_items(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**row, "case": case["case"]} for case in cases for row in case["results"]]
 
 
-def probe_matmul(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
-    """Rank 0's matmul rate; {} on the others."""
-    if ctx.rank != 0:
-        return {}
-    return common.probe_matmul(ctx.device, args.matmul_size, args.quick, ctx.timing, ctx.dtype,
-                               ctx.say)
-
-
 def write_report(args: argparse.Namespace, ctx: Context, title: str, body: list[str],
                  payload: dict[str, Any], summary: str, log: bool = True) -> None:
-    """Rank 0: a torchrun suite's results files (its settings: ``args``, resolved), then the
-    ``summary`` table on the log."""
+    """Rank 0: a torchrun suite's results files (its settings: ``args``), ``summary`` logged."""
     env, world = ctx.environment, ctx.world
     settings = {"world_size": world, "dist_backend": dist.get_backend(), "backend": ctx.backend,
                 **{k: v for k, v in vars(args).items() if k != "out"},
@@ -203,12 +185,12 @@ def write_report(args: argparse.Namespace, ctx: Context, title: str, body: list[
 
 def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace, Context], int],
                     log: Callable[[str], None] = print) -> int:
-    """Joins the process group (NCCL, or gloo on a CPU; one process without torchrun), runs
-    ``body(args, context)`` and leaves it."""
-    device = common.pick_device(args.device)
-    cuda = device.type == "cuda"
-    if not common.cuda_or_quick(device, args.quick, args.suite, log):
+    """``body(args, context)`` in the process group (NCCL, or gloo on a CPU; one process without
+    torchrun)."""
+    device = common.run_device(args, args.suite, log)
+    if device is None:
         return 2
+    cuda = device.type == "cuda"
     options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=GROUP_TIMEOUT_S)}
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", device.index or 0)))
@@ -220,7 +202,7 @@ def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace
     dist.init_process_group("nccl" if cuda else "gloo", **options)
     rank = dist.get_rank()
     ctx = Context(rank, dist.get_world_size(), device, "triton" if cuda else "torch",
-                  common.parse_dtype(args.dtype),
+                  common.DTYPES[args.dtype],
                   common.timing_settings(args.warmup_ms, args.rep_ms, args.quick),
                   common.collect_environment(device) if rank == 0 else {},
                   log if rank == 0 else lambda _text: None)
@@ -235,8 +217,6 @@ def run_distributed(args: argparse.Namespace, body: Callable[[argparse.Namespace
 
 
 # ============================================================================ the ring suite
-
-
 def overlap_fraction(ring_ms: float, compute_ms: float, comm_ms: float) -> float | None:
     """(b + c − a) / min(b, c) clamped to [0, 1]; None where it is undefined."""
     shorter = min(compute_ms, comm_ms)
@@ -246,8 +226,8 @@ def overlap_fraction(ring_ms: float, compute_ms: float, comm_ms: float) -> float
 
 
 class ShiftRecording:
-    """One ring step's shifts, (layout, send (shape, dtype)s, what it received, tag) each, and
-    the order of their posts and waits: made into a compute-only and a transfers-only step."""
+    """One ring step's shifts (layout, send (shape, dtype)s, what it received, tag) and the order
+    of their posts and waits: made into a compute-only and a transfers-only step."""
 
     def __init__(self, step: Callable[[], Any]):
         from fusedloss.distributed.ring import Shift
@@ -300,6 +280,7 @@ class ShiftRecording:
         """The recorded shifts alone, in the recorded order, between zero-filled buffers (one
         per receive tag: shifts in flight together have different tags)."""
         from fusedloss.distributed.ring import Shift
+
         @functools.cache
         def buffer(shape: torch.Size, dtype: torch.dtype, key: Any) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -325,8 +306,8 @@ class ShiftRecording:
 
 def time_variant(row: dict[str, Any], name: str, make: Callable[[], Callable[[], Any]],
                  ctx: Context, min_reps: int) -> bool:
-    """``make()``'s function timed like the step, into ``row[name + "_ms"]`` and
-    ``row[name + "_per_rank"]``, or why not into ``row[name + "_note"]``."""
+    """``make()``'s function timed like the step, into ``row[name + "_ms"]`` (and
+    ``_per_rank``), or why not into ``row[name + "_note"]``."""
     probe: dict[str, Any] = {}
     ok, fn = ctx.stage(probe, make)
     if ok:
@@ -480,8 +461,7 @@ def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, An
     return case
 
 
-# fusedloss's rows: (a) the step, (b) compute only, (c) transfers only, host, CUDA graph.
-OVERLAP_COLUMNS: list[common.Column] = [
+OVERLAP_COLUMNS: list[common.Column] = [  # fusedloss's (a), host, graph, (b), (c)
     column("case", "case"), column("a: ring", "ms", format_ms),
     column("host", "host_ms", format_ms), column("graphed", "graphed_ms", format_ms),
     column("b: compute only", "compute_ms", format_ms),
@@ -500,7 +480,9 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     if any(batch % ctx.world for batch in args.batches):
         ctx.say(f"global batches {args.batches} must split evenly over {ctx.world} ranks")
         return 2
-    matmul, cases = probe_matmul(args, ctx), []
+    matmul = common.probe_matmul(ctx.device, args.matmul_size, args.quick, ctx.timing,
+                                 ctx.dtype, ctx.say) if ctx.rank == 0 else {}
+    cases = []
     for batch in args.batches:
         cases.append(run_case(batch, ctx, args))
         if ctx.rank != 0:
@@ -528,18 +510,18 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=common.int_list, default=None, help="comma list of "
-                        f"global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
-    parser.add_argument("--width", type=int, default=None, help=f"c (default {DEFAULT_WIDTH})")
-    parser.add_argument("--providers", type=common.comma_list(PROVIDER_KEYS),
-                        default=list(PROVIDER_KEYS), help="comma list (default: all)")
+    add = parser.add_argument
+    add("--batches", type=common.int_list, default=None,
+        help=f"comma list of global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
+    add("--width", type=int, default=None, help=f"c (default {DEFAULT_WIDTH})")
+    common.add_list(parser, "--providers", PROVIDER_KEYS, PROVIDER_KEYS)
     common.add_common_arguments(parser, "B 256,512, c = 64: a smoke test (gloo)")
-    parser.add_argument("--min-reps", type=int, default=MIN_REPS,
-                        help=f"at least this many timed calls (default {MIN_REPS})")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="skip fusedloss's compute-only and transfers-only measurements")
-    parser.add_argument("--graph", action="store_true",
-                        help="also time fusedloss's step replayed from a CUDA graph (CUDA only)")
+    add("--min-reps", type=int, default=MIN_REPS,
+        help=f"at least this many timed calls (default {MIN_REPS})")
+    add("--no-overlap", action="store_true",
+        help="skip fusedloss's compute-only and transfers-only measurements")
+    add("--graph", action="store_true",
+        help="also time fusedloss's step replayed from a CUDA graph (CUDA only)")
 
 
 SUITE = Suite("ring", "CLIP over K processes (torchrun): fusedloss's ring against inf-cl and "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -92,23 +93,12 @@ def materialized(loss: Loss, x: dict[str, Any]) -> torch.Tensor:
     return F.cross_entropy(sim, torch.cat([rows + n, rows]))
 
 
-def host_us(step, device: str, reps: int = 20) -> float:
-    """Median wall time to issue one call with the GPU idle, not waiting for it."""
-    samples = []
-    for _ in range(reps):
-        common.synchronize(device)
-        start = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - start) * 1e6)
-    common.synchronize(device)
-    return statistics.median(samples)
-
-
 _COMPILED: dict[str, Any] = {}
 
 
 def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One method's forward + backward: loss value, median ms, host µs, peak MiB."""
+    """One method's forward + backward: loss value, median ms, the host µs to issue one call
+    with the GPU idle (not waiting for it), peak MiB."""
     x = make_inputs(loss, size, DTYPE, args.device)
     leaves = [t for t in x.values() if t.requires_grad]
     if method == "torch-compile" and loss.name not in _COMPILED:
@@ -131,25 +121,22 @@ def measure(loss: Loss, size: int, method: str, args: argparse.Namespace) -> dic
     value = float(step().detach())
     timing = common.timing_settings(args.warmup_ms, args.rep_ms, args.quick)
     ms = common.median_ms(step, args.device, timing)
-    # ~1 s of host samples: a few at the large sizes, where a call takes seconds
-    host = host_us(step, args.device, reps=max(3, min(20, int(1000 / ms))))
+    host = []  # ~1 s of samples: a few at the large sizes, where a call takes seconds
+    for _ in range(max(3, min(20, int(1000 / ms)))):
+        common.synchronize(args.device)
+        start = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - start) * 1e6)
+    common.synchronize(args.device)
     grads = sum(t.numel() * t.element_size() for t in leaves)
     for t in leaves:  # memory before the call without gradients; their bytes are subtracted
         t.grad = None
     mib = common.peak_extra_mib(step, args.device, accounted_bytes=grads)
-    return dict(loss=loss.name, size=size, method=method, ms=ms, host_us=host, mib=mib,
-                value=value)
-
-
-def fits(loss: Loss, size: int, method: str, device: torch.device) -> bool:
-    """Whether the materialized loss's logits (~3 fp32 copies) fit a quarter of free memory."""
-    if method in BACKENDS or not common.uses_cuda(device):
-        return True
-    return 3 * size * (loss.vocab or size) * 4 <= torch.cuda.mem_get_info(device)[0] // 4
+    return dict(loss=loss.name, size=size, method=method, ms=ms,
+                host_us=statistics.median(host), mib=mib, value=value)
 
 
 # ----------------------------------------------------------------------------- training steps
-
 STEPS = {  # a tiny model's training step with the loss inside: (rows, width, vocabulary)
     "mlp-clip": (256, 512, 0),  # a two-layer MLP encoder per tower, CLIP at b = 256
     "small-lm": (512, 512, 32000),  # a two-layer MLP body and an LM head, N = 512 tokens
@@ -215,8 +202,6 @@ def measure_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- run, report
-
-
 def run(args: argparse.Namespace) -> int:
     args.device = common.pick_device(args.device)
     env = common.collect_environment(args.device)
@@ -228,23 +213,31 @@ def run(args: argparse.Namespace) -> int:
         sizes = args.sizes or ([s // 64 for s in ladder[:3]] if args.quick else ladder)
         if args.quick and loss.vocab:
             loss = Loss(loss.name, 32, vocab=1000, softcap=loss.softcap)
-        for size in sizes:
-            for method in args.methods:
-                if loss.vocab and method in ("fusedloss-tiled", "fusedloss-materialized"):
-                    continue  # the LM head has one path
-                if not fits(loss, size, method, args.device):
-                    continue
-                try:
-                    row = measure(loss, size, method, args)
-                except Exception as error:  # a method that fails (OOM) leaves a hole
-                    row = dict(loss=loss.name, size=size, method=method,
-                               error=common.describe_error(error))
-                common.release_memory(args.device)
-                rows.append(row)
-                print(row["loss"], row["size"], method, row.get("error") or
-                      f"{row['ms']:.3f} ms, host {row['host_us']:.0f} µs, "
-                      f"{common.format_mib(row['mib'])} MiB", flush=True)
-    _check_values(rows)
+        for size, method in itertools.product(sizes, args.methods):
+            if loss.vocab and method in ("fusedloss-tiled", "fusedloss-materialized"):
+                continue  # the LM head has one path
+            # the materialized loss only where its logits (~3 fp32 copies) fit in a quarter of
+            # the free memory
+            if (method not in BACKENDS and common.uses_cuda(args.device) and 3 * size
+                    * (loss.vocab or size) * 4 > torch.cuda.mem_get_info(args.device)[0] // 4):
+                continue
+            try:
+                row = measure(loss, size, method, args)
+            except Exception as error:  # a method that fails (OOM) leaves a hole
+                row = dict(loss=loss.name, size=size, method=method,
+                           error=common.describe_error(error))
+            common.release_memory(args.device)
+            rows.append(row)
+            print(row["loss"], row["size"], method, row.get("error") or
+                  f"{row['ms']:.3f} ms, host {row['host_us']:.0f} µs, "
+                  f"{common.format_mib(row['mib'])} MiB", flush=True)
+    # each method's loss value within 2% of the materialized eager one (bf16 logits)
+    eager = {(r["loss"], r["size"]): r["value"] for r in rows
+             if r["method"] == "torch" and "value" in r}
+    for r in rows:
+        ref = eager.get((r["loss"], r["size"]))
+        if "value" in r and ref is not None and abs(r["value"] - ref) > 0.02 * max(1, abs(ref)):
+            r["wrong"] = f"loss {r['value']:.5g} vs PyTorch's {ref:.5g}"
     body, time_table = _markdown(rows, steps)
     common.write_report(args.out, "sizes", args.tag, env, "Losses against PyTorch's, by size",
                         common.environment_rows(env, {}), body,
@@ -252,16 +245,6 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(rows, env, common.results_path(args.out, "sizes", env, args.tag, ".svg"))
     return 0
-
-
-def _check_values(rows: list[dict[str, Any]]) -> None:
-    """Each method's loss value within 2% of the materialized eager one (bf16 logits)."""
-    by_case = {(r["loss"], r["size"]): r["value"] for r in rows
-               if r["method"] == "torch" and "value" in r}
-    for r in rows:
-        ref = by_case.get((r["loss"], r["size"]))
-        if "value" in r and ref is not None and abs(r["value"] - ref) > 0.02 * max(1, abs(ref)):
-            r["wrong"] = f"loss {r['value']:.5g} vs PyTorch's {ref:.5g}"
 
 
 def _cell(row: dict[str, Any] | None) -> str:
@@ -285,11 +268,10 @@ def _markdown(rows: list[dict[str, Any]], steps: list[dict[str, Any]]) -> tuple[
     by_case: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:
         by_case.setdefault((r["loss"], r["size"]), {})[r["method"]] = r
-    cases = sorted(by_case.items())
     time_table = common.table([
         ("loss", lambda c: c[0][0]), ("size", lambda c: c[0][1]),
         *((m, lambda c, m=m: _cell(c[1].get(m))) for m in methods),
-        ("fusedloss ÷ best PyTorch", lambda c: _ratio(c[1]))], cases)
+        ("fusedloss ÷ best PyTorch", lambda c: _ratio(c[1]))], sorted(by_case.items()))
     out = ["Forward + backward of the mean loss; median ms (do_bench) / host µs to issue one "
            "call / peak MiB above inputs and gradients. 'torch' is the materialized loss "
            "(logits in the input dtype), eager and compiled.",
@@ -324,18 +306,16 @@ def _plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> Path |
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--losses", type=common.comma_list(list(LOSSES)), default=list(LOSSES),
-                        help=f"comma list of {', '.join(LOSSES)} (default: all)")
-    parser.add_argument("--sizes", type=common.int_list, default=None,
-                        help="rows (b, or the LM head's N); default: each loss's ladder")
-    parser.add_argument("--methods", type=common.comma_list(list(METHODS)),
-                        default=list(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}"
-                        f" (default: {','.join(DEFAULT_METHODS)})")
+    add = parser.add_argument
+    common.add_list(parser, "--losses", LOSSES, LOSSES)
+    add("--sizes", type=common.int_list, default=None,
+        help="rows (b, or the LM head's N); default: each loss's ladder")
+    common.add_list(parser, "--methods", METHODS, DEFAULT_METHODS)
     common.add_common_arguments(parser, "sizes/64, a small LM head, short timing: a smoke test",
                                 dtype=False, seed=False, matmul=False)
-    parser.add_argument("--plot", action="store_true", help="also write <results>.svg")
-    parser.add_argument("--steps", action="store_true",
-                        help="also time tiny training steps with each loss (graphed on CUDA)")
+    add("--plot", action="store_true", help="also write <results>.svg")
+    add("--steps", action="store_true",
+        help="also time tiny training steps with each loss (graphed on CUDA)")
 
 
 SUITE = Suite("sizes", "every loss against the PyTorch loss it replaces, eager and compiled, "

@@ -1,6 +1,5 @@
 """Suite ``train``: one training step (forward, backward, AdamW) of Hugging Face causal LMs with
-random weights from their published configs, per loss method, and the largest batch that fits.
-Methods, settings and figures are defined in benchmarks/README.md ("The `train` suite")."""
+random weights from their published configs, per loss method, and the largest batch that fits."""
 
 from __future__ import annotations
 
@@ -213,10 +212,8 @@ def measure_method(row: common.Row, args, device: torch.device, log) -> None:
 
 
 def run_method(name: str, method: str, args, device: torch.device, log=print) -> common.Row:
-    """One method on one model, its row: losses (every step's at the fixed batch), |last loss −
-    HF eager's|, the largest batch (whether the search stopped at its limit, not out of
-    memory), a sweep point per batch measured (the fixed one included); a failure becomes its
-    status (the run goes on)."""
+    """One method on one model: every loss at the fixed batch, |last loss − HF eager's|, the
+    largest batch (and whether at the limit), a sweep point per batch; failures as its status."""
     version = common.package_version(PEERS[method]) if method in PEERS else None
     label = LABELS[method].replace(" (", f" {version} (", 1) if version else LABELS[method]
     result = common.new_row(method, label, model=name, method=method, batch=args.batch,
@@ -276,18 +273,6 @@ SWEEP_COLUMNS = [  # items: (run_method()'s row, sweep point)
 ]
 
 
-def settings_rows(env: dict[str, Any], s: argparse.Namespace) -> list[tuple[str, Any]]:
-    return [
-        *common.environment_rows(env, {p: common.package_version(p) for p in PEERS.values()}),
-        ("transformers", common.package_version("transformers")),
-        ("settings", f"seq {s.seq}, batch {s.batch}, {s.warmup_steps} warm-up + {s.steps} timed "
-         f"steps, seed {s.seed}, AdamW lr {LR}, layers {s.layers or 'all'}"
-         f"{', --quick' if s.quick else ''}"),
-        ("max-batch search", f"limit {s.max_batch_limit}, 1 warm-up + {s.sweep_steps} timed steps "
-         "per batch" if s.find_max_batch else "off"),
-    ]
-
-
 def plot_results(path: Path, results: list[common.Row]) -> Path | None:
     """Peak memory and tokens/s against tokens per step, one line per method, per model."""
     panels = []
@@ -304,10 +289,8 @@ def plot_results(path: Path, results: list[common.Row]) -> Path | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--models", type=common.comma_list(list(MODEL_CONFIGS)), default=list(MODEL_CONFIGS),
-        help=f"comma list of {', '.join(MODEL_CONFIGS)} (default: all)")
-    add("--methods", type=common.comma_list(list(LABELS)), default=list(LABELS),
-        help=f"comma list of {', '.join(LABELS)} (default: all)")
+    common.add_list(parser, "--models", MODEL_CONFIGS, MODEL_CONFIGS)
+    common.add_list(parser, "--methods", LABELS, LABELS)
     add("--seq", type=int, default=None, help="tokens per sequence (4096; 32 with --quick)")
     add("--batch", type=int, default=2, help="the fixed batch (default 2)")
     add("--steps", type=int, default=5, help="timed steps (default 5)")
@@ -322,8 +305,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, log=print) -> int:
-    device = common.pick_device(args.device)
-    if not common.cuda_or_quick(device, args.quick, NAME, log):
+    device = common.run_device(args, NAME, log)
+    if device is None:
         return 2
     args.seq = args.seq or (32 if args.quick else 4096)
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "device")}
@@ -353,10 +336,18 @@ def run(args: argparse.Namespace, log=print) -> int:
     if any(len(r["sweep"]) > 1 for r in results):
         body += common.section("Batches tried", "", SWEEP_COLUMNS,
                                [(r, point) for r in results for point in r["sweep"]])
-    common.write_report(args.out, NAME, args.tag, env, "End-to-end training step",
-                        settings_rows(env, types.SimpleNamespace(**settings)), body, payload,
-                        common.table(COLUMNS[:-1], results, text=True), calls=calls, notes=notes,
-                        log=log)
+    a = args
+    rows = [
+        *common.environment_rows(env, {p: common.package_version(p) for p in PEERS.values()}),
+        ("transformers", common.package_version("transformers")),
+        ("settings", f"seq {a.seq}, batch {a.batch}, {a.warmup_steps} warm-up + {a.steps} timed "
+         f"steps, seed {a.seed}, AdamW lr {LR}, layers {a.layers or 'all'}"
+         f"{', --quick' if a.quick else ''}"),
+        ("max-batch search", f"limit {settings['max_batch_limit']}, 1 warm-up + {a.sweep_steps} "
+         "timed steps per batch" if a.find_max_batch else "off")]
+    common.write_report(args.out, NAME, args.tag, env, "End-to-end training step", rows, body,
+                        payload, common.table(COLUMNS[:-1], results, text=True), calls=calls,
+                        notes=notes, log=log)
     return 0
 
 

@@ -13,13 +13,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks import common
-from benchmarks.inputs import LM_HEAD_SHAPES, make_lm_head_inputs, quick_shape
+from benchmarks.inputs import LM_HEAD_SHAPES, QUICK_N, make_lm_head_inputs, quick_shape
 from benchmarks.suites import Suite, lm_head, ring
 
 FUSEDLOSS, MEGATRON, SINGLE_GPU = "fusedloss", "megatron", "single-gpu"
 DEFAULT_SHAPES = ("gemma2-2b", "llama3-8b")
 REGIME = "peaked"
-QUICK_N = 128
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -46,12 +45,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)
-
         partition_vocab_size = vocab_parallel_logits.size(-1)
         target_mask = (target < vocab_start) | (target >= vocab_start + partition_vocab_size)
         masked_target = target.clone() - vocab_start
         masked_target[target_mask] = 0
-
         logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
         masked_target_1d = masked_target.view(-1)
         arange_1d = torch.arange(logits_2d.size(0), device=logits_2d.device)
@@ -59,12 +56,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         predicted_logits = predicted_logits.view_as(target)
         predicted_logits[target_mask] = 0.0
         dist.all_reduce(predicted_logits, group=group)
-
         exp_logits = vocab_parallel_logits
         torch.exp(vocab_parallel_logits, out=exp_logits)
         sum_exp_logits = exp_logits.sum(dim=-1)
         dist.all_reduce(sum_exp_logits, group=group)
-
         loss = torch.log(sum_exp_logits) - predicted_logits
         exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
         ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
@@ -177,7 +172,8 @@ def run_case(name: str, n: int, ctx: ring.Context, args: argparse.Namespace) -> 
 
 def _run(args: argparse.Namespace, ctx: ring.Context) -> int:
     args.n = QUICK_N if args.quick else lm_head.DEFAULT_N
-    matmul = ring.probe_matmul(args, ctx)
+    matmul = common.probe_matmul(ctx.device, args.matmul_size, args.quick, ctx.timing,
+                                 ctx.dtype, ctx.say) if ctx.rank == 0 else {}
     cases = [run_case(name, args.n, ctx, args) for name in args.shapes]
     if ctx.rank == 0:
         for case in cases:
@@ -198,9 +194,7 @@ def _run(args: argparse.Namespace, ctx: ring.Context) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--shapes", type=common.comma_list(list(LM_HEAD_SHAPES)), default=list(DEFAULT_SHAPES),
-        help=f"comma list of {', '.join(LM_HEAD_SHAPES)} (default {','.join(DEFAULT_SHAPES)})")
+    common.add_list(parser, "--shapes", LM_HEAD_SHAPES, DEFAULT_SHAPES)
     common.add_common_arguments(parser, "V/128, D/32, N = 128: a smoke test (gloo)")
 
 
