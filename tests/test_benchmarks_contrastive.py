@@ -459,6 +459,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert common.QUICK_NOTE in markdown and "## Losses and gradient accuracy" in markdown
 
 
+@pytest.mark.slow  # ~18 s: make test-slow
 def test_grid_run_times_the_products_and_plots(tmp_path, capsys):
     """``--losses/--rows/--widths``: every combination, each with its cuBLAS products (two
     logit products, SigLIP's one) and fusedloss's ratio to them; ``--plot`` draws ms against b

@@ -5,11 +5,13 @@ fp32 computation (a peer's errors are reported, not bounded here)."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import import_benchmarks, read_results
 
 (run_module,) = import_benchmarks("run")
 
 
+@pytest.mark.slow  # ~12 s: make test-slow
 def test_quick_run_end_to_end(tmp_path):
     argv = ["post-training", "--quick", "--shapes", "phi3.5", "--rep-ms", "1", "--warmup-ms",
             "0", "--device", "cpu", "--out", str(tmp_path)]
