@@ -149,13 +149,13 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
                 gl.atomic_max(tile_stat_ptr + at, row_record + _LOG_BLOCK_N, mask=in_rows)
 
         # The row partials: the 32 per-thread partials of each row merged once per pair.
-        top = gl.max(gl.max(run_max, axis=0), axis=0)
-        safe_top = gl.where(top == float("-inf"), 0.0, top)
-        shift = gl.expand_dims(gl.expand_dims(safe_top, 0), 0)
+        row_max = gl.max(gl.max(run_max, axis=0), axis=0)
+        safe_row = gl.where(row_max == float("-inf"), 0.0, row_max)
+        shift = gl.expand_dims(gl.expand_dims(safe_row, 0), 0)
         row_sum = gl.sum(gl.sum(run_sum * gl.exp(run_max - shift), axis=0), axis=0)
-        rows = gl.arange(0, ROWS, layout=top.type.layout) + rb * 64
+        rows = gl.arange(0, ROWS, layout=row_max.type.layout) + rb * 64
         out = (pid_s * 2 + W).to(gl.int64) * N + rows
-        gl.store(max_out_ptr + out, top, mask=rows < row_end)
+        gl.store(max_out_ptr + out, row_max, mask=rows < row_end)
         gl.store(sum_out_ptr + out, row_sum, mask=rows < row_end)
 
 
