@@ -122,6 +122,14 @@ def test_info_nce_with_a_queue_matches_the_triton_kernel(tune, launches, variant
         scale_index=2)
 
 
+def test_nt_xent_masks_the_self_similarities(tune, launches, variant):
+    """NT-Xent: A and B the same rows, the diagonal out of every softmax."""
+    x = _features(2 * 333, 256, torch.bfloat16, 10)
+    tau = torch.tensor(0.2, device=DEV)
+    _assert_same(tune, launches, lambda f, t: fusedloss.nt_xent_loss(
+        f, temperature=t, filter_eps=None, backend="triton"), x, tau, scale_index=1)
+
+
 def test_lm_head_with_bias_ignored_rows_and_smoothing(tune, launches, variant):
     """A narrow LM head per token (the core's backward; a reduced bf16 loss takes the training
     path): bias, ignored targets and label smoothing (the rank-1 term outside the tiles),

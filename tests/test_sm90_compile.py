@@ -107,7 +107,7 @@ def compile_recompute(coalesce: bool, pingpong: bool) -> None:
         [a_desc, b_desc, f32, f32, i64, f32, f32, i64, *[f32] * 5, u8, a, f32,
          4096, 4096, 64, 0, 32, 32, 8, 32],
         _constants(d, stages, HAS_BIAS=True, HAS_SCALE=True, SCALE_DX=False, HAS_TARGET=True,
-                   COL_LSE=True, GRAD_SCALE=True, COALESCE=coalesce,
+                   COL_LSE=True, GRAD_SCALE=True, DIAG_MASK=coalesce, COALESCE=coalesce,
                    LAG=fwd.lag(d, stages, pingpong)),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared

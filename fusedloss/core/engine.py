@@ -1206,11 +1206,11 @@ def _sm90_recompute(problem: _Problem, a_rows: torch.Tensor | None, cfg: config.
                     live: torch.Tensor, out: tuple):
     """The Hopper recompute (``lse_backward_sm90.Recompute``) for this backward's dense slabs,
     or None where the Triton kernel runs: softmax losses on bf16/fp16 operands that TMA reads
-    (``a_rows``, A in compact row order), D ≤ 512, scale and bias only (no softcap, vocabulary
-    order, diagonal mask or entropy term), on the backward's 64 × 128 tiles."""
+    (``a_rows``, A in compact row order), D ≤ 512, scale, bias and a diagonal mask over rows in
+    order (no softcap, vocabulary order or entropy term), on the backward's 64 × 128 tiles."""
     a, b, logits, rows, stats, coef, _, sigmoid = problem.unpacked()
     if (a_rows is None or sigmoid or coef.logit is not None or logits.softcap
-            or logits.col_order is not None or logits.diag_mask
+            or logits.col_order is not None or (logits.diag_mask and rows.identity is not True)
             or not (config.tuning().gluon_backward and config.gluon_enabled(a.device))):
         return None
     from . import lse_backward_sm90 as sm90

@@ -65,13 +65,17 @@ COALESCE = False
 
 
 @gluon.jit
-def _logits(raw, scale, bias, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """X = scale · raw (one rounded product, as ``logits.mul_rn``) + bias."""
+def _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
+            DIAG_MASK: gl.constexpr):
+    """X = scale · raw (one rounded product, as ``logits.mul_rn``) + bias; -inf where the row
+    id equals the column id (DIAG_MASK: A and B the same rows, in order)."""
     x = raw
     if HAS_SCALE:
         x = _mul_rn(x, scale)
     if HAS_BIAS:
         x = x + gl.expand_dims(bias, 0)
+    if DIAG_MASK:
+        x = gl.where(gl.expand_dims(offs_m, 1) == gl.expand_dims(offs_n, 0), float("-inf"), x)
     return x
 
 
@@ -82,7 +86,8 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                mma: gl.constexpr, col_l: gl.constexpr,
                HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
                HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
-               COALESCE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+               DIAG_MASK: gl.constexpr, COALESCE: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
     """dX of one raw tile into the scratch, the arithmetic of ``_grad_logits_kernel`` in the
     same order; returns each row's Σ_j dX_ij·raw_ij over the tile (GRAD_SCALE, else 0)."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
@@ -96,19 +101,19 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
         if ref - low <= _FACTOR_RANGE:
             # r_i·P + c_j·Q = e_ij · (r_i + a_i·b_j): one exponential per entry
             b = gl.convert_layout(ccoef_v * gl.exp(ref - cmax_v), col_l)
-            x = _logits(raw, scale, bias, HAS_SCALE, HAS_BIAS)
+            x = _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE, HAS_BIAS, DIAG_MASK)
             e = gl.exp(x - gl.expand_dims(row_max, 1))
             dx = e * (gl.expand_dims(coef_lse, 1)
                       + gl.expand_dims(a_row, 1) * gl.expand_dims(b, 0))
         else:
             cmax = gl.convert_layout(cmax_v, col_l)
             ccoef = gl.convert_layout(ccoef_v, col_l)
-            x = _logits(raw, scale, bias, HAS_SCALE, HAS_BIAS)
+            x = _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE, HAS_BIAS, DIAG_MASK)
             e = gl.exp(x - gl.expand_dims(row_max, 1))
             dx = (gl.expand_dims(coef_lse, 1) * e
                   + gl.expand_dims(ccoef, 0) * gl.exp(x - gl.expand_dims(cmax, 0)))
     else:
-        x = _logits(raw, scale, bias, HAS_SCALE, HAS_BIAS)
+        x = _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE, HAS_BIAS, DIAG_MASK)
         dx = gl.expand_dims(coef_lse, 1) * gl.exp(x - gl.expand_dims(row_max, 1))
     if HAS_TARGET:
         lo = t * BLOCK_N
@@ -149,7 +154,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
               block_begin, block_end, tile_begin, tile_end,
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
               HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
-              COALESCE: gl.constexpr,
+              DIAG_MASK: gl.constexpr, COALESCE: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
               STAGES: gl.constexpr, LAG: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against the tiles
@@ -211,7 +216,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
                     target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
                     bias_ptr, scale, V, width, slab_tile_start, scratch_ptr, mma, col_l,
                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE,
-                    COALESCE, BLOCK_M, BLOCK_N)
+                    DIAG_MASK, COALESCE, BLOCK_M, BLOCK_N)
         if GRAD_SCALE:
             if active:
                 # into the (row block, first tile of the split) entry; the rest of the block's
@@ -241,7 +246,7 @@ def _clip_grad_sm90_kernel(
     blocks_per_group, tiles_per_split,
     HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
     HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
-    COALESCE: gl.constexpr,
+    DIAG_MASK: gl.constexpr, COALESCE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -279,16 +284,16 @@ def _clip_grad_sm90_kernel(
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
-                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, COALESCE,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
+                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, DIAG_MASK,
+                     COALESCE, BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
                      coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
-                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, COALESCE,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
+                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, DIAG_MASK,
+                     COALESCE, BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
@@ -326,7 +331,8 @@ class Recompute:
     """The kernel bound to one backward call's operands, statistics and outputs; called once
     per slab (``engine._grads_triton``'s dense slabs).
 
-    ``a_rows``: A in compact row order, TMA-ready (as b); ``logits``: scale and bias only;
+    ``a_rows``: A in compact row order, TMA-ready (as b); ``logits``: scale, bias and the
+    diagonal mask (with every row in order: compact positions are row ids);
     ``rows``: ``engine.Rows``; ``stats``: ``engine.RowStats`` (row max, column max with column
     coefficients); ``coef``: ``engine.GradCoefficients`` (lse, target, col); ``live``: (row
     blocks, column tiles) bool; ``out``: (scratch, dscale or None); ``coalesce``: the store
@@ -369,7 +375,8 @@ class Recompute:
         self._flags = dict(
             HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
             SCALE_DX=logits.scale is not None and logits.bias is None, HAS_TARGET=has_target,
-            COL_LSE=col_lse, GRAD_SCALE=dscale is not None, COALESCE=coalesce,
+            COL_LSE=col_lse, GRAD_SCALE=dscale is not None, DIAG_MASK=logits.diag_mask,
+            COALESCE=coalesce,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
             STAGES=n_stages, LAG=lag(d, n_stages),
             CONSUMER_REGS=CONSUMER_REGS, num_warps=WARPS, maxnreg=MAX_REGS,
