@@ -194,6 +194,7 @@ def test_quick_run_over_two_processes(tmp_path):
     assert out.stdout.count("results: ") == 1
 
 
+@pytest.mark.slow  # ~11 s: make test-slow (the gloo ring tests stay in make test)
 def test_quick_run_on_one_process_without_torchrun(tmp_path):
     _run([sys.executable, "benchmarks/run.py", "ring", "--quick", "--device", "cpu",
           "--providers", "fusedloss", "--batches", "128", "--graph", "--out", str(tmp_path),

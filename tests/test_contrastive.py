@@ -1190,7 +1190,7 @@ def test_siglip_logit_bias(backend):
 
 @pytest.mark.parametrize("reduction, formed", [
     ("mean", "backward"), pytest.param("sum", "backward", marks=pytest.mark.slow),
-    ("mean", "forward, chunks")])
+    pytest.param("mean", "forward, chunks", marks=pytest.mark.slow)])
 def test_fp32_info_nce_takes_the_lm_head_training_path(monkeypatch, tune, reduction, formed):
     """A reduced fp32 InfoNCE on the Triton backend runs on the LM head's training path, with
     the reference's loss and gradients (the temperature's too; labels, N ≠ M), its gradients

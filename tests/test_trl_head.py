@@ -201,6 +201,7 @@ def test_grpo_trainer_trains_alike(loss_type, tmp_path, monkeypatch):
     assert_params_equal(ours, ref, start, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~20 s of compiling: make test-slow
 def test_function_compiles_with_fullgraph():
     """TRL may compile the model around its head: the function traces without a break."""
     torch._dynamo.reset()
