@@ -54,8 +54,6 @@ class Tuning:
     tma: bool = True
     # The Hopper Gluon kernels where they apply (off: the Triton kernels).
     gluon: bool = True
-    # With ``gluon``, also the Gluon gradient recompute (``lse_backward_sm90``) on dense slabs.
-    gluon_backward: bool = False
     # Tiles of the forward, backward and split-accumulator kernels, replacing the frozen ones.
     forward_tile: TileConfig | None = None
     backward_tile: TileConfig | None = None
@@ -111,7 +109,7 @@ class Tuning:
 
 
 def _parse(field: str, spec: str):
-    if field in ("tma", "gluon", "gluon_backward", "sparse_slabs", "split_accumulator",
+    if field in ("tma", "gluon", "sparse_slabs", "split_accumulator",
                  "check_values"):
         if spec not in ("0", "1"):
             raise ValueError(spec)

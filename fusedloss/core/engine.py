@@ -1211,12 +1211,13 @@ def _sm90_recompute(problem: _Problem, a_rows: torch.Tensor | None, cfg: config.
     a, b, logits, rows, stats, coef, _, sigmoid = problem.unpacked()
     if (a_rows is None or sigmoid or coef.logit is not None or logits.softcap
             or logits.col_order is not None or (logits.diag_mask and rows.identity is not True)
-            or not (config.tuning().gluon_backward and config.gluon_enabled(a.device))):
+            or not config.gluon_enabled(a.device)):
         return None
     from . import lse_backward_sm90 as sm90
     from .lse_forward_sm90 import supports
 
-    if not supports(a, b) or (cfg.block_m, cfg.block_n) != (sm90.BLOCK_M, sm90.BLOCK_N):
+    if (not sm90.ENABLED or not supports(a, b)
+            or (cfg.block_m, cfg.block_n) != (sm90.BLOCK_M, sm90.BLOCK_N)):
         return None
     return sm90.Recompute(a_rows, b, logits, rows, stats, coef, live, out)
 

@@ -59,6 +59,9 @@ from .lse_forward_sm90 import (
 _FACTOR_RANGE = gl.constexpr(60.0)
 # Shared memory kept back for the dX tile's layout exchange (COALESCE: 64 × 128 × 2 bytes).
 _EXCHANGE_BYTES = BLOCK_M * BLOCK_N * 2
+# The engine's dense slabs through this kernel (True) or the Triton one (False: until measured
+# faster, as ``lse_forward_sm90.PINGPONG`` and ``TRANSPOSED``).
+ENABLED = False
 # Store dX through a layout exchange into whole rows per warp (True), or straight from the
 # products' layout, two columns a thread (False).
 COALESCE = False
