@@ -11,8 +11,6 @@ NaN inputs.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -63,17 +61,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("pingpong, transposed", [(False, False), (True, False), (False, True),
-                                                  (True, True)],
-                         ids=["free", "pingpong", "transposed", "transposed-pingpong"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}")
-def test_matches_triton_kernel_and_float64(tune, monkeypatch, case, pingpong, transposed):
-    """Both schedules of the consumers (``lse_forward_sm90.PINGPONG``) and both tile shapes
-    (``TRANSPOSED``: the row records then a bound, at most log 128 above the exact ones)."""
-    from fusedloss.core import lse_forward_sm90
-
-    monkeypatch.setattr(lse_forward_sm90, "PINGPONG", pingpong)
-    monkeypatch.setattr(lse_forward_sm90, "TRANSPOSED", transposed)
+def test_matches_triton_kernel_and_float64(tune, case):
     n, v, d, n_valid, with_bias, dtype, scale, same = case
     a = _features(n, d, dtype, n)
     b = a.clone() if same else _features(v, d, dtype, v + 1)
@@ -104,17 +93,14 @@ def test_matches_triton_kernel_and_float64(tune, monkeypatch, case, pingpong, tr
     col_mass = tiles.logsumexp(1)  # (n_rb, n_ct, bn)
     expect_rows, expect_cols = row_mass.amax(1), col_mass.amax(2)
     got_rows, got_cols = hopper.tile_log_mass, hopper.col_tile_log_mass
-    for got, expect, bound in ((got_rows, expect_rows, transposed), (got_cols, expect_cols, False)):
+    for got, expect in ((got_rows, expect_rows), (got_cols, expect_cols)):
         assert got.shape == expect.shape
         finite = torch.isfinite(expect)
         assert torch.equal(torch.isfinite(got), finite)
         # fp32 logits of magnitude up to ~100 (scale 100): a few ulp of each.
         tol = 2e-6 * expect[finite].abs() + 1e-5
-        err = got[finite].double() - expect[finite]
-        if bound:
-            assert (err >= -tol).all() and (err <= math.log(128) + tol).all(), err
-        else:
-            assert (err.abs() <= tol).all(), err.abs().max()
+        err = (got[finite].double() - expect[finite]).abs()
+        assert (err <= tol).all(), err.max()
 
 
 def test_nan_rows_give_nan(tune):

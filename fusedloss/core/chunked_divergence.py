@@ -112,12 +112,13 @@ def _divergence_rows_kernel(
                          mask=cols < V)
         tl.store(out_ptr + row, 0.0)
     else:
-        # each row's (max, log Σ exp(x − max)): log-probabilities (x − max) − log Σ, rounded
-        # at the scale of the log-sum, not of the logits (as log_softmax forms them)
-        max_s, lsum_s = _tempered_lse(base_s, V, temperature, inv_temperature, PRECISE, BLOCK_V)
-        max_t, lsum_t = _tempered_lse(base_t, V, temperature, inv_temperature, PRECISE, BLOCK_V)
-        log_1mb = tl.log(1.0 - beta)
-        log_b = tl.log(beta)
+        # each row's (max, Σ exp(x − max)): log-probabilities (x − max) − log Σ, rounded at
+        # the scale of the log-sum, not of the logits (as log_softmax forms them), and
+        # probabilities exp(x − max) / Σ (as softmax forms them)
+        max_s, sum_s = _tempered_lse(base_s, V, temperature, inv_temperature, PRECISE, BLOCK_V)
+        max_t, sum_t = _tempered_lse(base_t, V, temperature, inv_temperature, PRECISE, BLOCK_V)
+        lsum_s = log(sum_s, PRECISE)
+        lsum_t = log(sum_t, PRECISE)
         scale = c * inv_temperature  # the chain rule through x = Z / T
         offs = tl.arange(0, BLOCK_V)
         acc_t = tl.zeros([BLOCK_V], tl.float32)  # Σ p_t·(t − s), or Σ p_t·(t − log m)
@@ -125,16 +126,16 @@ def _divergence_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             in_row = cols < V
-            s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, max_s, lsum_s,
-                                            max_t, lsum_t, temperature, inv_temperature,
-                                            log_1mb, log_b, KIND, PRECISE)
+            s, t, gap_st, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, max_s, sum_s,
+                                                    lsum_s, max_t, sum_t, lsum_t, temperature,
+                                                    inv_temperature, beta, KIND, PRECISE)
             if KIND == 0:
-                acc_t += tl.where(p_t > 0, p_t * (t - s), 0.0)
+                acc_t -= tl.where(p_t > 0, p_t * gap_st, 0.0)
                 if GRAD:  # the forward KL's gradient needs no sum: written in this pass
                     tl.store(base_s + cols, (scale * (p_s - p_t)).to(base_s.dtype.element_ty),
                              mask=in_row)
             elif KIND == 1:
-                acc_s += tl.where(p_s > 0, p_s * (s - t), 0.0)
+                acc_s += tl.where(p_s > 0, p_s * gap_st, 0.0)
             else:
                 acc_t += tl.where(p_t > 0, p_t * (t - lm), 0.0)
                 acc_s += tl.where(p_s > 0, p_s * (s - lm), 0.0)
@@ -155,11 +156,11 @@ def _divergence_rows_kernel(
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + offs
                 in_row = cols < V
-                s, t, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, max_s, lsum_s,
-                                                max_t, lsum_t, temperature,
-                                                inv_temperature, log_1mb, log_b, KIND, PRECISE)
+                s, t, gap_st, p_s, p_t, lm = _log_probs(
+                    base_s, base_t, cols, in_row, max_s, sum_s, lsum_s, max_t, sum_t, lsum_t,
+                    temperature, inv_temperature, beta, KIND, PRECISE)
                 if KIND == 1:
-                    gap = tl.where(p_s > 0, s - t, 0.0)
+                    gap = tl.where(p_s > 0, gap_st, 0.0)
                 else:
                     gap = tl.where(p_s > 0, s - lm, 0.0)
                 grad = (scale * weight) * (p_s * (gap - kl_s))
@@ -180,7 +181,7 @@ def _tempered(base, cols, in_row, temperature, inv_temperature, PRECISE: tl.cons
 @triton.jit
 def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
                   BLOCK_V: tl.constexpr):
-    """(max_j x_j, log Σ_j exp(x_j − max)) of x = Z / T over a row: a running (max, Σ exp) per
+    """(max_j x_j, Σ_j exp(x_j − max)) of x = Z / T over a row: a running (max, Σ exp) per
     lane, then combined."""
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -193,25 +194,31 @@ def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
         s = s * exp(m - m_safe, PRECISE) + exp(x - m_safe, PRECISE)
         m = m_new
     m_row = tl.max(m, axis=0)
-    total = tl.sum(s * exp(m - m_row, PRECISE), axis=0)
-    return m_row, log(total, PRECISE)
+    return m_row, tl.sum(s * exp(m - m_row, PRECISE), axis=0)
 
 
 @triton.jit
-def _log_probs(base_s, base_t, cols, in_row, max_s, lsum_s, max_t, lsum_t, temperature,
-               inv_temperature, log_1mb, log_b, KIND: tl.constexpr, PRECISE: tl.constexpr):
-    """(s, t, p_s, p_t, log m) at ``cols`` from each row's max and log Σ exp(x − max) (p = 0
-    outside the row; log m, the log of the JSD's mixture β·p_t + (1 − β)·p_s, only for
-    KIND 2)."""
-    s = _tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - max_s - lsum_s
-    t = _tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - max_t - lsum_t
-    p_s = exp(s, PRECISE)
-    p_t = exp(t, PRECISE)
+def _log_probs(base_s, base_t, cols, in_row, max_s, sum_s, lsum_s, max_t, sum_t, lsum_t,
+               temperature, inv_temperature, beta, KIND: tl.constexpr, PRECISE: tl.constexpr):
+    """(s, t, s − t, p_s, p_t, log m) at ``cols`` from each row's max, Σ exp(x − max) and its log
+    (p = 0 outside the row; log m, the log of the JSD's mixture β·p_t + (1 − β)·p_s, only for
+    KIND 2). p = exp(x − max) / Σ, not exp(s): exp(s) would carry s's rounding (|s|·2⁻²⁴)
+    into p; log m = log(β·p_t + (1 − β)·p_s) likewise (logaddexp over s and t only where the
+    mixture underflows)."""
+    centered_s = _tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - max_s
+    centered_t = _tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - max_t
+    s = centered_s - lsum_s
+    t = centered_t - lsum_t
+    gap_st = (centered_s - centered_t) + (lsum_t - lsum_s)  # s − t, rounded once at its scale
+    p_s = div(exp(centered_s, PRECISE), sum_s, PRECISE)
+    p_t = div(exp(centered_t, PRECISE), sum_t, PRECISE)
     lm = s
-    if KIND == 2:  # logaddexp(s + log(1 − β), t + log β)
-        u = s + log_1mb
-        w = t + log_b
+    if KIND == 2:
+        mixture = beta * p_t + (1.0 - beta) * p_s
+        u = s + tl.log(1.0 - beta)  # logaddexp(s + log(1 − β), t + log β)
+        w = t + tl.log(beta)
         hi = tl.maximum(u, w)
         lo = tl.minimum(u, w)
         lm = hi + log1p_exp_neg(tl.where(hi == float("-inf"), 0.0, hi - lo), PRECISE)
-    return s, t, p_s, p_t, lm
+        lm = tl.where(mixture > 0.0, log(mixture, PRECISE), lm)
+    return s, t, gap_st, p_s, p_t, lm

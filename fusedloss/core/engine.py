@@ -395,13 +395,8 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     record_tiles = wants.record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
-    parts = splits
-    if a_sm90 is not None:
-        from . import lse_forward_sm90
-
-        parts = lse_forward_sm90.row_parts(splits)
-    part_max = torch.empty((parts, n), **f32)
-    part_sum = torch.empty((parts, n), **f32)
+    part_max = torch.empty((splits, n), **f32)
+    part_sum = torch.empty((splits, n), **f32)
     has_target = rows.target is not None
     # The sigmoid loss needs each tile's targets (they flip sign); the others take the target
     # logits from a launch of their own (_target_logit_kernel), bit for bit the tiles' values.
@@ -1216,7 +1211,7 @@ def _sm90_recompute(problem: _Problem, a_rows: torch.Tensor | None, cfg: config.
     from . import lse_backward_sm90 as sm90
     from .lse_forward_sm90 import supports
 
-    if (not sm90.ENABLED or not supports(a, b)
+    if (live.numel() < sm90.MIN_TILES or not supports(a, b)
             or (cfg.block_m, cfg.block_n) != (sm90.BLOCK_M, sm90.BLOCK_N)):
         return None
     return sm90.Recompute(a_rows, b, logits, rows, stats, coef, live, out)

@@ -50,21 +50,18 @@ from .lse_forward_sm90 import (
     _mul_rn,
     _tile_products,
     descriptor,
-    lag,
     stages,
 )
 
 # Q's factored form: every column max of the tile within this many nats of the rows' largest
 # max (``lse_backward._FACTOR_RANGE``, the same bound).
 _FACTOR_RANGE = gl.constexpr(60.0)
-# Shared memory kept back for the dX tile's layout exchange (COALESCE: 64 × 128 × 2 bytes).
+# Shared memory kept back for the dX tile's layout exchange (64 × 128 × 2 bytes).
 _EXCHANGE_BYTES = BLOCK_M * BLOCK_N * 2
-# The engine's dense slabs through this kernel (True) or the Triton one (False: until measured
-# faster, as ``lse_forward_sm90.PINGPONG`` and ``TRANSPOSED``).
-ENABLED = False
-# Store dX through a layout exchange into whole rows per warp (True), or straight from the
-# products' layout, two columns a thread (False).
-COALESCE = False
+# The engine's dense slabs take this kernel when the backward covers at least this many tiles,
+# else the Triton one: its host setup (the range-check extremes, descriptors) outweighs its
+# faster tiles below that (docs/design.md, "The Hopper backward").
+MIN_TILES = 1 << 17
 
 
 @gluon.jit
@@ -89,8 +86,7 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                mma: gl.constexpr, col_l: gl.constexpr,
                HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
                HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
-               DIAG_MASK: gl.constexpr, COALESCE: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr):
+               DIAG_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """dX of one raw tile into the scratch, the arithmetic of ``_grad_logits_kernel`` in the
     same order; returns each row's Σ_j dX_ij·raw_ij over the tile (GRAD_SCALE, else 0)."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
@@ -134,22 +130,19 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
         dx = dx * scale
     dx = dx.to(scratch_ptr.dtype.element_ty)
     base = scratch_ptr + (rb * BLOCK_M).to(gl.int64) * width + (t - slab_tile_start) * BLOCK_N
-    if COALESCE:
-        # Through shared memory into rows of 16-byte pieces: each warp stores whole rows.
-        store_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
-                                                 warps_per_cta=[4, 1], order=[1, 0])
-        dx = gl.convert_layout(dx, store_l)
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
-        cc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
-    else:
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        cc = gl.arange(0, BLOCK_N, layout=col_l)
+    # Through shared memory into rows of 16-byte pieces, each warp storing whole rows (the
+    # products' layout, two columns a thread, stored 5% slower: docs/design.md).
+    store_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                             warps_per_cta=[4, 1], order=[1, 0])
+    dx = gl.convert_layout(dx, store_l)
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_l))
+    cc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_l))
     gl.store(base + gl.expand_dims(r * width, 1) + gl.expand_dims(cc, 0), dx)
     return scale_part
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr, coef_target_ptr,
               block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr, live_ptr,
               scratch_ptr, dscale_ptr,
@@ -157,9 +150,9 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
               block_begin, block_end, tile_begin, tile_end,
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
               HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
-              DIAG_MASK: gl.constexpr, COALESCE: gl.constexpr,
+              DIAG_MASK: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr, LAG: gl.constexpr):
+              STAGES: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against the tiles
     [tile_begin, tile_end) of the slab."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -210,8 +203,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
                 cmax_v = gl.load(col_max_ptr + cols, mask=cols < V, other=0.0)
                 ccoef_v = gl.load(coef_col_ptr + cols, mask=cols < V, other=0.0)
                 low = gl.load(tile_low_ptr + t)
-            raw, c = _tile_products(W, a_smem, b_smem, ready, empty, turn, c, mma,
-                                    BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)
+            raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
+                                    BLOCK_M, BLOCK_N, K_TILES, STAGES)
             mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
             if active:
                 scale_rows += _grad_tile(
@@ -219,7 +212,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
                     target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
                     bias_ptr, scale, V, width, slab_tile_start, scratch_ptr, mma, col_l,
                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE,
-                    DIAG_MASK, COALESCE, BLOCK_M, BLOCK_N)
+                    DIAG_MASK, BLOCK_M, BLOCK_N)
         if GRAD_SCALE:
             if active:
                 # into the (row block, first tile of the split) entry; the rest of the block's
@@ -228,7 +221,10 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
                          gl.sum(scale_rows, axis=0))
 
 
-@gluon.jit
+# As the forward's, the sizes are not specialized on, but the scratch's row stride (``width``),
+# whose alignment lets the stores be 16 bytes wide.
+@gluon.jit(do_not_specialize=["V", "row_blocks", "slab_tile_start", "slab_tiles", "n_col_tiles",
+                              "blocks_per_group", "tiles_per_split"])
 def _clip_grad_sm90_kernel(
     a_desc, b_desc,        # TMA descriptors of A in compact row order (BLOCK_M × BLOCK_K) and B
     bias_ptr, scale_ptr,
@@ -249,10 +245,9 @@ def _clip_grad_sm90_kernel(
     blocks_per_group, tiles_per_split,
     HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
     HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
-    DIAG_MASK: gl.constexpr, COALESCE: gl.constexpr,
+    DIAG_MASK: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    K_TILES: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Program (g, s): row blocks of group g × the slab's tiles of split s; a loader warp and
     two consumer warpgroups that share the B chunks (as ``_clip_forward_sm90_kernel``)."""
@@ -271,32 +266,30 @@ def _clip_grad_sm90_kernel(
     a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(a_empty.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
 
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
                      coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
                      HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, DIAG_MASK,
-                     COALESCE, BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
-        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
                      coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
                      HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, DIAG_MASK,
-                     COALESCE, BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
@@ -305,7 +298,6 @@ def _clip_grad_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.invalidate(a_ready.index(i))
         mbarrier.invalidate(a_empty.index(i))
-        mbarrier.invalidate(turn.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -338,13 +330,11 @@ class Recompute:
     diagonal mask (with every row in order: compact positions are row ids);
     ``rows``: ``engine.Rows``; ``stats``: ``engine.RowStats`` (row max, column max with column
     coefficients); ``coef``: ``engine.GradCoefficients`` (lse, target, col); ``live``: (row
-    blocks, column tiles) bool; ``out``: (scratch, dscale or None); ``coalesce``: the store
-    (None: ``COALESCE``).
+    blocks, column tiles) bool; ``out``: (scratch, dscale or None).
     """
 
-    def __init__(self, a_rows, b, logits, rows, stats, coef, live, out, coalesce=None):
+    def __init__(self, a_rows, b, logits, rows, stats, coef, live, out):
         scratch, dscale = out
-        coalesce = COALESCE if coalesce is None else coalesce
         n, (v, d) = a_rows.shape[0], b.shape
         n_rb, n_ct = live.shape
         f32 = dict(dtype=torch.float32, device=b.device)
@@ -374,14 +364,13 @@ class Recompute:
             tile_low, live.view(torch.uint8), scratch, dscale if dscale is not None else dummy,
         )
         self._width = scratch.shape[1]
-        n_stages = stages(d, a_rows.element_size(), _EXCHANGE_BYTES if coalesce else 0)
+        n_stages = stages(d, a_rows.element_size(), _EXCHANGE_BYTES)
         self._flags = dict(
             HAS_BIAS=logits.bias is not None, HAS_SCALE=logits.scale is not None,
             SCALE_DX=logits.scale is not None and logits.bias is None, HAS_TARGET=has_target,
             COL_LSE=col_lse, GRAD_SCALE=dscale is not None, DIAG_MASK=logits.diag_mask,
-            COALESCE=coalesce,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-            STAGES=n_stages, LAG=lag(d, n_stages),
+            STAGES=n_stages,
             CONSUMER_REGS=CONSUMER_REGS, num_warps=WARPS, maxnreg=MAX_REGS,
         )
 

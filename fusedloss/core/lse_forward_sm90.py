@@ -63,12 +63,6 @@ CONSUMER_REGS = 232
 # this many nats of it: exp(X − ref) ≥ e⁻⁸⁰ stays a normal fp32 number (e⁻⁸⁷ is the least).
 _REF_RANGE = gl.constexpr(80.0)
 _SMEM_BUDGET = 208 * 1024  # of Hopper's 227 KiB per block; the rest for layout exchanges
-# The consumers take turns at the tensor cores, as many chunks apart as the ring allows
-# (``_tile_products``' LAG), or run freely (False).
-PINGPONG = False
-# Transposed tiles (``lse_forward_sm90_t``: a tile of Xᵀ per consumer, column sums within a
-# quad, row sums per thread), or the plain ones (False).
-TRANSPOSED = False
 
 
 @gluon.jit
@@ -114,37 +108,19 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
 
 
 @gluon.jit
-def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, turn, c, mma: gl.constexpr,
+def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, c, mma: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-                   STAGES: gl.constexpr, LAG: gl.constexpr, TRANSPOSED: gl.constexpr = False):
+                   STAGES: gl.constexpr):
     """(raw tile, chunk count): consumer W's resident A block times the ring's next K_TILES B
     chunks (c of them consumed so far), asynchronous products, each chunk's slot released once
-    its product is done. ``TRANSPOSED``: the tile is Xᵀ instead, W's half of each B chunk (its
-    BLOCK_M rows) times the resident A block shared by both consumers (its BLOCK_N rows).
-
-    LAG > 0 (≤ STAGES): the consumers take turns (ping-pong). W starts a tile's products once
-    the other consumer has issued LAG chunks of its tile, and lets it go on after issuing LAG
-    of its own: the two stay LAG chunks apart, so that one's epilogue runs beside the other's
-    products instead of both waiting for the same chunk and then both forming statistics.
-    """
-    if LAG > 0:
-        # consumer 0's first wait passes (barriers start with phase 1 complete)
-        mbarrier.wait(turn.index(W), ((c // K_TILES) & 1) ^ (1 - W))
+    its product is done. The two consumers run freely: taking turns at the tensor cores
+    (FA3's ping-pong) measured no faster (docs/design.md, "The Hopper forward")."""
     raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     for k in gl.static_range(K_TILES):
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-        if TRANSPOSED:
-            raw = warpgroup_mma(b_smem.index(slot).slice(W * BLOCK_M, BLOCK_M, dim=0),
-                                a_smem.index(k).permute((1, 0)), raw, use_acc=k > 0,
-                                is_async=True)
-        else:
-            raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
-                                b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
-                                is_async=True)
-        if LAG > 0:
-            if k == LAG - 1:
-                mbarrier.arrive(turn.index(1 - W), count=1)
+        raw = warpgroup_mma(a_smem.index(W * K_TILES + k), b_smem.index(slot).permute((1, 0)),
+                            raw, use_acc=k > 0, is_async=True)
         # The previous chunk's product is done: its slot may be refilled.
         raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
         if k > 0:
@@ -156,7 +132,7 @@ def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, turn, c, mma: 
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
               col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
               n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
@@ -164,7 +140,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
               RECORD_TILES: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr, LAG: gl.constexpr):
+              STAGES: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against every tile of the
     split. Its column partials are row 2·g + W of the (2 · groups, V) arrays."""
     WARP_ROWS: gl.constexpr = BLOCK_M // 4
@@ -198,8 +174,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, t
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
             old_max = gl.load(col_max_ptr + col_part + cols, mask=cols < V, other=float("-inf"))
             old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
-            raw, c = _tile_products(W, a_smem, b_smem, ready, empty, turn, c, mma,
-                                    BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)
+            raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
+                                    BLOCK_M, BLOCK_N, K_TILES, STAGES)
             # The block's last product is done: the loader may bring the next block in
             # while this tile's statistics are formed.
             mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
@@ -293,7 +269,9 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
     return new_max, row_sum
 
 
-@gluon.jit
+# The sizes are not specialized on (a compile per batch size otherwise): no access vectorizes
+# on them.
+@gluon.jit(do_not_specialize=["N", "V", "blocks_per_group", "tiles_per_split", "n_col_tiles"])
 def _clip_forward_sm90_kernel(
     a_desc, b_desc,      # TMA descriptors of A in compact row order (BLOCK_M × BLOCK_K) and B
     bias_ptr, scale_ptr,
@@ -308,8 +286,7 @@ def _clip_forward_sm90_kernel(
     HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
     RECORD_TILES: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    K_TILES: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Program (g, c) visits row blocks of group g × column tiles of split c, as the Triton
     kernel's grid (engine._forward_grid), with three partitions: a loader warp and two
@@ -329,28 +306,26 @@ def _clip_forward_sm90_kernel(
     a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(a_empty.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
 
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
                      n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
-        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty, turn,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
                      n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES, LAG)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
@@ -359,7 +334,6 @@ def _clip_forward_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.invalidate(a_ready.index(i))
         mbarrier.invalidate(a_empty.index(i))
-        mbarrier.invalidate(turn.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -371,19 +345,6 @@ def stages(d: int, element_size: int, reserve: int = 0) -> int:
     a_bytes = 2 * BLOCK_M * d * element_size + reserve
     return max(2, min(2 * (d // BLOCK_K), (_SMEM_BUDGET - a_bytes) // (BLOCK_N * BLOCK_K
                                                                          * element_size)))
-
-
-def lag(d: int, n_stages: int, pingpong: bool | None = None) -> int:
-    """``_tile_products``' LAG: the chunks one consumer runs ahead of the other with
-    ``pingpong`` (None: ``PINGPONG``), at most a tile's and the ring's; 0 without."""
-    on = PINGPONG if pingpong is None else pingpong
-    return min(d // BLOCK_K, n_stages) if on else 0
-
-
-def row_parts(splits: int) -> int:
-    """Rows of the row partials (``Partials.row_max``) for ``splits`` column splits: one per
-    split, two with transposed tiles (each consumer writes its own)."""
-    return 2 * splits if TRANSPOSED else splits
 
 
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -403,7 +364,7 @@ def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Partials:
-    """What the kernel writes: the row partials (``row_parts(splits)``, N) fp32, the per-tile
+    """What the kernel writes: the row partials (splits, N) fp32, the per-tile
     records (from -inf), and the column partials (2 · row groups, V) fp32 (from -inf and 0),
     one row per consumer warpgroup (as ``_lse_forward_kernel``'s outputs otherwise)."""
 
@@ -434,13 +395,8 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
     bias, scale = logits.bias, logits.scale
     n_stages = stages(d, a_rows.element_size())
     dummy = out.row_sum
-    kernel, a_block = _clip_forward_sm90_kernel, BLOCK_M
-    if TRANSPOSED:
-        from .lse_forward_sm90_t import _clip_forward_sm90_t_kernel as kernel
-
-        a_block = 2 * BLOCK_M
-    kernel[(schedule.groups, schedule.splits)](
-        descriptor(a_rows, a_block), descriptor(b, BLOCK_N),
+    _clip_forward_sm90_kernel[(schedule.groups, schedule.splits)](
+        descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
         bias if bias is not None else dummy, scale if scale is not None else dummy, n_valid,
         out.row_max, out.row_sum, out.tiles, out.col_max, out.col_sum, out.col_tiles,
         a_rows.shape[0], b.shape[0], schedule.blocks_per_group, schedule.tiles_per_split,
@@ -448,6 +404,6 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         RECORD_TILES=record_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-        STAGES=n_stages, LAG=lag(d, n_stages), CONSUMER_REGS=CONSUMER_REGS,
+        STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=WARPS, maxnreg=MAX_REGS,
     )
