@@ -220,11 +220,9 @@ def inf_cl_head_dim(width: int) -> int:
     raise Unavailable(f"inf-cl needs a width divisible by 16, got c = {width}")
 
 
-def inf_clip_loss(cal_inf_loss: Callable[..., Tensor],
-                  scale_inside: bool = True) -> Callable[..., Tensor]:
-    """The CLIP loss from inf-cl's one-direction ``cal_inf_loss``, as ``InfClipLoss`` calls it;
-    ``scale_inside``: pass ``logit_scale`` to it (needs a process group), else scale the
-    features first."""
+def inf_clip_loss(cal_inf_loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """The CLIP loss from inf-cl's one-direction ``cal_inf_loss``, as ``InfClipLoss`` calls it
+    (``logit_scale`` passed to it: it needs a process group)."""
 
     @functools.lru_cache(maxsize=1)
     def labels_for(rows: int, device: torch.device) -> Tensor:
@@ -233,12 +231,8 @@ def inf_clip_loss(cal_inf_loss: Callable[..., Tensor],
     def loss(image: Tensor, text: Tensor, scale: Tensor) -> Tensor:
         labels = labels_for(image.shape[0], image.device)
         head_dim = inf_cl_head_dim(image.shape[1])
-        if scale_inside:
-            i2t = cal_inf_loss(image, text, labels, scale, head_dim=head_dim)
-            t2i = cal_inf_loss(text, image, labels, scale, head_dim=head_dim)
-        else:
-            i2t = cal_inf_loss(scale * image, text, labels, head_dim=head_dim)
-            t2i = cal_inf_loss(scale * text, image, labels, head_dim=head_dim)
+        i2t = cal_inf_loss(image, text, labels, scale, head_dim=head_dim)
+        t2i = cal_inf_loss(text, image, labels, scale, head_dim=head_dim)
         return ((i2t + t2i) / 2).mean()
 
     return loss

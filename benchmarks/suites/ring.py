@@ -364,7 +364,7 @@ def build_loss(key: str, ctx: Context, width: int) -> Callable[..., Tensor]:
         if not common.uses_cuda(ctx.device):
             raise Unavailable("inf-cl's Triton kernels (inline PTX) need a CUDA device")
         inf_cl_head_dim(width)  # raises Unavailable for a width it cannot take
-        return inf_clip_loss(cal_inf_loss, scale_inside=True)
+        return inf_clip_loss(cal_inf_loss)
     from open_clip.loss import ClipLoss
     # torch ≥ 2.7 deprecates torch.distributed.nn.all_gather, which open_clip calls.
     warnings.filterwarnings("ignore", message=r".*all_gather is deprecated",
