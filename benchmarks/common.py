@@ -204,11 +204,11 @@ def tensor_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def probe_matmul(device: torch.device | str, size: int | None, quick: bool,
-                 timing: TimingSettings, dtype: torch.dtype,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The matmul rate R every cost floor divides by: a ``size``³ random product, logged."""
-    size = size or (QUICK_MATMUL_SIZE if quick else MATMUL_SIZE)
+def probe_matmul(device: torch.device | str, quick: bool, timing: TimingSettings,
+                 dtype: torch.dtype, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The matmul rate R every cost floor divides by: a random product of MATMUL_SIZE³ (with
+    ``quick``: QUICK_MATMUL_SIZE³), logged."""
+    size = QUICK_MATMUL_SIZE if quick else MATMUL_SIZE
     generator = torch.Generator(device=device)
     generator.manual_seed(1234)
     a = torch.randn(size, size, generator=generator, device=device).to(dtype)
@@ -785,8 +785,8 @@ def add_list(parser: argparse.ArgumentParser, flag: str, choices: Iterable[str],
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dtype: bool = True,
-                         seed: bool = True, timing: bool = True, matmul: bool = True) -> None:
-    """The options every suite takes (``--dtype``, ``--seed``, timing, matmul: where asked)."""
+                         seed: bool = True, timing: bool = True) -> None:
+    """The options every suite takes (``--dtype``, ``--seed``, timing: where asked)."""
     add, default = parser.add_argument, TimingSettings()
     if dtype:
         add("--dtype", default="bf16", choices=list(DTYPES))
@@ -799,9 +799,6 @@ def add_common_arguments(parser: argparse.ArgumentParser, quick_help: str, *, dt
             f"{default.warmup_ms:g}; {QUICK_TIMING.warmup_ms:g} with --quick)")
         add("--rep-ms", type=float, default=None, help=f"do_bench rep in ms (default "
             f"{default.rep_ms:g}; {QUICK_TIMING.rep_ms:g} with --quick)")
-    if matmul:
-        add("--matmul-size", type=int, default=None, help="size of the matmul-rate probe "
-            f"(default {MATMUL_SIZE}; {QUICK_MATMUL_SIZE} with --quick)")
     add("--out", type=Path, default=RESULTS_DIR,
         help="directory for the .md and .json results (default benchmarks/results)")
     add("--tag", default=None, help="suffix for the results file names (e.g. a subset's name)")

@@ -334,7 +334,7 @@ def test_full_size_needs_cuda(tmp_path):
 def test_quick_run_end_to_end(tmp_path, capsys):
     options = (
         "--quick --providers torch-eager --shapes phi3.5 --regimes peaked,flat "
-        "--modes fwd+bwd,fwd --n 64 --matmul-size 64 --rep-ms 1 --warmup-ms 0"
+        "--modes fwd+bwd,fwd --n 64 --rep-ms 1 --warmup-ms 0"
     )
     code = run_module.main([*options.split(), "--out", str(tmp_path)])
     assert code == 0
@@ -361,7 +361,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
 def test_quick_run_at_several_n_applies_the_softcap(tmp_path):
     """A case per N; gemma2-2b's soft-cap reaches the suite's float64 reference and torch eager."""
     options = ("--quick --providers torch-eager --shapes gemma2-2b --modes fwd --n 32,16 "
-               "--matmul-size 64 --rep-ms 1 --warmup-ms 0")
+               "--rep-ms 1 --warmup-ms 0")
     assert run_module.main([*options.split(), "--out", str(tmp_path)]) == 0
     data, _ = read_results(tmp_path, "lm_head_*")
     assert data["settings"]["n"] == [32, 16]

@@ -15,7 +15,7 @@ from helpers import import_benchmarks, read_results
 companions, run_module = import_benchmarks("suites.companions", "run")
 
 CPU = torch.device("cpu")
-QUICK = "companions --quick --rep-ms 1 --warmup-ms 0 --matmul-size 32 --device cpu"
+QUICK = "companions --quick --rep-ms 1 --warmup-ms 0 --device cpu"
 ONE_CASE = "--parts linear --widths 16 --tokens 32"
 
 

@@ -425,7 +425,7 @@ def test_cli_options_and_cpu_refusal(tmp_path):
 def test_quick_run_end_to_end(tmp_path, capsys):
     options = (
         "contrastive --quick --shapes clip-16k,siglip-16k,nt-xent-64k "
-        "--providers fusedloss,torch,inf-cl --matmul-size 64 --rep-ms 1 --warmup-ms 0"
+        "--providers fusedloss,torch,inf-cl --rep-ms 1 --warmup-ms 0"
     )
     if torch.cuda.is_available():
         options += " --device cpu"
@@ -468,7 +468,7 @@ def test_grid_run_times_the_products_and_plots(tmp_path, capsys):
         ("info-nce-16384x512", "info-nce", 64, 64, 2), ("siglip-16384x512", "siglip", 64, 64, 1)]
     assert grid[0].parameters == {"temperature": contrastive.INFO_NCE_TEMPERATURE}
     options = ("contrastive --quick --losses info-nce,siglip --rows 16384,32768 --widths 512 "
-               "--providers fusedloss,torch --matmul-size 64 --rep-ms 1 --warmup-ms 0 --device cpu")
+               "--providers fusedloss,torch --rep-ms 1 --warmup-ms 0 --device cpu")
     assert run_module.main([*options.split(), "--out", str(tmp_path), "--tag", "g"]) == 0
     capsys.readouterr()
     data, markdown = read_results(tmp_path, "contrastive_*_g")

@@ -404,8 +404,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     log(f"companions on {env['device_name']}, SwitchBack backend {s.backend}: {s.parts}")
     report = {"suite": NAME, "environment": env,
               "settings": {**vars(s), "model": vars(s.model), "timing": asdict(s.timing)},
-              "matmul": common.probe_matmul(device, args.matmul_size, s.quick, s.timing,
-                                            torch.bfloat16, log),
+              "matmul": common.probe_matmul(device, s.quick, s.timing, torch.bfloat16, log),
               "timing": common.timing_text(device, s.timing),
               "notes": [common.QUICK_NOTE] if s.quick else []}
     if "linear" in s.parts:

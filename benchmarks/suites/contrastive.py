@@ -450,7 +450,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     grid = (args.losses, args.rows, args.widths) if args.rows else None
     cases = select_cases(args.shapes, args.regimes, args.quick, grid)
     environment = common.collect_environment(device)
-    matmul = common.probe_matmul(device, args.matmul_size, args.quick, timing, dtype, log)
+    matmul = common.probe_matmul(device, args.quick, timing, dtype, log)
     try:
         case_results = run_cases(cases, providers, device=device, dtype=dtype, seed=args.seed,
                                  timing=timing, tflops=matmul["tflops"], log=log)

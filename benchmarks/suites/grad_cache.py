@@ -229,8 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"Gradient Cache micro-batch rows (default {DEFAULT_MICRO_BATCH})")
     add("--max-step-s", type=float, default=60.0,
         help="stop a method's sweep after a step this long (default 60 s)")
-    common.add_common_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)",
-                                matmul=False)
+    common.add_common_arguments(parser, "B 64,128, tiny towers: a smoke test (gloo)")
 
 
 SUITE = Suite("grad-cache", "CLIP training step over K processes (torchrun): Gradient Cache + "

@@ -390,7 +390,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     environment = common.collect_environment(device)
     log(f"lm-head on {environment['device_name']}: torch {environment['torch']}, triton "
         f"{environment['triton']}, N={','.join(map(str, ns))}, {args.dtype}, {len(cases)} cases")
-    matmul = common.probe_matmul(device, args.matmul_size, quick, timing, dtype, log)
+    matmul = common.probe_matmul(device, quick, timing, dtype, log)
     providers = [lm_head_providers()[key] for key in args.providers]
     case_results = run_cases(cases, providers, device=device, dtype=dtype, seed=args.seed,
                              timing=timing, tflops=matmul["tflops"], log=log,

@@ -221,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_list(parser, "--shapes", LM_HEAD_SHAPES, SHAPES)
     common.add_list(parser, "--losses", LOSSES, LOSSES)
     parser.add_argument("--n", type=int, default=16384, help="tokens (default 16384)")
-    common.add_common_arguments(parser, "a small head and 256 tokens: a smoke test", matmul=False)
+    common.add_common_arguments(parser, "a small head and 256 tokens: a smoke test")
 
 
 SUITE = Suite("post-training", "token log-probs, GRPO, DPO and JSD through an LM head against "

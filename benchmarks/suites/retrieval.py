@@ -178,8 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--largest-cap", type=int, default=1 << 20)
     add("--plot", action="store_true",
         help="also <results>_losses.png: each method's loss per step")
-    common.add_common_arguments(parser, "a tiny encoder and batches 16, 32", dtype=False,
-                                matmul=False)
+    common.add_common_arguments(parser, "a tiny encoder and batches 16, 32", dtype=False)
 
 
 SUITE = Suite("retrieval", "sentence-transformers' in-batch-negatives losses against fusedloss's "

@@ -480,8 +480,8 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     if any(batch % ctx.world for batch in args.batches):
         ctx.say(f"global batches {args.batches} must split evenly over {ctx.world} ranks")
         return 2
-    matmul = common.probe_matmul(ctx.device, args.matmul_size, args.quick, ctx.timing,
-                                 ctx.dtype, ctx.say) if ctx.rank == 0 else {}
+    matmul = common.probe_matmul(ctx.device, args.quick, ctx.timing, ctx.dtype,
+                                 ctx.say) if ctx.rank == 0 else {}
     cases = []
     for batch in args.batches:
         cases.append(run_case(batch, ctx, args))

@@ -312,7 +312,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rows (b, or the LM head's N); default: each loss's ladder")
     common.add_list(parser, "--methods", METHODS, DEFAULT_METHODS)
     common.add_common_arguments(parser, "sizes/64, a small LM head, short timing: a smoke test",
-                                dtype=False, seed=False, matmul=False)
+                                dtype=False, seed=False)
     add("--plot", action="store_true", help="also write <results>.svg")
     add("--steps", action="store_true",
         help="also time tiny training steps with each loss (graphed on CUDA)")

@@ -301,7 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sweep-steps", type=int, default=2, help="timed steps per batch tried (default 2)")
     common.add_common_arguments(parser, "tiny configs, seq 32: a CPU smoke test in seconds (hf "
                                 "and fusedloss; the compiled methods and the peers need CUDA)",
-                                dtype=False, timing=False, matmul=False)
+                                dtype=False, timing=False)
 
 
 def run(args: argparse.Namespace, log=print) -> int:

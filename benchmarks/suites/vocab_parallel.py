@@ -172,8 +172,8 @@ def run_case(name: str, n: int, ctx: ring.Context, args: argparse.Namespace) -> 
 
 def _run(args: argparse.Namespace, ctx: ring.Context) -> int:
     args.n = QUICK_N if args.quick else lm_head.DEFAULT_N
-    matmul = common.probe_matmul(ctx.device, args.matmul_size, args.quick, ctx.timing,
-                                 ctx.dtype, ctx.say) if ctx.rank == 0 else {}
+    matmul = common.probe_matmul(ctx.device, args.quick, ctx.timing, ctx.dtype,
+                                 ctx.say) if ctx.rank == 0 else {}
     cases = [run_case(name, args.n, ctx, args) for name in args.shapes]
     if ctx.rank == 0:
         for case in cases:
