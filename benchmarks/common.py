@@ -62,14 +62,12 @@ def timing_settings(warmup_ms: float | None, rep_ms: float | None, quick: bool,
                           default.rep_ms if rep_ms is None else rep_ms)
 
 
-def do_bench_text(timing: TimingSettings) -> str:
-    return (f"triton.testing.do_bench(fn, warmup={timing.warmup_ms:g}, rep={timing.rep_ms:g}, "
-            'return_mode="median")')
-
-
 def timing_text(device: torch.device | str, timing: TimingSettings) -> str:
     """How :func:`median_ms` timed on ``device``, for a report."""
-    return do_bench_text(timing) if uses_cuda(device) else WALL_CLOCK_TIMING
+    if not uses_cuda(device):
+        return WALL_CLOCK_TIMING
+    return (f"triton.testing.do_bench(fn, warmup={timing.warmup_ms:g}, rep={timing.rep_ms:g}, "
+            'return_mode="median")')
 
 
 def uses_cuda(device: torch.device | str) -> bool:
@@ -751,20 +749,6 @@ def write_report(out_dir: Path | str, suite_slug: str, tag: str | None,
 QUICK_NOTE = "--quick: shrunk shapes and short timing; figures are not representative"
 
 
-def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse ``type`` for a comma list of ``choices`` (at least one)."""
-
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        unknown = [v for v in values if v not in choices]
-        if unknown or not values:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}")
-        return values
-
-    return parse
-
-
 def int_list(text: str) -> list[int]:
     """An argparse ``type``: comma-separated positive integers, repeats dropped."""
     values = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
@@ -780,7 +764,16 @@ def add_list(parser: argparse.ArgumentParser, flag: str, choices: Iterable[str],
     choices, default = list(choices), None if default is None else list(default)
     if note is None:
         note = f"(default: {'all' if default in (None, choices) else ','.join(default)})"
-    parser.add_argument(flag, type=comma_list(choices), default=default,
+
+    def parse(text: str) -> list[str]:  # at least one of the choices
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(choices)}")
+        return values
+
+    parser.add_argument(flag, type=parse, default=default,
                         help=f"comma list of {', '.join(choices)} {note}".rstrip())
 
 
