@@ -327,6 +327,7 @@ def test_aot_eager_matches_eager(name, device):
     assert _check_compiled(CALLS, name, device, "aot_eager") == 1
 
 
+@pytest.mark.slow  # inductor compiles on the CPU: make test-slow (aot_eager above in make test)
 @pytest.mark.parametrize("name", INDUCTOR_CALLS)
 def test_inductor_matches_eager(name, device):
     assert _check_compiled(CALLS, name, device, "inductor") == 1

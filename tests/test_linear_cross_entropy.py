@@ -675,6 +675,7 @@ ENGINE_CASES = [dataclasses.replace(c, reduction="none") for c in [
 ]]
 
 
+@pytest.mark.slow  # every setting × case on the interpreter: make test-slow
 @requires_triton
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ENGINE_CASES])
 @pytest.mark.parametrize("tuning", ENGINE_SETTINGS)

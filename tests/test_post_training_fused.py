@@ -167,10 +167,12 @@ def test_fused_dpo_equals_the_unfused(loss_type, extra, rows, tune):
 
 
 @pytest.mark.parametrize("rows", [None, 2 * T])
-@pytest.mark.parametrize("loss_type, extra", [
-    ("sigmoid", dict(label_smoothing=0.1, cpo_alpha=1.0)), ("hinge", dict(shift=True)),
-    ("ipo", dict(beta=0.5, cpo_alpha=0.0)), ("simpo", dict(beta=2.0, simpo_gamma=0.5)),
-    ("simpo", dict(softcap=3.0, cpo_alpha=0.5))])
+@pytest.mark.parametrize("loss_type, extra", [  # the last three in make test-slow
+    ("sigmoid", dict(label_smoothing=0.1, cpo_alpha=1.0)),
+    ("simpo", dict(softcap=3.0, cpo_alpha=0.5)),
+    pytest.param("hinge", dict(shift=True), marks=pytest.mark.slow),
+    pytest.param("ipo", dict(beta=0.5, cpo_alpha=0.0), marks=pytest.mark.slow),
+    pytest.param("simpo", dict(beta=2.0, simpo_gamma=0.5), marks=pytest.mark.slow)])
 def test_fused_cpo_equals_the_unfused(loss_type, extra, rows, tune):
     """CPO (SimPO) with its NLL term on the chosen tokens, one chunk or one pair per chunk."""
     (h, w, b), target, _, _ = _dpo_inputs(bias=True)
@@ -192,8 +194,9 @@ def test_fused_orpo_equals_the_unfused(extra, rows, tune):
 
 
 @pytest.mark.parametrize("rows", [None, T])
-@pytest.mark.parametrize("loss_type, extra", [
-    ("kto", dict(kl=0.3, desirable_weight=1.5)), ("kto", dict(shift=True, reference="head")),
+@pytest.mark.parametrize("loss_type, extra", [  # the second in make test-slow
+    ("kto", dict(kl=0.3, desirable_weight=1.5)),
+    pytest.param("kto", dict(shift=True, reference="head"), marks=pytest.mark.slow),
     ("apo_zero_unpaired", dict(undesirable_weight=0.7, softcap=3.0))])
 def test_fused_kto_equals_the_unfused(loss_type, extra, rows, tune):
     """KTO, one completion per group: one chunk or one sequence per chunk."""

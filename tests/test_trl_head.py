@@ -183,7 +183,7 @@ def _grpo(model, tmp_path, **extra):
     return trainer.model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dapo", marks=pytest.mark.slow)])
 def test_grpo_trainer_trains_alike(loss_type, tmp_path, monkeypatch):
     base = make_model()
     # The KL term's reference model: a copy of the initial model (TRL loads it by name).
