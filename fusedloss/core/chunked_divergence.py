@@ -126,7 +126,7 @@ def _divergence_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             in_row = cols < V
-            s, t, gap_st, p_s, p_t, lm = _log_probs(base_s, base_t, cols, in_row, max_s, sum_s,
+            gap_st, s_m, t_m, p_s, p_t = _log_probs(base_s, base_t, cols, in_row, max_s, sum_s,
                                                     lsum_s, max_t, sum_t, lsum_t, temperature,
                                                     inv_temperature, beta, KIND, PRECISE)
             if KIND == 0:
@@ -137,8 +137,8 @@ def _divergence_rows_kernel(
             elif KIND == 1:
                 acc_s += tl.where(p_s > 0, p_s * gap_st, 0.0)
             else:
-                acc_t += tl.where(p_t > 0, p_t * (t - lm), 0.0)
-                acc_s += tl.where(p_s > 0, p_s * (s - lm), 0.0)
+                acc_t += tl.where(p_t > 0, p_t * t_m, 0.0)
+                acc_s += tl.where(p_s > 0, p_s * s_m, 0.0)
         kl_t = tl.sum(acc_t, axis=0)
         kl_s = tl.sum(acc_s, axis=0)
         if KIND == 0:
@@ -156,13 +156,13 @@ def _divergence_rows_kernel(
             for v0 in range(0, V, BLOCK_V):
                 cols = v0 + offs
                 in_row = cols < V
-                s, t, gap_st, p_s, p_t, lm = _log_probs(
+                gap_st, s_m, t_m, p_s, p_t = _log_probs(
                     base_s, base_t, cols, in_row, max_s, sum_s, lsum_s, max_t, sum_t, lsum_t,
                     temperature, inv_temperature, beta, KIND, PRECISE)
                 if KIND == 1:
                     gap = tl.where(p_s > 0, gap_st, 0.0)
                 else:
-                    gap = tl.where(p_s > 0, s - lm, 0.0)
+                    gap = tl.where(p_s > 0, s_m, 0.0)
                 grad = (scale * weight) * (p_s * (gap - kl_s))
                 tl.store(base_s + cols, grad.to(base_s.dtype.element_ty), mask=in_row)
 
@@ -200,25 +200,32 @@ def _tempered_lse(base, V, temperature, inv_temperature, PRECISE: tl.constexpr,
 @triton.jit
 def _log_probs(base_s, base_t, cols, in_row, max_s, sum_s, lsum_s, max_t, sum_t, lsum_t,
                temperature, inv_temperature, beta, KIND: tl.constexpr, PRECISE: tl.constexpr):
-    """(s, t, s − t, p_s, p_t, log m) at ``cols`` from each row's max, Σ exp(x − max) and its log
-    (p = 0 outside the row; log m, the log of the JSD's mixture β·p_t + (1 − β)·p_s, only for
-    KIND 2). p = exp(x − max) / Σ, not exp(s): exp(s) would carry s's rounding (|s|·2⁻²⁴)
-    into p; log m = log(β·p_t + (1 − β)·p_s) likewise (logaddexp over s and t only where the
-    mixture underflows)."""
+    """(s − t, s − log m, t − log m, p_s, p_t) at ``cols`` from each row's max, Σ exp(x − max)
+    and its log, for s and t the log-probabilities (p = 0 outside the row; log m, of the JSD's
+    mixture β·p_t + (1 − β)·p_s, only for KIND 2).
+
+    Each is formed at its own scale, not as a difference of log-probabilities (rounded at
+    theirs, |s|·2⁻²⁴): s − t from the centered logits, s − log m = −logaddexp(log(1 − β),
+    log β − (s − t)) and t − log m = −logaddexp(log β, log(1 − β) + (s − t)); and p =
+    exp(x − max) / Σ, as softmax forms it."""
     centered_s = _tempered(base_s, cols, in_row, temperature, inv_temperature, PRECISE) - max_s
     centered_t = _tempered(base_t, cols, in_row, temperature, inv_temperature, PRECISE) - max_t
-    s = centered_s - lsum_s
-    t = centered_t - lsum_t
-    gap_st = (centered_s - centered_t) + (lsum_t - lsum_s)  # s − t, rounded once at its scale
+    gap_st = (centered_s - centered_t) + (lsum_t - lsum_s)
     p_s = div(exp(centered_s, PRECISE), sum_s, PRECISE)
     p_t = div(exp(centered_t, PRECISE), sum_t, PRECISE)
-    lm = s
+    s_m = gap_st
+    t_m = gap_st
     if KIND == 2:
-        mixture = beta * p_t + (1.0 - beta) * p_s
-        u = s + tl.log(1.0 - beta)  # logaddexp(s + log(1 − β), t + log β)
-        w = t + tl.log(beta)
-        hi = tl.maximum(u, w)
-        lo = tl.minimum(u, w)
-        lm = hi + log1p_exp_neg(tl.where(hi == float("-inf"), 0.0, hi - lo), PRECISE)
-        lm = tl.where(mixture > 0.0, log(mixture, PRECISE), lm)
-    return s, t, gap_st, p_s, p_t, lm
+        log_1mb = tl.log(1.0 - beta)
+        log_b = tl.log(beta)
+        s_m = -_logaddexp(log_1mb, log_b - gap_st, PRECISE)
+        t_m = -_logaddexp(log_b, log_1mb + gap_st, PRECISE)
+    return gap_st, s_m, t_m, p_s, p_t
+
+
+@triton.jit
+def _logaddexp(x, y, PRECISE: tl.constexpr):
+    """log(e^x + e^y) for x finite: the larger plus log1p(e^−|x − y|)."""
+    hi = tl.maximum(x, y)
+    lo = tl.minimum(x, y)
+    return hi + log1p_exp_neg(hi - lo, PRECISE)
