@@ -121,8 +121,15 @@ def _divergence_rows_kernel(
         lsum_t = log(sum_t, PRECISE)
         scale = c * inv_temperature  # the chain rule through x = Z / T
         offs = tl.arange(0, BLOCK_V)
-        acc_t = tl.zeros([BLOCK_V], tl.float32)  # Σ p_t·(t − s), or Σ p_t·(t − log m)
-        acc_s = tl.zeros([BLOCK_V], tl.float32)  # Σ p_s·(s − t), or Σ p_s·(s − log m)
+        # Σ p_t·(t − s) or Σ p_t·(t − log m), and Σ p_s·(s − t) or Σ p_s·(s − log m): per lane
+        # with the rounding errors carried beside (_add_product); the gradient reads the sum,
+        # whose error would reach every entry
+        acc_t = tl.zeros([BLOCK_V], tl.float32)
+        err_t = tl.zeros([BLOCK_V], tl.float32)
+        acc_s = tl.zeros([BLOCK_V], tl.float32)
+        err_s = tl.zeros([BLOCK_V], tl.float32)
+        mass = tl.zeros([BLOCK_V], tl.float32)  # Σ p_s as computed (1 up to its roundings)
+        err_mass = tl.zeros([BLOCK_V], tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             in_row = cols < V
@@ -130,17 +137,19 @@ def _divergence_rows_kernel(
                                                     lsum_s, max_t, sum_t, lsum_t, temperature,
                                                     inv_temperature, beta, KIND, PRECISE)
             if KIND == 0:
-                acc_t -= tl.where(p_t > 0, p_t * gap_st, 0.0)
+                acc_t, err_t = _add_product(acc_t, err_t, p_t, -gap_st)
                 if GRAD:  # the forward KL's gradient needs no sum: written in this pass
                     tl.store(base_s + cols, (scale * (p_s - p_t)).to(base_s.dtype.element_ty),
                              mask=in_row)
             elif KIND == 1:
-                acc_s += tl.where(p_s > 0, p_s * gap_st, 0.0)
+                acc_s, err_s = _add_product(acc_s, err_s, p_s, gap_st)
             else:
-                acc_t += tl.where(p_t > 0, p_t * t_m, 0.0)
-                acc_s += tl.where(p_s > 0, p_s * s_m, 0.0)
-        kl_t = tl.sum(acc_t, axis=0)
-        kl_s = tl.sum(acc_s, axis=0)
+                acc_t, err_t = _add_product(acc_t, err_t, p_t, t_m)
+                acc_s, err_s = _add_product(acc_s, err_s, p_s, s_m)
+            if GRAD and KIND != 0:
+                mass, err_mass = _add_product(mass, err_mass, p_s, 1.0)
+        kl_t = _total(acc_t, err_t)
+        kl_s = _total(acc_s, err_s)
         if KIND == 0:
             value = kl_t
         elif KIND == 1:
@@ -149,7 +158,10 @@ def _divergence_rows_kernel(
             value = beta * kl_t + (1.0 - beta) * kl_s
         tl.store(out_ptr + row, value)
         if GRAD and KIND != 0:
-            # reverse: p_s·((s − t) − KL);  jsd: (1 − β)·p_s·((s − log m) − KL(p_s ‖ m))
+            # reverse: p_s·((s − t) − KL);  jsd: (1 − β)·p_s·((s − log m) − KL(p_s ‖ m)), the KL
+            # as the p_s-weighted mean of the same gaps (Σ p·gap / Σ p): the p's rounding,
+            # common to a row, then cancels between the two (a peaked row's largest entry)
+            kl_mean = kl_s / _total(mass, err_mass)
             weight = 1.0
             if KIND == 2:
                 weight = 1.0 - beta
@@ -163,17 +175,34 @@ def _divergence_rows_kernel(
                     gap = tl.where(p_s > 0, gap_st, 0.0)
                 else:
                     gap = tl.where(p_s > 0, s_m, 0.0)
-                grad = (scale * weight) * (p_s * (gap - kl_s))
+                grad = (scale * weight) * (p_s * (gap - kl_mean))
                 tl.store(base_s + cols, grad.to(base_s.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _add_product(acc, err, p, x):
+    """acc + p·x per lane where p > 0 (x may be NaN where p is 0), the roundings of the product
+    (exact with a fused multiply-add) and of the sum (Neumaier's) added to ``err``."""
+    x = tl.where(p > 0, x, 0.0)
+    y = p * x
+    total = acc + y
+    lost = tl.where(tl.abs(acc) >= tl.abs(y), (acc - total) + y, (y - total) + acc)
+    return total, err + (lost + tl.fma(p, x, -y))
+
+
+@triton.jit
+def _total(acc, err):
+    """Σ over the lanes of acc + err, in fp64 (once per row), rounded to fp32."""
+    return tl.sum(acc.to(tl.float64) + err.to(tl.float64), axis=0).to(tl.float32)
 
 
 @triton.jit
 def _tempered(base, cols, in_row, temperature, inv_temperature, PRECISE: tl.constexpr):
     """x = Z / T at ``cols`` of one row in fp32 (-inf outside the row)."""
     z = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
-    if PRECISE:
+    if base.dtype.element_ty == tl.float32:  # rounded as PyTorch's Z / T (fp32 logits)
         x = div(z, temperature, PRECISE)
-    else:
+    else:  # bf16/fp16 logits: their rounding dwarfs the reciprocal's
         x = z * inv_temperature
     return tl.where(in_row, x, float("-inf"))
 
