@@ -83,7 +83,7 @@ def _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE: gl.constexpr, HAS_BIAS:
 def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
                bias_ptr, scale, V, width, slab_tile_start, scratch_ptr,
-               mma: gl.constexpr, col_l: gl.constexpr,
+               col_l: gl.constexpr,
                HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
                HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
                DIAG_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -210,7 +210,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 scale_rows += _grad_tile(
                     raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                     target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
-                    bias_ptr, scale, V, width, slab_tile_start, scratch_ptr, mma, col_l,
+                    bias_ptr, scale, V, width, slab_tile_start, scratch_ptr, col_l,
                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE,
                     DIAG_MASK, BLOCK_M, BLOCK_N)
         if GRAD_SCALE:
