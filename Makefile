@@ -31,7 +31,7 @@
 #   PYTEST_ARGS       extra pytest arguments, e.g. PYTEST_ARGS="-k clip -x".
 #   PYTEST_MARKS      the marker expression of `make pytest`. Default: not slow ('' runs all).
 #   PYTEST_WORKERS    pytest-xdist worker processes. Default: auto, one per CPU core (two on
-#                     a 2-core machine, where make test's tests took 5.8 minutes on
+#                     a 2-core machine, where make test's tests took 5.8–7.1 minutes on
 #                     2026-11-29); 0 runs every test in the pytest process itself.
 
 PYTHON ?= python3
