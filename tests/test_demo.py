@@ -132,6 +132,7 @@ def test_verdict_is_on_the_mean_of_the_last_ten_steps():
     assert not comparison(reference, [x + 0.011 for x in reference]).agrees()
 
 
+@pytest.mark.slow  # ~8 s, three training steps on the interpreter: make test-slow
 def test_script_runs_as_make_demo_runs_it(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     result = subprocess.run(

@@ -288,7 +288,9 @@ def _backward_events(rank, world, kind, rows):
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
-@pytest.mark.parametrize("rows", [[2, 3], [2, 3, 4], [2, 3, 4, 5]])
+# Four ranks (~9 s on two cores): make test-slow.
+@pytest.mark.parametrize("rows", [[2, 3], [2, 3, 4],
+                                  pytest.param([2, 3, 4, 5], marks=pytest.mark.slow)])
 def test_ring_backward_ends_at_home(workers, kind, rows):
     """The backward tours the other way round from the forward: rank r starts with the block
     it held last in the forward (r + 1's) and ends with its own, and posts nothing after its
