@@ -411,10 +411,15 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
        such row): (4·eps32 + max ΔX) / rows.
     4. (none: the torch backend's column LSE used to be rounded to fp32; fixed, and
        test_torch_backend_clip_column_lse_within_strict_bar guards it.)
-    5. Every fp32 logit is itself rounded, ΔX ≈ 2·eps32·(s·|<a, b>| + |bias|), in PyTorch's
-       computation as in ours but not alike: the loss moves by ~‖∂L/∂X ⊙ ΔX‖, and a sum
-       Σ t_ij over the logits (ds, dbias) by ~‖t ⊙ ΔX‖, which a relative comparison judges
-       only where many logits average it (a batch of one is a lottery).
+    5. Every fp32 logit is itself a rounded sum of D products, ΔX ≈ 2·eps32·(s·Σ_k|a_k b_k|
+       + |bias|) in any summation order (the rounding of <a, b> alone when its products do not
+       cancel; far more than eps32·|<a, b>| when they do: random unit rows in D = 768 give
+       |<a, b>| ≈ 0.004 from Σ|a_k b_k| ≈ 0.64, and orders of summation that differ in their
+       blocking alone moved that dot product by 4e-8 to 1.9e-6 of itself), in PyTorch's
+       computation as in ours but not alike: the loss moves by ~‖∂L/∂X ⊙ ΔX‖, a sum Σ t_ij
+       over the logits (ds, dbias) by ~‖t ⊙ ΔX‖, and ds, which multiplies the raw logits, also
+       by ~‖dX ⊙ ΔX‖ / s; a relative comparison judges these only where many logits average
+       them (a batch of one is a lottery).
     6. (in check_against_reference) The feature gradients are fp32 sums of K = M (dA) or N (dB)
        products, whose rounding depends on the matmul's summation order: eps32·log2 K relative
        to Σ|terms| (a blocked or pairwise sum's growth), times the cancellation ‖|dX|·|B|‖ /
@@ -455,10 +460,11 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
         loss_err = torch.full((case.rows,), 0.0 if case.loss == "siglip" else 2 * EPS32,
                               dtype=torch.float64)
         ref_loss = ref.loss.double().cpu()
-        # A logit's rounding error scales with its parts, s·<a, b> and the bias, which may
-        # cancel: |X| would understate it (SigLIP's 14·0.96 − 10).
+        # A logit's rounding error scales with its parts, the products s·a_k·b_k and the bias,
+        # which may cancel: |X| would understate it (SigLIP's 14·0.96 − 10; item 5).
         bias = abs(case.bias or 0.0) if case.loss in ("clip", "siglip") else 0.0
-        x_err = 2 * EPS32 * torch.where(torch.isfinite(x), case.scale * dots.abs() + bias, 0.0)
+        x_err = 2 * EPS32 * torch.where(torch.isfinite(x), case.scale * (a.abs() @ b.abs().T)
+                                        + bias, 0.0)
         # Item 7: the tensor cores' truncated sums, errors of one sign (absolute, per logit).
         coherent = torch.zeros_like(x)
         if tensor_cores:
@@ -487,7 +493,8 @@ def rounding_floors(case: Case, problem: Problem, ref: Result, backend: str,
             absolute["a"] = case.scale * (var_x @ norm_b2).sum().sqrt()
             absolute["b"] = case.scale * (var_x.T @ norm_a2).sum().sqrt()
         scalar_terms = {"scale": d_x * dots.nan_to_num(0), "bias": d_x}  # item 2
-        through_raw = {"scale": coherent_dx.sum() / case.scale, "bias": 0.0}
+        through_raw = {"scale": (coherent_dx.sum() + (d_x * x_err).norm()) / case.scale,
+                       "bias": 0.0}
         conditioning = {  # items 2, 5 and 7
             name: relative(EPS32 * t.abs().sum() + (t * x_err).norm()
                            + (t.abs() * coherent).sum() + through_raw[name], t.sum().abs())
@@ -771,9 +778,9 @@ def _truncating_dot(a: torch.Tensor, b: torch.Tensor, step: int = 16) -> torch.T
 @pytest.mark.parametrize("regime", ["random", "clustered"])
 def test_tensor_core_floor_bounds_truncated_sums(regime):
     """rounding_floors' item 7 against an emulation of the tensor cores' accumulation: every
-    logit's error within 2·eps32·Σ_k |partial sum_k|, where the model of one fp32 rounding of
-    the result (item 5: 2·eps32·|A Bᵀ|) falls short on clustered features (partial sums that
-    climb together truncate alike)."""
+    logit's error within 2·eps32·Σ_k |partial sum_k|, where a model of one fp32 rounding of
+    the result (2·eps32·|A Bᵀ|) falls short on clustered features (partial sums that climb
+    together truncate alike)."""
     case = Case(loss="clip", n=64, d=768, dtype=torch.float16, scale=1.0, regime=regime,
                 cluster=8)
     problem = make_problem(case)
