@@ -1,5 +1,5 @@
 """The Hopper (sm90) gradient recompute (``core/lse_backward_sm90.py``) against the Triton
-kernel it replaces there (``lse_backward_sm90.MIN_TILES`` out of reach), through the public
+kernel it replaces there (``Tuning.gluon_recompute_tiles`` out of reach), through the public
 losses.
 
 Gluon kernels do not run under Triton's interpreter: these tests need an sm90 GPU (H100,
@@ -27,12 +27,10 @@ DEV = torch.device("cuda")
 
 
 @pytest.fixture
-def use_gluon(monkeypatch):
+def use_gluon(tune):
     """``use_gluon(on)``: the engine's dense slabs through the Gluon recompute whatever their
     size, or never."""
-    from fusedloss.core import lse_backward_sm90
-
-    return lambda on: monkeypatch.setattr(lse_backward_sm90, "MIN_TILES", 0 if on else 2**62)
+    return lambda on: tune(gluon_recompute_tiles=0 if on else 2**62)
 
 
 @pytest.fixture

@@ -54,6 +54,11 @@ class Tuning:
     tma: bool = True
     # The Hopper Gluon kernels where they apply (off: the Triton kernels).
     gluon: bool = True
+    # The Gluon recompute serves a backward's dense slabs from this many 64 × 128 tiles (b ≥
+    # 32768 for a square CLIP batch), the Triton kernel below: there its host setup (the range
+    # check's extremes, descriptors) outweighs its faster tiles (docs/design.md, "The Hopper
+    # backward").
+    gluon_recompute_tiles: int = 1 << 17
     # Tiles of the forward, backward and split-accumulator kernels, replacing the frozen ones.
     forward_tile: TileConfig | None = None
     backward_tile: TileConfig | None = None
@@ -119,7 +124,7 @@ def _parse(field: str, spec: str):
     if field in ("scratch_mb", "dense_slab_fraction"):
         return float(spec)
     if field in ("torch_chunk_elements", "lm_head_chunk_bytes", "materialized_bytes",
-                 "lm_head_deferred_rows"):
+                 "lm_head_deferred_rows", "gluon_recompute_tiles"):
         return int(spec)
     return spec  # optim_config: checked where it is read
 

@@ -1211,7 +1211,7 @@ def _sm90_recompute(problem: _Problem, a_rows: torch.Tensor | None, cfg: config.
     from . import lse_backward_sm90 as sm90
     from .lse_forward_sm90 import supports
 
-    if (live.numel() < sm90.MIN_TILES or not supports(a, b)
+    if (live.numel() < config.tuning().gluon_recompute_tiles or not supports(a, b)
             or (cfg.block_m, cfg.block_n) != (sm90.BLOCK_M, sm90.BLOCK_N)):
         return None
     return sm90.Recompute(a_rows, b, logits, rows, stats, coef, live, out)

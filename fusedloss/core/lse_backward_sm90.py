@@ -58,10 +58,6 @@ from .lse_forward_sm90 import (
 _FACTOR_RANGE = gl.constexpr(60.0)
 # Shared memory kept back for the dX tile's layout exchange (64 × 128 × 2 bytes).
 _EXCHANGE_BYTES = BLOCK_M * BLOCK_N * 2
-# The engine's dense slabs take this kernel when the backward covers at least this many tiles,
-# else the Triton one: its host setup (the range-check extremes, descriptors) outweighs its
-# faster tiles below that (docs/design.md, "The Hopper backward").
-MIN_TILES = 1 << 17
 
 
 @gluon.jit
