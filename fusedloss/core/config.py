@@ -88,6 +88,11 @@ class Tuning:
     # backward, with the upstream gradient folded in, rather than in the forward: one more
     # product, but no fp32 (V, D) dB to hold and scale (``ops.cross_entropy.forward_chunked``).
     lm_head_deferred_rows: int = 512
+    # The engine's calls whose products take at most this many multiply-adds (rows × columns ×
+    # D) replay their launches as a CUDA graph from the second call of a signature on
+    # (``core/replay.py``): there the host, not the GPU, sets the pace. 2³⁸: b = 16384 at
+    # c = 1024. 0: never.
+    replay_work: int = 1 << 38
     # Read argument values back to the host so that a bad one raises a named error: a wait for
     # the GPU per call, not under CUDA graphs (a debugging aid). Off, nothing is read back and
     # such values give NaN: a target outside [0, V), an InfoNCE label outside [0, M), a
@@ -124,7 +129,7 @@ def _parse(field: str, spec: str):
     if field in ("scratch_mb", "dense_slab_fraction"):
         return float(spec)
     if field in ("torch_chunk_elements", "lm_head_chunk_bytes", "materialized_bytes",
-                 "lm_head_deferred_rows", "gluon_recompute_tiles"):
+                 "lm_head_deferred_rows", "gluon_recompute_tiles", "replay_work"):
         return int(spec)
     return spec  # optim_config: checked where it is read
 

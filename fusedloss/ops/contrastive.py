@@ -10,7 +10,7 @@ directions come from one pass: each tile feeds the row and the column statistics
 import torch
 from torch import Tensor
 
-from ..core import chunked_contrastive, config, engine, materialized
+from ..core import chunked_contrastive, config, engine, materialized, replay
 from ..core.engine import Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -56,7 +56,17 @@ def forward(
     ``scale`` is used as it comes: the functional layer has made an invalid tensor scale NaN
     (``losses/contrastive.py``), which every output then carries, without a read-back. So does
     a ``user_target`` outside [0, M): its row's loss is NaN, and the backward makes every
-    gradient NaN (``Tuning.check_values`` raises ValueError instead, one wait for the GPU)."""
+    gradient NaN (``Tuning.check_values`` raises ValueError instead, one wait for the GPU).
+
+    Small calls replay their launches as a CUDA graph (``core/replay.py``)."""
+    args = (a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, user_target)
+    if backend == "triton" and replay.applies(a.device, _work(a, b)):
+        return replay.call(_forward, *args)
+    return _forward(*args)
+
+
+def _forward(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, user_target):
+    """``forward`` (its arguments in order)."""
     n, m = a.shape[0], b.shape[0]
     row_nan = None
     if user_target:
@@ -137,7 +147,19 @@ def backward(
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dA, dB, d scale, d bias) from the forward's statistics; each is an empty tensor when
-    not asked for."""
+    not asked for. Small calls replay their launches as a CUDA graph (``core/replay.py``)."""
+    args = (grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_mass,
+            tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
+            need_b, need_scale, need_bias)
+    if backend == "triton" and replay.applies(a.device, _work(a, b)):
+        return replay.call(_backward, *args)
+    return _backward(*args)
+
+
+def _backward(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_mass,
+              tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
+              need_b, need_scale, need_bias):
+    """``backward`` (its arguments in order)."""
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
     d = a.shape[1]
@@ -202,6 +224,11 @@ forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 _EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
                                 backward)
+
+
+def _work(a: Tensor, b: Tensor) -> int:
+    """Multiply-adds of one product A Bᵀ (what bounds replay: ``Tuning.replay_work``)."""
+    return a.shape[0] * b.shape[0] * a.shape[1]
 
 
 def _filtering(kind: str, filter_eps: float | None, record_tiles: bool) -> bool:

@@ -1,0 +1,196 @@
+"""Replaying a call's kernel launches as a CUDA graph, where the host would set the pace.
+
+At small sizes the GPU finishes a loss's kernels sooner than the host can issue them: a CLIP
+step at b = 16384 (c = 512, bf16) holds ~3 ms of kernels on an H200 but ~30 Triton launches,
+~80 torch calls and their Python, which cost the host 4–6 ms (docs/design.md, "Host cost per
+call"). :func:`call` runs ``fn(*args)`` eagerly the first time a signature is met (compiling
+the kernels), captures its launches into a CUDA graph the second time, and from then on
+replays that graph: the arguments' tensors are copied into the graph's own input buffers, the
+graph is launched, and its outputs are cloned out. The host's cost per call becomes the copies
+and one graph launch (~0.1 ms), whatever ``fn`` launches.
+
+The signature is everything ``fn``'s launches depend on: the structure of the arguments (tuples,
+the engine's dataclasses) with their non-tensor values, each tensor's shape, strides, dtype and
+device (and which arguments are the same tensor), the tuning in force (``config.tuning()``),
+PyTorch's matmul precision settings and the current stream. ``fn`` must be a pure function of
+its arguments that reads nothing back to the host (the engine's default paths: docs/design.md,
+"Host synchronization").
+
+What a signature holds on the GPU while it stays cached (at most ``CAPACITY`` signatures, the
+least recently used dropped first): a copy of each input tensor, the graph's outputs, and the
+memory ``fn`` used while it ran (its scratch), reserved for the graph rather than returned to
+PyTorch's allocator. ``Tuning.replay_work`` bounds the calls that replay (and so this memory);
+``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops every graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import config
+
+CAPACITY = 16  # signatures kept (a graph and its buffers, or a first sight)
+
+_SEEN = object()  # a signature met once: run eagerly, captured at its next call
+_DIRECT = object()  # a signature whose capture failed: always run eagerly
+
+
+def applies(device: torch.device, work: int) -> bool:
+    """Whether a call on ``device`` whose products take ``work`` multiply-adds replays: on CUDA,
+    up to ``Tuning.replay_work``, with nothing read back by the tuning (``check_values``,
+    ``sparse_slabs``), and not while a CUDA graph is being captured (the caller's own graph
+    then holds the launches)."""
+    tuning = config.tuning()
+    return (device.type == "cuda" and 0 < work <= tuning.replay_work
+            and not tuning.check_values and not tuning.sparse_slabs
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def call(fn: Callable[..., Any], *args) -> Any:
+    """``fn(*args)``, its launches replayed from a CUDA graph from the second call with the same
+    signature on (see the module's doc). The result equals ``fn(*args)``'s (the same kernels
+    on the same values); its tensors are new, as ``fn``'s would be."""
+    leaves: list[torch.Tensor] = []
+    spec = _flatten(args, leaves, {})
+    key = (fn, spec, tuple(_metadata(t) for t in leaves), config.tuning(), _precision(),
+           _stream(leaves[0].device))
+    entry = _CACHE.get(key)
+    if entry is None:
+        result = fn(*args)
+        _remember(key, _SEEN)
+        return result
+    if entry is _SEEN:
+        try:
+            entry = _capture(fn, spec, leaves)
+        except RuntimeError:  # something fn does may not be captured: it runs as it is
+            entry = _DIRECT
+        _remember(key, entry)
+    _CACHE.move_to_end(key)
+    return fn(*args) if entry is _DIRECT else entry.run(leaves)
+
+
+def clear() -> None:
+    """Drops every cached graph and its buffers."""
+    _CACHE.clear()
+
+
+class _Graph:
+    """One signature's graph: its input buffers, its outputs (structure and tensors)."""
+
+    def __init__(self, graph, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
+        self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
+
+    def run(self, leaves: list[torch.Tensor]) -> Any:
+        for buffer, value in zip(self.inputs, _distinct(leaves), strict=True):
+            buffer.copy_(value)
+        self.graph.replay()
+        return _unflatten(self.out_spec, [t.clone() for t in self.outputs])
+
+
+def _capture(fn, spec, leaves: list[torch.Tensor]) -> _Graph:
+    """Captures ``fn`` on buffers shaped as ``leaves`` (the graph's inputs, filled at each
+    replay)."""
+    inputs = [_buffer(t) for t in _distinct(leaves)]
+    device = leaves[0].device
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        # thread_local: other threads (a communication library's) may keep working meanwhile
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            result = fn(*_unflatten(spec, inputs))
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    outputs: list[torch.Tensor] = []
+    out_spec = _flatten(result, outputs, None)
+    return _Graph(graph, inputs, out_spec, outputs)
+
+
+_CACHE: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+
+
+def _remember(key: tuple, value):
+    _CACHE[key] = value
+    _CACHE.move_to_end(key)
+    while len(_CACHE) > CAPACITY:
+        _CACHE.popitem(last=False)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments and results as (structure, tensors)
+
+
+def _flatten(x, leaves: list[torch.Tensor], seen: dict[int, int] | None):
+    """A hashable structure of ``x`` (tuples, lists, dataclasses, values) whose tensors are
+    appended to ``leaves`` and stand in it as ("tensor", position among the distinct tensors)
+    (``seen``: tensor id → that position; None: every tensor a leaf of its own)."""
+    if isinstance(x, torch.Tensor):
+        leaves.append(x)
+        if seen is None:
+            return ("tensor", len(leaves) - 1)
+        return ("tensor", seen.setdefault(id(x), len(seen)))
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_flatten(v, leaves, seen) for v in x))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple((f.name, _flatten(getattr(x, f.name), leaves, seen))
+                               for f in dataclasses.fields(x)))
+    hash(x)  # a value that is part of the signature
+    return ("value", x)
+
+
+def _unflatten(spec, leaves: list[torch.Tensor]):
+    """``_flatten``'s inverse: ``spec`` with its tensors taken from ``leaves`` (by position
+    among the distinct tensors)."""
+    kind, body = spec
+    if kind == "tensor":
+        return leaves[body]
+    if kind == "value":
+        return body
+    if kind in (tuple, list):
+        return kind(_unflatten(s, leaves) for s in body)
+    obj = object.__new__(kind)  # a dataclass, frozen or not, without running __init__
+    for name, s in body:
+        object.__setattr__(obj, name, _unflatten(s, leaves))
+    return obj
+
+
+def _distinct(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``leaves``, each once, in order of first appearance."""
+    out, ids = [], set()
+    for t in leaves:
+        if id(t) not in ids:
+            ids.add(id(t))
+            out.append(t)
+    return out
+
+
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    """A tensor to copy ``t``'s values into: ``t``'s strides, or contiguous where ``t`` repeats
+    elements (an expand's stride 0), which a copy cannot write."""
+    if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _stream(device: torch.device):
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+def _precision() -> tuple:
+    """PyTorch's settings that select the cuBLAS kernels a graph bakes in."""
+    matmul = torch.backends.cuda.matmul
+    return (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction,
+            torch.are_deterministic_algorithms_enabled())

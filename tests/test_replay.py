@@ -1,0 +1,198 @@
+"""core/replay.py: a replayed call gives what the call itself gives.
+
+On the CPU (no CUDA graphs) a stand-in graph re-runs the captured function on the graph's own
+input buffers at each replay, so that the signature, the copies in and out and the cache are
+tested where CI runs; on a GPU the real graphs run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, requires_cuda, requires_triton
+
+import fusedloss
+from fusedloss.core import config, engine, replay
+
+
+class _Rerun:
+    """A stand-in for a captured graph: replay runs ``fn`` again on the captured buffers and
+    writes its results into the captured outputs."""
+
+    def __init__(self, fn, spec, inputs, outputs):
+        self.fn, self.spec, self.inputs, self.outputs = fn, spec, inputs, outputs
+        self.replays = 0
+
+    def replay(self):
+        fresh: list[torch.Tensor] = []
+        replay._flatten(_inside_capture(self.fn, self.spec, self.inputs), fresh, None)
+        for out, value in zip(self.outputs, fresh, strict=True):
+            out.copy_(value)
+        self.replays += 1
+
+
+_CAPTURING = []
+
+
+def _inside_capture(fn, spec, inputs):
+    """``fn`` on the graph's buffers, with nested calls not replayed, as while capturing."""
+    _CAPTURING.append(True)
+    try:
+        return fn(*replay._unflatten(spec, inputs))
+    finally:
+        _CAPTURING.pop()
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Replay on every device, through ``_Rerun`` where CUDA graphs are not available; yields
+    the list of graphs captured."""
+    captured = []
+    replay.clear()
+    if not torch.cuda.is_available():
+        def capture(fn, spec, leaves):
+            inputs = [replay._buffer(t) for t in replay._distinct(leaves)]
+            for buffer, t in zip(inputs, replay._distinct(leaves), strict=True):
+                buffer.copy_(t)  # (a real capture runs nothing: any values would do)
+            outputs: list[torch.Tensor] = []
+            out_spec = replay._flatten(_inside_capture(fn, spec, inputs), outputs, None)
+            graph = _Rerun(fn, spec, inputs, outputs)
+            captured.append(graph)
+            return replay._Graph(graph, inputs, out_spec, outputs)
+
+        monkeypatch.setattr(replay, "_capture", capture)
+        monkeypatch.setattr(replay, "applies", lambda device, work: (
+            0 < work <= config.tuning().replay_work and not config.tuning().check_values
+            and not _CAPTURING))
+    else:
+        real = replay._capture
+
+        def capture(fn, spec, leaves):
+            entry = real(fn, spec, leaves)
+            captured.append(entry)
+            return entry
+
+        monkeypatch.setattr(replay, "_capture", capture)
+    yield captured
+    replay.clear()
+
+
+def _features(seed: int, n: int, d: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    return x.to(DEVICE, dtype).requires_grad_()
+
+
+def _clip_step(a, b, scale, kind="clip"):
+    losses = {
+        "clip": lambda: fusedloss.clip_loss(a, b, scale, backend="triton"),
+        "info_nce": lambda: fusedloss.info_nce_loss(a, b, temperature=1 / scale.detach(),
+                                                    backend="triton"),
+        "nt_xent": lambda: fusedloss.nt_xent_loss(torch.cat([a, b]), 1 / scale.detach(),
+                                                  backend="triton"),
+    }
+    loss = losses[kind]()
+    inputs = [t for t in (a, b, scale) if t.requires_grad][:3 if kind == "clip" else 2]
+    return loss.detach(), torch.autograd.grad(loss, inputs)
+
+
+@requires_triton
+@pytest.mark.parametrize("kind", ["clip", "info_nce", "nt_xent"])
+def test_replayed_steps_equal_direct_ones(graphs, tune, kind):
+    """Three steps on new values each: the first direct, the second captured, the third
+    replayed; each equals the same step with replay off, exactly."""
+    n, d = 48, 32
+    scale = torch.tensor(10.0, device=DEVICE, requires_grad=True)
+    for seed in range(3):
+        a, b = _features(seed, n, d), _features(seed + 10, n, d)
+        tune(replay_work=1 << 40)
+        got = _clip_step(a, b, scale, kind)
+        tune(replay_work=0)
+        want = _clip_step(a, b, scale, kind)
+        for g, w in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert len(graphs) == 2  # the forward op's and the backward op's
+    if not torch.cuda.is_available():
+        assert all(g.replays == 2 for g in graphs)  # the second step's and the third's
+
+
+@requires_triton
+def test_a_new_shape_or_tuning_is_a_new_signature(graphs, tune):
+    tune(replay_work=1 << 40)
+    scale = torch.tensor(10.0, device=DEVICE)
+    for n in (32, 32, 40, 40, 32):
+        _clip_step(_features(n, n, 32), _features(n + 1, n, 32), scale)
+    assert len(graphs) == 4  # 32 and 40 rows, forward and backward
+    with config.tuned(split_accumulator=False):
+        for _ in range(2):
+            _clip_step(_features(0, 32, 32), _features(1, 32, 32), scale)
+    assert len(graphs) == 6
+
+
+@requires_triton
+def test_work_bound_and_read_backs_turn_replay_off(graphs, tune):
+    scale = torch.tensor(10.0, device=DEVICE)
+    a, b = _features(0, 32, 32), _features(1, 32, 32)
+    tune(replay_work=32 * 32 * 32 - 1)  # one multiply-add short of this call's products
+    for _ in range(3):
+        _clip_step(a, b, scale)
+    tune(replay_work=1 << 40, check_values=True)
+    for _ in range(3):
+        _clip_step(a, b, scale)
+    assert graphs == []
+
+
+def test_arguments_round_trip_with_shared_tensors():
+    """The signature's structure rebuilds the arguments: dataclasses (frozen or not), tuples,
+    values, and one tensor passed twice stays one tensor."""
+    x, y = torch.randn(3, 4), torch.randn(5)
+    rows = engine.Rows(index=torch.arange(3), n_valid=torch.tensor(3), identity=True)
+    args = (x, x, engine.Logits(scale=y, diag_mask=True), rows, (None, 2.5, "a"),
+            engine.Wants(col_stats=True))
+    leaves: list[torch.Tensor] = []
+    spec = replay._flatten(args, leaves, {})
+    hash(spec)
+    distinct = replay._distinct(leaves)
+    assert len(distinct) == 4  # x once, y, rows.index, rows.n_valid
+    copies = [t.clone() for t in distinct]
+    back = replay._unflatten(spec, copies)
+    assert back[0] is back[1] is copies[0]
+    assert back[2] == engine.Logits(scale=copies[1], diag_mask=True)
+    assert back[3].index is copies[2] and back[3].identity is True
+    assert back[4] == (None, 2.5, "a") and back[5] == args[5]
+
+
+def test_repeated_elements_get_a_buffer_of_their_own():
+    """An expanded argument (stride 0) is copied into a contiguous buffer."""
+    g = torch.ones(()).expand(6)
+    buffer = replay._buffer(g)
+    buffer.copy_(g)
+    assert buffer.is_contiguous() and torch.equal(buffer, torch.ones(6))
+
+
+def test_cache_keeps_the_latest_signatures():
+    replay.clear()
+    try:
+        for i in range(replay.CAPACITY + 3):
+            replay._remember(("k", i), replay._SEEN)
+        assert len(replay._CACHE) == replay.CAPACITY
+        assert ("k", 0) not in replay._CACHE and ("k", replay.CAPACITY + 2) in replay._CACHE
+    finally:
+        replay.clear()
+
+
+@requires_cuda
+def test_replay_reads_nothing_back(graphs):
+    """Captured and replayed steps queue without waiting for the GPU."""
+    scale = torch.tensor(10.0, device="cuda", requires_grad=True)
+    a, b = _features(0, 256, 64, torch.bfloat16), _features(1, 256, 64, torch.bfloat16)
+    _clip_step(a, b, scale)  # compiles, first sight of the signatures
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _clip_step(a, b, scale)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(graphs) == 2
