@@ -51,7 +51,7 @@ def graphs(monkeypatch):
     replay.clear()
     if not torch.cuda.is_available():
         def capture(fn, spec, leaves):
-            inputs = [replay._buffer(t) for t in replay._distinct(leaves)]
+            inputs = replay._input_buffers(replay._distinct(leaves))
             for buffer, t in zip(inputs, replay._distinct(leaves), strict=True):
                 buffer.copy_(t)  # (a real capture runs nothing: any values would do)
             outputs: list[torch.Tensor] = []
@@ -113,6 +113,9 @@ def test_replayed_steps_equal_direct_ones(graphs, tune, kind):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     assert len(graphs) == 2  # the forward op's and the backward op's
+    # The backward reads A and B from the forward's buffers.
+    forward, backward = ({id(t) for t in g.inputs} for g in graphs)
+    assert len(forward & backward) >= (1 if kind == "nt_xent" else 2)
     if not torch.cuda.is_available():
         assert all(g.replays == 2 for g in graphs)  # the second step's and the third's
 

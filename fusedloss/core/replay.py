@@ -17,9 +17,10 @@ its arguments that reads nothing back to the host (the engine's default paths: d
 "Host synchronization").
 
 What a signature holds on the GPU while it stays cached (at most ``CAPACITY`` signatures, the
-least recently used dropped first): a copy of each input tensor, the graph's outputs, and the
-memory ``fn`` used while it ran (its scratch), reserved for the graph rather than returned to
-PyTorch's allocator. ``Tuning.replay_work`` bounds the calls that replay (and so this memory);
+least recently used dropped first): buffers for its input tensors (shared with the other
+graphs replayed on the stream: the forward's A and B are the backward's), the graph's outputs,
+and the memory ``fn`` used while it ran (its scratch), reserved for the graph rather than
+returned to PyTorch's allocator. ``Tuning.replay_work`` bounds the calls that replay (and so this memory);
 ``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops every graph.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,16 +88,20 @@ class _Graph:
         self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
 
     def run(self, leaves: list[torch.Tensor]) -> Any:
-        for buffer, value in zip(self.inputs, _distinct(leaves), strict=True):
-            buffer.copy_(value)
+        # One call for all the copies in (and one for all the copies out): each PyTorch call
+        # costs the host ~10 µs, and a backward has ~20 tensors.
+        torch._foreach_copy_(self.inputs, _distinct(leaves))
         self.graph.replay()
-        return _unflatten(self.out_spec, [t.clone() for t in self.outputs])
+        copies = [torch.empty_like(t) for t in self.outputs]
+        if copies:
+            torch._foreach_copy_(copies, self.outputs)
+        return _unflatten(self.out_spec, copies)
 
 
 def _capture(fn, spec, leaves: list[torch.Tensor]) -> _Graph:
     """Captures ``fn`` on buffers shaped as ``leaves`` (the graph's inputs, filled at each
     replay)."""
-    inputs = [_buffer(t) for t in _distinct(leaves)]
+    inputs = _input_buffers(_distinct(leaves))
     device = leaves[0].device
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
@@ -170,6 +176,29 @@ def _distinct(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
             ids.add(id(t))
             out.append(t)
     return out
+
+
+# Input buffers, shared by every graph that replays on one stream: a buffer is filled right
+# before each replay that reads it, and the replays on a stream run one after another, so the
+# k-th argument of a given shape, strides and dtype in any call can use the same buffer (the
+# forward's A and B are the backward's). Held by the graphs; dropped with the last of them.
+_BUFFERS: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _input_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A buffer for each of ``tensors`` (distinct tensors of one call): the shared one for its
+    metadata and its rank among the call's tensors of that metadata."""
+    seen: collections.Counter = collections.Counter()
+    buffers = []
+    for t in tensors:
+        meta = (*_metadata(t), _stream(t.device))
+        key = (meta, seen[meta])
+        seen[meta] += 1
+        buffer = _BUFFERS.get(key)
+        if buffer is None:
+            buffer = _BUFFERS[key] = _buffer(t)
+        buffers.append(buffer)
+    return buffers
 
 
 def _buffer(t: torch.Tensor) -> torch.Tensor:
