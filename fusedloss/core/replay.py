@@ -20,8 +20,8 @@ What a signature holds on the GPU while it stays cached (at most ``CAPACITY`` si
 least recently used dropped first): buffers for its input tensors (shared with the other
 graphs replayed on the stream: the forward's A and B are the backward's), the graph's outputs,
 and the memory ``fn`` used while it ran (its scratch), reserved for the graph rather than
-returned to PyTorch's allocator. ``Tuning.replay_work`` bounds the calls that replay (and so this memory);
-``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops every graph.
+returned to PyTorch's allocator. ``Tuning.replay_work`` bounds the calls that replay (and so
+this memory); ``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops every graph.
 """
 
 from __future__ import annotations
