@@ -199,3 +199,21 @@ def test_replay_reads_nothing_back(graphs):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(graphs) == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_replay_on_a_device_that_is_not_current(graphs, tune):
+    """Graphs of tensors on cuda:1 capture and replay there while cuda:0 is current."""
+    torch.cuda.set_device(0)
+    scale = torch.tensor(10.0, device="cuda:1", requires_grad=True)
+    for seed in range(3):
+        a, b = (_features(seed + k, 256, 64).detach().to("cuda:1").requires_grad_()
+                for k in (0, 10))
+        tune(replay_work=1 << 40)
+        got = _clip_step(a, b, scale)
+        tune(replay_work=0)
+        want = _clip_step(a, b, scale)
+        for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+            assert g.device == torch.device("cuda:1")
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(graphs) == 2

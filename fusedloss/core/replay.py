@@ -28,6 +28,7 @@ this memory); ``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops e
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -92,7 +93,8 @@ class _Graph:
         # One call for all the copies in (and one for all the copies out): each PyTorch call
         # costs the host ~10 µs, and a backward has ~20 tensors.
         torch._foreach_copy_(self.inputs, _distinct(leaves))
-        self.graph.replay()
+        with _on(self.inputs[0].device):  # a graph replays on its device's current stream
+            self.graph.replay()
         copies = [torch.empty_like(t) for t in self.outputs]
         if copies:
             torch._foreach_copy_(copies, self.outputs)
@@ -107,7 +109,7 @@ def _capture(fn, spec, leaves: list[torch.Tensor]) -> _Graph:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
+    with _on(device), torch.cuda.stream(stream):
         # thread_local: other threads (a communication library's) may keep working meanwhile
         graph.capture_begin(capture_error_mode="thread_local")
         try:
@@ -212,6 +214,14 @@ def _buffer(t: torch.Tensor) -> torch.Tensor:
 
 def _metadata(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _on(device: torch.device):
+    """``device`` made the current CUDA device (where a capture begins and a replay launches),
+    for the block; nothing to do where it already is, or off CUDA."""
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _stream(device: torch.device):
