@@ -141,6 +141,8 @@ def _flatten(x, leaves: list[torch.Tensor], seen: dict[int, int] | None):
     """A hashable structure of ``x`` (tuples, lists, dataclasses, values) whose tensors are
     appended to ``leaves`` and stand in it as ("tensor", position among the distinct tensors)
     (``seen``: tensor id → that position; None: every tensor a leaf of its own)."""
+    if x is None or type(x) in _PLAIN:
+        return ("value", x)
     if isinstance(x, torch.Tensor):
         leaves.append(x)
         if seen is None:
@@ -148,11 +150,25 @@ def _flatten(x, leaves: list[torch.Tensor], seen: dict[int, int] | None):
         return ("tensor", seen.setdefault(id(x), len(seen)))
     if isinstance(x, (tuple, list)):
         return (type(x), tuple(_flatten(v, leaves, seen) for v in x))
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (type(x), tuple((f.name, _flatten(getattr(x, f.name), leaves, seen))
-                               for f in dataclasses.fields(x)))
+    names = _field_names(type(x))
+    if names is not None:
+        return (type(x), tuple((name, _flatten(getattr(x, name), leaves, seen))
+                               for name in names))
     hash(x)  # a value that is part of the signature
     return ("value", x)
+
+
+_PLAIN = frozenset({bool, int, float, str, torch.dtype})  # values of a signature as they are
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """A dataclass's field names (None for any other type), looked up once per type: the
+    flattening runs at every call."""
+    if cls not in _FIELDS:
+        _FIELDS[cls] = (tuple(f.name for f in dataclasses.fields(cls))
+                        if dataclasses.is_dataclass(cls) else None)
+    return _FIELDS[cls]
 
 
 def _unflatten(spec, leaves: list[torch.Tensor]):
