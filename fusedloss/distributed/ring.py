@@ -32,7 +32,9 @@ accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and the dA accu
 bytes), O(b_max) column statistics, the per-step tile statistics the backward's filtering
 reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the engine's own working memory for one
 (b_r × b_s) block. (The tile statistics grow with the global batch: past
-``TILE_STATS_BUDGET`` the ring does not filter.)
+``TILE_STATS_BUDGET`` the ring does not filter.) Blocks whose products fit
+``Tuning.replay_work`` replay the engine's launches as CUDA graphs (``core/replay.py``), which
+keep that working memory, the block's inputs and its outputs between calls.
 """
 
 from __future__ import annotations
