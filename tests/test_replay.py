@@ -143,7 +143,19 @@ def test_work_bound_and_read_backs_turn_replay_off(graphs, tune):
     tune(replay_work=1 << 40, check_values=True)
     for _ in range(3):
         _clip_step(a, b, scale)
+    tune(check_values=False)
+    with engine.recording_backward_tiles() as record:  # a replay would skip the recording
+        for _ in range(3):
+            _clip_step(a, b, scale)
+    assert len(record) == 3
     assert graphs == []
+
+
+def test_a_result_it_cannot_rebuild_is_refused():
+    """A call whose result holds an object other than tensors, tuples, lists, dataclasses and
+    plain values is not replayed (the object would be the captured call's)."""
+    with pytest.raises(RuntimeError, match="cannot replay"):
+        replay._flatten((torch.zeros(1), object()), [], None)
 
 
 def test_arguments_round_trip_with_shared_tensors():

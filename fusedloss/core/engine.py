@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import config, replay
+from . import config
 from .filtering import backward_tiles, live_tiles_into
 from .launch import RepeatedLaunch
 
@@ -222,8 +222,6 @@ def row_stats(
                          "or square statistics")
     if backend == "torch":
         return _row_stats_torch(a, b, logits, rows, col_weight, wants)
-    if replay.applies(a.device, rows.index.numel() * b.shape[0] * b.shape[1]):
-        return replay.call(_row_stats_triton, a, b, logits, rows, col_weight, wants)
     return _row_stats_triton(a, b, logits, rows, col_weight, wants)
 
 
@@ -787,19 +785,7 @@ def grads(
     keeps its slabs wide. Each row's dA is formed as in one call (the same slabs; cuBLAS may
     pick another algorithm for a block's row count, so its fp32 sums may round differently);
     dB and dbias add the blocks' parts in fp32 and round once.
-
-    Small calls on the dense path replay their launches as a CUDA graph (``core/replay.py``).
     """
-    args = (a, b, logits, rows, stats, coef, col_weight, sigmoid, needs, plan)
-    if (plan.backend != "torch" and not plan.sparse and plan.row_chunk is None
-            and not _TILE_RECORDS
-            and replay.applies(a.device, rows.index.numel() * b.shape[0] * b.shape[1])):
-        return replay.call(_grads, *args)
-    return _grads(*args)
-
-
-def _grads(a, b, logits, rows, stats, coef, col_weight, sigmoid, needs, plan) -> Grads:
-    """``grads`` (its arguments in order)."""
     filter_eps, filter_scale, backend = plan.filter_eps, plan.filter_scale, plan.backend
     grad_dtype, grad_a_dtype, row_chunk = plan.grad_dtype, plan.grad_a_dtype, plan.row_chunk
     if coef.col is not None and stats.col_lse is None:
@@ -898,6 +884,12 @@ def recording_backward_tiles():
         yield record
     finally:
         _TILE_RECORDS.remove(record)
+
+
+def recording_tiles() -> bool:
+    """Whether a ``recording_backward_tiles`` block is open (a call replayed as a CUDA graph
+    would skip the recording: ``ops._common.replays``)."""
+    return bool(_TILE_RECORDS)
 
 
 def _record_tiles(live: torch.Tensor, n_valid: torch.Tensor, block_m: int) -> None:

@@ -118,7 +118,7 @@ def _capture(fn, spec, leaves: list[torch.Tensor]) -> _Graph:
             graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
     outputs: list[torch.Tensor] = []
-    out_spec = _flatten(result, outputs, None)
+    out_spec = _flatten(result, outputs, None)  # RuntimeError for a result it cannot rebuild
     return _Graph(graph, inputs, out_spec, outputs)
 
 
@@ -140,7 +140,8 @@ def _remember(key: tuple, value):
 def _flatten(x, leaves: list[torch.Tensor], seen: dict[int, int] | None):
     """A hashable structure of ``x`` (tuples, lists, dataclasses, values) whose tensors are
     appended to ``leaves`` and stand in it as ("tensor", position among the distinct tensors)
-    (``seen``: tensor id → that position; None: every tensor a leaf of its own)."""
+    (``seen``: tensor id → that position; None, for a result: every tensor a leaf of its own,
+    and RuntimeError for an object that is none of these)."""
     if x is None or type(x) in _PLAIN:
         return ("value", x)
     if isinstance(x, torch.Tensor):
@@ -154,11 +155,13 @@ def _flatten(x, leaves: list[torch.Tensor], seen: dict[int, int] | None):
     if names is not None:
         return (type(x), tuple((name, _flatten(getattr(x, name), leaves, seen))
                                for name in names))
+    if seen is None:  # a result: its objects must be rebuilt from tensors, not shared
+        raise RuntimeError(f"cannot replay a call that returns a {type(x).__name__}")
     hash(x)  # a value that is part of the signature
     return ("value", x)
 
 
-_PLAIN = frozenset({bool, int, float, str, torch.dtype})  # values of a signature as they are
+_PLAIN = frozenset({bool, int, float, str, torch.dtype, torch.device})  # values as they are
 _FIELDS: dict[type, tuple[str, ...] | None] = {}
 
 

@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core import engine
+from ..core import engine, replay
 from ..core.engine import GradCoefficients, Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
-from ..ops._common import scratch_bytes
+from ..ops._common import replays, scratch_bytes
 from ..ops._group import Layout, Shift
 
 _F32 = torch.float32
@@ -120,11 +120,11 @@ def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | 
         m_s = held.shape[0]
         tiles, part_cols = None, None
         if n and m_s:
-            stats = engine.row_stats(
-                a, held, family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
-                rows_of(s, m_s),
-                wants=engine.Wants(col_stats=clip, sigmoid=siglip, record_tiles=filtering),
-                backend=backend)
+            stats = _block(_block_stats, backend, a, held,
+                           family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
+                           rows_of(s, m_s),
+                           engine.Wants(col_stats=clip, sigmoid=siglip, record_tiles=filtering),
+                           backend)
             if siglip:
                 sig_sum += stats.sigmoid_sum
             else:
@@ -251,11 +251,11 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
             rows = rows_of(s, m_s)
             coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
                                  layout.col_offset(s), m_s)
-            grads = engine.grads(
-                a, held, family.logits(kind, held, scale, bias, own_columns=home), rows,
-                stats, coef, sigmoid=siglip,
-                needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
-                plan=engine.BackwardPlan(
+            grads = _block(
+                _block_grads, backend, a, held,
+                family.logits(kind, held, scale, bias, own_columns=home), rows, stats, coef,
+                siglip, engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
+                engine.BackwardPlan(
                     filter_eps=filter_eps, filter_scale=(saved.row_mass, col_mass),
                     scratch_bytes=scratch_bytes(a, wide=True), sparse=False, grad_dtype=_F32,
                     backend=backend))
@@ -299,6 +299,24 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
             return total.to(a.dtype), None, _opt(grad_scale, need_scale), None
     return (grad_a.to(a.dtype) if need_a else None, grad_b.to(b.dtype) if need_b else None,
             _opt(grad_scale, need_scale), _opt(grad_bias, need_bias and bias is not None))
+
+
+def _block(fn, backend: str, a: Tensor, held: Tensor, *args):
+    """``fn(a, held, *args)``: one block's engine call, its launches replayed as a CUDA graph
+    where the block is small (``ops._common.replays``): at 16384 rows per rank the host, not the
+    GPU, sets the pace of a block's dozens of launches."""
+    if replays(a, held.shape[0], backend):
+        return replay.call(fn, a, held, *args)
+    return fn(a, held, *args)
+
+
+def _block_stats(a, held, logits, rows, wants, backend) -> RowStats:
+    return engine.row_stats(a, held, logits, rows, wants=wants, backend=backend)
+
+
+def _block_grads(a, held, logits, rows, stats, coef, sigmoid, needs, plan) -> engine.Grads:
+    return engine.grads(a, held, logits, rows, stats, coef, sigmoid=sigmoid, needs=needs,
+                        plan=plan)
 
 
 def _pass_on(layout: Layout, step: int, parcel: _Parcel, block_sections: int,

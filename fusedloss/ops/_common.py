@@ -6,8 +6,17 @@ import functools
 import torch
 from torch import Tensor
 
-from ..core import config
+from ..core import config, engine, replay
 from ..core.engine import Rows
+
+
+def replays(a: Tensor, columns: int, backend: str) -> bool:
+    """Whether a call over the rows of ``a`` against ``columns`` columns replays its launches
+    as a CUDA graph (``core/replay.py``): the Triton backend, products of at most
+    ``Tuning.replay_work`` multiply-adds, and no backward-tile recording open (a replay runs
+    none of the call's Python)."""
+    return (backend == "triton" and not engine.recording_tiles()
+            and replay.applies(a.device, a.shape[0] * columns * a.shape[1]))
 
 
 def row_major(t: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from ._common import (
     eager_function,
     grad_or_none,
     nothing,
+    replays,
     row_major,
     run_op,
     scratch_bytes,
@@ -60,7 +61,7 @@ def forward(
 
     Small calls replay their launches as a CUDA graph (``core/replay.py``)."""
     args = (a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, user_target)
-    if backend == "triton" and replay.applies(a.device, _work(a, b)):
+    if replays(a, b.shape[0], backend):
         return replay.call(_forward, *args)
     return _forward(*args)
 
@@ -151,7 +152,7 @@ def backward(
     args = (grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_mass,
             tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
             need_b, need_scale, need_bias)
-    if backend == "triton" and replay.applies(a.device, _work(a, b)):
+    if replays(a, b.shape[0], backend):
         return replay.call(_backward, *args)
     return _backward(*args)
 
@@ -224,11 +225,6 @@ forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 _EagerFunction = eager_function("_EagerFunction", forward, _setup_context, _autograd_backward,
                                 backward)
-
-
-def _work(a: Tensor, b: Tensor) -> int:
-    """Multiply-adds of one product A Bᵀ (what bounds replay: ``Tuning.replay_work``)."""
-    return a.shape[0] * b.shape[0] * a.shape[1]
 
 
 def _filtering(kind: str, filter_eps: float | None, record_tiles: bool) -> bool:
