@@ -38,7 +38,8 @@ def _inside_capture(fn, spec, inputs):
     """``fn`` on the graph's buffers, with nested calls not replayed, as while capturing."""
     _CAPTURING.append(True)
     try:
-        return fn(*replay._unflatten(spec, inputs))
+        args, kwargs = replay._unflatten(spec, inputs)
+        return fn(*args, **dict(kwargs))
     finally:
         _CAPTURING.pop()
 
@@ -51,8 +52,8 @@ def graphs(monkeypatch):
     replay.clear()
     if not torch.cuda.is_available():
         def capture(fn, spec, leaves):
-            inputs = replay._input_buffers(replay._distinct(leaves))
-            for buffer, t in zip(inputs, replay._distinct(leaves), strict=True):
+            inputs = replay._input_buffers(leaves)
+            for buffer, t in zip(inputs, leaves, strict=True):
                 buffer.copy_(t)  # (a real capture runs nothing: any values would do)
             outputs: list[torch.Tensor] = []
             out_spec = replay._flatten(_inside_capture(fn, spec, inputs), outputs, None)
@@ -168,7 +169,7 @@ def test_arguments_round_trip_with_shared_tensors():
     leaves: list[torch.Tensor] = []
     spec = replay._flatten(args, leaves, {})
     hash(spec)
-    distinct = replay._distinct(leaves)
+    distinct = leaves
     assert len(distinct) == 4  # x once, y, rows.index, rows.n_valid
     copies = [t.clone() for t in distinct]
     back = replay._unflatten(spec, copies)
@@ -229,3 +230,16 @@ def test_replay_on_a_device_that_is_not_current(graphs, tune):
             assert g.device == torch.device("cuda:1")
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert len(graphs) == 2
+
+
+def _scaled(x, *, scale):
+    return (x * scale,)
+
+
+def test_keyword_arguments_reach_the_function(graphs):
+    """Keyword arguments are part of the signature and reach the captured and replayed call."""
+    for k in range(3):
+        x = torch.full((4,), float(k), device=DEVICE)
+        (out,) = replay.call(_scaled, x, scale=torch.tensor(2.0, device=DEVICE))
+        assert torch.equal(out, 2 * x)
+    assert len(graphs) == 1

@@ -55,27 +55,27 @@ def applies(device: torch.device, work: int) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def call(fn: Callable[..., Any], *args) -> Any:
-    """``fn(*args)``, its launches replayed from a CUDA graph from the second call with the same
-    signature on (see the module's doc). The result equals ``fn(*args)``'s (the same kernels
+def call(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)``, its launches replayed from a CUDA graph from the second call with
+    the same signature on (see the module's doc). The result equals ``fn``'s (the same kernels
     on the same values); its tensors are new, as ``fn``'s would be."""
-    leaves: list[torch.Tensor] = []
-    spec = _flatten(args, leaves, {})
-    key = (fn, spec, tuple(_metadata(t) for t in leaves), config.tuning(), _precision(),
-           _stream(leaves[0].device))
+    tensors: list[torch.Tensor] = []  # each distinct tensor once
+    spec = _flatten((args, tuple(sorted(kwargs.items()))), tensors, {})
+    key = (fn, spec, tuple(_metadata(t) for t in tensors), config.tuning(), _precision(),
+           _stream(tensors[0].device))
     entry = _CACHE.get(key)
     if entry is None:
-        result = fn(*args)
+        result = fn(*args, **kwargs)
         _remember(key, _SEEN)
         return result
     if entry is _SEEN:
         try:
-            entry = _capture(fn, spec, leaves)
+            entry = _capture(fn, spec, tensors)
         except RuntimeError:  # something fn does may not be captured: it runs as it is
             entry = _DIRECT
         _remember(key, entry)
     _CACHE.move_to_end(key)
-    return fn(*args) if entry is _DIRECT else entry.run(leaves)
+    return fn(*args, **kwargs) if entry is _DIRECT else entry.run(tensors)
 
 
 def clear() -> None:
@@ -89,10 +89,11 @@ class _Graph:
     def __init__(self, graph, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
         self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
 
-    def run(self, leaves: list[torch.Tensor]) -> Any:
+    def run(self, tensors: list[torch.Tensor]) -> Any:
+        """The graph on ``tensors`` (the call's distinct tensors, as ``_flatten`` lists them)."""
         # One call for all the copies in (and one for all the copies out): each PyTorch call
         # costs the host ~10 µs, and a backward has ~20 tensors.
-        torch._foreach_copy_(self.inputs, _distinct(leaves))
+        torch._foreach_copy_(self.inputs, tensors)
         with _on(self.inputs[0].device):  # a graph replays on its device's current stream
             self.graph.replay()
         copies = [torch.empty_like(t) for t in self.outputs]
@@ -101,11 +102,11 @@ class _Graph:
         return _unflatten(self.out_spec, copies)
 
 
-def _capture(fn, spec, leaves: list[torch.Tensor]) -> _Graph:
-    """Captures ``fn`` on buffers shaped as ``leaves`` (the graph's inputs, filled at each
-    replay)."""
-    inputs = _input_buffers(_distinct(leaves))
-    device = leaves[0].device
+def _capture(fn, spec, tensors: list[torch.Tensor]) -> _Graph:
+    """Captures ``fn`` on buffers shaped as the call's distinct ``tensors`` (the graph's inputs,
+    filled at each replay)."""
+    inputs = _input_buffers(tensors)
+    device = tensors[0].device
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -113,7 +114,8 @@ def _capture(fn, spec, leaves: list[torch.Tensor]) -> _Graph:
         # thread_local: other threads (a communication library's) may keep working meanwhile
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            result = fn(*_unflatten(spec, inputs))
+            args, kwargs = _unflatten(spec, inputs)
+            result = fn(*args, **dict(kwargs))
         finally:
             graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
@@ -138,17 +140,21 @@ def _remember(key: tuple, value):
 
 
 def _flatten(x, leaves: list[torch.Tensor], seen: dict[int, int] | None):
-    """A hashable structure of ``x`` (tuples, lists, dataclasses, values) whose tensors are
-    appended to ``leaves`` and stand in it as ("tensor", position among the distinct tensors)
-    (``seen``: tensor id → that position; None, for a result: every tensor a leaf of its own,
-    and RuntimeError for an object that is none of these)."""
+    """A hashable structure of ``x`` (tuples, lists, dataclasses, values) whose tensors stand in
+    it as ("tensor", position in ``leaves``). ``seen`` (tensor id → position): a tensor met
+    before is not appended again, so ``leaves`` lists the distinct tensors; None, for a
+    result: every tensor a leaf of its own, and RuntimeError for an object that is none of
+    these."""
     if x is None or type(x) in _PLAIN:
         return ("value", x)
     if isinstance(x, torch.Tensor):
-        leaves.append(x)
         if seen is None:
+            leaves.append(x)
             return ("tensor", len(leaves) - 1)
-        return ("tensor", seen.setdefault(id(x), len(seen)))
+        if id(x) not in seen:
+            seen[id(x)] = len(leaves)
+            leaves.append(x)
+        return ("tensor", seen[id(x)])
     if isinstance(x, (tuple, list)):
         return (type(x), tuple(_flatten(v, leaves, seen) for v in x))
     names = _field_names(type(x))
@@ -175,8 +181,7 @@ def _field_names(cls: type) -> tuple[str, ...] | None:
 
 
 def _unflatten(spec, leaves: list[torch.Tensor]):
-    """``_flatten``'s inverse: ``spec`` with its tensors taken from ``leaves`` (by position
-    among the distinct tensors)."""
+    """``_flatten``'s inverse: ``spec`` with its tensors taken from ``leaves`` by position."""
     kind, body = spec
     if kind == "tensor":
         return leaves[body]
@@ -188,16 +193,6 @@ def _unflatten(spec, leaves: list[torch.Tensor]):
     for name, s in body:
         object.__setattr__(obj, name, _unflatten(s, leaves))
     return obj
-
-
-def _distinct(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``leaves``, each once, in order of first appearance."""
-    out, ids = [], set()
-    for t in leaves:
-        if id(t) not in ids:
-            ids.add(id(t))
-            out.append(t)
-    return out
 
 
 # Input buffers, shared by every graph that replays on one stream: a buffer is filled right

@@ -120,11 +120,12 @@ def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | 
         m_s = held.shape[0]
         tiles, part_cols = None, None
         if n and m_s:
-            stats = _block(_block_stats, backend, a, held,
-                           family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
-                           rows_of(s, m_s),
-                           engine.Wants(col_stats=clip, sigmoid=siglip, record_tiles=filtering),
-                           backend)
+            stats = _block(
+                engine.row_stats, backend, a, held,
+                family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
+                rows_of(s, m_s),
+                wants=engine.Wants(col_stats=clip, sigmoid=siglip, record_tiles=filtering),
+                backend=backend)
             if siglip:
                 sig_sum += stats.sigmoid_sum
             else:
@@ -252,10 +253,11 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
             coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
                                  layout.col_offset(s), m_s)
             grads = _block(
-                _block_grads, backend, a, held,
+                engine.grads, backend, a, held,
                 family.logits(kind, held, scale, bias, own_columns=home), rows, stats, coef,
-                siglip, engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
-                engine.BackwardPlan(
+                sigmoid=siglip,
+                needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
+                plan=engine.BackwardPlan(
                     filter_eps=filter_eps, filter_scale=(saved.row_mass, col_mass),
                     scratch_bytes=scratch_bytes(a, wide=True), sparse=False, grad_dtype=_F32,
                     backend=backend))
@@ -301,22 +303,13 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
             _opt(grad_scale, need_scale), _opt(grad_bias, need_bias and bias is not None))
 
 
-def _block(fn, backend: str, a: Tensor, held: Tensor, *args):
-    """``fn(a, held, *args)``: one block's engine call, its launches replayed as a CUDA graph
-    where the block is small (``ops._common.replays``): at 16384 rows per rank the host, not the
-    GPU, sets the pace of a block's dozens of launches."""
+def _block(fn, backend: str, a: Tensor, held: Tensor, /, *args, **kwargs):
+    """``fn(a, held, *args, **kwargs)``: one block's engine call, its launches replayed as a
+    CUDA graph where the block is small (``ops._common.replays``): at 16384 rows per rank the
+    host, not the GPU, sets the pace of a block's dozens of launches."""
     if replays(a, held.shape[0], backend):
-        return replay.call(fn, a, held, *args)
-    return fn(a, held, *args)
-
-
-def _block_stats(a, held, logits, rows, wants, backend) -> RowStats:
-    return engine.row_stats(a, held, logits, rows, wants=wants, backend=backend)
-
-
-def _block_grads(a, held, logits, rows, stats, coef, sigmoid, needs, plan) -> engine.Grads:
-    return engine.grads(a, held, logits, rows, stats, coef, sigmoid=sigmoid, needs=needs,
-                        plan=plan)
+        return replay.call(fn, a, held, *args, **kwargs)
+    return fn(a, held, *args, **kwargs)
 
 
 def _pass_on(layout: Layout, step: int, parcel: _Parcel, block_sections: int,
