@@ -101,15 +101,16 @@ def _clip_step(a, b, scale, kind="clip"):
 @pytest.mark.parametrize("kind", ["clip", "info_nce", "nt_xent"])
 def test_replayed_steps_equal_direct_ones(graphs, tune, kind):
     """Three steps on new values each: the first direct, the second captured, the third
-    replayed; each equals the same step with replay off, exactly."""
+    replayed; each equals the same step with replay off (and the fp32 dA accumulator, a
+    replayed backward's), exactly."""
     n, d = 48, 32
     scale = torch.tensor(10.0, device=DEVICE, requires_grad=True)
     for seed in range(3):
         a, b = _features(seed, n, d), _features(seed + 10, n, d)
         tune(replay_work=1 << 40)
         got = _clip_step(a, b, scale, kind)
-        tune(replay_work=0)
-        want = _clip_step(a, b, scale, kind)
+        with config.tuned(replay_work=0, split_accumulator=False):
+            want = _clip_step(a, b, scale, kind)
         for g, w in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
@@ -119,6 +120,31 @@ def test_replayed_steps_equal_direct_ones(graphs, tune, kind):
     assert len(forward & backward) >= (1 if kind == "nt_xent" else 2)
     if not torch.cuda.is_available():
         assert all(g.replays == 2 for g in graphs)  # the second step's and the third's
+
+
+@requires_triton
+@pytest.mark.parametrize("replay_work", [0, 1 << 40])
+def test_a_replayed_backward_accumulates_in_fp32(monkeypatch, graphs, tune, replay_work):
+    """bf16 features of a few rows: the backward's dA accumulates as a bf16 pair when the
+    call runs directly, in fp32 in every call of a replayed signature (its first, direct call
+    too, so that every step of it gives the same gradients)."""
+    from fusedloss.core import lse_backward
+
+    kernel, used = lse_backward._accumulate_split_kernel, []
+
+    class Spy:  # every launch through the JIT passes here
+        def __getitem__(self, grid):
+            used.append(grid)
+            return kernel[grid]
+
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+    monkeypatch.setattr(lse_backward, "_accumulate_split_kernel", Spy())
+    tune(replay_work=replay_work)
+    scale = torch.tensor(10.0, device=DEVICE)
+    _clip_step(_features(0, 32, 32), _features(1, 32, 32), scale)  # a first call: direct
+    assert bool(used) == (replay_work == 0)
 
 
 @requires_triton
@@ -216,7 +242,9 @@ def test_replay_reads_nothing_back(graphs):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_replay_on_a_device_that_is_not_current(graphs, tune):
-    """Graphs of tensors on cuda:1 capture and replay there while cuda:0 is current."""
+    """Graphs of tensors on cuda:1 capture and replay there while cuda:0 is current, and the
+    steps equal the same steps on cuda:0, replayed or not (the kernels launch on the tensors'
+    device: launched on the current one, they would read cuda:1's memory from cuda:0)."""
     torch.cuda.set_device(0)
     scale = torch.tensor(10.0, device="cuda:1", requires_grad=True)
     for seed in range(3):
@@ -224,11 +252,14 @@ def test_replay_on_a_device_that_is_not_current(graphs, tune):
                 for k in (0, 10))
         tune(replay_work=1 << 40)
         got = _clip_step(a, b, scale)
-        tune(replay_work=0)
-        want = _clip_step(a, b, scale)
-        for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
-            assert g.device == torch.device("cuda:1")
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        with config.tuned(replay_work=0, split_accumulator=False):
+            direct = _clip_step(a, b, scale)
+            on_0 = _clip_step(*(t.detach().to("cuda:0").requires_grad_() for t in (a, b, scale)))
+        for g, d, w in zip((got[0], *got[1]), (direct[0], *direct[1]), (on_0[0], *on_0[1]),
+                           strict=True):
+            assert g.device == d.device == torch.device("cuda:1")
+            torch.testing.assert_close(g, d, rtol=0, atol=0)
+            torch.testing.assert_close(g.to("cuda:0"), w, rtol=0, atol=0)
     assert len(graphs) == 2
 
 

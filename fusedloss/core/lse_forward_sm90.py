@@ -73,6 +73,26 @@ def _mul_rn(x, y):
 
 
 @gluon.jit
+def _shuffle_xor(x, MASK: gl.constexpr):
+    """Each lane's element from the lane ``lane ^ MASK`` (the same register)."""
+    return gl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {MASK}, 31, -1;", "=r,r",
+                                     [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _halve(x, lane, BIT: gl.constexpr, C: gl.constexpr):
+    """(x, lane) [4, 8, C] → [4, 8, C/2]: lane rows differing in bit BIT of l (lanes 4·2^BIT
+    apart) swap halves of their columns and add: the lane row with the bit set keeps the
+    upper half."""
+    x0, x1 = gl.split(gl.permute(gl.reshape(x, [4, 8, 2, C // 2]), [0, 1, 3, 2]))
+    lane, _ = gl.split(gl.permute(gl.reshape(lane, [4, 8, 2, C // 2]), [0, 1, 3, 2]))
+    upper = ((lane >> BIT) & 1) == 1
+    keep = gl.where(upper, x1, x0)
+    send = gl.where(upper, x0, x1)
+    return keep + _shuffle_xor(send, 4 << BIT), lane
+
+
+@gluon.jit
 def _max_min_max(a0, b0, c0, a1, b1, c1):
     return gl.maximum(a0, a1), gl.minimum(b0, b1), gl.maximum(c0, c1)
 
@@ -237,8 +257,20 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
         # float, formed from the rows' own exponentials, exp(X − max_r) · exp(max_r − ref),
         # without an exponential per entry.
         r = gl.where(m_rows, gl.exp(safe_max - ref), 0.0)
-        e = gl.reshape(p * gl.expand_dims(r, 1), [4, WARP_ROWS, BLOCK_N])
-        tile_csum = gl.sum(gl.convert_layout(gl.sum(e, axis=1), parts_l), axis=0)
+        e = p * gl.expand_dims(r, 1)
+        # Each warp's sums over its 16 rows, scattered over its lanes: rows l and l + 8 of a
+        # thread added, then three halvings between lane rows (28 shuffles where an all-reduce
+        # takes 96), each thread left with 4 columns' sums.
+        lane = gl.expand_dims(offs_m % 8, 1) + gl.zeros_like(x).to(gl.int32)
+        e = gl.sum(gl.reshape(e, [4, 2, 8, BLOCK_N]), axis=1)
+        lane = gl.max(gl.reshape(lane, [4, 2, 8, BLOCK_N]), axis=1)
+        e, lane = _halve(e, lane, 0, BLOCK_N)
+        e, lane = _halve(e, lane, 1, BLOCK_N // 2)
+        e, lane = _halve(e, lane, 2, BLOCK_N // 4)
+        # e[w, l, c]: warp w's sum of column 64·l₀ + 32·l₁ + 16·l₂ + c (l's bits l₂l₁l₀)
+        e = gl.permute(gl.reshape(e, [4, 2, 2, 2, BLOCK_N // 8]), [0, 3, 2, 1, 4])
+        e = gl.reshape(e, [4, BLOCK_N])
+        tile_csum = gl.sum(gl.convert_layout(e, parts_l), axis=0)
         tile_max = gl.zeros_like(tile_csum) + ref
     else:
         # A wide tile (or the matrix's edge, where masked entries are -inf): each column

@@ -1,6 +1,7 @@
 """What the ops share: their tags, the conventions of their outputs, autocast, the backward's
 scratch."""
 
+import contextlib
 import functools
 
 import torch
@@ -78,6 +79,18 @@ def run_op(op, eager: type[torch.autograd.Function], *args):
     return eager.apply(*args)
 
 
+def on_device(args: tuple):
+    """The device of the first CUDA tensor among ``args`` made current for the block: Triton
+    launches its kernels on the current device (a tensor on another one would be read from the
+    wrong GPU), as do cuBLAS's handles; nothing to do where it already is current."""
+    for t in args:
+        if isinstance(t, Tensor) and t.is_cuda:
+            if t.device.index != torch.cuda.current_device():
+                return torch.cuda.device(t.device)
+            break
+    return contextlib.nullcontext()
+
+
 def eager_function(name: str, forward, setup_context, autograd_backward,
                    backward) -> type[torch.autograd.Function]:
     """An autograd Function with the op's forward, setup and backward, called without the
@@ -88,12 +101,13 @@ def eager_function(name: str, forward, setup_context, autograd_backward,
     derivative) instead of failing on the bodies' ``out=`` products."""
 
     def function_forward(ctx, *args):
-        outputs = forward(*args)
+        with on_device(args):
+            outputs = forward(*args)
         setup_context(ctx, args, outputs)
         return outputs
 
     def function_backward(ctx, *grads):
-        with torch.no_grad():
+        with torch.no_grad(), on_device(grads):
             return autograd_backward(ctx, *grads, backward_fn=backward)
 
     return type(name, (torch.autograd.Function,), {

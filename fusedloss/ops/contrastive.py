@@ -153,14 +153,15 @@ def backward(
             tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
             need_b, need_scale, need_bias)
     if replays(a, b.shape[0], backend):
-        return replay.call(_backward, *args)
+        return replay.call(_backward, *args, replayed=True)
     return _backward(*args)
 
 
 def _backward(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_mass, col_mass,
               tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
-              need_b, need_scale, need_bias):
-    """``backward`` (its arguments in order)."""
+              need_b, need_scale, need_bias, replayed=False):
+    """``backward`` (its arguments in order); ``replayed``: the call replays as a CUDA graph
+    (its every call, the first one, direct, too), which picks the dA accumulator."""
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
     d = a.shape[1]
@@ -176,7 +177,7 @@ def _backward(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_ma
         g = g + row_nan
     coef = family.grad_coefficients(kind, g, g)
     sparse = _sparse_slabs()
-    split = not sparse and bias is None and _split_accumulator(a)
+    split = not sparse and bias is None and _split_accumulator(a, replayed)
     grads = engine.grads(
         a, b, family.logits(kind, b, scale, bias), _rows(target), stats, coef, sigmoid=siglip,
         needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
@@ -267,16 +268,21 @@ def _sparse_slabs() -> bool:
     return config.tuning().sparse_slabs
 
 
-def _split_accumulator(a: Tensor) -> bool:
+def _split_accumulator(a: Tensor, replayed: bool) -> bool:
     """Whether dA accumulates over the backward's slabs as a bf16 pair (half the bytes of fp32;
     ``engine.grads(split_accumulator=...)``) rather than in fp32 through cuBLAS: for bf16
-    features up to 16384 rows, where it lets a step fit in 64 MiB (see ``scratch_bytes``).
-    Beyond, cuBLAS's addmm is faster than the split kernel (H100, 2026-11-22: 0.42 against
-    0.59 ms per slab at N = 65536, K = 4096, D = 512) and the memory is far below inf-cl's.
-    ``Tuning.split_accumulator`` overrides.
+    features up to 16384 rows whose backward does not replay, where it lets a step fit in
+    64 MiB (see ``scratch_bytes``). It is slower than cuBLAS's addmm (H200, 2026-11-29,
+    b = 16384, c = 512, replayed steps: CLIP 3.22 against 2.79 ms, InfoNCE 2.77 against 2.39;
+    H100, 2026-11-22: 0.59 against 0.42 ms per slab at N = 65536, K = 4096, D = 512), so a
+    replayed backward, whose graph holds more than 64 MiB anyway, takes the fp32 accumulator;
+    beyond 16384 rows the memory is far below inf-cl's. ``Tuning.split_accumulator``
+    overrides.
     """
     if (setting := config.tuning().split_accumulator) is not None:
         return setting
+    if replayed:
+        return False
     return a.dtype == torch.bfloat16 and a.shape[0] <= 16384
 
 
