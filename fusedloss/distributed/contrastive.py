@@ -49,7 +49,7 @@ from ..core import engine
 from ..core.filtering import resolve_filter_eps
 from ..losses.contrastive import as_scalar, feature_error, inverse_scalar, matched_features
 from ..ops import _group
-from ..ops._common import autocast_operands, without_autocast
+from ..ops._common import autocast_operands, op_body
 from ..ops._group import device_code, dtype_code, exchange, float_code
 from . import ring
 
@@ -187,7 +187,7 @@ class _Ring(torch.autograd.Function):
     # dtype (on the CPU a ``backward()`` called inside an autocast region runs the backward
     # on the same thread, autocast on).
     @staticmethod
-    @without_autocast
+    @op_body
     def forward(ctx, a, b, scale, bias, labels, call, needs):
         b = a if b is None else b  # NT-Xent: the rows are the columns
         loss, saved = ring.forward(call, a, b, scale, bias, labels, record=any(needs))
@@ -196,7 +196,7 @@ class _Ring(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @without_autocast
+    @op_body
     def backward(ctx, grad_loss):
         call, saved, needs = ctx.ring
         a, b, scale, bias, labels = ctx.saved_tensors

@@ -39,7 +39,7 @@ def grad_or_none(grad: Tensor, needed: bool) -> Tensor | None:
 # PyTorch's own matmuls would be, and the statistics and the loss stay fp32, as PyTorch's own
 # losses (autocast's fp32 list) compute them. The functional API casts (``autocast_operands``,
 # traceable, so the cast lands in a compiled graph too); the ops' bodies then run with autocast
-# off (``without_autocast``), so that no fp32 product inside them is silently rounded to bf16.
+# off (``op_body``), so that no fp32 product inside them is silently rounded to bf16.
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves float64
 
@@ -56,27 +56,20 @@ def autocast_operands(device: torch.device, *tensors: Tensor | None) -> tuple[Te
                  for t in tensors)
 
 
-def without_autocast(fn):
-    """``fn`` run with autocast off on every device (an op's body, whose products and
-    statistics choose their own precision)."""
+def op_body(fn):
+    """``fn`` run as an op's body: autocast off on every device (its products and statistics
+    choose their own precision), and the device of its first CUDA tensor argument current
+    (``on_device``: Triton and cuBLAS launch on the current device)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if not any(torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES):
-            return fn(*args, **kwargs)
-        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-            return fn(*args, **kwargs)
+        with on_device(args):
+            if not any(torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES):
+                return fn(*args, **kwargs)
+            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                return fn(*args, **kwargs)
 
     return run
-
-
-def run_op(op, eager: type[torch.autograd.Function], *args):
-    """``op(*args)`` through the dispatcher while ``torch.compile`` traces; in eager mode the
-    same host functions through ``eager`` (``eager_function``), without the dispatcher's Python
-    layers (~0.3 ms per call)."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return eager.apply(*args)
 
 
 def on_device(args: tuple):
@@ -91,6 +84,15 @@ def on_device(args: tuple):
     return contextlib.nullcontext()
 
 
+def run_op(op, eager: type[torch.autograd.Function], *args):
+    """``op(*args)`` through the dispatcher while ``torch.compile`` traces; in eager mode the
+    same host functions through ``eager`` (``eager_function``), without the dispatcher's Python
+    layers (~0.3 ms per call)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return eager.apply(*args)
+
+
 def eager_function(name: str, forward, setup_context, autograd_backward,
                    backward) -> type[torch.autograd.Function]:
     """An autograd Function with the op's forward, setup and backward, called without the
@@ -101,13 +103,12 @@ def eager_function(name: str, forward, setup_context, autograd_backward,
     derivative) instead of failing on the bodies' ``out=`` products."""
 
     def function_forward(ctx, *args):
-        with on_device(args):
-            outputs = forward(*args)
+        outputs = forward(*args)
         setup_context(ctx, args, outputs)
         return outputs
 
     def function_backward(ctx, *grads):
-        with torch.no_grad(), on_device(grads):
+        with torch.no_grad():
             return autograd_backward(ctx, *grads, backward_fn=backward)
 
     return type(name, (torch.autograd.Function,), {

@@ -18,11 +18,11 @@ from ._common import (
     eager_function,
     grad_or_none,
     nothing,
+    op_body,
     replays,
     row_major,
     run_op,
     scratch_bytes,
-    without_autocast,
 )
 
 KINDS = family.KINDS
@@ -35,7 +35,7 @@ def contrastive(*args) -> tuple[Tensor, ...]:
     return run_op(forward_op, _EagerFunction, *args)
 
 
-@without_autocast
+@op_body
 def forward(
     a: Tensor,  # (N, D)
     b: Tensor,  # (M, D); for "nt_xent" the same tensor as a
@@ -124,7 +124,7 @@ def _(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles, user_t
             a.new_empty(tiles, dtype=f32), a.new_empty(col_tiles, dtype=f32))
 
 
-@without_autocast
+@op_body
 def backward(
     grad_loss: Tensor,  # (N,)
     a: Tensor,
@@ -298,7 +298,7 @@ def contrastive_materialized(*args) -> tuple[Tensor, Tensor]:
     return run_op(materialized_forward_op, _MaterializedFunction, *args)
 
 
-@without_autocast
+@op_body
 def materialized_forward(
     a: Tensor,  # (N, D)
     b: Tensor,  # (M, D); for "nt_xent" the same tensor as a
@@ -330,7 +330,7 @@ def _(a, b, scale, bias, target, kind, reduction):
             a.new_empty((2, n + m if kind == "clip" else n), dtype=torch.float32))
 
 
-@without_autocast
+@op_body
 def _materialized_grads(grad_loss, a, b, scale, bias, target, lse, kind, reduction, need_a,
                         need_b, need_scale, need_bias) -> tuple[Tensor | None, ...]:
     """(dA, dB, d scale, d bias), None where not needed."""
@@ -408,7 +408,7 @@ def siglip_chunked(*args) -> Tensor:
     return run_op(siglip_chunked_op, _EagerSiglipChunked, *args)[0]
 
 
-@without_autocast
+@op_body
 def siglip_chunked_forward(
     a: Tensor,  # (N, D)
     b: Tensor,  # (M, D)

@@ -30,10 +30,10 @@ from ._common import (
     eager_function,
     grad_or_none,
     nothing,
+    op_body,
     row_major,
     run_op,
     scratch_bytes,
-    without_autocast,
 )
 
 _F32 = torch.float32
@@ -46,7 +46,7 @@ def linear_cross_entropy(*args) -> tuple[Tensor, ...]:
     return run_op(forward_op, _EagerFunction, *args)
 
 
-@without_autocast
+@op_body
 def forward(
     input: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
@@ -123,7 +123,7 @@ def _(input, weight, target, bias, class_weight, vocab_order, ignore_index, labe
             torch.empty_like(per_row), input.new_empty(tiles, dtype=_F32))
 
 
-@without_autocast
+@op_body
 def backward(
     grad_loss: Tensor | None,  # (N,)
     grad_lse: Tensor | None,  # (N,)
@@ -264,7 +264,7 @@ def linear_cross_entropy_chunked(*args) -> Tensor:
     return run_op(chunked_op, _EagerChunked, *args)[0]
 
 
-@without_autocast
+@op_body
 def forward_chunked(
     input: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
@@ -363,7 +363,7 @@ def _chunked_backward(ctx, grad_loss, *_, backward_fn=None):
             _scaled(grad_bias, grad_loss, dtypes[2]) if need_bias else None, *nones)
 
 
-@without_autocast
+@op_body
 def backward_chunked(
     grad_loss: Tensor,  # () the loss's upstream gradient
     input: Tensor,

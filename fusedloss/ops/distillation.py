@@ -25,7 +25,7 @@ from torch import Tensor
 from ..core import chunked_divergence, config, engine
 from ..core.engine import Needs, addmm_f32_, mm_f32
 from ..families import distillation as family
-from ._common import eager_function, grad_or_none, nothing, row_major, run_op, without_autocast
+from ._common import eager_function, grad_or_none, nothing, op_body, row_major, run_op
 from .cross_entropy import formed_grads_backward, formed_grads_setup_context
 
 
@@ -44,7 +44,7 @@ def _log_probs(z: Tensor, temperature: float) -> Tensor:
     return torch.log_softmax(z / temperature, dim=-1)
 
 
-@without_autocast
+@op_body
 def forward(
     a_s: Tensor,  # (N, D_s)
     w_s: Tensor,  # (V, D_s)
@@ -80,7 +80,7 @@ def _(a_s, w_s, b_s, a_t, w_t, b_t, kind, beta, temperature, backend):
     return a_s.new_empty(a_s.shape[0], dtype=engine.accumulation_dtype(a_s.dtype))
 
 
-@without_autocast
+@op_body
 def backward(
     grad: Tensor,  # (N,)
     a_s: Tensor,
@@ -188,7 +188,7 @@ def linear_divergence_reduced(*args) -> Tensor:
     return run_op(reduced_op, _EagerReduced, *args)[0]
 
 
-@without_autocast
+@op_body
 def reduced_forward(
     a_s: Tensor,  # (N, D_s)
     w_s: Tensor,  # (V, D_s)
@@ -243,7 +243,7 @@ def linear_top_k_kl(*args) -> Tensor:
     return run_op(top_k_forward_op, _TopKEagerFunction, *args)
 
 
-@without_autocast
+@op_body
 def top_k_forward(
     a_s: Tensor,  # (N, D)
     w_s: Tensor,  # (V, D)
@@ -274,7 +274,7 @@ def _(a_s, w_s, b_s, teacher_log_probs, teacher_ids, temperature):
     return a_s.new_empty(a_s.shape[0], dtype=engine.accumulation_dtype(a_s.dtype))
 
 
-@without_autocast
+@op_body
 def top_k_backward(grad: Tensor, a_s: Tensor, w_s: Tensor, b_s: Tensor | None,
                    teacher_log_probs: Tensor, teacher_ids: Tensor, temperature: float,
                    needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:

@@ -27,10 +27,10 @@ from ._common import (
     eager_function,
     grad_or_none,
     nothing,
+    op_body,
     row_major,
     run_op,
     scratch_bytes,
-    without_autocast,
 )
 
 
@@ -41,7 +41,7 @@ def linear_log_probs(*args) -> tuple[Tensor, ...]:
     return run_op(forward_op, _EagerFunction, *args)
 
 
-@without_autocast
+@op_body
 def forward(
     input: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
@@ -145,7 +145,7 @@ def _(input, weight, target, bias, ignore_index, logit_scale, temperature, softc
             if_asked(entropy))
 
 
-@without_autocast
+@op_body
 def backward(
     grad_log_prob: Tensor | None,  # (N,)
     grad_entropy: Tensor | None,  # (N,)

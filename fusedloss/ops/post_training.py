@@ -21,7 +21,7 @@ from torch import Tensor
 from ..core import chunked_log_probs
 from ..core.engine import Needs
 from ..families import post_training as family
-from ._common import eager_function, nothing, row_major, run_op, without_autocast
+from ._common import eager_function, nothing, op_body, row_major, run_op
 from .cross_entropy import formed_grads_backward, formed_grads_setup_context
 
 _F32 = torch.float32
@@ -56,7 +56,7 @@ def _fused(a: Tensor, b: Tensor, bias: Tensor | None, target: Tensor, ignore_ind
     return (loss, *(nothing(a, (0,)) if g is None else g for g in grads))
 
 
-@without_autocast
+@op_body
 def grpo_forward(
     input: Tensor,  # (B·T, D)
     weight: Tensor,  # (V, D)
@@ -109,7 +109,7 @@ def grpo_forward(
 grpo_op = torch.library.custom_op("fusedloss::grpo_loss_fused", grpo_forward, mutates_args=())
 
 
-@without_autocast
+@op_body
 def dpo_forward(
     input: Tensor,  # (2B·T, D): the B chosen sequences' rows, then the B rejected ones'
     weight: Tensor,  # (V, D)
@@ -161,7 +161,7 @@ def _pair_groups(pairs: int, t: int, device) -> Tensor:
     return torch.cat((rows[0], rows[1]), dim=1)
 
 
-@without_autocast
+@op_body
 def cpo_forward(
     input: Tensor,  # (2B·T, D): the B chosen sequences' rows, then the B rejected ones'
     weight: Tensor,  # (V, D)
@@ -231,7 +231,7 @@ def cpo_loss_fused(*args) -> Tensor:
     return run_op(cpo_op, _EagerCPO, *args)[0]
 
 
-@without_autocast
+@op_body
 def kto_forward(
     input: Tensor,  # (B·T, D)
     weight: Tensor,  # (V, D)

@@ -26,7 +26,7 @@ from ..core import chunked_logits, config, engine
 from ..core.engine import Logits, Rows, RowStats, mm_f32
 from ..families import cross_entropy as family
 from ..families import log_probs as log_probs_family
-from ._common import backward_row_chunk, scratch_bytes, without_autocast
+from ._common import backward_row_chunk, op_body, scratch_bytes
 
 _F32 = torch.float32
 
@@ -45,7 +45,7 @@ class VocabParallel(torch.autograd.Function):
     """Per-token losses, LSEs and target weights of the whole head from this rank's shard."""
 
     @staticmethod
-    @without_autocast
+    @op_body
     def forward(ctx, a, b, target, bias, class_weight, order, shard, options, eps, backend):
         """``eps``: the backward's filter (None: exact); the forward records the tile masses
         it reads only with one."""
@@ -103,7 +103,7 @@ class VocabParallel(torch.autograd.Function):
                 _original_order(target_weight, rows))
 
     @staticmethod
-    @without_autocast
+    @op_body
     def backward(ctx, grad_loss, grad_lse, _):
         a, b, bias, class_weight, order = ctx.saved_tensors
         (rows, owned_c, row_max, row_sum, log_sum, target_logit, target_weight, total_w, tiles,
@@ -185,7 +185,7 @@ class VocabParallelTraining(torch.autograd.Function):
     gradient (fp32, one rounding to each parameter's dtype)."""
 
     @staticmethod
-    @without_autocast
+    @op_body
     def forward(ctx, a, b, target, bias, class_weight, shard, options, mean):
         need_a, need_b, _, need_bias = ctx.needs_input_grad[:4]
         loss, *grads = _loss_and_grads(a, b, target, bias, class_weight, shard, options, mean,
@@ -196,7 +196,7 @@ class VocabParallelTraining(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @without_autocast
+    @op_body
     def backward(ctx, grad_loss):
         if grad_loss is None:
             return (None,) * 8
@@ -305,7 +305,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
     statistics and all-reduces dE in fp32. The formulas are ``families.log_probs``'."""
 
     @staticmethod
-    @without_autocast
+    @op_body
     def forward(ctx, a, b, target, bias, shard, options: LogProbOptions, backend):
         n, v_r, dev = a.shape[0], b.shape[0], a.device
         start, v = shard.start, shard.v
@@ -333,7 +333,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         return log_prob, entropy
 
     @staticmethod
-    @without_autocast
+    @op_body
     def backward(ctx, grad_log_prob, grad_entropy):
         a, b, bias = ctx.saved_tensors
         rows, owned, valid, glob, group, options, backend = ctx.state
