@@ -112,6 +112,23 @@ def assert_close_to_ref(
 # ----------------------------------------------------------------------------- benchmark tests
 
 
+def launches_of(monkeypatch, module: ModuleType, name: str) -> list:
+    """The grids of every launch of the Triton kernel ``module.name`` from now on (a spy set in
+    its place: every launch through the JIT passes its ``__getitem__``)."""
+    kernel, grids = getattr(module, name), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+        def __getattr__(self, attribute):
+            return getattr(kernel, attribute)
+
+    monkeypatch.setattr(module, name, Spy())
+    return grids
+
+
 def import_benchmarks(*names: str) -> list[ModuleType]:
     """The modules ``benchmarks.<name>`` for ``names``.
 

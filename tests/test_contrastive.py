@@ -36,6 +36,7 @@ from helpers import (
     assert_close_to_ref,
     can_run_triton,
     default_floor,
+    launches_of,
     note_case,
     rel_err,
     requires_cuda,
@@ -1010,17 +1011,7 @@ def test_split_accumulator(monkeypatch, tune, loss, split):
     from fusedloss.core import lse_backward
 
     tune(**_SLABS, split_accumulator=split)
-    kernel, used = lse_backward._accumulate_split_kernel, []
-
-    class Spy:  # every launch through the JIT passes here (at least one per compiled variant)
-        def __getitem__(self, grid):
-            used.append(grid)
-            return kernel[grid]
-
-        def __getattr__(self, name):
-            return getattr(kernel, name)
-
-    monkeypatch.setattr(lse_backward, "_accumulate_split_kernel", Spy())
+    used = launches_of(monkeypatch, lse_backward, "_accumulate_split_kernel")
     n = 300 if ON_GPU else 40
     case = Case(loss=loss, n=n // 2 if loss == "nt_xent" else n, d=64 if ON_GPU else 16,
                 dtype=torch.bfloat16, scale=1 / 0.07, regime="correlated",

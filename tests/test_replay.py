@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, requires_cuda, requires_triton
+from helpers import DEVICE, launches_of, requires_cuda, requires_triton
 
 import fusedloss
 from fusedloss.core import config, engine, replay
@@ -130,17 +130,7 @@ def test_a_replayed_backward_accumulates_in_fp32(monkeypatch, graphs, tune, repl
     too, so that every step of it gives the same gradients)."""
     from fusedloss.core import lse_backward
 
-    kernel, used = lse_backward._accumulate_split_kernel, []
-
-    class Spy:  # every launch through the JIT passes here
-        def __getitem__(self, grid):
-            used.append(grid)
-            return kernel[grid]
-
-        def __getattr__(self, name):
-            return getattr(kernel, name)
-
-    monkeypatch.setattr(lse_backward, "_accumulate_split_kernel", Spy())
+    used = launches_of(monkeypatch, lse_backward, "_accumulate_split_kernel")
     tune(replay_work=replay_work)
     scale = torch.tensor(10.0, device=DEVICE)
     _clip_step(_features(0, 32, 32), _features(1, 32, 32), scale)  # a first call: direct

@@ -15,7 +15,8 @@ the engine's dataclasses) with their non-tensor values, each tensor's shape, str
 device (and which arguments are the same tensor), the tuning in force (``config.tuning()``),
 PyTorch's matmul precision settings and the current stream. ``fn`` must be a pure function of
 its arguments that reads nothing back to the host (the engine's default paths: docs/design.md,
-"Host synchronization").
+"Host synchronization"), called with its tensors' device current (as the ops' bodies run:
+``ops._common.op_body``), where the graph is captured and replayed.
 
 What a signature holds on the GPU while it stays cached (at most ``CAPACITY`` signatures, the
 least recently used dropped first): buffers for its input tensors (shared with the other
@@ -28,7 +29,6 @@ this memory); ``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops e
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -94,8 +94,7 @@ class _Graph:
         # One call for all the copies in (and one for all the copies out): each PyTorch call
         # costs the host ~10 µs, and a backward has ~20 tensors.
         torch._foreach_copy_(self.inputs, tensors)
-        with _on(self.inputs[0].device):  # a graph replays on its device's current stream
-            self.graph.replay()
+        self.graph.replay()
         copies = [torch.empty_like(t) for t in self.outputs]
         if copies:
             torch._foreach_copy_(copies, self.outputs)
@@ -110,7 +109,7 @@ def _capture(fn, spec, tensors: list[torch.Tensor]) -> _Graph:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with _on(device), torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):
         # thread_local: other threads (a communication library's) may keep working meanwhile
         graph.capture_begin(capture_error_mode="thread_local")
         try:
@@ -228,14 +227,6 @@ def _buffer(t: torch.Tensor) -> torch.Tensor:
 
 def _metadata(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def _on(device: torch.device):
-    """``device`` made the current CUDA device (where a capture begins and a replay launches),
-    for the block; nothing to do where it already is, or off CUDA."""
-    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 def _stream(device: torch.device):
