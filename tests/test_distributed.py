@@ -10,6 +10,7 @@ run in worker processes that live for the whole module (``workers.py``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from datetime import timedelta
@@ -854,3 +855,55 @@ def test_nccl_ring_replayed_as_a_cuda_graph():
         for eager, replayed in per_rank:
             for want, got in zip(eager, replayed, strict=True):
                 assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# the exchange of facts on an NCCL group goes through the store
+
+
+def _exchange_as_if_nccl(rank, world):
+    """Exchanges through WORLD and through a group of ranks 0 and 2, both seen as NCCL groups
+    (any all-gather fails); returns the layouts and which of the store's keys remain."""
+    import fusedloss.ops._group as group_module
+
+    sub = dist.new_group([0, 2])  # every rank makes it, as torch.distributed asks
+    real_backend, real_all_gather = dist.get_backend, dist.all_gather
+
+    def no_all_gather(*args, **kwargs):
+        raise AssertionError("an NCCL group's facts went through an all-gather")
+
+    dist.get_backend = lambda group=None: "nccl"
+    dist.all_gather = no_all_gather
+    cpu = torch.device("cpu")
+    try:
+        layouts = [group_module.exchange(None, 3 + rank, 1, {}, cpu)[0]]
+        if rank != 1:  # only the group's ranks take part, rank 1 goes on
+            for i in range(3):
+                layouts.append(group_module.exchange(sub, 5 + rank + i, 2, {}, cpu)[0])
+        found = group_module.exchange(None, 1, 1, {"reduction": (rank % 2, "…")}, cpu,
+                                      extra=(rank, 10 * rank))
+        facts = None
+    except ValueError as e:
+        found, facts = None, str(e)
+    finally:
+        dist.get_backend, dist.all_gather = real_backend, real_all_gather
+    store = dist.distributed_c10d._get_default_store()
+    tag = hashlib.sha1(b"0,2").hexdigest()[:16]
+    kept = [n for n in range(3)
+            if rank != 1 and store.check([f"fusedloss/exchange/{tag}/{n}/{rank}"])]
+    return [(layout.rank, layout.rows) for layout in layouts], kept, found, facts
+
+
+def test_an_nccl_groups_exchange_goes_through_the_store(workers):
+    """NCCL runs a communicator's operations in order, so an all-gather of the facts through
+    the ring's NCCL group would wait for the previous step's transfers, and with them for that
+    step's kernels: the exchange goes through the process group's store instead, for WORLD and
+    for a group of some ranks (0 and 2, while rank 1 goes on), its keys deleted two rounds
+    later, a disagreement still named on every rank."""
+    results = all_ok(workers(3).run(_exchange_as_if_nccl))
+    for rank, (layouts, kept, found, facts) in enumerate(results):
+        assert layouts[0] == (rank, (3, 4, 5))
+        if rank != 1:
+            assert layouts[1:] == [(rank // 2, (5 + i, 7 + i)) for i in range(3)]
+            assert kept == [1, 2]  # the third round deleted the first one's key
+        assert found is None and "the ranks disagree on reduction" in facts

@@ -125,6 +125,50 @@ def test_forward_splits_fill_the_last_wave(groups, tiles, slots):
         assert (splits, per) == (2, 500)
 
 
+@pytest.mark.parametrize("n_rb, per_group, n_ct, near, slots", [
+    (4096, 128, 2048, 17, 132),  # CLIP b = 262144 on an H200 (64 × 128 tiles)
+    (2048, 64, 1024, 17, 132),   # b = 131072
+    (1024, 32, 512, 17, 132),    # b = 65536: 17 splits already end together
+    (1024, 32, 512, 17, 114),    # b = 65536 on an H100 PCIe
+    (37, 5, 19, 7, 16), (3, 1, 1, 1, 132), (300, 10, 7, 4, 264)])
+def test_column_statistics_splits_fill_the_last_wave(n_rb, per_group, n_ct, near, slots):
+    """With one program an SM, the forward's column splits are the count nearest the 4·SMs
+    programs whose programs, each taking the next free SM, end within 3% of the best count
+    from half to twice as many; at b = 262144 the 17 splits of before left the SMs 16% idle."""
+    splits, per = engine._wave_filling_splits(n_rb, per_group, n_ct, near, slots)
+    assert (splits - 1) * per < n_ct <= splits * per
+
+    def time(s):
+        return engine._makespan(n_rb, per_group, n_ct, -(-n_ct // s), slots)
+
+    counts = {-(-n_ct // -(-n_ct // s)) for s in range(max(1, near // 2), min(n_ct, 2 * near) + 1)}
+    best = min(time(s) for s in counts)
+    assert time(splits) <= 1.03 * best
+    closer = [s for s in counts if abs(s - near) < abs(splits - near)]
+    assert all(time(s) > 1.03 * best for s in closer)
+    if (n_rb, n_ct, slots) in {(4096, 2048, 132), (2048, 1024, 132)}:
+        busy = n_rb * n_ct / slots  # tile-times with every SM busy, no A loads
+        assert (splits, busy / time(splits) > 0.95, busy / time(17) < 0.9) == (16, True, True)
+    if (n_rb, slots) == (1024, 132):
+        assert splits == 17
+
+
+def test_makespan_of_programs_in_launch_order():
+    """Two slots, one group of 3 blocks, 3 splits of 2, 2 and 1 tiles: programs of 3·3, 3·3
+    and 3·2 tile-times, the third starting when the first slot frees up, at 9."""
+    assert engine._makespan(3, 3, 5, 2, 2) == 15
+    assert engine._makespan(4, 2, 2, 2, 1) == 12  # one slot: the sum, 2 · 2·3
+
+
+def test_the_forward_grid_fills_the_last_wave_with_one_program_an_sm(monkeypatch):
+    """On a GPU with one program an SM the column-statistics grid takes the wave-filling
+    split count (16 at b = 262144 on 132 SMs), with two it keeps 4·SMs programs (17)."""
+    monkeypatch.setattr(engine.config, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert engine._forward_grid(4096, 2048, True, cuda, resident=1) == (32, 128, 16, 128)
+    assert engine._forward_grid(4096, 2048, True, cuda, resident=2) == (32, 128, 17, 121)
+
+
 def test_ids_past_32_bits_are_refused():
     """The kernels compare row and column ids in 32 bits: the host says so instead."""
     with pytest.raises(ValueError, match="2\\^31"):
