@@ -655,6 +655,19 @@ def _nccl_ring_case(rank, world, b, c):
     loss.backward()
     out = {"ring": [loss.detach().cpu(), i.grad.float().cpu(), t.grad.float().cpu(),
                     scale.grad.cpu()]}
+    # Again with the exchange of facts through NCCL, as for a group too large for the store's.
+    import fusedloss.ops._group as group_module
+
+    saved = group_module.STORE_EXCHANGE_MAX_WORLD
+    group_module.STORE_EXCHANGE_MAX_WORLD = 1
+    try:
+        i.grad = t.grad = scale.grad = None
+        loss = fd.clip_loss(i, t, scale)
+        loss.backward()
+    finally:
+        group_module.STORE_EXCHANGE_MAX_WORLD = saved
+    out["nccl exchange"] = [loss.detach().cpu(), i.grad.float().cpu(), t.grad.float().cpu(),
+                            scale.grad.cpu()]
     if rank == 0:
         i1, t1 = images.clone().requires_grad_(), texts.clone().requires_grad_()
         s1 = torch.tensor(20.0, device=dev, requires_grad=True)
@@ -668,12 +681,16 @@ def _nccl_ring_case(rank, world, b, c):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_nccl_ring_on_two_gpus():
     """The ring over NCCL on two GPUs (real P2P transfers, Triton kernels, bf16, filtering on)
-    against one process on the whole batch."""
+    against one process on the whole batch; its exchange of facts through the store or through
+    NCCL (a group too large for the store's) gives the same results bit for bit."""
     workers = Workers(2, backend="nccl")
     try:
         results = all_ok(workers.run(_nccl_ring_case, 4096, 256))
     finally:
         workers.close()
+    for per_rank in results:
+        for got, want in zip(per_rank["nccl exchange"], per_rank["ring"], strict=True):
+            assert torch.equal(got, want)
     loss1, di, dt, ds = results[0]["one"]
     world, b = 2, 4096
     mean = (results[0]["ring"][0] + results[1]["ring"][0]) / world
@@ -892,6 +909,43 @@ def _exchange_as_if_nccl(rank, world):
     kept = [n for n in range(3)
             if rank != 1 and store.check([f"fusedloss/exchange/{tag}/{n}/{rank}"])]
     return [(layout.rank, layout.rows) for layout in layouts], kept, found, facts
+
+
+def _exchange_of_a_large_nccl_group(rank, world):
+    """An exchange through WORLD seen as an NCCL group larger than the store's limit: which
+    path it took (the NCCL all-gather replaced by a gloo one, the store's read made to fail)."""
+    import fusedloss.ops._group as group_module
+
+    taken = []
+    saved = (dist.get_backend, group_module.STORE_EXCHANGE_MAX_WORLD,
+             group_module._gather_on_side_stream, group_module._store_all_gather)
+
+    def through_nccl(local, world, group, device):
+        taken.append("nccl")
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=group)
+        return torch.stack(gathered).tolist()
+
+    def through_store(*args):
+        raise AssertionError("a group beyond STORE_EXCHANGE_MAX_WORLD used the store")
+
+    dist.get_backend = lambda group=None: "nccl"
+    group_module.STORE_EXCHANGE_MAX_WORLD = world - 1
+    group_module._gather_on_side_stream, group_module._store_all_gather = (through_nccl,
+                                                                           through_store)
+    try:
+        layout, _ = group_module.exchange(None, 3 + rank, 1, {}, torch.device("cpu"))
+    finally:
+        (dist.get_backend, group_module.STORE_EXCHANGE_MAX_WORLD,
+         group_module._gather_on_side_stream, group_module._store_all_gather) = saved
+    return taken, layout.rows
+
+
+def test_a_large_nccl_groups_exchange_goes_through_nccl(workers):
+    """Every rank reads every rank's key from the one store server (world² reads a call):
+    beyond ``STORE_EXCHANGE_MAX_WORLD`` ranks the exchange all-gathers through NCCL."""
+    for taken, rows in all_ok(workers(3).run(_exchange_of_a_large_nccl_group)):
+        assert taken == ["nccl"] and rows == (3, 4, 5)
 
 
 def test_an_nccl_groups_exchange_goes_through_the_store(workers):

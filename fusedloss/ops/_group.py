@@ -77,8 +77,8 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
     exchange; it is raised here, after the exchange, and the other ranks raise too, naming this
     rank, so that no rank waits for one that has left. ``extra``: per-rank integers the caller
     needs from every rank (returned, one tuple per rank): the same count on every rank. One
-    small all-gather, through the process group's store for an NCCL group
-    (``_store_all_gather``), so that it does not wait for the GPU.
+    small all-gather; for an NCCL group of up to ``STORE_EXCHANGE_MAX_WORLD`` ranks through
+    the process group's store (``_store_all_gather``), so that it does not wait for the GPU.
 
     While a CUDA graph is being captured on ``device`` the host cannot read the all-gather's
     result: the caller then gets what the last eager exchange on this rank with the same
@@ -98,8 +98,10 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
         return _captured(key, error)
     local = torch.tensor([int(error is not None), rows, cols, *codes, *extra],
                          dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
+    if dist.get_backend(group) == "nccl" and world <= STORE_EXCHANGE_MAX_WORLD:
         table = _store_all_gather(local, group, world)
+    elif dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
+        table = _gather_on_side_stream(local, world, group, device)
     else:
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local, group=group)
@@ -159,6 +161,12 @@ def _captured(key: tuple, error: Exception | None) -> tuple[Layout, list]:
     return found
 
 
+# The largest NCCL group whose exchange goes through the store: every rank reads every rank's
+# key, world² reads a call from the one store server, cheap for a node's GPUs; larger groups
+# all-gather through NCCL (``_gather_on_side_stream``), where the previous step's transfers
+# delay the exchange but W blocks a step dwarf that.
+STORE_EXCHANGE_MAX_WORLD = 8
+
 # Exchanges made through the store so far, per tuple of global ranks, and the store they went
 # through (a new process group starts the count again) (``_store_all_gather``).
 _STORE_ROUNDS: dict[tuple[int, ...], int] = {}
@@ -199,6 +207,30 @@ def _store_all_gather(local: torch.Tensor, group: dist.ProcessGroup | None,
     if n >= 2:
         store.delete_key(key(n - 2, me))
     return [list(struct.unpack(f"<{len(values)}q", bytes(row))) for row in rows]
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _gather_on_side_stream(local: torch.Tensor, world: int, group: dist.ProcessGroup | None,
+                           device: torch.device) -> list[list[int]]:
+    """Every rank's row of ``local`` (int64, host), all-gathered through NCCL on a stream of its
+    own: the host waits for this exchange alone, not for the work already queued on the current
+    stream (the previous step's backward, the optimizer), so that the host keeps its lead over
+    the GPU; pinned host buffers keep the copies from syncing the device."""
+    index = device.index if device.type == "cuda" else None
+    index = torch.cuda.current_device() if index is None else index
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    with torch.cuda.device(index), torch.cuda.stream(side):
+        sent = local.pin_memory().to(index, non_blocking=True)
+        table = torch.empty(world * local.numel(), dtype=local.dtype, device=index)
+        dist.all_gather_into_tensor(table, sent, group=group)
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        side.synchronize()
+    return host.view(world, -1).tolist()
 
 
 def float_code(x: float | None) -> int:
