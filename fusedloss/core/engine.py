@@ -337,9 +337,9 @@ def _forward_grid(n_rb: int, n_ct: int, col_stats: bool, device: torch.device,
 def _wave_filling_splits(n_rb: int, per_group: int, n_ct: int, near: int,
                          slots: int) -> tuple[int, int]:
     """(splits, tiles per split) of the forward with column statistics where each SM runs one
-    program (``slots`` SMs): of the split counts from ``near``/2 to 2·``near``, the one nearest
-    ``near`` whose programs, each taking the next free SM in launch order, end within 3% of
-    the best of them (``_makespan``).
+    program (``slots`` SMs): of the split counts from ``near``/2 to ``near``, the largest whose
+    programs, each taking the next free SM in launch order, end within 3% of the best of them
+    (``_makespan``); never more than ``near``, so the row partials stay within their bound.
 
     ``near`` (4·SMs programs) put 544 programs of equal size on 132 SMs at b = 131072 and
     262144 (CLIP c = 512, 32 row groups, 17 splits): their fifth wave of 16 programs ran alone.
@@ -349,12 +349,11 @@ def _wave_filling_splits(n_rb: int, per_group: int, n_ct: int, near: int,
     ``near``.
     """
     options: dict[int, tuple[int, int]] = {}
-    for wanted in range(max(1, near // 2), min(n_ct, 2 * near) + 1):
+    for wanted in range(max(1, near // 2), min(n_ct, near) + 1):
         per = triton_cdiv(n_ct, wanted)
         options[triton_cdiv(n_ct, per)] = (_makespan(n_rb, per_group, n_ct, per, slots), per)
     best = min(time for time, _ in options.values())
-    splits = min((s for s, (time, _) in options.items() if time <= 1.03 * best),
-                 key=lambda s: (abs(s - near), s))
+    splits = max(s for s, (time, _) in options.items() if time <= 1.03 * best)
     return splits, options[splits][1]
 
 
