@@ -14,6 +14,7 @@ import hashlib
 import math
 import os
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
@@ -658,14 +659,10 @@ def _nccl_ring_case(rank, world, b, c):
     # Again with the exchange of facts through NCCL, as for a group too large for the store's.
     import fusedloss.ops._group as group_module
 
-    saved = group_module.STORE_EXCHANGE_MAX_WORLD
-    group_module.STORE_EXCHANGE_MAX_WORLD = 1
-    try:
+    with mock.patch.object(group_module, "STORE_EXCHANGE_MAX_WORLD", 1):
         i.grad = t.grad = scale.grad = None
         loss = fd.clip_loss(i, t, scale)
         loss.backward()
-    finally:
-        group_module.STORE_EXCHANGE_MAX_WORLD = saved
     out["nccl exchange"] = [loss.detach().cpu(), i.grad.float().cpu(), t.grad.float().cpu(),
                             scale.grad.cpu()]
     if rank == 0:
@@ -884,26 +881,23 @@ def _exchange_as_if_nccl(rank, world):
     import fusedloss.ops._group as group_module
 
     sub = dist.new_group([0, 2])  # every rank makes it, as torch.distributed asks
-    real_backend, real_all_gather = dist.get_backend, dist.all_gather
 
     def no_all_gather(*args, **kwargs):
         raise AssertionError("an NCCL group's facts went through an all-gather")
 
-    dist.get_backend = lambda group=None: "nccl"
-    dist.all_gather = no_all_gather
     cpu = torch.device("cpu")
-    try:
+    with (mock.patch.object(dist, "get_backend", lambda group=None: "nccl"),
+          mock.patch.object(dist, "all_gather", no_all_gather)):
         layouts = [group_module.exchange(None, 3 + rank, 1, {}, cpu)[0]]
         if rank != 1:  # only the group's ranks take part, rank 1 goes on
             for i in range(3):
                 layouts.append(group_module.exchange(sub, 5 + rank + i, 2, {}, cpu)[0])
-        found = group_module.exchange(None, 1, 1, {"reduction": (rank % 2, "…")}, cpu,
-                                      extra=(rank, 10 * rank))
-        facts = None
-    except ValueError as e:
-        found, facts = None, str(e)
-    finally:
-        dist.get_backend, dist.all_gather = real_backend, real_all_gather
+        try:
+            found = group_module.exchange(None, 1, 1, {"reduction": (rank % 2, "…")}, cpu,
+                                          extra=(rank, 10 * rank))
+            facts = None
+        except ValueError as e:
+            found, facts = None, str(e)
     store = dist.distributed_c10d._get_default_store()
     tag = hashlib.sha1(b"0,2").hexdigest()[:16]
     kept = [n for n in range(3)
@@ -917,8 +911,6 @@ def _exchange_of_a_large_nccl_group(rank, world):
     import fusedloss.ops._group as group_module
 
     taken = []
-    saved = (dist.get_backend, group_module.STORE_EXCHANGE_MAX_WORLD,
-             group_module._gather_on_side_stream, group_module._store_all_gather)
 
     def through_nccl(local, world, group, device):
         taken.append("nccl")
@@ -929,15 +921,11 @@ def _exchange_of_a_large_nccl_group(rank, world):
     def through_store(*args):
         raise AssertionError("a group beyond STORE_EXCHANGE_MAX_WORLD used the store")
 
-    dist.get_backend = lambda group=None: "nccl"
-    group_module.STORE_EXCHANGE_MAX_WORLD = world - 1
-    group_module._gather_on_side_stream, group_module._store_all_gather = (through_nccl,
-                                                                           through_store)
-    try:
+    with (mock.patch.object(dist, "get_backend", lambda group=None: "nccl"),
+          mock.patch.object(group_module, "STORE_EXCHANGE_MAX_WORLD", world - 1),
+          mock.patch.object(group_module, "_gather_on_side_stream", through_nccl),
+          mock.patch.object(group_module, "_store_all_gather", through_store)):
         layout, _ = group_module.exchange(None, 3 + rank, 1, {}, torch.device("cpu"))
-    finally:
-        (dist.get_backend, group_module.STORE_EXCHANGE_MAX_WORLD,
-         group_module._gather_on_side_stream, group_module._store_all_gather) = saved
     return taken, layout.rows
 
 

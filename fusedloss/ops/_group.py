@@ -98,14 +98,14 @@ def exchange(group: dist.ProcessGroup | None, rows: int, cols: int,
         return _captured(key, error)
     local = torch.tensor([int(error is not None), rows, cols, *codes, *extra],
                          dtype=torch.int64)
-    if dist.get_backend(group) == "nccl" and world <= STORE_EXCHANGE_MAX_WORLD:
-        table = _store_all_gather(local, group, world)
-    elif dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
-        table = _gather_on_side_stream(local, world, group, device)
-    else:
+    if dist.get_backend(group) != "nccl":
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local, group=group)
         table = torch.stack(gathered).tolist()
+    elif world <= STORE_EXCHANGE_MAX_WORLD:
+        table = _store_all_gather(local, group, world)
+    else:  # NCCL moves CUDA tensors only
+        table = _gather_on_side_stream(local, world, group, device)
     if error is not None:
         raise error
     failed = [r for r, row in enumerate(table) if row[0]]
@@ -167,10 +167,9 @@ def _captured(key: tuple, error: Exception | None) -> tuple[Layout, list]:
 # delay the exchange but W blocks a step dwarf that.
 STORE_EXCHANGE_MAX_WORLD = 8
 
-# Exchanges made through the store so far, per tuple of global ranks, and the store they went
-# through (a new process group starts the count again) (``_store_all_gather``).
-_STORE_ROUNDS: dict[tuple[int, ...], int] = {}
-_ROUNDS_STORE: list = [None]
+# Exchanges made so far through each store, per tuple of global ranks (``_store_all_gather``;
+# a new process group brings a new store, and the count starts again).
+_STORE_ROUNDS: dict[tuple[dist.Store, tuple[int, ...]], int] = {}
 
 
 def _store_all_gather(local: torch.Tensor, group: dist.ProcessGroup | None,
@@ -193,11 +192,8 @@ def _store_all_gather(local: torch.Tensor, group: dist.ProcessGroup | None,
     ranks = tuple(dist.get_global_rank(group, r) if group is not None else r
                   for r in range(world))
     store = dist.distributed_c10d._get_default_store()
-    if _ROUNDS_STORE[0] is not store:
-        _ROUNDS_STORE[0] = store
-        _STORE_ROUNDS.clear()
-    n = _STORE_ROUNDS.get(ranks, 0)
-    _STORE_ROUNDS[ranks] = n + 1
+    n = _STORE_ROUNDS.get((store, ranks), 0)
+    _STORE_ROUNDS[store, ranks] = n + 1
     tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
     key = f"fusedloss/exchange/{tag}/{{}}/{{}}".format
     me = dist.get_rank()
