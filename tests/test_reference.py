@@ -619,3 +619,10 @@ def test_assert_close_to_ref():
         assert_close_to_ref((ref * 1.01).bfloat16(), torch_bf16, ref)
     with pytest.raises(AssertionError):
         assert_close_to_ref(torch.full_like(torch_bf16, math.nan), torch_bf16, ref)
+    # a subnormal reference: zero (a flushed result) passes, a normal-sized error does not
+    tiny_ref = torch.tensor(3.4e-42, dtype=torch.float64)
+    assert_close_to_ref(torch.tensor(0.0), torch.tensor(3.4e-42), tiny_ref)
+    with pytest.raises(AssertionError, match="subnormal"):
+        assert_close_to_ref(torch.tensor(1e-30), torch.tensor(3.4e-42), tiny_ref)
+    with pytest.raises(AssertionError, match="subnormal"):
+        assert_close_to_ref(torch.tensor(math.nan), torch.tensor(3.4e-42), tiny_ref)

@@ -1,8 +1,9 @@
 """The Hopper Gluon kernels compile for sm90 on any machine, without a GPU.
 
 Gluon kernels do not run under Triton's interpreter, so the GPU tests
-(``tests/test_sm90_forward.py``, ``tests/test_sm90_backward.py``) are the only ones that run
-them. Here both kernels are compiled ahead of time for an sm90 target with the Triton at hand
+(``tests/test_sm90_forward.py``, ``tests/test_sm90_backward.py``,
+``tests/test_sm90_siglip.py``) are the only ones that run them. Here the kernels are compiled
+ahead of time for an sm90 target with the Triton at hand
 (its ``GluonASTSource`` and the ptxas its wheel ships): a Triton that renamed or removed a
 Gluon function, a layout the compiler rejects, or a shared-memory plan over Hopper's 227 KiB
 fails on a CPU machine too. Skipped where this Triton cannot compile Gluon offline.
@@ -108,6 +109,24 @@ def compile_recompute(diag_mask: bool) -> None:
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
 
+def compile_siglip() -> None:
+    from fusedloss.core import lse_forward_sm90 as fwd
+    from fusedloss.core import siglip_sm90
+
+    d = fwd.MAX_D
+    a = torch.empty(4096, d, dtype=torch.bfloat16)
+    b_desc = fwd.descriptor(torch.empty(4096, d, dtype=torch.bfloat16), siglip_sm90.BLOCK_N)
+    f32 = torch.empty(1)
+    stages = min(2 * (d // fwd.BLOCK_K), fwd.stages(d, 2) * fwd.BLOCK_N // siglip_sm90.BLOCK_N)
+    kernel = _compile(
+        siglip_sm90._siglip_sm90_kernel,
+        [fwd.descriptor(a, fwd.BLOCK_M), b_desc, f32, f32, a, f32, 4000, 4090, 4096, 0, 0.5, 63,
+         64, 132, 8316, 8, 32],
+        dict(_constants(d, stages, AHEAD=siglip_sm90.AHEAD), BLOCK_N=siglip_sm90.BLOCK_N),
+        num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
+
+
 def _in_a_compiler_process(call: str) -> None:
     """Runs ``call`` (a function of this module) in a fresh Python without Triton's
     interpreter, which would wrap the kernels for the CPU instead of compiling them."""
@@ -125,3 +144,7 @@ def test_forward_compiles_for_sm90():
 @pytest.mark.parametrize("diag_mask", [False, True])
 def test_recompute_compiles_for_sm90(diag_mask):
     _in_a_compiler_process(f"compile_recompute({diag_mask})")
+
+
+def test_siglip_compiles_for_sm90():
+    _in_a_compiler_process("compile_siglip()")

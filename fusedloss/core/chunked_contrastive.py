@@ -16,6 +16,11 @@ logits are, and the forward forms it. Per chunk of R rows (``chunk_rows``):
 three products in all, against the four of a forward and a backward that recomputes. Extra
 memory: the chunk's fp32 logits and its G (6·R·M bytes for 2-byte inputs, at most
 ``Tuning.lm_head_chunk_bytes`` together), the fp32 dB (4·M·D) and a few fp32 numbers per row.
+
+On Hopper GPUs (bf16/fp16, D a multiple of 64 up to 512, ``Tuning.gluon``) one Gluon kernel
+(``siglip_sm90``) forms each chunk's G and sums from its logits in registers, where the fp32
+logits would otherwise make a round trip through memory; its G buffer (2·R·M bytes, rows and
+columns padded to whole tiles) takes the chunk budget alone, so chunks hold three times the rows.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import triton.language as tl
 
 from . import config
 from .chunked_logits import ROW_BLOCK, ROW_WARPS
-from .engine import Needs, addmm_f32_, mm_f32
+from .engine import Needs, _tma_ready, addmm_f32_, mm_f32
 from .logits import log1p_exp_neg, sigmoid
 
 
@@ -45,11 +50,14 @@ def siglip_loss_and_grads(
     f32 = dict(dtype=torch.float32, device=a.device)
     grad_a = torch.empty_like(a) if needs.a else None
     grad_b = torch.zeros((m, a.shape[1]), **f32) if needs.b else None
+    bias_t = bias if bias is not None else torch.zeros((), **f32)
+    if _hopper(a, b):
+        return _siglip_sm90(a, b, scale, bias_t, coef, needs, grad_a, grad_b,
+                            has_bias=bias is not None)
     per_row = torch.zeros((3, max(n, 1)), **f32)  # loss, Σ dX·Z, Σ dX per row
     chunk = max(1, min(n, config.lm_head_chunk_rows(n, m, 4 + a.element_size())))
     z = torch.empty((chunk, m), **f32)
     g = torch.empty((chunk, m), dtype=a.dtype, device=a.device)
-    bias_t = bias if bias is not None else torch.zeros((), **f32)
     block = 16 if config.interpreting() else ROW_BLOCK
     for r0 in range(0, n, chunk):
         r1 = min(r0 + chunk, n)
@@ -67,6 +75,46 @@ def siglip_loss_and_grads(
     loss = per_row[0, :n].sum() * coef
     grad_scale = per_row[1, :n].sum() if needs.scale else None
     grad_bias = per_row[2, :n].sum() if needs.bias and bias is not None else None
+    return loss, grad_a, grad_b, grad_bias, grad_scale
+
+
+def _hopper(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the Gluon chunk kernel takes these operands (``siglip_sm90``)."""
+    if not (a.shape[0] and b.shape[0] and config.gluon_enabled(a.device)):
+        return False
+    from . import siglip_sm90
+
+    return siglip_sm90.supports(a, b) and _tma_ready(a) and _tma_ready(b)
+
+
+def _siglip_sm90(a, b, scale, bias, coef, needs, grad_a, grad_b,
+                 has_bias: bool) -> tuple[torch.Tensor, ...]:
+    """``siglip_loss_and_grads`` through the Gluon chunk kernel: per chunk of rows (a multiple
+    of its 64-row blocks), G and the chunk's sums from one kernel, then the two products."""
+    from . import siglip_sm90 as sm90
+
+    n, m = a.shape[0], b.shape[0]
+    n_ct = -(-m // sm90.BLOCK_N)
+    width = n_ct * sm90.BLOCK_N
+    chunk = config.lm_head_chunk_rows(n, width, a.element_size())
+    if chunk < n:
+        chunk = max(sm90.BLOCK_M, chunk // sm90.BLOCK_M * sm90.BLOCK_M)
+    g = torch.empty((-(-chunk // sm90.BLOCK_M) * sm90.BLOCK_M, width), dtype=a.dtype,
+                    device=a.device)
+    kernel = sm90.Chunks(b, scale.reshape(()), bias.reshape(()), coef, g, n, chunk)
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        a_c = a[r0:r1]
+        kernel(a_c, r0)
+        g_c = g[: r1 - r0, :m]
+        if grad_a is not None:
+            torch.mm(g_c, b, out=grad_a[r0:r1])
+        if grad_b is not None:
+            addmm_f32_(grad_b, g_c.T, a_c)
+    totals = kernel.totals()
+    loss = totals[0] * coef
+    grad_scale = totals[1] if needs.scale else None
+    grad_bias = totals[2] if needs.bias and has_bias else None
     return loss, grad_a, grad_b, grad_bias, grad_scale
 
 

@@ -1,0 +1,314 @@
+"""Hopper (sm90) SigLIP chunk: G = s·dX of a chunk of rows against every column, with the
+chunk's sums of the loss and of the scale's and the bias's gradient terms, formed from the
+logits while they are in registers: the Gluon counterpart of ``chunked_contrastive``'s cuBLAS
+fp32 logits and ``_siglip_rows_kernel``, without the fp32 logits' round trip through memory
+(written by cuBLAS, read back by the row pass: twice the bytes of G).
+
+Per tile of the chunk's rows × columns, the same arithmetic as ``_siglip_rows_kernel``:
+X = s·Z + β, z = +1 where the (global) row id equals the column id and −1 elsewhere,
+softplus(−z·X) (log1p by a series, no branch), dX = −coef·z·σ(−z·X), G = s·dX in the input
+dtype, and the rows' Σ softplus, Σ dX·Z, Σ dX, summed over the tile and kept per row block
+and column split (no atomics: the same sums in the same order every call).
+
+The schedule is the Hopper recompute's (``lse_backward_sm90``): a loader warp issues every TMA
+copy, each consumer's 64-row A block resident in shared memory and the B chunks through a ring
+of stages; two consumer warpgroups with row blocks of their own multiply the same B chunks.
+Each consumer forms a tile's G and sums after issuing the next tile's first ``AHEAD`` chunk
+products, while they run (FlashAttention-3's overlap within a warpgroup): two fp32
+accumulators, which fit in registers without spills at 64-column tiles (64 × 64 × 4 bytes a
+warpgroup each), where 128 columns spill hundreds of values. G is stored from the products'
+register layout into a buffer whose rows and columns are padded to whole tiles (zeros
+there), so that no store needs a mask.
+
+Gluon kernels run on the GPU only: ``chunked_contrastive`` keeps the cuBLAS and Triton path for
+every other case, and the GPU tests (``tests/test_sm90_siglip.py``) compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import config
+from .lse_backward_sm90 import schedule
+from .lse_forward_sm90 import (
+    BLOCK_K,
+    BLOCK_M,
+    CONSUMER_REGS,
+    MAX_REGS,
+    WARPS,
+    _loader,
+    descriptor,
+    stages,
+    supports,
+)
+
+__all__ = ["BLOCK_M", "BLOCK_N", "Chunks", "supports"]
+
+BLOCK_N = 64  # columns of a tile: two fp32 accumulators a consumer, without spills
+AHEAD = 3     # chunk products in flight while a consumer forms the previous tile's G
+
+
+@gluon.jit
+def _rcp(x):
+    """1 / x by the hardware's reciprocal (rcp.approx.ftz.f32, within an ulp of fp32)."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _log1p_unit(u):
+    """log(1 + u) for u in [0, 1], to about an ulp of fp32 and without a branch: 2·atanh(t),
+    t = u / (2 + u) ≤ 1/3, by its series to t¹³ (the rest below 2·10⁻⁸ of the value). gl.log
+    would call libdevice's logf, a branch per element, and the hardware's lg2.approx loses the
+    relative accuracy of log(1 + u) for small u that Goldberg's form keeps in the Triton row
+    kernel (a SigLIP loss is mostly such terms: through lg2.approx(1 + u) it came out 3.6·10⁻⁴
+    high at b = 65,536)."""
+    t = u * _rcp(2.0 + u)
+    t2 = t * t
+    p = 1.0 / 13.0
+    p = p * t2 + 1.0 / 11.0
+    p = p * t2 + 1.0 / 9.0
+    p = p * t2 + 1.0 / 7.0
+    p = p * t2 + 1.0 / 5.0
+    p = p * t2 + 1.0 / 3.0
+    p = p * t2 + 1.0
+    return 2.0 * t * p
+
+
+@gluon.jit
+def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, width, g_ptr,
+                 col_l: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """G of one raw tile into the chunk's buffer; returns the rows' (Σ softplus(−z·X),
+    Σ dX·Z, Σ dX) over the tile.
+
+    Most tiles hold neither a diagonal entry nor a row or column past the edge: there z = −1
+    everywhere and nothing is masked, so softplus(−z·X) = softplus(X), dX = coef·σ(X), and the
+    per-element labels and masks of the general case (a third of its instructions) are left out:
+    at b = 65,536 the chunk kernel took 15.3 ms instead of 26.8."""
+    offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+    r_lo = row0 + rb * BLOCK_M  # the tile's first global row id
+    c_lo = t * BLOCK_N
+    plain = ((rb * BLOCK_M + BLOCK_M <= R) & (c_lo + BLOCK_N <= M)
+             & ((r_lo + BLOCK_M <= c_lo) | (c_lo + BLOCK_N <= r_lo)))
+    if plain:
+        x = scale * raw + beta
+        # softplus(X) = max(X, 0) + log1p(e^(−|X|)); σ(X) from the same exponential
+        u = gl.exp2(gl.abs(x) * -1.4426950408889634)
+        lost = gl.maximum(x, 0.0) + _log1p_unit(u)
+        r = _rcp(1.0 + u)
+        sig = gl.where(x >= 0.0, r, u * r)
+        loss_part = gl.sum(lost, axis=1)
+        scale_part = gl.sum(sig * raw, axis=1) * coef
+        bias_part = gl.sum(sig, axis=1) * coef
+        g = ((scale * coef) * sig).to(g_ptr.dtype.element_ty)
+    else:
+        m_cols = offs_n < M
+        sign = gl.where(gl.expand_dims(offs_m + row0, 1) == gl.expand_dims(offs_n, 0), 1.0, -1.0)
+        y = sign * (scale * raw + beta)  # z·X
+        # softplus(−y) = max(−y, 0) + log1p(e^(−|y|)); σ(−y) from the same exponential
+        u = gl.exp(-gl.abs(y))
+        lost = gl.maximum(-y, 0.0) + _log1p_unit(u)
+        r = _rcp(1.0 + u)
+        sig = gl.where(y <= 0.0, r, u * r)
+        dx = -coef * sign * sig
+        keep = gl.expand_dims(m_rows, 1) & gl.expand_dims(m_cols, 0)
+        lost = gl.where(keep, lost, 0.0)
+        dx = gl.where(keep, dx, 0.0)
+        loss_part = gl.sum(lost, axis=1)
+        scale_part = gl.sum(dx * raw, axis=1)
+        bias_part = gl.sum(dx, axis=1)
+        g = (scale * dx).to(g_ptr.dtype.element_ty)
+    base = g_ptr + (rb * BLOCK_M).to(gl.int64) * width
+    gl.store(base + gl.expand_dims((offs_m - rb * BLOCK_M) * width, 1)
+             + gl.expand_dims(offs_n, 0), g)
+    return loss_part, scale_part, bias_part
+
+
+@gluon.jit
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
+              scale_ptr, bias_ptr, g_ptr, sums_ptr,
+              R, M, width, row0, coef, split, sums_row, sums_stride,
+              block_begin, block_end, tile_begin, tile_end,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
+              STAGES: gl.constexpr, AHEAD: gl.constexpr):
+    """One warpgroup: row blocks block_begin + W, + 2 + W, ... against the tiles
+    [tile_begin, tile_end) (split ``split``); each row block's three sums over the split go to
+    its entry for the split. A tile's G and sums are formed once the next tile's first AHEAD chunk
+    products are issued; a chunk's slot is released once its product is done (at most AHEAD
+    slots held, fewer than the ring's, so that the other consumer and the loader go on)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    scale = gl.load(scale_ptr).to(gl.float32)
+    beta = gl.load(bias_ptr).to(gl.float32)
+
+    c = 0
+    for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
+        rb = block_begin + 2 * pair + W
+        active = rb < block_end  # the last pair of an odd count has one block
+        mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+        m_rows = offs_m < R
+        loss_rows = gl.zeros([BLOCK_M], gl.float32, row_l)
+        scale_rows = gl.zeros([BLOCK_M], gl.float32, row_l)
+        bias_rows = gl.zeros([BLOCK_M], gl.float32, row_l)
+        prev = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        for t in range(tile_begin, tile_end):
+            raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            for k in gl.static_range(K_TILES):
+                slot = c % STAGES
+                mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+                raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
+                                    b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
+                                    is_async=True)
+                if k == AHEAD - 1:  # the previous tile, while these products run
+                    if active and t > tile_begin:
+                        lp, sp, bp = _siglip_tile(prev, t - 1, rb, offs_m, m_rows, row0, scale,
+                                                  beta, coef, R, M, width, g_ptr, col_l, BLOCK_M,
+                                                  BLOCK_N)
+                        loss_rows += lp
+                        scale_rows += sp
+                        bias_rows += bp
+                if k >= AHEAD - 1:
+                    raw = warpgroup_mma_wait(num_outstanding=AHEAD - 1, deps=(raw,))
+                    mbarrier.arrive(empty.index((c - (AHEAD - 1)) % STAGES), count=1)
+                c += 1
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
+            for j in gl.static_range(AHEAD - 1):
+                mbarrier.arrive(empty.index((c - (AHEAD - 1) + j) % STAGES), count=1)
+            # The block's last product is done: the loader may bring the next block in.
+            mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+            prev = raw
+        if active and tile_end > tile_begin:
+            lp, sp, bp = _siglip_tile(prev, tile_end - 1, rb, offs_m, m_rows, row0, scale, beta,
+                                      coef, R, M, width, g_ptr, col_l, BLOCK_M, BLOCK_N)
+            loss_rows += lp
+            scale_rows += sp
+            bias_rows += bp
+        if active:
+            entry = sums_ptr + (rb.to(gl.int64) * sums_row + split)
+            gl.store(entry, gl.sum(loss_rows, axis=0))
+            gl.store(entry + sums_stride, gl.sum(scale_rows, axis=0))
+            gl.store(entry + 2 * sums_stride, gl.sum(bias_rows, axis=0))
+
+
+# The sizes are not specialized on (a compile per batch size otherwise), but G's row stride
+# (``width``), whose alignment lets the stores be 16 bytes wide.
+@gluon.jit(do_not_specialize=["R", "M", "row0", "coef", "row_blocks", "n_col_tiles",
+                              "sums_row", "sums_stride", "blocks_per_group", "tiles_per_split"])
+def _siglip_sm90_kernel(
+    a_desc, b_desc,   # TMA descriptors of the chunk's rows of A (BLOCK_M × BLOCK_K) and of B
+    scale_ptr,        # () fp32 s
+    bias_ptr,         # () fp32 β
+    g_ptr,            # (row blocks · BLOCK_M, width) G out, input dtype; width ≥ tiles · BLOCK_N
+    sums_ptr,         # (3, row blocks, ≥ splits) fp32 zeros: Σ softplus, Σ dX·Z, Σ dX,
+                      # one total per row block and split
+    R, M, width, row0, coef, row_blocks, n_col_tiles, sums_row, sums_stride,
+    blocks_per_group, tiles_per_split,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    AHEAD: gl.constexpr,
+):
+    """Program (g, s): row blocks of group g × the tiles of split s; a loader warp and two
+    consumer warpgroups that share the B chunks (as ``_clip_grad_sm90_kernel``)."""
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    block_begin = pid_g * blocks_per_group
+    block_end = gl.minimum(block_begin + blocks_per_group, row_blocks)
+    tile_begin = pid_s * tiles_per_split
+    tile_end = gl.minimum(tile_begin + tiles_per_split, n_col_tiles)
+
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * K_TILES, BLOCK_M, BLOCK_K],
+                                       a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
+
+    gl.warp_specialize([
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                     scale_ptr, bias_ptr, g_ptr, sums_ptr,
+                     R, M, width, row0, coef, pid_s, sums_row, sums_stride,
+                     block_begin, block_end, tile_begin, tile_end,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD)),
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                     scale_ptr, bias_ptr, g_ptr, sums_ptr,
+                     R, M, width, row0, coef, pid_s, sums_row, sums_stride,
+                     block_begin, block_end, tile_begin, tile_end,
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD)),
+        (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
+                   block_begin, block_end, tile_begin, tile_end,
+                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+    for i in gl.static_range(2):
+        mbarrier.invalidate(a_ready.index(i))
+        mbarrier.invalidate(a_empty.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+class Chunks:
+    """The kernel bound to one call's B, scale, bias and G buffer; called once per chunk of rows
+    of A (``chunked_contrastive.siglip_loss_and_grads``), for the rows of A in order.
+
+    ``g``: (chunk rows rounded up to BLOCK_M, tiles · BLOCK_N) in the input dtype, its padding
+    left as the kernel writes it (zeros); ``n``, ``chunk``: the rows of A and of a chunk (a
+    multiple of BLOCK_M unless it is all of them). The sums of the loss and of the scale's and
+    the bias's gradient terms are kept per row block and column split, 12·(n / 64)·splits bytes
+    (splits ≤ one per SM), and added up in the same order every call (``totals``).
+    """
+
+    def __init__(self, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, coef: float,
+                 g: torch.Tensor, n: int, chunk: int):
+        m, d = b.shape
+        self._b_desc = descriptor(b, BLOCK_N)
+        self._scale, self._bias, self._coef, self._g = scale, bias, coef, g
+        self._m, self._n_ct = m, -(-m // BLOCK_N)
+        self._slots = config.sm_count(b.device)
+        sizes = {min(chunk, n), n % chunk or chunk}  # a full chunk and the last one
+        splits = max(self._schedule(r)[2] for r in sizes)
+        self._sums = torch.zeros((3, -(-n // BLOCK_M), splits), dtype=torch.float32,
+                                 device=b.device)
+        # 64-column chunks: twice as many slots as the forward's 128-column ones fit
+        n_stages = min(2 * (d // BLOCK_K), stages(d, b.element_size()) * 128 // BLOCK_N)
+        self._flags = dict(
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
+            STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS,
+            AHEAD=min(AHEAD, d // BLOCK_K, n_stages),  # slots held < the ring's
+            num_warps=WARPS, maxnreg=MAX_REGS,
+        )
+
+    def _schedule(self, rows: int) -> tuple[int, int, int, int]:
+        return schedule(-(-rows // BLOCK_M), self._n_ct, self._slots)
+
+    def __call__(self, a_chunk: torch.Tensor, row0: int) -> None:
+        """G and the sums of rows row0 … row0 + len(a_chunk) (row0 a multiple of BLOCK_M)."""
+        r = a_chunk.shape[0]
+        groups, per_group, splits, per_split = self._schedule(r)
+        sums = self._sums[:, row0 // BLOCK_M:]
+        _siglip_sm90_kernel[(groups, splits)](
+            descriptor(a_chunk, BLOCK_M), self._b_desc, self._scale, self._bias,
+            self._g, sums, r, self._m, self._g.shape[1], row0, float(self._coef),
+            -(-r // BLOCK_M), self._n_ct, sums.stride(1), sums.stride(0), per_group, per_split,
+            **self._flags)
+
+    def totals(self) -> torch.Tensor:
+        """(3,) fp32: Σ softplus(−z·X), Σ dX·Z, Σ dX over every row so far."""
+        return self._sums.sum(dim=(1, 2))

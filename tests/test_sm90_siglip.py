@@ -1,0 +1,126 @@
+"""The Hopper (sm90) SigLIP chunk kernel (``core/siglip_sm90.py``) against the cuBLAS and Triton
+chunks it replaces there (``Tuning.gluon`` off), and both against float64, through
+``fusedloss.siglip_loss``.
+
+Gluon kernels do not run under Triton's interpreter: these tests need an sm90 GPU (H100,
+H200) and skip elsewhere. The two paths form the same fp32 logits in another summation order
+(the kernel's products against cuBLAS's), so their losses and gradients agree to rounding, not
+bit for bit. A counter checks that the Gluon kernel did run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedloss
+from fusedloss.core import config
+from fusedloss.reference import siglip_loss_ref
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and config.gluon_enabled(torch.device("cuda"))),
+    reason="needs an sm90 GPU and Triton's Gluon")
+
+DEV = torch.device("cuda")
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """The row offsets of the chunks the Gluon kernel has computed."""
+    from fusedloss.core import siglip_sm90
+
+    calls = []
+    original = siglip_sm90.Chunks.__call__
+    monkeypatch.setattr(siglip_sm90.Chunks, "__call__",
+                        lambda self, a, row0: calls.append(row0) or original(self, a, row0))
+    return calls
+
+
+def _features(n, d, dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(n, d, device=DEV, generator=g),
+                                         dim=1).to(dtype)
+
+
+def _run(tune, gluon, image, text, scale, bias):
+    tune(gluon=gluon)
+    leaves = [t.detach().clone().requires_grad_() for t in (image, text, scale, bias)]
+    loss = fusedloss.siglip_loss(*leaves, backend="triton")
+    return loss.detach(), torch.autograd.grad(loss, leaves)
+
+
+def _rel(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("n, d, dtype, chunk_rows, s, paired", [
+    (300, 64, torch.bfloat16, None, 10.0, False),
+    (1000, 512, torch.bfloat16, None, 10.0, False),
+    (777, 128, torch.float16, None, 10.0, False),
+    (1000, 256, torch.bfloat16, 128, 10.0, False),   # eight chunks, the last one short
+    (4099, 512, torch.bfloat16, 1024, 10.0, False),  # rows and columns off the tiles
+    (2048, 256, torch.bfloat16, None, 100.0, True),  # trained-like: matched pairs, scale 100
+])
+def test_matches_the_cublas_chunks_and_float64(tune, chunks, n, d, dtype, chunk_rows, s, paired):
+    image, text = _features(n, d, dtype, 0), _features(n, d, dtype, 1)
+    if paired:  # each text near its image (cosine ≈ 0.9): large positive logits on the diagonal
+        text = torch.nn.functional.normalize(image.float() + 0.5 * text.float(), dim=1).to(dtype)
+    scale = torch.tensor(s, device=DEV)
+    bias = torch.tensor(-10.0, device=DEV)
+    if chunk_rows is not None:
+        width = -(-n // 128) * 128
+        tune(lm_head_chunk_bytes=chunk_rows * width * dtype.itemsize)
+    ours, ours_grads = _run(tune, True, image, text, scale, bias)
+    assert chunks and chunks[0] == 0, "the Gluon kernel did not run"
+    if chunk_rows is not None:
+        assert chunks == list(range(0, n, chunk_rows))
+    cublas, cublas_grads = _run(tune, False, image, text, scale, bias)
+    torch.testing.assert_close(ours, cublas, rtol=1e-5, atol=0)
+    leaves = [t.double().requires_grad_() for t in (image, text, scale, bias)]
+    ref = siglip_loss_ref(*leaves)
+    ref_grads = torch.autograd.grad(ref, leaves)
+    assert abs(ours.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    for name, g, c, r in zip(("image", "text", "scale", "bias"), ours_grads, cublas_grads,
+                             ref_grads, strict=True):
+        assert torch.isfinite(g).all(), name
+        # the same bar as the chunks it replaces, against float64
+        assert _rel(g, r) <= 1.5 * _rel(c, r) + 1e-6, (name, _rel(g, r), _rel(c, r))
+
+
+def test_no_grad_and_partial_grads(tune, chunks):
+    """A call without gradients gives the same loss; a call for the text features alone gives
+    the text features' gradient of the full call."""
+    image, text = _features(512, 128, torch.bfloat16, 2), _features(512, 128, torch.bfloat16, 3)
+    scale, bias = torch.tensor(10.0, device=DEV), torch.tensor(-10.0, device=DEV)
+    loss, grads = _run(tune, True, image, text, scale, bias)
+    with torch.no_grad():
+        assert torch.equal(fusedloss.siglip_loss(image, text, scale, bias, backend="triton"), loss)
+    t = text.clone().requires_grad_()
+    (only,) = torch.autograd.grad(fusedloss.siglip_loss(image, t, scale, bias, backend="triton"),
+                                  (t,))
+    assert torch.equal(only, grads[1])
+    assert chunks
+
+
+def test_nan_in_gives_nan_out(tune, chunks):
+    image, text = _features(256, 64, torch.bfloat16, 4), _features(256, 64, torch.bfloat16, 5)
+    image[3, 7] = float("nan")
+    loss, grads = _run(tune, True, image, text, torch.tensor(10.0, device=DEV),
+                       torch.tensor(-10.0, device=DEV))
+    assert chunks
+    assert torch.isnan(loss)
+    assert torch.isnan(grads[2])
+
+
+def test_sums_are_linear_in_the_batch():
+    """The per-(row block, split) sums take 12·(n / 64)·splits bytes, splits at most one per
+    SM: never a (row blocks × column tiles) array, which grows with b²."""
+    from fusedloss.core import siglip_sm90
+
+    n, d = 16384, 64
+    b = _features(n, d, torch.bfloat16, 6)
+    one = torch.ones((), device=DEV)
+    g = torch.empty((1024, n), dtype=torch.bfloat16, device=DEV)
+    kernel = siglip_sm90.Chunks(b, one, one, 1.0, g, n, 1024)
+    assert kernel._sums.shape[:2] == (3, n // siglip_sm90.BLOCK_M)
+    assert kernel._sums.shape[2] <= config.sm_count(DEV) < n // siglip_sm90.BLOCK_N
