@@ -48,6 +48,8 @@ from .lse_forward_sm90 import (
     WARPS,
     _loader,
     _mul_rn,
+    _ring,
+    _ring_done,
     _tile_products,
     descriptor,
     stages,
@@ -255,19 +257,8 @@ def _clip_grad_sm90_kernel(
     tile_begin = slab_tile_start + pid_s * tiles_per_split
     tile_end = gl.minimum(tile_begin + tiles_per_split, slab_tile_start + slab_tiles)
 
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * K_TILES, BLOCK_M, BLOCK_K],
-                                       a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(a_ready.index(i), count=1)
-        mbarrier.init(a_empty.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
+    a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
+        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)
 
     gl.warp_specialize([
         (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
@@ -291,12 +282,7 @@ def _clip_grad_sm90_kernel(
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
-    for i in gl.static_range(2):
-        mbarrier.invalidate(a_ready.index(i))
-        mbarrier.invalidate(a_empty.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _ring_done(a_ready, a_empty, ready, empty, STAGES)
 
 
 @functools.lru_cache(maxsize=256)

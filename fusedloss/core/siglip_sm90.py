@@ -44,6 +44,8 @@ from .lse_forward_sm90 import (
     MAX_REGS,
     WARPS,
     _loader,
+    _ring,
+    _ring_done,
     descriptor,
     stages,
     supports,
@@ -226,19 +228,8 @@ def _siglip_sm90_kernel(
     tile_begin = pid_s * tiles_per_split
     tile_end = gl.minimum(tile_begin + tiles_per_split, n_col_tiles)
 
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * K_TILES, BLOCK_M, BLOCK_K],
-                                       a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(a_ready.index(i), count=1)
-        mbarrier.init(a_empty.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers read every chunk
+    a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
+        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)
 
     gl.warp_specialize([
         (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
@@ -256,12 +247,7 @@ def _siglip_sm90_kernel(
                    BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
-    for i in gl.static_range(2):
-        mbarrier.invalidate(a_ready.index(i))
-        mbarrier.invalidate(a_empty.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _ring_done(a_ready, a_empty, ready, empty, STAGES)
 
 
 class Chunks:
