@@ -20,7 +20,8 @@ memory: the chunk's fp32 logits and its G (6·R·M bytes for 2-byte inputs, at m
 On Hopper GPUs (bf16/fp16, D a multiple of 64 up to 512, ``Tuning.gluon``) one Gluon kernel
 (``siglip_sm90``) forms each chunk's G and sums from its logits in registers, where the fp32
 logits would otherwise make a round trip through memory; its G buffer (2·R·M bytes, rows and
-columns padded to whole tiles) takes the chunk budget alone, so chunks hold three times the rows.
+columns padded to whole tiles) takes the chunk budget alone, so chunks hold three times the rows;
+its sums take 12 bytes per 64 rows and column split (at most one split per SM).
 """
 
 from __future__ import annotations

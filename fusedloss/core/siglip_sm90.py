@@ -8,7 +8,9 @@ Per tile of the chunk's rows × columns, the same arithmetic as ``_siglip_rows_k
 X = s·Z + β, z = +1 where the (global) row id equals the column id and −1 elsewhere,
 softplus(−z·X) (log1p by a series, no branch), dX = −coef·z·σ(−z·X), G = s·dX in the input
 dtype, and the rows' Σ softplus, Σ dX·Z, Σ dX, summed over the tile and kept per row block
-and column split (no atomics: the same sums in the same order every call).
+and column split (no atomics: the same sums in the same order every call). Tiles without a
+diagonal entry or an edge, nearly all, take a shorter form without labels or masks
+(``_siglip_tile``).
 
 The schedule is the Hopper recompute's (``lse_backward_sm90``): a loader warp issues every TMA
 copy, each consumer's 64-row A block resident in shared memory and the B chunks through a ring
