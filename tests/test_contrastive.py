@@ -1507,3 +1507,34 @@ def test_off_diagonal_margins_leave_each_rows_own_column_out(n, m, backend):
     for x_, r in zip(torch.autograd.grad((got * weights.to(DEVICE)).sum(), leaves),
                      torch.autograd.grad((want * weights.double()).sum(), ref), strict=True):
         torch.testing.assert_close(x_.cpu().double(), r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("positives", [True, False])
+def test_siglip_chunks_without_positives_into_an_accumulator(tune, positives):
+    """SigLIP's Triton path with ``positives=False`` (every pair a negative: the ring's blocks
+    of other ranks' texts) and ``acc_a`` (dA added into an fp32 accumulator), over three
+    chunks of rows and N ≠ M, against float64."""
+    if not can_run_triton():
+        pytest.skip("needs the Triton kernels (a GPU or TRITON_INTERPRET=1)")
+    from fusedloss.core import chunked_contrastive
+
+    g = torch.Generator().manual_seed(5)
+    n, m, d = 37, 29, 16
+    a, b = torch.randn(n, d, generator=g) / 2, torch.randn(m, d, generator=g) / 2
+    scale, bias = torch.tensor(3.0), torch.tensor(-2.0)
+    leaves = [t.double().requires_grad_() for t in (a, b, scale, bias)]
+    logits = leaves[2] * leaves[0] @ leaves[1].T + leaves[3]
+    labels = -torch.ones(n, m, dtype=torch.float64)
+    if positives:
+        labels[torch.arange(m), torch.arange(m)] = 1.0
+    ref = -F.logsigmoid(labels * logits).sum() / n
+    ref_grads = torch.autograd.grad(ref, leaves)
+    tune(lm_head_chunk_bytes=16 * m * 8)  # 16 rows a chunk: three chunks
+    acc = torch.full((n, d), 0.5)  # an earlier block's part
+    loss, grad_a, grad_b, grad_bias, grad_scale = chunked_contrastive.siglip_loss_and_grads(
+        a, b, scale, bias, 1.0 / n, engine.Needs(True, True, True, True),
+        positives=positives, acc_a=acc)
+    assert grad_a is acc
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
+    for got, want in zip((grad_a - 0.5, grad_b, grad_scale, grad_bias), ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)

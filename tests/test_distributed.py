@@ -305,6 +305,47 @@ def test_ring_backward_ends_at_home(workers, kind, rows):
         assert any(what == "post" for what, _ in events)
 
 
+def _siglip_blocks(rank, world, rows):
+    """SigLIP on the Triton backend: the blocks of this rank's calls of SigLIP's chunked path
+    (columns, whether they hold this rank's positives) and whether the tiled engine ran."""
+    from fusedloss.core import chunked_contrastive
+
+    batch = _global_batch("siglip", rows, rows, 8, torch.float32, 13)
+    a, b = (_slice(x, rows, rank).clone().requires_grad_() for x in list(batch.values())[:2])
+    calls, engine_calls = [], []
+    real_chunks, real_grads, real_stats = (chunked_contrastive.siglip_loss_and_grads,
+                                           ring.engine.grads, ring.engine.row_stats)
+
+    def logged_chunks(a, b, *args, positives=True, **kwargs):
+        calls.append((b.shape[0], positives))
+        return real_chunks(a, b, *args, positives=positives, **kwargs)
+
+    def logged_engine(*args, **kwargs):
+        engine_calls.append(1)
+        return real_grads(*args, **kwargs)
+
+    chunked_contrastive.siglip_loss_and_grads = logged_chunks
+    ring.engine.grads = ring.engine.row_stats = logged_engine
+    try:
+        fd.siglip_loss(a, b, 5.0, -1.0, backend="triton").backward()
+    finally:
+        chunked_contrastive.siglip_loss_and_grads = real_chunks
+        ring.engine.grads, ring.engine.row_stats = real_grads, real_stats
+    return calls, engine_calls
+
+
+def test_ring_siglip_forms_its_gradients_in_one_tour(workers):
+    """SigLIP on the ring, Triton backend: one call of the three-product chunked path per block
+    in the forward's order, the home block's with the positives, none of the tiled engine
+    (its forward and backward would multiply four times)."""
+    if "triton" not in RING_BACKENDS:
+        pytest.skip("CPU workers run the Triton kernels only under TRITON_INTERPRET=1")
+    rows = [3, 2, 4]
+    for r, (calls, engine_calls) in enumerate(all_ok(workers(3).run(_siglip_blocks, rows))):
+        assert calls == [(rows[(r - k) % 3], k == 0) for k in range(3)]
+        assert engine_calls == []
+
+
 # ---------------------------------------------------------------------------------------------
 # filtering over the ring
 

@@ -43,18 +43,28 @@ def siglip_loss_and_grads(
     bias: torch.Tensor | None,  # () fp32: β
     coef: float,  # each row's upstream gradient: 1 / N for "mean", 1 for "sum"
     needs: Needs,  # a, b, bias, scale
+    *,
+    positives: bool = True,  # column i is row i's positive (else every pair is a negative)
+    acc_a: torch.Tensor | None = None,  # (N, D) fp32: dA is added into it (needs.a)
 ) -> tuple[torch.Tensor, ...]:
-    """(coef · Σ_i Σ_j softplus(−z_ij X_ij) (), dA (N, D) in a's dtype, dB (M, D) fp32, d bias
-    (), d scale ()) with z = +1 where j = i and −1 elsewhere, the gradients for an upstream
-    gradient of 1; each None where not in ``needs``. Nothing is read back to the host."""
+    """(coef · Σ_i Σ_j softplus(−z_ij X_ij) (), dA (N, D) in a's dtype (``acc_a`` itself when
+    given), dB (M, D) fp32, d bias (), d scale ()) with z = +1 where j = i (``positives``) and
+    −1 elsewhere, the gradients for an upstream gradient of 1; each None where not in
+    ``needs``. Nothing is read back to the host. ``positives=False`` and ``acc_a`` serve the
+    ring's blocks of other ranks' texts (``distributed.ring.siglip``)."""
     n, m = a.shape[0], b.shape[0]
     f32 = dict(dtype=torch.float32, device=a.device)
-    grad_a = torch.empty_like(a) if needs.a else None
+    grad_a = None
+    if needs.a:
+        grad_a = acc_a if acc_a is not None else torch.empty_like(a)
     grad_b = torch.zeros((m, a.shape[1]), **f32) if needs.b else None
     bias_t = bias if bias is not None else torch.zeros((), **f32)
+    # Row i's label is +1 at column i + shift: none of the M columns when shifted by M.
+    shift = 0 if positives else m
     if _hopper(a, b):
         return _siglip_sm90(a, b, scale, bias_t, coef, needs, grad_a, grad_b,
-                            has_bias=bias is not None)
+                            has_bias=bias is not None, shift=shift,
+                            accumulate=acc_a is not None)
     per_row = torch.zeros((3, max(n, 1)), **f32)  # loss, Σ dX·Z, Σ dX per row
     chunk = max(1, min(n, config.lm_head_chunk_rows(n, m, 4 + a.element_size())))
     z = torch.empty((chunk, m), **f32)
@@ -66,13 +76,10 @@ def siglip_loss_and_grads(
         mm_f32(a[r0:r1], b.T, out=z_c)
         _siglip_rows_kernel[(r1 - r0,)](
             z_c, g_c, z_c.stride(0), g_c.stride(0), per_row[:, r0:], per_row.stride(0),
-            scale.reshape(1), bias_t.reshape(1), m, r0, float(coef),
+            scale.reshape(1), bias_t.reshape(1), m, r0 + shift, float(coef),
             PRECISE=config.precise_math(a.dtype), BLOCK=block,
             num_warps=ROW_WARPS if block >= 2048 else 1)
-        if grad_a is not None:
-            torch.mm(g_c, b, out=grad_a[r0:r1])
-        if grad_b is not None:
-            addmm_f32_(grad_b, g_c.T, a[r0:r1])
+        _products(g_c, a[r0:r1], b, grad_a, grad_b, r0, r1, acc_a is not None)
     loss = per_row[0, :n].sum() * coef
     grad_scale = per_row[1, :n].sum() if needs.scale else None
     grad_bias = per_row[2, :n].sum() if needs.bias and bias is not None else None
@@ -88,8 +95,19 @@ def _hopper(a: torch.Tensor, b: torch.Tensor) -> bool:
     return siglip_sm90.supports(a, b) and _tma_ready(a) and _tma_ready(b)
 
 
-def _siglip_sm90(a, b, scale, bias, coef, needs, grad_a, grad_b,
-                 has_bias: bool) -> tuple[torch.Tensor, ...]:
+def _products(g_c, a_c, b, grad_a, grad_b, r0: int, r1: int, accumulate: bool) -> None:
+    """A chunk's two products: dA_c = G B (added in fp32 where ``accumulate``), dB += Gᵀ A_c."""
+    if grad_a is not None:
+        if accumulate:
+            addmm_f32_(grad_a[r0:r1], g_c, b)
+        else:
+            torch.mm(g_c, b, out=grad_a[r0:r1])
+    if grad_b is not None:
+        addmm_f32_(grad_b, g_c.T, a_c)
+
+
+def _siglip_sm90(a, b, scale, bias, coef, needs, grad_a, grad_b, has_bias: bool, shift: int,
+                 accumulate: bool) -> tuple[torch.Tensor, ...]:
     """``siglip_loss_and_grads`` through the Gluon chunk kernel: per chunk of rows (a multiple
     of its 64-row blocks), G and the chunk's sums from one kernel, then the two products."""
     from . import siglip_sm90 as sm90
@@ -102,16 +120,12 @@ def _siglip_sm90(a, b, scale, bias, coef, needs, grad_a, grad_b,
         chunk = max(sm90.BLOCK_M, chunk // sm90.BLOCK_M * sm90.BLOCK_M)
     g = torch.empty((-(-chunk // sm90.BLOCK_M) * sm90.BLOCK_M, width), dtype=a.dtype,
                     device=a.device)
-    kernel = sm90.Chunks(b, scale.reshape(()), bias.reshape(()), coef, g, n, chunk)
+    kernel = sm90.Chunks(b, scale.reshape(()), bias.reshape(()), coef, g, n, chunk, shift)
     for r0 in range(0, n, chunk):
         r1 = min(r0 + chunk, n)
         a_c = a[r0:r1]
         kernel(a_c, r0)
-        g_c = g[: r1 - r0, :m]
-        if grad_a is not None:
-            torch.mm(g_c, b, out=grad_a[r0:r1])
-        if grad_b is not None:
-            addmm_f32_(grad_b, g_c.T, a_c)
+        _products(g[: r1 - r0, :m], a_c, b, grad_a, grad_b, r0, r1, accumulate)
     totals = kernel.totals()
     loss = totals[0] * coef
     grad_scale = totals[1] if needs.scale else None
@@ -124,11 +138,11 @@ def _siglip_rows_kernel(
     z_ptr, g_ptr, stride_z, stride_g,  # (R, M) fp32 logits A_c Bᵀ; G out (input dtype)
     rows_ptr, stride_rows,  # (3, ≥ R) fp32 out: loss, Σ_j dX·Z, Σ_j dX per row
     scale_ptr, bias_ptr,  # (1,) fp32 each
-    M, row0, coef,
+    M, row0, coef,  # row0: the column of the chunk's first row's positive (M or more: none)
     PRECISE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One row i (global row0 + program): X = s·Z + β, z = +1 at column i; the row's
-    Σ softplus(−z·X), dX = −coef·z·σ(−z·X), G = s·dX, Σ dX·Z and Σ dX."""
+    """One row (program p, its positive at column i = row0 + p): X = s·Z + β, z = +1 at column
+    i; the row's Σ softplus(−z·X), dX = −coef·z·σ(−z·X), G = s·dX, Σ dX·Z and Σ dX."""
     row = tl.program_id(0)
     i = row0 + row
     z_base = z_ptr + row.to(tl.int64) * stride_z

@@ -97,7 +97,7 @@ def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, widt
     per-element labels and masks of the general case (a third of its instructions) are left out:
     at b = 65,536 the chunk kernel took 15.3 ms instead of 26.8."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-    r_lo = row0 + rb * BLOCK_M  # the tile's first global row id
+    r_lo = row0 + rb * BLOCK_M  # the column of the tile's first row's positive
     c_lo = t * BLOCK_N
     plain = ((rb * BLOCK_M + BLOCK_M <= R) & (c_lo + BLOCK_N <= M)
              & ((r_lo + BLOCK_M <= c_lo) | (c_lo + BLOCK_N <= r_lo)))
@@ -215,7 +215,10 @@ def _siglip_sm90_kernel(
     g_ptr,            # (row blocks · BLOCK_M, width) G out, input dtype; width ≥ tiles · BLOCK_N
     sums_ptr,         # (3, row blocks, ≥ splits) fp32 zeros: Σ softplus, Σ dX·Z, Σ dX,
                       # one total per row block and split
-    R, M, width, row0, coef, row_blocks, n_col_tiles, sums_row, sums_stride,
+    R, M, width,
+    row0,             # the column of the chunk's first row's positive (its global row id; M or
+                      # more: no positives)
+    coef, row_blocks, n_col_tiles, sums_row, sums_stride,
     blocks_per_group, tiles_per_split,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -258,16 +261,18 @@ class Chunks:
 
     ``g``: (chunk rows rounded up to BLOCK_M, tiles · BLOCK_N) in the input dtype, its padding
     left as the kernel writes it (zeros); ``n``, ``chunk``: the rows of A and of a chunk (a
-    multiple of BLOCK_M unless it is all of them). The sums of the loss and of the scale's and
+    multiple of BLOCK_M unless it is all of them); ``shift``: row i's positive is column
+    i + shift (M or more: none). The sums of the loss and of the scale's and
     the bias's gradient terms are kept per row block and column split, 12·(n / 64)·splits bytes
     (splits ≤ one per SM), and added up in the same order every call (``totals``).
     """
 
     def __init__(self, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, coef: float,
-                 g: torch.Tensor, n: int, chunk: int):
+                 g: torch.Tensor, n: int, chunk: int, shift: int = 0):
         m, d = b.shape
         self._b_desc = descriptor(b, BLOCK_N)
         self._scale, self._bias, self._coef, self._g = scale, bias, coef, g
+        self._shift = shift
         self._m, self._n_ct = m, -(-m // BLOCK_N)
         self._slots = config.sm_count(b.device)
         sizes = {min(chunk, n), n % chunk or chunk}  # a full chunk and the last one
@@ -293,7 +298,7 @@ class Chunks:
         sums = self._sums[:, row0 // BLOCK_M:]
         _siglip_sm90_kernel[(groups, splits)](
             descriptor(a_chunk, BLOCK_M), self._b_desc, self._scale, self._bias,
-            self._g, sums, r, self._m, self._g.shape[1], row0, float(self._coef),
+            self._g, sums, r, self._m, self._g.shape[1], row0 + self._shift, float(self._coef),
             -(-r // BLOCK_M), self._n_ct, sums.stride(1), sums.stride(0), per_group, per_split,
             **self._flags)
 

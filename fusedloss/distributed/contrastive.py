@@ -51,6 +51,7 @@ from ..losses.contrastive import as_scalar, feature_error, inverse_scalar, match
 from ..ops import _group
 from ..ops._common import autocast_operands, op_body
 from ..ops._group import device_code, dtype_code, exchange, float_code
+from ..ops.cross_entropy import _scaled
 from . import ring
 
 Reduction = Literal["none", "mean", "sum"]
@@ -205,6 +206,31 @@ class _Ring(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+class _SigLipRing(torch.autograd.Function):
+    """SigLIP's mean over the global batch on the ring, its gradients formed in the forward's
+    tour (``ring.siglip``: three products a block); the backward scales them by the upstream
+    gradient. A rank's dB holds every rank's rows' part: exact when each rank back-propagates
+    the same upstream gradient into its loss, as data-parallel training does (each rank's
+    ``loss.backward()``, a loss scale common to the ranks)."""
+
+    @staticmethod
+    @op_body
+    def forward(ctx, a, b, scale, bias, call, needs, coef):
+        loss, *grads = ring.siglip(call, a, b, scale, bias, coef, needs)
+        ctx.grads = grads  # dA, dB, d scale, d bias: fp32 or None
+        ctx.dtypes = (a.dtype, b.dtype, torch.float32, torch.float32)
+        ctx.set_materialize_grads(False)
+        return loss
+
+    @staticmethod
+    @op_body
+    def backward(ctx, grad_loss):
+        grads = [None if g is None or grad_loss is None else _scaled(g, grad_loss, dtype)
+                 for g, dtype in zip(ctx.grads, ctx.dtypes, strict=True)]
+        ctx.grads = None
+        return (*grads, None, None, None)
+
+
 @dataclass(frozen=True)
 class _Settings:
     """A call's arguments other than its tensors, as the public function received them."""
@@ -242,9 +268,11 @@ def _ring_loss(settings: _Settings, a, b, scale_arg, bias_arg, labels, error):
         raise ValueError(f"there are no keys: every rank passed 0 keys to {kind}_loss")
     if kind == "info_nce":
         labels = _global_labels(labels, layout, per_rank, a.device)
+    call = ring.RingCall(layout, kind, eps, backend)
+    if kind == "siglip" and backend == "triton":  # the reduced loss, gradients in the forward
+        return _SigLipRing.apply(a, b, scale, bias, call, needs, layout.world / total_rows)
     per_row = _Ring.apply(a, None if kind == "nt_xent" else b, scale,
-                          bias if kind == "siglip" else None, labels,
-                          ring.RingCall(layout, kind, eps, backend), needs)
+                          bias if kind == "siglip" else None, labels, call, needs)
     if kind == "clip" and bias is not None:
         per_row = per_row + 0.0 * bias  # the loss ignores it: a zero gradient, NaN stays NaN
     if reduction == "none":

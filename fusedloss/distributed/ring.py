@@ -19,6 +19,10 @@ small transfer before the first step), and its gradient accumulator (fp32) trave
 complete where the tour ends, at home: nothing is sent after the last step's compute.
 Gradients accumulate in fp32 over the W blocks and are rounded once.
 
+SigLIP on the Triton backend (``siglip``) needs neither statistics nor a second tour: the
+forward's tour forms each block's gradients (three products a block), dA at home and the held
+block's dB accumulator travelling one step behind the block, as CLIP's column statistics do.
+
 Whatever crosses one step boundary travels as one transfer (``_Parcel``): the next block and
 the held block's statistics or accumulator, as sections of one buffer, which each rank forwards
 as it arrived once its own part is added in place — one NCCL send and one receive per step;
@@ -45,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core import engine, replay
+from ..core import chunked_contrastive, engine, replay
 from ..core.engine import GradCoefficients, Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -301,6 +305,84 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
             return total.to(a.dtype), None, _opt(grad_scale, need_scale), None
     return (grad_a.to(a.dtype) if need_a else None, grad_b.to(b.dtype) if need_b else None,
             _opt(grad_scale, need_scale), _opt(grad_bias, need_bias and bias is not None))
+
+
+def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, coef: float,
+           needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor, ...]:
+    """SigLIP's loss and gradients in one tour, three products a block (the Triton backend;
+    ``core.chunked_contrastive``): (coef · Σ over this rank's rows of their terms against every
+    column (), dA (n, D) fp32, dB (m, D) fp32, d scale (), d bias ()) for an upstream gradient
+    of 1, each None where not in ``needs`` (A, B, scale, bias).
+
+    The tour is the forward's: at step k this rank holds block (r − k) mod W and forms its
+    rows' gradient tile against it; dA accumulates at home (fp32), and the held block's dB
+    accumulator (fp32) travels behind the block, one step late, as CLIP's column statistics
+    do: each rank adds its part, and the last step's hand-over brings every block's
+    accumulator home. dB mixes every rank's rows, each weighted as its own rank's loss is: the
+    gradients are those of Σ_ranks loss_r when every rank back-propagates the same upstream
+    gradient into its loss (``distributed.contrastive._SigLipRing``). Memory per rank: the
+    block in flight and the dB accumulators on their way out and in (c·b_max elements and
+    2·4·c·b_max bytes), dA (4·n·c bytes), and one block's chunk budget."""
+    layout = call.layout
+    need_a, need_b, need_scale, need_bias = needs
+    n, d = a.shape
+    dev = a.device
+    world = layout.world
+    f32 = dict(dtype=_F32, device=dev)
+    loss = torch.zeros((), **f32)
+    grad_a = torch.zeros((n, d), **f32) if need_a else None
+    grad_scale = torch.zeros((), **f32) if need_scale else None
+    grad_bias = torch.zeros((), **f32) if need_bias else None
+    carries = need_b and world > 1
+
+    def arriving(k: int) -> _Parcel:
+        """What arrives at boundary k (before step k): the block of step k + 1, and the dB
+        accumulator of the block held at step k over the rows it has met so far (home,
+        complete, at k = W). At k = 0 the accumulator is this rank's own part: local."""
+        specs = [] if k + 1 >= world else [((layout.cols[layout.block_at(k + 1)], d), b.dtype)]
+        if carries:
+            specs.append(((layout.cols[layout.block_at(k)], d), _F32))
+        return _Parcel(specs, dev)
+
+    parcel = arriving(0)
+    shift = Shift(layout, [b], parcel.parts[:1]) if world > 1 else None
+    held, grad_b = b, None
+    for step in range(world):
+        s = layout.block_at(step)
+        m_s = held.shape[0]
+        part_b = None
+        if n and m_s:
+            block_loss, _, part_b, block_bias, block_scale = (
+                chunked_contrastive.siglip_loss_and_grads(
+                    a, held, scale, bias, coef,
+                    engine.Needs(need_a, need_b, need_bias, need_scale),
+                    positives=s == layout.rank, acc_a=grad_a))
+            loss += block_loss
+            if need_scale:
+                grad_scale += block_scale
+            if need_bias:
+                grad_bias += block_bias
+        if shift is not None:
+            shift.wait()  # the next block; the held block's accumulator so far
+        if step + 1 < world:
+            held = parcel.parts[0]
+        if carries:  # add this rank's part to the held block's accumulator
+            acc = parcel.parts[-1]
+            if step == 0 and part_b is not None:
+                acc.copy_(part_b)
+            elif step == 0:
+                acc.zero_()
+            elif part_b is not None:
+                acc += part_b
+            part_b = None
+        elif need_b:  # one rank: the step's part is dB
+            grad_b = part_b if part_b is not None else torch.zeros((b.shape[0], d), **f32)
+        parcel, shift = _pass_on(layout, step, parcel, 1, carries, arriving, world - 1)
+    if shift is not None:
+        shift.wait()  # this rank's block's dB, over every rank's rows
+    if carries:
+        grad_b = parcel.parts[-1]
+    return loss, grad_a, grad_b, grad_scale, grad_bias
 
 
 def _block(fn, backend: str, a: Tensor, held: Tensor, /, *args, **kwargs):
