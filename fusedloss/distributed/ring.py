@@ -321,8 +321,8 @@ def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, co
     accumulator home. dB mixes every rank's rows, each weighted as its own rank's loss is: the
     gradients are those of Σ_ranks loss_r when every rank back-propagates the same upstream
     gradient into its loss (``distributed.contrastive._SigLipRing``). Memory per rank: the
-    block in flight and the dB accumulators on their way out and in (c·b_max elements and
-    2·4·c·b_max bytes), dA (4·n·c bytes), and one block's chunk budget."""
+    block in flight (c·b_max elements), the dB accumulators on their way out and in and the
+    step's part (3·4·c·b_max bytes), dA (4·n·c bytes), and one block's chunk budget."""
     layout = call.layout
     need_a, need_b, need_scale, need_bias = needs
     n, d = a.shape
