@@ -52,6 +52,10 @@ def test_defaults_and_options():
     args = run_module.build_parser().parse_args(["ring", "--batches", "1024,2048"])
     assert args.batches == [1024, 2048] and args.providers == list(ring.PROVIDER_KEYS)
     assert args.width is None and not args.no_overlap and not args.graph and args.min_reps == 3
+    assert args.loss == "clip"
+    assert run_module.build_parser().parse_args(["ring", "--loss", "siglip"]).loss == "siglip"
+    with pytest.raises(SystemExit):
+        run_module.build_parser().parse_args(["ring", "--loss", "info-nce"])
     with pytest.raises(SystemExit):
         run_module.build_parser().parse_args(["ring", "--batches", "12,x"])
 
@@ -192,6 +196,25 @@ def test_quick_run_over_two_processes(tmp_path):
     assert "| 512×64 (2×256) | fusedloss | ok |" in markdown
     assert "512×64 (2×256)  fusedloss" in out.stdout  # rank 0's table, printed once
     assert out.stdout.count("results: ") == 1
+
+
+@pytest.mark.slow
+def test_quick_siglip_run_over_two_processes(tmp_path):
+    """``--loss siglip``: SigLIP at its initialization, its four gradients checked, the floor of
+    its three products, inf-cl (no sigmoid loss) unavailable."""
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+          "benchmarks/run.py", "ring", "--quick", "--device", "cpu", "--loss", "siglip",
+          "--batches", "256", "--no-overlap", "--out", str(tmp_path)])
+    data, markdown = read_results(tmp_path, "ring_*_cpu_2proc")
+    assert data["settings"]["loss"] == "siglip" and markdown.startswith("# Ring SigLIP")
+    (case,) = data["cases"]
+    ours = _results(case, "fusedloss")
+    assert ours["status"] == "ok", ours["note"]
+    assert ours["loss_error"] < 1e-4 and set(ours["errors"]) == {"dI", "dT", "ds", "db"}
+    assert max(ours["errors"].values()) < 1e-2
+    matmul = data["matmul"]["tflops"]
+    assert case["floor_ms"] == pytest.approx(6.0 * 256**2 / 2 * 64 / matmul / 1e9)
+    assert _results(case, "inf-cl")["status"] == "unavailable"
 
 
 @pytest.mark.slow  # ~11 s: make test-slow (the gloo ring tests stay in make test)

@@ -1,4 +1,5 @@
-"""Suite ``ring``: CLIP over K processes (torchrun), fusedloss's ring against inf-cl and open_clip;
+"""Suite ``ring``: CLIP or SigLIP over K processes (torchrun), fusedloss's ring against inf-cl
+and open_clip;
 and the frame every torchrun suite shares (process group, collectives agreed across the ranks,
 timing, the report rank 0 writes). benchmarks/README.md defines the figures."""
 
@@ -29,6 +30,10 @@ from benchmarks.providers import Unavailable, inf_cl_head_dim, inf_clip_loss
 from benchmarks.suites import Suite, contrastive
 
 FUSEDLOSS, INF_CL, OPEN_CLIP = "fusedloss", "inf-cl", "open-clip"
+LOSSES = (contrastive.CLIP, contrastive.SIGLIP)
+# The products a step needs, 2·b_r·B·c multiply-adds each: CLIP's forward, its recompute, dI,
+# dT; SigLIP's logits, dI, dT.
+PRODUCTS = {contrastive.CLIP: 4, contrastive.SIGLIP: 3}
 PROVIDER_KEYS = (FUSEDLOSS, INF_CL, OPEN_CLIP)
 PEERS = {INF_CL: "inf-cl", OPEN_CLIP: "open-clip-torch"}  # their distributions
 DEFAULT_BATCHES = (65_536, 131_072, 262_144, 524_288, 1_048_576)
@@ -354,8 +359,11 @@ def graphed_step(step: Callable[[], Any], device: torch.device) -> Callable[[], 
     return graph.replay
 
 
-def build_loss(key: str, ctx: Context, width: int) -> Callable[..., Tensor]:
-    """This rank's loss(image_r, text_r, logit_scale); the mean over the ranks is the global one."""
+def build_loss(key: str, ctx: Context, width: int, loss: str) -> Callable[..., Tensor]:
+    """This rank's loss(image_r, text_r, logit_scale[, logit_bias]); the mean over the ranks is
+    the global one."""
+    if loss == contrastive.SIGLIP:
+        return _build_siglip(key, ctx)
     if key == FUSEDLOSS:
         from fusedloss.distributed import clip_loss
         return lambda image, text, scale: clip_loss(image, text, scale, backend=ctx.backend)
@@ -373,7 +381,19 @@ def build_loss(key: str, ctx: Context, width: int) -> Callable[..., Tensor]:
                     rank=ctx.rank, world_size=ctx.world)
 
 
-def check_clip(row: dict[str, Any], ctx: Context, rows: slice, grads: Sequence[Tensor],
+def _build_siglip(key: str, ctx: Context) -> Callable[..., Tensor]:
+    if key == FUSEDLOSS:
+        from fusedloss.distributed import siglip_loss
+        return lambda image, text, scale, bias: siglip_loss(image, text, scale, bias,
+                                                            backend=ctx.backend)
+    if key == INF_CL:
+        raise Unavailable("inf-cl has no sigmoid loss")
+    from open_clip.loss import SigLipLoss
+    # its neighbour exchange: each rank's value Σ / b_r, gradients through the exchanged texts
+    return SigLipLoss(rank=ctx.rank, world_size=ctx.world)
+
+
+def check_pair(row: dict[str, Any], ctx: Context, rows: slice, grads: Sequence[Tensor],
                reference: Any) -> list[str]:
     """The ranks' mean loss and their gradients ÷ K against the reference; collectives."""
     row["loss"] = math.fsum(row["rank_losses"]) / ctx.world
@@ -386,12 +406,14 @@ def check_clip(row: dict[str, Any], ctx: Context, rows: slice, grads: Sequence[T
         return problems
     row["errors"] = {name: ctx.relative_error(g.double() / ctx.world, reference.grads[name][rows])
                      for name, g in zip(("dI", "dT"), grads[:2], strict=True)}
-    scale = float(grads[2])  # inf-cl all-reduces d logit_scale itself
-    total = scale if row["provider"] == INF_CL else math.fsum(ctx.gather(scale))
-    reference_scale = float(reference.grads["ds"])
-    row["errors"]["ds"] = abs(total / ctx.world - reference_scale) / abs(reference_scale)
+    for name, grad in zip(("ds", "db"), grads[2:], strict=False):  # SigLIP: and d logit_bias
+        value = float(grad)  # inf-cl all-reduces d logit_scale itself
+        total = value if row["provider"] == INF_CL else math.fsum(ctx.gather(value))
+        want = float(reference.grads[name])
+        row["errors"][name] = abs(total / ctx.world - want) / abs(want)
     return problems + common.bound_problems(row["errors"], lambda name: (
-        contrastive.SCALAR_ERROR_BOUND if name == "ds" else contrastive.GRADIENT_ERROR_BOUND))
+        contrastive.SCALAR_ERROR_BOUND if name in ("ds", "db") else
+        contrastive.GRADIENT_ERROR_BOUND))
 
 
 def run_provider(key: str, case: dict[str, Any], leaves: tuple[Tensor, ...], rows: slice,
@@ -400,13 +422,13 @@ def run_provider(key: str, case: dict[str, Any], leaves: tuple[Tensor, ...], row
     device = ctx.device
     version = common.package_version(PEERS[key]) if key in PEERS else None
     row = common.new_row(key, f"{key} {version}" if version else key)
-    ok, loss_fn = ctx.stage(row, lambda: build_loss(key, ctx, args.width))
+    ok, loss_fn = ctx.stage(row, lambda: build_loss(key, ctx, args.width, args.loss))
     if not ok:
         return row
     # open_clip's two b_r × B log-softmax outputs, predicted: a rank that ran out of memory
     # alone would leave the others waiting in a collective.
     needed = 2 * case["per_rank_batch"] * case["global_batch"] * leaves[0].itemsize
-    if key == OPEN_CLIP and common.uses_cuda(device):
+    if key == OPEN_CLIP and args.loss == contrastive.CLIP and common.uses_cuda(device):
         common.release_memory(device)
         free = min(ctx.gather(torch.cuda.mem_get_info(device)[0]))
         if needed > free:
@@ -414,7 +436,7 @@ def run_provider(key: str, case: dict[str, Any], leaves: tuple[Tensor, ...], row
             row["note"] = f"not run: needs ≥ {needed / 2**30:.1f} GiB, {free / 2**30:.1f} free"
             return row
     step = measure_provider(row, ctx, lambda: loss_fn(*leaves), leaves,
-                            lambda loss, grads: check_clip(row, ctx, rows, grads, reference),
+                            lambda loss, grads: check_pair(row, ctx, rows, grads, reference),
                             args.min_reps, host=key == FUSEDLOSS)
     if step is not None and key == FUSEDLOSS and not args.no_overlap:
         measure_overlap(row, step, ctx, args.min_reps)
@@ -435,16 +457,19 @@ def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, An
     if not ok:
         case["note"] = f"inputs could not be made: {case.pop('status')}: {case['note']}"
         return case
-    scale = pair_logit_scale(REGIME)
+    # SigLIP at its initialization (scale 10, bias −10), CLIP at the regime's scale
+    values = ((contrastive.SIGLIP_LOGIT_SCALE, contrastive.SIGLIP_LOGIT_BIAS)
+              if args.loss == contrastive.SIGLIP else (pair_logit_scale(REGIME),))
     leaves = (*(f[rows].clone().requires_grad_(True) for f in features),
-              torch.tensor(scale, dtype=torch.float32, device=ctx.device, requires_grad=True))
+              *(torch.tensor(v, dtype=torch.float32, device=ctx.device, requires_grad=True)
+                for v in values))
     # The global batch's reference: float64 with gradients while B²·c ≤ 2^40, else a float32
     # loss up to 262,144 pairs, else fusedloss's loss for the peers.
     grads = batch**2 * args.width <= contrastive.REFERENCE_GRADS_MAX_WORK
     reference = None
     if batch <= contrastive.REFERENCE_LOSS_MAX_ROWS:
         ok, reference = ctx.stage(case, lambda: contrastive.contrastive_reference(
-            "clip", (*features, scale), with_grads=grads,
+            args.loss, (*features, *values), with_grads=grads,
             dtype=torch.float64 if grads else torch.float32))
         case["reference"] = {"loss": reference.loss, "dtype": reference.dtype} if ok else None
         case["note"] = "" if ok else f"no reference: {case.pop('status')}: {case['note']}"
@@ -487,8 +512,9 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
         cases.append(run_case(batch, ctx, args))
         if ctx.rank != 0:
             continue
-        # One rank's share of the one-pass floor, 8·b_r·B·c / R.
-        cases[-1]["floor_ms"] = 8.0 * batch**2 / ctx.world * args.width / matmul["tflops"] / 1e9
+        # One rank's share of the products' floor, 2·P·b_r·B·c / R (P products).
+        cases[-1]["floor_ms"] = (2.0 * PRODUCTS[args.loss] * batch**2 / ctx.world * args.width
+                                 / matmul["tflops"] / 1e9)
         for row in cases[-1]["results"]:
             row["times_floor"] = (row["ms"] / cases[-1]["floor_ms"] if common.measured(row)
                                   else None)
@@ -502,7 +528,8 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
                                    "ranks; host: the time to issue one step started on an idle "
                                    "GPU.", OVERLAP_COLUMNS, ours)
         # Rewritten after each case: a run stopped midway keeps its finished cases.
-        write_report(args, ctx, "Ring CLIP", body, {"matmul": matmul, "cases": cases},
+        write_report(args, ctx, f"Ring {'SigLIP' if args.loss == contrastive.SIGLIP else 'CLIP'}",
+                     body, {"matmul": matmul, "cases": cases},
                      common.table(RESULT_COLUMNS[:7], items, text=True),
                      log=batch == args.batches[-1])
     ctx.barrier()  # every rank leaves once the results are written
@@ -514,6 +541,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batches", type=common.int_list, default=None,
         help=f"comma list of global batches B (default {','.join(map(str, DEFAULT_BATCHES))})")
     add("--width", type=int, default=None, help=f"c (default {DEFAULT_WIDTH})")
+    add("--loss", choices=LOSSES, default=contrastive.CLIP,
+        help="clip (default) or siglip (scale 10, bias −10; inf-cl has none)")
     common.add_list(parser, "--providers", PROVIDER_KEYS, PROVIDER_KEYS)
     common.add_common_arguments(parser, "B 256,512, c = 64: a smoke test (gloo)")
     add("--min-reps", type=int, default=MIN_REPS,
@@ -524,5 +553,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time fusedloss's step replayed from a CUDA graph (CUDA only)")
 
 
-SUITE = Suite("ring", "CLIP over K processes (torchrun): fusedloss's ring against inf-cl and "
-              "open_clip", add_arguments, lambda args: run_distributed(args, _run))
+SUITE = Suite("ring", "CLIP or SigLIP over K processes (torchrun): fusedloss's ring against "
+              "inf-cl and open_clip", add_arguments, lambda args: run_distributed(args, _run))
