@@ -124,3 +124,30 @@ def test_sums_are_linear_in_the_batch():
     kernel = siglip_sm90.Chunks(b, one, one, 1.0, g, n, 1024)
     assert kernel._sums.shape[:2] == (3, n // siglip_sm90.BLOCK_M)
     assert kernel._sums.shape[2] <= config.sm_count(DEV) < n // siglip_sm90.BLOCK_N
+
+
+def test_blocks_without_positives_into_an_accumulator(tune, chunks):
+    """The ring's calls (``distributed.ring.siglip``): another rank's block (no positives) and
+    dA added into an fp32 accumulator, the Gluon kernel against the cuBLAS chunks."""
+    from fusedloss.core import chunked_contrastive, engine
+
+    n, m, d = 700, 1000, 128
+    image, text = _features(n, d, torch.bfloat16, 7), _features(m, d, torch.bfloat16, 8)
+    # β = 0: σ(X) near ½, so that dA stands well above the accumulator's starting 0.25
+    scale, bias = torch.tensor(10.0, device=DEV), torch.tensor(0.0, device=DEV)
+    tune(lm_head_chunk_bytes=256 * 1024 * 2)  # G of 256 rows × 1024 padded columns: 3 chunks
+    results = {}
+    for gluon in (True, False):
+        tune(gluon=gluon)
+        acc = torch.full((n, d), 0.25, device=DEV)
+        results[gluon] = chunked_contrastive.siglip_loss_and_grads(
+            image, text, scale, bias, 1.0 / n, engine.Needs(True, True, True, True),
+            positives=False, acc_a=acc)
+        assert results[gluon][1] is acc
+    assert chunks == [0, 256, 512], "the Gluon kernel did not run over three chunks"
+    (loss, grad_a, *rest), (loss_c, grad_a_c, *rest_c) = results[True], results[False]
+    torch.testing.assert_close(loss, loss_c, rtol=1e-5, atol=0)
+    for ours, cublas in zip((grad_a - 0.25, *rest), (grad_a_c - 0.25, *rest_c), strict=True):
+        assert _rel(ours, cublas) <= 1e-2, _rel(ours, cublas)
+    # no positives: every logit a negative, so the bias's gradient is Σ σ(X) / n > 0
+    assert rest[1] > 0
