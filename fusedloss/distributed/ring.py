@@ -280,13 +280,7 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
         elif step + 1 == last:  # the last block is this rank's own
             ahead = [b, own_cols] if clip else [b]
         if need_b and world > 1:  # add this rank's part to the held block's accumulator
-            acc = parcel.parts[-1]
-            if step == 0 and part_b is not None:
-                acc.copy_(part_b)
-            elif step == 0:
-                acc.zero_()
-            elif part_b is not None:
-                acc += part_b
+            _add_part(parcel.parts[-1], part_b, first=step == 0)
             # Freed before the next step's part is formed: three m × D fp32 buffers at most
             # (the accumulator on its way out, the one coming in, the step's part).
             part_b = None
@@ -367,13 +361,7 @@ def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, co
         if step + 1 < world:
             held = parcel.parts[0]
         if carries:  # add this rank's part to the held block's accumulator
-            acc = parcel.parts[-1]
-            if step == 0 and part_b is not None:
-                acc.copy_(part_b)
-            elif step == 0:
-                acc.zero_()
-            elif part_b is not None:
-                acc += part_b
+            _add_part(parcel.parts[-1], part_b, first=step == 0)
             part_b = None
         elif need_b:  # one rank: the step's part is dB
             grad_b = part_b if part_b is not None else torch.zeros((b.shape[0], d), **f32)
@@ -383,6 +371,18 @@ def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, co
     if carries:
         grad_b = parcel.parts[-1]
     return loss, grad_a, grad_b, grad_scale, grad_bias
+
+
+def _add_part(acc: Tensor, part: Tensor | None, first: bool) -> None:
+    """This rank's dB part (None: no rows met the block) into the travelling accumulator, which
+    holds nothing yet at the ``first`` step (the rank's own part starts it)."""
+    if part is None:
+        if first:
+            acc.zero_()
+    elif first:
+        acc.copy_(part)
+    else:
+        acc += part
 
 
 def _block(fn, backend: str, a: Tensor, held: Tensor, /, *args, **kwargs):
