@@ -63,24 +63,27 @@ _EXCHANGE_BYTES = BLOCK_M * BLOCK_N * 2
 
 
 @gluon.jit
-def _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
-            DIAG_MASK: gl.constexpr):
+def _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE: gl.constexpr,
+            HAS_BIAS: gl.constexpr, DIAG_MASK: gl.constexpr):
     """X = scale · raw (one rounded product, as ``logits.mul_rn``) + bias; -inf where the row
-    id equals the column id (DIAG_MASK: A and B the same rows, in order)."""
+    id equals the column id (DIAG_MASK: A and B the same rows, in order; only a tile
+    ``on_diagonal`` holds such entries)."""
     x = raw
     if HAS_SCALE:
         x = _mul_rn(x, scale)
     if HAS_BIAS:
         x = x + gl.expand_dims(bias, 0)
     if DIAG_MASK:
-        x = gl.where(gl.expand_dims(offs_m, 1) == gl.expand_dims(offs_n, 0), float("-inf"), x)
+        if on_diagonal:
+            x = gl.where(gl.expand_dims(offs_m, 1) == gl.expand_dims(offs_n, 0),
+                         float("-inf"), x)
     return x
 
 
 @gluon.jit
 def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
-               bias_ptr, scale, V, width, slab_tile_start, scratch_ptr,
+               bias_ptr, scale, n_valid, V, width, slab_tile_start, scratch_ptr,
                col_l: gl.constexpr,
                HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, SCALE_DX: gl.constexpr,
                HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
@@ -89,6 +92,12 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
     same order; returns each row's Σ_j dX_ij·raw_ij over the tile (GRAD_SCALE, else 0)."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
     m_cols = offs_n < V
+    # Nearly every tile lies inside the matrix, is live and (DIAG_MASK) off the diagonal:
+    # there the per-entry masks are left out (the same values; fewer instructions per entry).
+    row_lo = rb * BLOCK_M
+    col_lo = t * BLOCK_N
+    on_diagonal = (row_lo < col_lo + BLOCK_N) & (col_lo < row_lo + BLOCK_M)
+    inside = (row_lo + BLOCK_M <= n_valid) & (col_lo + BLOCK_N <= V) & (live != 0)
     bias = gl.zeros([BLOCK_N], gl.float32, col_l)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + offs_n, mask=m_cols, other=0.0).to(gl.float32)
@@ -98,19 +107,22 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
         if ref - low <= _FACTOR_RANGE:
             # r_i·P + c_j·Q = e_ij · (r_i + a_i·b_j): one exponential per entry
             b = gl.convert_layout(ccoef_v * gl.exp(ref - cmax_v), col_l)
-            x = _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE, HAS_BIAS, DIAG_MASK)
+            x = _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE, HAS_BIAS,
+                        DIAG_MASK)
             e = gl.exp(x - gl.expand_dims(row_max, 1))
             dx = e * (gl.expand_dims(coef_lse, 1)
                       + gl.expand_dims(a_row, 1) * gl.expand_dims(b, 0))
         else:
             cmax = gl.convert_layout(cmax_v, col_l)
             ccoef = gl.convert_layout(ccoef_v, col_l)
-            x = _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE, HAS_BIAS, DIAG_MASK)
+            x = _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE, HAS_BIAS,
+                        DIAG_MASK)
             e = gl.exp(x - gl.expand_dims(row_max, 1))
             dx = (gl.expand_dims(coef_lse, 1) * e
                   + gl.expand_dims(ccoef, 0) * gl.exp(x - gl.expand_dims(cmax, 0)))
     else:
-        x = _logits(raw, scale, bias, offs_m, offs_n, HAS_SCALE, HAS_BIAS, DIAG_MASK)
+        x = _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE, HAS_BIAS,
+                    DIAG_MASK)
         dx = gl.expand_dims(coef_lse, 1) * gl.exp(x - gl.expand_dims(row_max, 1))
     if HAS_TARGET:
         lo = t * BLOCK_N
@@ -119,8 +131,9 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
             hit = (gl.expand_dims(gl.arange(0, BLOCK_N, layout=col_l), 0)
                    == gl.expand_dims(local, 1))
             dx = dx - gl.where(hit, gl.expand_dims(coef_target, 1), 0.0)
-    keep = gl.expand_dims(m_rows, 1) & gl.expand_dims(m_cols, 0) & (live != 0)
-    dx = gl.where(keep, dx, 0.0)
+    if not inside:
+        keep = gl.expand_dims(m_rows, 1) & gl.expand_dims(m_cols, 0) & (live != 0)
+        dx = gl.where(keep, dx, 0.0)
     scale_part = gl.zeros_like(row_max)
     if GRAD_SCALE:
         scale_part = gl.sum(dx * raw, axis=1)
@@ -208,7 +221,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 scale_rows += _grad_tile(
                     raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
                     target, coef_target, t_lo, t_hi, cmax_v, ccoef_v, low,
-                    bias_ptr, scale, V, width, slab_tile_start, scratch_ptr, col_l,
+                    bias_ptr, scale, n_valid, V, width, slab_tile_start, scratch_ptr, col_l,
                     HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE,
                     DIAG_MASK, BLOCK_M, BLOCK_N)
         if GRAD_SCALE:

@@ -264,7 +264,8 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
     if HAS_BIAS:
         bias = gl.load(bias_ptr + offs_n, mask=m_cols, other=0.0).to(gl.float32)
         x = x + gl.expand_dims(bias, 0)
-    x = gl.where(gl.expand_dims(m_cols, 0), x, float("-inf"))
+    if t * BLOCK_N + BLOCK_N > V:  # the last column tile: the columns past V out
+        x = gl.where(gl.expand_dims(m_cols, 0), x, float("-inf"))
 
     # Rows: the online (max, Σ exp) of the Triton kernel.
     new_max = gl.maximum(row_max, gl.max(x, axis=1))
