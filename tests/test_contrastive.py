@@ -1520,17 +1520,17 @@ def test_siglip_chunks_without_positives_into_an_accumulator(tune, positives):
 
     g = torch.Generator().manual_seed(5)
     n, m, d = 37, 29, 16
-    a, b = torch.randn(n, d, generator=g) / 2, torch.randn(m, d, generator=g) / 2
-    scale, bias = torch.tensor(3.0), torch.tensor(-2.0)
+    a, b = [(torch.randn(rows, d, generator=g) / 2).to(DEVICE) for rows in (n, m)]
+    scale, bias = torch.tensor(3.0, device=DEVICE), torch.tensor(-2.0, device=DEVICE)
     leaves = [t.double().requires_grad_() for t in (a, b, scale, bias)]
     logits = leaves[2] * leaves[0] @ leaves[1].T + leaves[3]
-    labels = -torch.ones(n, m, dtype=torch.float64)
+    labels = -torch.ones(n, m, dtype=torch.float64, device=DEVICE)
     if positives:
         labels[torch.arange(m), torch.arange(m)] = 1.0
     ref = -F.logsigmoid(labels * logits).sum() / n
     ref_grads = torch.autograd.grad(ref, leaves)
     tune(lm_head_chunk_bytes=16 * m * 8)  # 16 rows a chunk: three chunks
-    acc = torch.full((n, d), 0.5)  # an earlier block's part
+    acc = torch.full((n, d), 0.5, device=DEVICE)  # an earlier block's part
     loss, grad_a, grad_b, grad_bias, grad_scale = chunked_contrastive.siglip_loss_and_grads(
         a, b, scale, bias, 1.0 / n, engine.Needs(True, True, True, True),
         positives=positives, acc_a=acc)
