@@ -48,6 +48,7 @@ from .lse_forward_sm90 import (
     WARPS,
     _loader,
     _mul_rn,
+    _program_ranges,
     _ring,
     _ring_done,
     _tile_products,
@@ -262,13 +263,9 @@ def _clip_grad_sm90_kernel(
 ):
     """Program (g, s): row blocks of group g × the slab's tiles of split s; a loader warp and
     two consumer warpgroups that share the B chunks (as ``_clip_forward_sm90_kernel``)."""
-    pid_g = gl.program_id(0)
-    pid_s = gl.program_id(1)
     n_valid = gl.load(n_valid_ptr).to(gl.int32)  # TMA coordinates are 32-bit; N < 2³¹
-    block_begin = pid_g * blocks_per_group
-    block_end = gl.minimum(block_begin + blocks_per_group, row_blocks)
-    tile_begin = slab_tile_start + pid_s * tiles_per_split
-    tile_end = gl.minimum(tile_begin + tiles_per_split, slab_tile_start + slab_tiles)
+    block_begin, block_end, tile_begin, tile_end = _program_ranges(
+        row_blocks, blocks_per_group, slab_tile_start, slab_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
         a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)

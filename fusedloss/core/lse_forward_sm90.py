@@ -98,6 +98,18 @@ def _max_min_max(a0, b0, c0, a1, b1, c1):
 
 
 @gluon.jit
+def _program_ranges(row_blocks, blocks_per_group, tile_start, n_tiles, tiles_per_split):
+    """Program (g, s)'s row blocks [block_begin, block_end) of group g and tiles
+    [tile_begin, tile_end) of split s, the splits counted from ``tile_start`` over ``n_tiles``
+    tiles: the grid every Hopper kernel here shares."""
+    block_begin = gl.program_id(0) * blocks_per_group
+    block_end = gl.minimum(block_begin + blocks_per_group, row_blocks)
+    tile_begin = tile_start + gl.program_id(1) * tiles_per_split
+    tile_end = gl.minimum(tile_begin + tiles_per_split, tile_start + n_tiles)
+    return block_begin, block_end, tile_begin, tile_end
+
+
+@gluon.jit
 def _ring(a_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
           K_TILES: gl.constexpr, STAGES: gl.constexpr):
     """The shared memory of the plan every Hopper kernel here follows (a loader warp, two
@@ -360,10 +372,8 @@ def _clip_forward_sm90_kernel(
     pid_g = gl.program_id(0)
     pid_s = gl.program_id(1)
     n_valid = gl.load(n_valid_ptr).to(gl.int32)  # TMA coordinates are 32-bit; N < 2³¹
-    block_begin = pid_g * blocks_per_group
-    block_end = gl.minimum(block_begin + blocks_per_group, gl.cdiv(n_valid, BLOCK_M))
-    tile_begin = pid_s * tiles_per_split
-    tile_end = gl.minimum(tile_begin + tiles_per_split, n_col_tiles)
+    block_begin, block_end, tile_begin, tile_end = _program_ranges(
+        gl.cdiv(n_valid, BLOCK_M), blocks_per_group, 0, n_col_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
         a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)

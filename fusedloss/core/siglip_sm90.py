@@ -46,6 +46,7 @@ from .lse_forward_sm90 import (
     MAX_REGS,
     WARPS,
     _loader,
+    _program_ranges,
     _ring,
     _ring_done,
     descriptor,
@@ -226,12 +227,9 @@ def _siglip_sm90_kernel(
 ):
     """Program (g, s): row blocks of group g × the tiles of split s; a loader warp and two
     consumer warpgroups that share the B chunks (as ``_clip_grad_sm90_kernel``)."""
-    pid_g = gl.program_id(0)
     pid_s = gl.program_id(1)
-    block_begin = pid_g * blocks_per_group
-    block_end = gl.minimum(block_begin + blocks_per_group, row_blocks)
-    tile_begin = pid_s * tiles_per_split
-    tile_end = gl.minimum(tile_begin + tiles_per_split, n_col_tiles)
+    block_begin, block_end, tile_begin, tile_end = _program_ranges(
+        row_blocks, blocks_per_group, 0, n_col_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
         a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)
