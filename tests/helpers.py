@@ -54,6 +54,16 @@ requires_triton = pytest.mark.skipif(
 )
 
 
+def _gluon_gpu() -> bool:
+    from fusedloss.core import config
+
+    return torch.cuda.is_available() and config.gluon_enabled(torch.device("cuda"))
+
+
+# The Hopper Gluon kernels' tests: Gluon does not run under Triton's interpreter.
+requires_sm90 = pytest.mark.skipif(not _gluon_gpu(), reason="needs an sm90 GPU and Triton's Gluon")
+
+
 def rel_err(x: Tensor, ref: Tensor) -> float:
     """Relative L2 error ``‖x − ref‖ / ‖ref‖``, computed in float64.
 

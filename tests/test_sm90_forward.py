@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import requires_sm90
 
 from fusedloss.core import config, engine
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and config.gluon_enabled(torch.device("cuda"))),
-    reason="needs an sm90 GPU and Triton's Gluon")
+pytestmark = requires_sm90
 
 DEV = torch.device("cuda")
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import requires_sm90
 
 import fusedloss
 from fusedloss.core import config
 from fusedloss.reference import siglip_loss_ref
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and config.gluon_enabled(torch.device("cuda"))),
-    reason="needs an sm90 GPU and Triton's Gluon")
+pytestmark = requires_sm90
 
 DEV = torch.device("cuda")
 
