@@ -46,6 +46,7 @@ from .lse_forward_sm90 import (
     CONSUMER_REGS,
     MAX_REGS,
     WARPS,
+    _exp_ftz,
     _loader,
     _mul_rn,
     _program_ranges,
@@ -110,7 +111,7 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
             b = gl.convert_layout(ccoef_v * gl.exp(ref - cmax_v), col_l)
             x = _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE, HAS_BIAS,
                         DIAG_MASK)
-            e = gl.exp(x - gl.expand_dims(row_max, 1))
+            e = _exp_ftz(x - gl.expand_dims(row_max, 1))
             dx = e * (gl.expand_dims(coef_lse, 1)
                       + gl.expand_dims(a_row, 1) * gl.expand_dims(b, 0))
         else:
@@ -118,13 +119,13 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
             ccoef = gl.convert_layout(ccoef_v, col_l)
             x = _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE, HAS_BIAS,
                         DIAG_MASK)
-            e = gl.exp(x - gl.expand_dims(row_max, 1))
+            e = _exp_ftz(x - gl.expand_dims(row_max, 1))
             dx = (gl.expand_dims(coef_lse, 1) * e
-                  + gl.expand_dims(ccoef, 0) * gl.exp(x - gl.expand_dims(cmax, 0)))
+                  + gl.expand_dims(ccoef, 0) * _exp_ftz(x - gl.expand_dims(cmax, 0)))
     else:
         x = _logits(raw, scale, bias, offs_m, offs_n, on_diagonal, HAS_SCALE, HAS_BIAS,
                     DIAG_MASK)
-        dx = gl.expand_dims(coef_lse, 1) * gl.exp(x - gl.expand_dims(row_max, 1))
+        dx = gl.expand_dims(coef_lse, 1) * _exp_ftz(x - gl.expand_dims(row_max, 1))
     if HAS_TARGET:
         lo = t * BLOCK_N
         if (t_hi >= lo) & (t_lo < lo + BLOCK_N):  # some row's target may lie in this tile
