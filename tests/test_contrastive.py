@@ -686,7 +686,7 @@ def test_torch_backend_matches_reference(loss, data):
 @given(data=st.data())  # the profile's budget: the interpreter keeps its shapes tiny instead
 def test_triton_backend_matches_reference(loss, data):
     """On an sm90 GPU, half the examples run the Gluon recompute whatever the backward's size
-    (the engine takes it from 2^17 tiles, beyond these shapes), where it applies."""
+    (the engine takes it from 2^15 tiles, beyond these shapes), where it applies."""
     case = data.draw(cases(loss, **TRITON_SHAPES), label="case")
     tiles = config.tuning().gluon_recompute_tiles
     if ON_GPU:

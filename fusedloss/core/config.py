@@ -55,10 +55,10 @@ class Tuning:
     # The Hopper Gluon kernels where they apply (off: the Triton kernels).
     gluon: bool = True
     # The Gluon recompute serves a backward's dense slabs from this many 64 × 128 tiles (b ≥
-    # 32768 for a square CLIP batch), the Triton kernel below: there its host setup (the range
+    # 16384 for a square CLIP batch), the Triton kernel below: there its host setup (the range
     # check's extremes, descriptors) outweighs its faster tiles (docs/design.md, "The Hopper
     # backward").
-    gluon_recompute_tiles: int = 1 << 17
+    gluon_recompute_tiles: int = 1 << 15
     # Tiles of the forward, backward and split-accumulator kernels, replacing the frozen ones.
     forward_tile: TileConfig | None = None
     backward_tile: TileConfig | None = None
