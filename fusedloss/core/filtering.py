@@ -12,7 +12,9 @@ probability mass skipped per row:
 
 So every row loses at most ε of its softmax mass (its gradient changes by at most ε · max_j |B_j|
 in dA and its share of dB likewise), whatever the input: flat logits keep every tile, peaked
-ones skip the tail. Tiles that hold a row's target are always kept.
+ones skip the tail. Tiles that hold a row's target are always kept. (The Hopper kernels flush
+exponentials below 2⁻¹²⁶ to zero, in M_bt as in the gradient tiles: each such entry's
+probability is below 2⁻¹²⁶, so the bound holds to V · 2⁻¹²⁶ more, 10⁻³² at V = 10⁶.)
 
 The bound is made relative to each row's own gradient with a per-row ``scale`` ≤ 1, the row's
 gradient mass: for cross-entropy the gradient row r·(P − e_y) has L1 mass 2r·(1 − P_y), so a
