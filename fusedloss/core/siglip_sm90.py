@@ -45,6 +45,7 @@ from .lse_forward_sm90 import (
     CONSUMER_REGS,
     MAX_REGS,
     WARPS,
+    _exp_ftz,
     _loader,
     _program_ranges,
     _ring,
@@ -123,7 +124,7 @@ def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, widt
     if plain:
         x = scale * raw + beta
         # softplus(X) = max(X, 0) + log1p(e^(−|X|)); σ(X) from the same exponential
-        u = gl.exp2(gl.abs(x) * -1.4426950408889634)
+        u = _exp_ftz(-gl.abs(x))
         r = _rcp(1.0 + u)
         sig = gl.where(x >= 0.0, r, u * r)
         # Σ_j log1p(u_j) = log1p(Π_j (1 + u_j) − 1): two instructions an entry and one log1p
