@@ -80,6 +80,9 @@ CLIP_CASES = [
     (200, 448, torch.float16, 50.0, None),
     (2112, 512, torch.bfloat16, 100.0, "auto"),
     (4096, 256, torch.bfloat16, 20.0, None),
+    # A streamed through the ring
+    (333, 768, torch.float16, 14.3, "auto"),
+    (2112, 1024, torch.bfloat16, 100.0, None),
 ]
 
 
@@ -154,7 +157,7 @@ def test_nan_features_give_nan_gradients(use_gluon, launches):
 
 @pytest.mark.parametrize("why", ["softcap", "fp32", "wide", "sparse", "off"])
 def test_other_calls_keep_the_triton_kernel(tune, use_gluon, launches, why):
-    d = 768 if why == "wide" else 256
+    d = 1088 if why == "wide" else 256
     dtype = torch.float32 if why == "fp32" else torch.bfloat16
     x = _features(300, d, dtype, 3).requires_grad_()
     w = _features(1000, d, dtype, 4)

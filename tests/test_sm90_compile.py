@@ -76,25 +76,24 @@ def _constants(d, stages, **flags):
                 K_TILES=d // fwd.BLOCK_K, STAGES=stages, CONSUMER_REGS=fwd.CONSUMER_REGS)
 
 
-def compile_forward() -> None:
+def compile_forward(d: int) -> None:
     from fusedloss.core import lse_forward_sm90 as fwd
 
-    d = fwd.MAX_D
     a_desc, b_desc, _ = _operands(d)
     f32, i64 = torch.empty(1), torch.empty(1, dtype=torch.int64)
     kernel = _compile(
         fwd._clip_forward_sm90_kernel,
         [a_desc, b_desc, f32, f32, i64, *[f32] * 6, 4096, 4096, 8, 4, 32],
-        _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True),
+        _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True,
+                   STREAM_A=fwd.streams_a(d)),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
 
-def compile_recompute(diag_mask: bool) -> None:
+def compile_recompute(diag_mask: bool, d: int) -> None:
     from fusedloss.core import lse_backward_sm90 as bwd
     from fusedloss.core import lse_forward_sm90 as fwd
 
-    d = fwd.MAX_D
     a_desc, b_desc, a = _operands(d, torch.float16)
     f32, i64 = torch.empty(1), torch.empty(1, dtype=torch.int64)
     u8 = torch.empty(1, dtype=torch.uint8)
@@ -104,7 +103,8 @@ def compile_recompute(diag_mask: bool) -> None:
         [a_desc, b_desc, f32, f32, i64, f32, f32, i64, *[f32] * 5, u8, a, f32,
          4096, 4096, 64, 0, 32, 32, 8, 32],
         _constants(d, stages, HAS_BIAS=True, HAS_SCALE=True, SCALE_DX=False, HAS_TARGET=True,
-                   COL_LSE=True, GRAD_SCALE=True, DIAG_MASK=diag_mask),
+                   COL_LSE=True, GRAD_SCALE=True, DIAG_MASK=diag_mask,
+                   STREAM_A=fwd.streams_a(d)),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
@@ -137,13 +137,15 @@ def _in_a_compiler_process(call: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def test_forward_compiles_for_sm90():
-    _in_a_compiler_process("compile_forward()")
+# The widest D with A resident in shared memory, and the widest with A streamed (STREAM_A).
+@pytest.mark.parametrize("d", [512, 1024])
+def test_forward_compiles_for_sm90(d):
+    _in_a_compiler_process(f"compile_forward({d})")
 
 
-@pytest.mark.parametrize("diag_mask", [False, True])
-def test_recompute_compiles_for_sm90(diag_mask):
-    _in_a_compiler_process(f"compile_recompute({diag_mask})")
+@pytest.mark.parametrize(("diag_mask", "d"), [(False, 512), (True, 512), (False, 1024)])
+def test_recompute_compiles_for_sm90(diag_mask, d):
+    _in_a_compiler_process(f"compile_recompute({diag_mask}, {d})")
 
 
 def test_siglip_compiles_for_sm90():

@@ -57,6 +57,9 @@ CASES = [
     (2112, 1000, 512, 2112, False, torch.float16, 20.0, False),
     (2048, 2048, 256, 2048, False, torch.bfloat16, 100.0, True),
     (2048, 2048, 512, 2000, True, torch.bfloat16, 100.0, True),
+    # wider than two resident A blocks: A streamed through the ring
+    (333, 517, 768, 333, True, torch.float16, 14.3, False),
+    (2048, 2048, 1024, 2000, False, torch.bfloat16, 100.0, True),
 ]
 
 
@@ -133,7 +136,7 @@ def test_nan_rows_give_nan(tune):
 
 @pytest.mark.parametrize("why", ["softcap", "order", "diag", "fp32", "wide", "unaligned"])
 def test_other_calls_keep_the_triton_kernel(why):
-    d = {"wide": 768, "unaligned": 200}.get(why, 256)
+    d = {"wide": 1088, "unaligned": 200}.get(why, 256)
     dtype = torch.float32 if why == "fp32" else torch.bfloat16
     a, b = _features(300, d, dtype, 3), _features(300, d, dtype, 4)
     logits = engine.Logits(

@@ -257,7 +257,7 @@ def forward_config(device: torch.device, dtype: torch.dtype, d: int, *,
             # the registers per thread; with column statistics (below) they are slower
             # (docs/design.md, "Tile configurations and why").
             return TileConfig(128, 128, 64, 0, num_warps=8, num_stages=3)
-        if d <= 512 and d % 64 == 0 and gluon_enabled(device):
+        if d <= 1024 and d % 64 == 0 and gluon_enabled(device):
             # The Gluon kernel (lse_forward_sm90): 64 × 128 tiles, two consumer warpgroups.
             return TileConfig(64, 128, 64, 0, num_warps=4, num_stages=3)
         if d <= 1024:

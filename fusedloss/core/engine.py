@@ -1248,7 +1248,7 @@ def _sm90_recompute(problem: _Problem, a_rows: torch.Tensor | None, cfg: config.
                     live: torch.Tensor, out: tuple):
     """The Hopper recompute (``lse_backward_sm90.Recompute``) for this backward's dense slabs,
     or None where the Triton kernel runs: softmax losses on bf16/fp16 operands that TMA reads
-    (``a_rows``, A in compact row order), D ≤ 512, scale, bias and a diagonal mask over rows in
+    (``a_rows``, A in compact row order), D ≤ 1024, scale, bias and a diagonal mask over rows in
     order (no softcap, vocabulary order or entropy term), on the backward's 64 × 128 tiles."""
     a, b, logits, rows, stats, coef, _, sigmoid = problem.unpacked()
     if (a_rows is None or sigmoid or coef.logit is not None or logits.softcap

@@ -55,6 +55,7 @@ from .lse_forward_sm90 import (
     _tile_products,
     descriptor,
     stages,
+    streams_a,
 )
 
 # Q's factored form: every column max of the tile within this many nats of the rows' largest
@@ -165,7 +166,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               HAS_TARGET: gl.constexpr, COL_LSE: gl.constexpr, GRAD_SCALE: gl.constexpr,
               DIAG_MASK: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, STREAM_A: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against the tiles
     [tile_begin, tile_end) of the slab."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,7 +185,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
         rb = block_begin + 2 * pair + W
         active = rb < block_end  # the last pair of an odd count has one block
         live_rb = gl.minimum(rb, block_end - 1).to(gl.int64)  # a valid index either way
-        mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        if not STREAM_A:
+            mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
         offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         m_rows = offs_m < n_valid
         row_max = gl.load(row_max_ptr + offs_m, mask=m_rows, other=0.0)
@@ -217,8 +219,9 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 ccoef_v = gl.load(coef_col_ptr + cols, mask=cols < V, other=0.0)
                 low = gl.load(tile_low_ptr + t)
             raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
-                                    BLOCK_M, BLOCK_N, K_TILES, STAGES)
-            mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+                                    BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)
+            if not STREAM_A:
+                mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
             if active:
                 scale_rows += _grad_tile(
                     raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
@@ -261,6 +264,7 @@ def _clip_grad_sm90_kernel(
     DIAG_MASK: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STREAM_A: gl.constexpr,
 ):
     """Program (g, s): row blocks of group g × the slab's tiles of split s; a loader warp and
     two consumer warpgroups that share the B chunks (as ``_clip_forward_sm90_kernel``)."""
@@ -269,7 +273,7 @@ def _clip_grad_sm90_kernel(
         row_blocks, blocks_per_group, slab_tile_start, slab_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
-        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)
+        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)
 
     gl.warp_specialize([
         (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
@@ -279,7 +283,7 @@ def _clip_grad_sm90_kernel(
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
                      HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, DIAG_MASK,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
                      coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
@@ -287,10 +291,10 @@ def _clip_grad_sm90_kernel(
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
                      HAS_BIAS, HAS_SCALE, SCALE_DX, HAS_TARGET, COL_LSE, GRAD_SCALE, DIAG_MASK,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
-                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
+                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
     _ring_done(a_ready, a_empty, ready, empty, STAGES)
@@ -363,7 +367,7 @@ class Recompute:
             SCALE_DX=logits.scale is not None and logits.bias is None, HAS_TARGET=has_target,
             COL_LSE=col_lse, GRAD_SCALE=dscale is not None, DIAG_MASK=logits.diag_mask,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-            STAGES=n_stages,
+            STAGES=n_stages, STREAM_A=streams_a(d),
             CONSUMER_REGS=CONSUMER_REGS, num_warps=WARPS, maxnreg=MAX_REGS,
         )
 

@@ -54,6 +54,7 @@ BLOCK_M = 64   # rows of a tile: one warpgroup, 16 rows per warp
 BLOCK_N = 128  # columns of a tile: the backward's column tile (its statistics address it)
 BLOCK_K = 64   # width of one operand chunk (128 bytes of bf16: one TMA swizzle row)
 MAX_D = 512    # two consumers' A blocks (2 · 64 · D · 2 bytes) stay in shared memory
+MAX_STREAMED_D = 1024  # wider A blocks come through the ring beside the B chunks (STREAM_A)
 WARPS = 4      # per consumer warpgroup; the loader's warp comes on top
 # Registers: 12 warps (the loader's rounded up to a warpgroup) share 64K per SM: 168 each on
 # launch, then the loader gives its up (24) and the consumers take 232 each.
@@ -119,12 +120,17 @@ def _program_ranges(row_blocks, blocks_per_group, tile_start, n_tiles, tiles_per
 
 @gluon.jit
 def _ring(a_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          K_TILES: gl.constexpr, STAGES: gl.constexpr):
+          K_TILES: gl.constexpr, STAGES: gl.constexpr, STREAM_A: gl.constexpr = False):
     """The shared memory of the plan every Hopper kernel here follows (a loader warp, two
-    consumer warpgroups): each consumer's A block (K_TILES chunks), the ring of STAGES B chunks,
-    and their barriers, initialized: (a_smem, b_smem, a_ready, a_empty, ready, empty)."""
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * K_TILES, BLOCK_M, BLOCK_K],
-                                       a_desc.layout)
+    consumer warpgroups): each consumer's A block (K_TILES chunks; with STREAM_A, each slot's
+    two A chunks instead), the ring of STAGES B chunks, and their barriers, initialized:
+    (a_smem, b_smem, a_ready, a_empty, ready, empty)."""
+    if STREAM_A:
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BLOCK_M, BLOCK_K],
+                                           a_desc.layout)
+    else:
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * K_TILES, BLOCK_M, BLOCK_K],
+                                           a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -154,36 +160,49 @@ def _ring_done(a_ready, a_empty, ready, empty, STAGES: gl.constexpr):
 def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
             block_begin, block_end, tile_begin, tile_end,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            K_TILES: gl.constexpr, STAGES: gl.constexpr):
+            K_TILES: gl.constexpr, STAGES: gl.constexpr, STREAM_A: gl.constexpr = False):
     """One warp that issues every TMA copy: per pair of row blocks, each consumer's A block
     (once the consumer has multiplied its previous one), then the B chunks of every tile
-    into the ring (once both consumers have multiplied the chunk a slot held)."""
+    into the ring (once both consumers have multiplied the chunk a slot held). With
+    STREAM_A, no resident A blocks: each slot also takes the two consumers' A chunks of its
+    B chunk (A read once per tile, from L2)."""
     c = 0
     for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
-        for w in gl.static_range(2):
-            rb = block_begin + 2 * pair + w
-            active = rb < block_end
-            # Barriers start with phase 1 complete: the first wait passes.
-            mbarrier.wait(a_empty.index(w), (pair & 1) ^ 1, pred=active)
-            mbarrier.expect(a_ready.index(w), K_TILES * a_desc.block_type.nbytes, pred=active)
-            for k in gl.static_range(K_TILES):
-                _tma_load(a_desc, [rb * BLOCK_M, k * BLOCK_K],
-                                                a_ready.index(w), a_smem.index(w * K_TILES + k),
-                                                pred=active)
+        if not STREAM_A:
+            for w in gl.static_range(2):
+                rb = block_begin + 2 * pair + w
+                active = rb < block_end
+                # Barriers start with phase 1 complete: the first wait passes.
+                mbarrier.wait(a_empty.index(w), (pair & 1) ^ 1, pred=active)
+                mbarrier.expect(a_ready.index(w), K_TILES * a_desc.block_type.nbytes,
+                                pred=active)
+                for k in gl.static_range(K_TILES):
+                    _tma_load(a_desc, [rb * BLOCK_M, k * BLOCK_K], a_ready.index(w),
+                              a_smem.index(w * K_TILES + k), pred=active)
+        # The last pair of an odd count has one block: its second consumer reads the first's.
+        rb1 = gl.minimum(block_begin + 2 * pair + 1, block_end - 1)
         for t in range(tile_begin, tile_end):
             for k in gl.static_range(K_TILES):
                 slot = c % STAGES
                 mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes)
-                _tma_load(b_desc, [t * BLOCK_N, k * BLOCK_K],
-                                                ready.index(slot), b_smem.index(slot))
+                if STREAM_A:
+                    mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes
+                                    + 2 * a_desc.block_type.nbytes)
+                    _tma_load(a_desc, [(block_begin + 2 * pair) * BLOCK_M, k * BLOCK_K],
+                              ready.index(slot), a_smem.index(2 * slot))
+                    _tma_load(a_desc, [rb1 * BLOCK_M, k * BLOCK_K],
+                              ready.index(slot), a_smem.index(2 * slot + 1))
+                else:
+                    mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes)
+                _tma_load(b_desc, [t * BLOCK_N, k * BLOCK_K], ready.index(slot),
+                          b_smem.index(slot))
                 c += 1
 
 
 @gluon.jit
 def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, c, mma: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, STREAM_A: gl.constexpr = False):
     """(raw tile, chunk count): consumer W's resident A block times the ring's next K_TILES B
     chunks (c of them consumed so far), asynchronous products, each chunk's slot released once
     its product is done. The two consumers run freely: taking turns at the tensor cores
@@ -192,8 +211,12 @@ def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, c, mma: gl.con
     for k in gl.static_range(K_TILES):
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-        raw = warpgroup_mma(a_smem.index(W * K_TILES + k), b_smem.index(slot).permute((1, 0)),
-                            raw, use_acc=k > 0, is_async=True)
+        if STREAM_A:
+            a_chunk = a_smem.index(2 * slot + W)
+        else:
+            a_chunk = a_smem.index(W * K_TILES + k)
+        raw = warpgroup_mma(a_chunk, b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
+                            is_async=True)
         # The previous chunk's product is done: its slot may be refilled.
         raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
         if k > 0:
@@ -213,7 +236,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
               RECORD_TILES: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, STREAM_A: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against every tile of the
     split. Its column partials are row 2·g + W of the (2 · groups, V) arrays."""
     WARP_ROWS: gl.constexpr = BLOCK_M // 4
@@ -235,7 +258,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
     for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
         rb = block_begin + 2 * pair + W
         active = rb < block_end  # the last pair of an odd count has one block
-        mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        if not STREAM_A:
+            mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
         offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         m_rows = offs_m < n_valid
         row_max = gl.full([BLOCK_M], float("-inf"), gl.float32, row_l)
@@ -248,10 +272,11 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             old_max = gl.load(col_max_ptr + col_part + cols, mask=cols < V, other=float("-inf"))
             old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
             raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
-                                    BLOCK_M, BLOCK_N, K_TILES, STAGES)
-            # The block's last product is done: the loader may bring the next block in
-            # while this tile's statistics are formed.
-            mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+                                    BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)
+            if not STREAM_A:
+                # The block's last product is done: the loader may bring the next block in
+                # while this tile's statistics are formed.
+                mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
             if active:
                 row_max, row_sum = _tile_statistics(
                     raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
@@ -373,6 +398,7 @@ def _clip_forward_sm90_kernel(
     RECORD_TILES: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STREAM_A: gl.constexpr,
 ):
     """Program (g, c) visits row blocks of group g × column tiles of split c, as the Triton
     kernel's grid (engine._forward_grid), with three partitions: a loader warp and two
@@ -384,7 +410,7 @@ def _clip_forward_sm90_kernel(
         gl.cdiv(n_valid, BLOCK_M), blocks_per_group, 0, n_col_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
-        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)
+        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)
 
     gl.warp_specialize([
         (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
@@ -392,27 +418,36 @@ def _clip_forward_sm90_kernel(
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
                      n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
                      n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
-                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
+                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
     _ring_done(a_ready, a_empty, ready, empty, STAGES)
 
 
+def streams_a(d: int) -> bool:
+    """Whether A comes through the ring (STREAM_A): its two resident blocks would not fit."""
+    return d > MAX_D
+
+
 def stages(d: int, element_size: int, reserve: int = 0) -> int:
-    """B chunk slots that fit beside the two consumers' resident A blocks (and ``reserve``
-    bytes kept for a kernel's own use)."""
-    a_bytes = 2 * BLOCK_M * d * element_size + reserve
-    return max(2, min(2 * (d // BLOCK_K), (_SMEM_BUDGET - a_bytes) // (BLOCK_N * BLOCK_K
-                                                                         * element_size)))
+    """Ring slots that fit beside the two consumers' resident A blocks (and ``reserve``
+    bytes kept for a kernel's own use); a slot holds a B chunk, and with STREAM_A
+    (``streams_a``) the two A chunks that meet it."""
+    slot = BLOCK_N * BLOCK_K * element_size
+    if streams_a(d):
+        slot += 2 * BLOCK_M * BLOCK_K * element_size
+    else:
+        reserve += 2 * BLOCK_M * d * element_size
+    return max(2, min(2 * (d // BLOCK_K), (_SMEM_BUDGET - reserve) // slot))
 
 
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -422,12 +457,13 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
 
 
-def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+def supports(a: torch.Tensor, b: torch.Tensor, max_d: int = MAX_STREAMED_D) -> bool:
     """Whether the kernel takes these operands (dtype and width; the caller checks the GPU):
-    two 64-row blocks of A stay in shared memory, so D ≤ 512."""
+    D a multiple of 64 up to ``max_d``, two 64-row blocks of A resident in shared memory up
+    to D = 512 and streamed beside the B chunks above."""
     d = b.shape[1]
     return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
-            and d % BLOCK_K == 0 and BLOCK_K <= d <= MAX_D)
+            and d % BLOCK_K == 0 and BLOCK_K <= d <= max_d)
 
 
 @dataclass(frozen=True)
@@ -472,6 +508,6 @@ def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         RECORD_TILES=record_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-        STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS,
+        STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS, STREAM_A=streams_a(d),
         num_warps=WARPS, maxnreg=MAX_REGS,
     )

@@ -43,6 +43,7 @@ from .lse_forward_sm90 import (
     BLOCK_K,
     BLOCK_M,
     CONSUMER_REGS,
+    MAX_D,
     MAX_REGS,
     WARPS,
     _exp_ftz,
@@ -52,8 +53,8 @@ from .lse_forward_sm90 import (
     _ring_done,
     descriptor,
     stages,
-    supports,
 )
+from .lse_forward_sm90 import supports as _supports
 
 __all__ = ["BLOCK_M", "BLOCK_N", "Chunks", "supports"]
 
@@ -271,6 +272,12 @@ def _siglip_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
     _ring_done(a_ready, a_empty, ready, empty, STAGES)
+
+
+def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands (dtype and width; the caller checks the GPU):
+    D a multiple of 64 up to 512, the two consumers' A blocks resident in shared memory."""
+    return _supports(a, b, max_d=MAX_D)
 
 
 class Chunks:
