@@ -109,20 +109,20 @@ def compile_recompute(diag_mask: bool, d: int) -> None:
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
 
-def compile_siglip() -> None:
+def compile_siglip(d: int) -> None:
     from fusedloss.core import lse_forward_sm90 as fwd
     from fusedloss.core import siglip_sm90
 
-    d = fwd.MAX_D
     a = torch.empty(4096, d, dtype=torch.bfloat16)
     b_desc = fwd.descriptor(torch.empty(4096, d, dtype=torch.bfloat16), siglip_sm90.BLOCK_N)
     f32 = torch.empty(1)
-    stages = min(2 * (d // fwd.BLOCK_K), fwd.stages(d, 2) * fwd.BLOCK_N // siglip_sm90.BLOCK_N)
+    stages = fwd.stages(d, 2, block_n=siglip_sm90.BLOCK_N)
     kernel = _compile(
         siglip_sm90._siglip_sm90_kernel,
         [fwd.descriptor(a, fwd.BLOCK_M), b_desc, f32, f32, a, f32, 4000, 4090, 4096, 0, 0.5, 63,
          64, 132, 8316, 8, 32],
-        dict(_constants(d, stages, AHEAD=siglip_sm90.AHEAD), BLOCK_N=siglip_sm90.BLOCK_N),
+        dict(_constants(d, stages, AHEAD=siglip_sm90.AHEAD, STREAM_A=fwd.streams_a(d)),
+             BLOCK_N=siglip_sm90.BLOCK_N),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
@@ -148,5 +148,6 @@ def test_recompute_compiles_for_sm90(diag_mask, d):
     _in_a_compiler_process(f"compile_recompute({diag_mask}, {d})")
 
 
-def test_siglip_compiles_for_sm90():
-    _in_a_compiler_process("compile_siglip()")
+@pytest.mark.parametrize("d", [512, 1024])
+def test_siglip_compiles_for_sm90(d):
+    _in_a_compiler_process(f"compile_siglip({d})")

@@ -438,11 +438,11 @@ def streams_a(d: int) -> bool:
     return d > MAX_D
 
 
-def stages(d: int, element_size: int, reserve: int = 0) -> int:
+def stages(d: int, element_size: int, reserve: int = 0, block_n: int = BLOCK_N) -> int:
     """Ring slots that fit beside the two consumers' resident A blocks (and ``reserve``
-    bytes kept for a kernel's own use); a slot holds a B chunk, and with STREAM_A
-    (``streams_a``) the two A chunks that meet it."""
-    slot = BLOCK_N * BLOCK_K * element_size
+    bytes kept for a kernel's own use); a slot holds a B chunk of ``block_n`` rows, and with
+    STREAM_A (``streams_a``) the two A chunks that meet it."""
+    slot = block_n * BLOCK_K * element_size
     if streams_a(d):
         slot += 2 * BLOCK_M * BLOCK_K * element_size
     else:

@@ -13,8 +13,9 @@ diagonal entry or an edge, nearly all, take a shorter form without labels or mas
 (``_siglip_tile``).
 
 The schedule is the Hopper recompute's (``lse_backward_sm90``): a loader warp issues every TMA
-copy, each consumer's 64-row A block resident in shared memory and the B chunks through a ring
-of stages; two consumer warpgroups with row blocks of their own multiply the same B chunks.
+copy, each consumer's 64-row A block resident in shared memory (above D = 512, its chunks
+through the ring beside the B chunks) and the B chunks through a ring of stages; two consumer
+warpgroups with row blocks of their own multiply the same B chunks.
 Each consumer forms a tile's G and sums after issuing the next tile's first ``AHEAD`` chunk
 products, while they run (FlashAttention-3's overlap within a warpgroup): two fp32
 accumulators, which fit in registers without spills at 64-column tiles (64 × 64 × 4 bytes a
@@ -43,7 +44,6 @@ from .lse_forward_sm90 import (
     BLOCK_K,
     BLOCK_M,
     CONSUMER_REGS,
-    MAX_D,
     MAX_REGS,
     WARPS,
     _exp_ftz,
@@ -53,8 +53,9 @@ from .lse_forward_sm90 import (
     _ring_done,
     descriptor,
     stages,
+    streams_a,
+    supports,
 )
-from .lse_forward_sm90 import supports as _supports
 
 __all__ = ["BLOCK_M", "BLOCK_N", "Chunks", "supports"]
 
@@ -163,7 +164,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               R, M, width, row0, coef, split, sums_row, sums_stride,
               block_begin, block_end, tile_begin, tile_end,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
-              STAGES: gl.constexpr, AHEAD: gl.constexpr):
+              STAGES: gl.constexpr, AHEAD: gl.constexpr, STREAM_A: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against the tiles
     [tile_begin, tile_end) (split ``split``); each row block's three sums over the split go to
     its entry for the split. A tile's G and sums are formed once the next tile's first AHEAD chunk
@@ -180,7 +181,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
     for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
         rb = block_begin + 2 * pair + W
         active = rb < block_end  # the last pair of an odd count has one block
-        mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        if not STREAM_A:
+            mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
         offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         m_rows = offs_m < R
         loss_rows = gl.zeros([BLOCK_M], gl.float32, row_l)
@@ -192,9 +194,12 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             for k in gl.static_range(K_TILES):
                 slot = c % STAGES
                 mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-                raw = warpgroup_mma(a_smem.index(W * K_TILES + k),
-                                    b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
-                                    is_async=True)
+                if STREAM_A:
+                    a_chunk = a_smem.index(2 * slot + W)
+                else:
+                    a_chunk = a_smem.index(W * K_TILES + k)
+                raw = warpgroup_mma(a_chunk, b_smem.index(slot).permute((1, 0)), raw,
+                                    use_acc=k > 0, is_async=True)
                 if k == AHEAD - 1:  # the previous tile, while these products run
                     if active and t > tile_begin:
                         lp, sp, bp = _siglip_tile(prev, t - 1, rb, offs_m, m_rows, row0, scale,
@@ -210,8 +215,9 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
             for j in gl.static_range(AHEAD - 1):
                 mbarrier.arrive(empty.index((c - (AHEAD - 1) + j) % STAGES), count=1)
-            # The block's last product is done: the loader may bring the next block in.
-            mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+            if not STREAM_A:
+                # The block's last product is done: the loader may bring the next block in.
+                mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
             prev = raw
         if active and tile_end > tile_begin:
             lp, sp, bp = _siglip_tile(prev, tile_end - 1, rb, offs_m, m_rows, row0, scale, beta,
@@ -244,7 +250,7 @@ def _siglip_sm90_kernel(
     blocks_per_group, tiles_per_split,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    AHEAD: gl.constexpr,
+    AHEAD: gl.constexpr, STREAM_A: gl.constexpr,
 ):
     """Program (g, s): row blocks of group g × the tiles of split s; a loader warp and two
     consumer warpgroups that share the B chunks (as ``_clip_grad_sm90_kernel``)."""
@@ -253,31 +259,25 @@ def _siglip_sm90_kernel(
         row_blocks, blocks_per_group, 0, n_col_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
-        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)
+        a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)
 
     gl.warp_specialize([
         (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      scale_ptr, bias_ptr, g_ptr, sums_ptr,
                      R, M, width, row0, coef, pid_s, sums_row, sums_stride,
                      block_begin, block_end, tile_begin, tile_end,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD, STREAM_A)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      scale_ptr, bias_ptr, g_ptr, sums_ptr,
                      R, M, width, row0, coef, pid_s, sums_row, sums_stride,
                      block_begin, block_end, tile_begin, tile_end,
-                     BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD)),
+                     BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD, STREAM_A)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
-                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES)),
+                   BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
     _ring_done(a_ready, a_empty, ready, empty, STAGES)
-
-
-def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands (dtype and width; the caller checks the GPU):
-    D a multiple of 64 up to 512, the two consumers' A blocks resident in shared memory."""
-    return _supports(a, b, max_d=MAX_D)
 
 
 class Chunks:
@@ -304,11 +304,10 @@ class Chunks:
         splits = max(self._schedule(r)[2] for r in sizes)
         self._sums = torch.zeros((3, -(-n // BLOCK_M), splits), dtype=torch.float32,
                                  device=b.device)
-        # 64-column chunks: twice as many slots as the forward's 128-column ones fit
-        n_stages = min(2 * (d // BLOCK_K), stages(d, b.element_size()) * 128 // BLOCK_N)
+        n_stages = stages(d, b.element_size(), block_n=BLOCK_N)
         self._flags = dict(
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
-            STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS,
+            STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS, STREAM_A=streams_a(d),
             AHEAD=min(AHEAD, d // BLOCK_K, n_stages),  # slots held < the ring's
             num_warps=WARPS, maxnreg=MAX_REGS,
         )
