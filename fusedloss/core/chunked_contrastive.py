@@ -17,7 +17,7 @@ three products in all, against the four of a forward and a backward that recompu
 memory: the chunk's fp32 logits and its G (6·R·M bytes for 2-byte inputs, at most
 ``Tuning.lm_head_chunk_bytes`` together), the fp32 dB (4·M·D) and a few fp32 numbers per row.
 
-On Hopper GPUs (bf16/fp16, D a multiple of 64 up to 512, ``Tuning.gluon``) one Gluon kernel
+On Hopper GPUs (bf16/fp16, D a multiple of 64 up to 1024, ``Tuning.gluon``) one Gluon kernel
 (``siglip_sm90``) forms each chunk's G and sums from its logits in registers, where the fp32
 logits would otherwise make a round trip through memory; its G buffer (2·R·M bytes, rows and
 columns padded to whole tiles) takes the chunk budget alone, so chunks hold three times the rows;

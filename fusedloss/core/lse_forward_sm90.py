@@ -10,7 +10,9 @@ Partitions (``gl.warp_specialize``):
 
 - a loader warp issues every TMA copy: per pair of row blocks, each consumer's 64-row A block
   (resident in shared memory, once the consumer has multiplied its previous one), then the
-  B chunks (BLOCK_N × BLOCK_K) of every tile of the split into a ring of STAGES slots;
+  B chunks (BLOCK_N × BLOCK_K) of every tile of the split into a ring of STAGES slots (above
+  D = MAX_D, where two resident A blocks do not fit, each slot also takes the two consumers'
+  A chunks that meet its B chunk: ``STREAM_A``);
 - two consumer warpgroups, each with row blocks of its own, multiply the same B chunks
   (``warpgroup_mma``; a slot is free once both have read it) and fold the tiles into the
   statistics: while one forms a tile's softmax sums, the other's products run.
@@ -203,9 +205,9 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
 def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, c, mma: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
                    STAGES: gl.constexpr, STREAM_A: gl.constexpr = False):
-    """(raw tile, chunk count): consumer W's resident A block times the ring's next K_TILES B
-    chunks (c of them consumed so far), asynchronous products, each chunk's slot released once
-    its product is done. The two consumers run freely: taking turns at the tensor cores
+    """(raw tile, chunk count): consumer W's A block (resident, or with STREAM_A its chunks in
+    the slots) times the ring's next K_TILES B chunks (c of them consumed so far), asynchronous
+    products, each chunk's slot released once its product is done. The two consumers run freely: taking turns at the tensor cores
     (FA3's ping-pong) measured no faster (docs/design.md, "The Hopper forward")."""
     raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     for k in gl.static_range(K_TILES):
