@@ -7,8 +7,7 @@ H200) and skip elsewhere. Each case runs the same loss twice, the recompute's dX
 the Gluon kernel and from the Triton one, and compares the loss and every gradient (the dX
 tiles are formed by the same arithmetic, so the gradients agree to the last bits; the logit
 scale's gradient sums the tiles in another order). A counter checks that the Gluon kernel did
-run. The cases run with the plain store and free consumers, and with the coalesced store and
-the ping-pong schedule (the forward's too).
+run. Cases above D = 512 take the kernel with A streamed through the ring (``STREAM_A``).
 """
 
 from __future__ import annotations
