@@ -36,7 +36,6 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from . import config
 from .lse_forward_sm90 import (
@@ -46,6 +45,8 @@ from .lse_forward_sm90 import (
     CONSUMER_REGS,
     MAX_REGS,
     WARPS,
+    _a_block_done,
+    _a_block_ready,
     _exp_ftz,
     _loader,
     _mul_rn,
@@ -185,8 +186,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
         rb = block_begin + 2 * pair + W
         active = rb < block_end  # the last pair of an odd count has one block
         live_rb = gl.minimum(rb, block_end - 1).to(gl.int64)  # a valid index either way
-        if not STREAM_A:
-            mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        _a_block_ready(W, a_ready, pair, active, STREAM_A)
         offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         m_rows = offs_m < n_valid
         row_max = gl.load(row_max_ptr + offs_m, mask=m_rows, other=0.0)
@@ -220,8 +220,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 low = gl.load(tile_low_ptr + t)
             raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
                                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)
-            if not STREAM_A:
-                mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+            _a_block_done(W, a_empty, t == tile_end - 1, STREAM_A)
             if active:
                 scale_rows += _grad_tile(
                     raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,

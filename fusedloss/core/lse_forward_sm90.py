@@ -202,22 +202,46 @@ def _loader(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
 
 
 @gluon.jit
+def _a_chunk(a_smem, W: gl.constexpr, slot, k: gl.constexpr, K_TILES: gl.constexpr,
+             STREAM_A: gl.constexpr):
+    """Consumer W's A chunk k: of its resident block, or with STREAM_A the one in ``slot``."""
+    if STREAM_A:
+        return a_smem.index(2 * slot + W)
+    else:
+        return a_smem.index(W * K_TILES + k)
+
+
+@gluon.jit
+def _a_block_ready(W: gl.constexpr, a_ready, pair, active, STREAM_A: gl.constexpr):
+    """Waits for consumer W's resident A block of this pair (nothing to wait for with
+    STREAM_A: each chunk comes with its slot)."""
+    if not STREAM_A:
+        mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+
+
+@gluon.jit
+def _a_block_done(W: gl.constexpr, a_empty, last, STREAM_A: gl.constexpr):
+    """After the block's ``last`` tile's products: the loader may bring consumer W's next A
+    block in (without STREAM_A)."""
+    if not STREAM_A:
+        mbarrier.arrive(a_empty.index(W), count=1, pred=last)
+
+
+@gluon.jit
 def _tile_products(W: gl.constexpr, a_smem, b_smem, ready, empty, c, mma: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
                    STAGES: gl.constexpr, STREAM_A: gl.constexpr = False):
     """(raw tile, chunk count): consumer W's A block (resident, or with STREAM_A its chunks in
     the slots) times the ring's next K_TILES B chunks (c of them consumed so far), asynchronous
-    products, each chunk's slot released once its product is done. The two consumers run freely: taking turns at the tensor cores
-    (FA3's ping-pong) measured no faster (docs/design.md, "The Hopper forward")."""
+    products, each chunk's slot released once its product is done. The two consumers run
+    freely: taking turns at the tensor cores (FA3's ping-pong) measured no faster
+    (docs/design.md, "The Hopper forward")."""
     raw = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     for k in gl.static_range(K_TILES):
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-        if STREAM_A:
-            a_chunk = a_smem.index(2 * slot + W)
-        else:
-            a_chunk = a_smem.index(W * K_TILES + k)
-        raw = warpgroup_mma(a_chunk, b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
+        raw = warpgroup_mma(_a_chunk(a_smem, W, slot, k, K_TILES, STREAM_A),
+                            b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
                             is_async=True)
         # The previous chunk's product is done: its slot may be refilled.
         raw = warpgroup_mma_wait(num_outstanding=1, deps=(raw,))
@@ -260,8 +284,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
     for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
         rb = block_begin + 2 * pair + W
         active = rb < block_end  # the last pair of an odd count has one block
-        if not STREAM_A:
-            mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        _a_block_ready(W, a_ready, pair, active, STREAM_A)
         offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         m_rows = offs_m < n_valid
         row_max = gl.full([BLOCK_M], float("-inf"), gl.float32, row_l)
@@ -275,10 +298,9 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
             raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
                                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)
-            if not STREAM_A:
-                # The block's last product is done: the loader may bring the next block in
-                # while this tile's statistics are formed.
-                mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+            # The block's last product is done: the loader may bring the next block in while
+            # this tile's statistics are formed.
+            _a_block_done(W, a_empty, t == tile_end - 1, STREAM_A)
             if active:
                 row_max, row_sum = _tile_statistics(
                     raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
@@ -459,13 +481,13 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
 
 
-def supports(a: torch.Tensor, b: torch.Tensor, max_d: int = MAX_STREAMED_D) -> bool:
-    """Whether the kernel takes these operands (dtype and width; the caller checks the GPU):
-    D a multiple of 64 up to ``max_d``, two 64-row blocks of A resident in shared memory up
-    to D = 512 and streamed beside the B chunks above."""
+def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernels take these operands (dtype and width; the caller checks the GPU):
+    D a multiple of 64 up to MAX_STREAMED_D, two 64-row blocks of A resident in shared memory
+    up to MAX_D and streamed beside the B chunks above (``streams_a``)."""
     d = b.shape[1]
     return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
-            and d % BLOCK_K == 0 and BLOCK_K <= d <= max_d)
+            and d % BLOCK_K == 0 and BLOCK_K <= d <= MAX_STREAMED_D)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ from .lse_forward_sm90 import (
     CONSUMER_REGS,
     MAX_REGS,
     WARPS,
+    _a_block_done,
+    _a_block_ready,
+    _a_chunk,
     _exp_ftz,
     _loader,
     _program_ranges,
@@ -181,8 +184,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
     for pair in range(gl.cdiv(gl.maximum(block_end - block_begin, 0), 2)):
         rb = block_begin + 2 * pair + W
         active = rb < block_end  # the last pair of an odd count has one block
-        if not STREAM_A:
-            mbarrier.wait(a_ready.index(W), pair & 1, pred=active)
+        _a_block_ready(W, a_ready, pair, active, STREAM_A)
         offs_m = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         m_rows = offs_m < R
         loss_rows = gl.zeros([BLOCK_M], gl.float32, row_l)
@@ -194,12 +196,9 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             for k in gl.static_range(K_TILES):
                 slot = c % STAGES
                 mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-                if STREAM_A:
-                    a_chunk = a_smem.index(2 * slot + W)
-                else:
-                    a_chunk = a_smem.index(W * K_TILES + k)
-                raw = warpgroup_mma(a_chunk, b_smem.index(slot).permute((1, 0)), raw,
-                                    use_acc=k > 0, is_async=True)
+                raw = warpgroup_mma(_a_chunk(a_smem, W, slot, k, K_TILES, STREAM_A),
+                                    b_smem.index(slot).permute((1, 0)), raw, use_acc=k > 0,
+                                    is_async=True)
                 if k == AHEAD - 1:  # the previous tile, while these products run
                     if active and t > tile_begin:
                         lp, sp, bp = _siglip_tile(prev, t - 1, rb, offs_m, m_rows, row0, scale,
@@ -215,9 +214,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             raw = warpgroup_mma_wait(num_outstanding=0, deps=(raw,))
             for j in gl.static_range(AHEAD - 1):
                 mbarrier.arrive(empty.index((c - (AHEAD - 1) + j) % STAGES), count=1)
-            if not STREAM_A:
-                # The block's last product is done: the loader may bring the next block in.
-                mbarrier.arrive(a_empty.index(W), count=1, pred=t == tile_end - 1)
+            # The block's last product is done: the loader may bring the next block in.
+            _a_block_done(W, a_empty, t == tile_end - 1, STREAM_A)
             prev = raw
         if active and tile_end > tile_begin:
             lp, sp, bp = _siglip_tile(prev, tile_end - 1, rb, offs_m, m_rows, row0, scale, beta,
