@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fusedloss.core.engine import pad_classes
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MIB = float(1 << 20)
@@ -93,8 +95,10 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str, timing: TimingS
 def time_products(e: Tensor, c: Tensor, timing: TimingSettings, *, backward: bool = True,
                   logit_products: int = 1, rows_per_chunk: int | None = None) -> dict[str, Any]:
     """Median ms of the cuBLAS products an exact method cannot avoid (Z = E Cᵀ, and dE = G C,
-    dC = Gᵀ E for a random G), in chunks of rows where whole they would not fit."""
-    e, c = e.detach(), c.detach()
+    dC = Gᵀ E for a random G), in chunks of rows where whole they would not fit; over C's rows
+    padded with zeros to a multiple of 16 (``pad_classes``), as the library forms them: an odd
+    number of classes otherwise takes cuBLAS's align-1 kernels, several times slower."""
+    e, c = e.detach(), pad_classes(c.detach(), None)[0]
     n, cols, device = e.shape[0], c.shape[0], e.device
     rows = min(n, rows_per_chunk or n)
     if rows_per_chunk is None and n > PRODUCTS_CHUNK_ROWS and uses_cuda(device):

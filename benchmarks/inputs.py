@@ -44,6 +44,8 @@ LM_HEAD_SHAPES: dict[str, LMHeadShape] = {s.name: s for s in (
     LMHeadShape("qwen2.5-7b", 151_936, 3584),
     LMHeadShape("gemma2-2b", 256_000, 2304, softcap=30.0),
     LMHeadShape("phi3.5", 32_064, 3072),
+    LMHeadShape("gpt2", 50_257, 768),  # narrow heads: D ≤ 1024 takes the Hopper recompute kernel
+    LMHeadShape("smollm2-360m", 49_152, 960),
 )}
 QUICK_N = 128
 

@@ -907,6 +907,45 @@ def test_training_path_chunk_policy(tune):
     assert not deferred(512, 128256, 2) and deferred(256, 128256, 2)
 
 
+def test_pad_classes_to_a_multiple_of_16():
+    from fusedloss.core.engine import pad_classes
+
+    b, bias = torch.randn(50257, 4), torch.randn(50257)  # GPT-2's vocabulary
+    padded, padded_bias = pad_classes(b, bias)
+    assert padded.shape == (50272, 4) and padded_bias.shape == (50272,)
+    assert torch.equal(padded[:50257], b) and not padded[50257:].any()
+    assert torch.equal(padded_bias[:50257], bias) and not padded_bias[50257:].any()
+    assert pad_classes(b, None)[1] is None
+    aligned = torch.randn(32, 4)
+    assert pad_classes(aligned, None)[0] is aligned
+
+
+@requires_triton
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_training_path_products_over_padded_classes(monkeypatch, bias):
+    """The training path's three products run over V rounded up to a multiple of 16 classes
+    (13 → 16): with an odd V (GPT-2's 50257) they would take cuBLAS's align-1 kernels; the
+    gradients are those of the V classes."""
+    case = Case(lead=(6,), v=13, d=8, dtype=torch.float32, bias=bias, class_weight=True,
+                label_smoothing=0.1)
+    shapes, mm, addmm = [], torch.mm, torch.addmm
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            shapes.extend(tuple(t.shape) for t in (*args, kwargs.get("out"))
+                          if isinstance(t, torch.Tensor) and t.dim() == 2)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch, "mm", spy(mm))
+    monkeypatch.setattr(torch, "addmm", spy(addmm))
+    with _chunked_path(None) as calls:
+        check_case(case, "triton")
+    assert calls and shapes
+    assert all(13 not in shape for shape in shapes), shapes
+    assert any(16 in shape for shape in shapes), shapes
+
+
 @requires_triton
 @pytest.mark.parametrize("class_weight", [False, True], ids=["plain", "class-weight"])
 @pytest.mark.parametrize("bad", [-5, 10**6])

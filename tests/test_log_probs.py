@@ -115,6 +115,9 @@ def check(case: Case, backend: str) -> None:
             torch.testing.assert_close(x.double(), r.double(), rtol=1e-9, atol=1e-9,
                                        msg=lambda m, n=name: f"{n}: {m}")
         return
+    if case.v == 1:
+        check_one_class(case, h, w, y, b, got, ref)
+        return
     theirs = outputs_and_grads(torch_same_dtype(case), h, w, y, b)
     factor, floor, entropy_floor = accuracy_bar(case, h, w, y, b, ref)
     for name, x, t, r in zip(names, (got[0], got[1], *got[2]), (theirs[0], theirs[1], *theirs[2]),
@@ -122,6 +125,44 @@ def check(case: Case, backend: str) -> None:
         assert x.dtype == (t.dtype if name.startswith("d ") else torch.float32)
         extra = floor + (entropy_floor if name == "entropy" else 0.0)
         assert_close_to_ref(x, t, r, factor=factor, floor=default_floor(x) + extra, name=name)
+
+
+def check_one_class(case: Case, h, w, y, b, got, ref) -> None:
+    """A vocabulary of one: every log-prob and entropy is 0 and every gradient exactly zero,
+    the difference of two equal terms (the target's logit and the log-sum-exp). Ours forms
+    P_y − 1 from a recomputed logit and the saved log-sum-exp, which may sit an fp32 ulp of the
+    logit apart (``accuracy_bar``'s confident rows): a gradient of a few eps32·|z| times the
+    terms it cancels, the gradients of Σ (g + k)·z_y / T, where PyTorch's log-softmax of one
+    column is exactly 0."""
+    for name, x in zip(["log_probs", "entropy"], got[:2], strict=True):
+        assert x.dtype == torch.float32
+        assert not x.detach().any(), f"{name}: {x}"
+    terms = outputs_and_grads(target_logits(case), h, w, y, b)[2]
+    with torch.no_grad():
+        z = F.linear(h.double(), w.double(), None if b is None else b.double())
+    eps32 = torch.finfo(torch.float32).eps
+    allowance = 8 * eps32 * (1 + float(z.abs().max()) / case.temperature)
+    names = ["d input", "d weight", "d bias"]
+    for name, x, r, term in zip(names, got[2], ref[2], terms, strict=False):
+        assert x.dtype == case.dtype
+        err = float(torch.linalg.vector_norm((x.double() - r.double()).cpu()))
+        bound = allowance * float(torch.linalg.vector_norm(term.double().cpu()))
+        assert err <= bound, f"{name}: error {err:.3e} on a zero gradient, bound {bound:.3e}"
+
+
+def target_logits(case: Case):
+    """z_y / T of each valid row (0 elsewhere) in float64, as (log-probs, entropies) stand-ins."""
+    def run(h, w, y, b):
+        if case.shift:
+            h, y = h[..., :-1, :], y[..., 1:]
+        z = F.linear(h.double(), w.double(), None if b is None else b.double())
+        if case.softcap is not None:
+            z = case.softcap * torch.tanh(z / case.softcap)
+        valid = y != -100
+        picked = z.gather(-1, torch.where(valid, y, 0)[..., None])[..., 0] / case.temperature
+        picked = torch.where(valid, picked, 0.0)
+        return picked, picked
+    return run
 
 
 def accuracy_bar(case: Case, h, w, y, b, ref) -> tuple[float, float, float]:

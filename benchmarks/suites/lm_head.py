@@ -415,4 +415,5 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
 
 
 SUITE = Suite(name=NAME, run=run, add_arguments=add_arguments,
-              help="linear cross-entropy of an LM head (llama3, qwen2.5, gemma2, phi3.5 shapes)")
+              help="linear cross-entropy of an LM head (llama3, qwen2.5, gemma2, phi3.5, gpt2, "
+                   "smollm2 shapes)")

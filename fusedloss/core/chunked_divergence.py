@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import config
 from .chunked_logits import ROW_BLOCK, ROW_WARPS, add_weight_grads
-from .engine import Needs
+from .engine import Needs, pad_classes
 from .logits import div, exp, log, log1p_exp_neg
 
 #: the kernel's KIND for each divergence (``families.distillation.KINDS``)
@@ -59,12 +59,15 @@ def divergence_and_grads(
     need_bias = grads and needs.bias and b_s is not None
     values = torch.zeros(max(n, 1), dtype=torch.float32, device=device)[:n]
     grad_a = torch.empty_like(a_s) if need_a else None
-    grad_b = torch.zeros((v, a_s.shape[1]), dtype=torch.float32, device=device) if need_b else None
-    grad_bias = torch.zeros(v, dtype=torch.float32, device=device) if need_bias else None
     # two chunks of logits: at most the training path's chunk bytes for both together
     chunk = max(1, min(n, config.lm_head_chunk_rows(n, v, a_s.element_size() + a_t.element_size())))
-    z_s = torch.empty((chunk, v), dtype=a_s.dtype, device=device)
-    z_t = torch.empty((chunk, v), dtype=a_t.dtype, device=device)
+    w_s, b_s = pad_classes(w_s, b_s)
+    w_t, b_t = pad_classes(w_t, b_t)
+    grad_b = (torch.zeros((w_s.shape[0], a_s.shape[1]), dtype=torch.float32, device=device)
+              if need_b else None)
+    grad_bias = torch.zeros(w_s.shape[0], dtype=torch.float32, device=device) if need_bias else None
+    z_s = torch.empty((chunk, w_s.shape[0]), dtype=a_s.dtype, device=device)
+    z_t = torch.empty((chunk, w_t.shape[0]), dtype=a_t.dtype, device=device)
     ones = torch.ones(1, dtype=torch.float32, device=device)
     block_v = 16 if config.interpreting() else ROW_BLOCK
     for r0 in range(0, n, chunk):
@@ -84,7 +87,8 @@ def divergence_and_grads(
         if need_a:
             torch.mm(zs, w_s, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, zs, a_s[r0:r1], first=r0 == 0)
-    return values, grad_a, grad_b, grad_bias
+    return (values, grad_a, None if grad_b is None else grad_b[:v],
+            None if grad_bias is None else grad_bias[:v])
 
 
 @triton.jit

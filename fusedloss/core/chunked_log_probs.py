@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import config
 from .chunked_logits import ROW_BLOCK, ROW_WARPS, add_weight_grads
-from .engine import Needs
+from .engine import Needs, pad_classes
 from .logits import div, exp, mul_rn, tanh, tanh_approx
 
 #: the rows of ``row_stats``' result
@@ -72,7 +72,8 @@ def row_stats(
     n, v = a.shape[0], b.shape[0]
     stats = torch.empty((len(STATS), n), dtype=torch.float32, device=a.device)
     chunk, starts = _chunks(a, v)
-    z = torch.empty((chunk, v), dtype=a.dtype, device=a.device)
+    b, bias = pad_classes(b, bias)
+    z = torch.empty((chunk, b.shape[0]), dtype=a.dtype, device=a.device)
     for r0 in starts:
         r1 = min(r0 + chunk, n)
         _logits_into(z[: r1 - r0], a[r0:r1], b, bias)
@@ -99,11 +100,13 @@ def grads(
     n, v = a.shape[0], b.shape[0]
     need_bias = needs.bias and bias is not None
     grad_a = torch.empty_like(a) if needs.a else None
-    grad_b = (torch.zeros((v, a.shape[1]), dtype=torch.float32, device=a.device) if needs.b
-              else None)
-    grad_bias = torch.zeros(v, dtype=torch.float32, device=a.device) if need_bias else None
     chunk, starts = _chunks(a, v)
-    z = torch.empty((chunk, v), dtype=a.dtype, device=a.device)
+    b, bias = pad_classes(b, bias)
+    v_p = b.shape[0]
+    grad_b = (torch.zeros((v_p, a.shape[1]), dtype=torch.float32, device=a.device) if needs.b
+              else None)
+    grad_bias = torch.zeros(v_p, dtype=torch.float32, device=a.device) if need_bias else None
+    z = torch.empty((chunk, v_p), dtype=a.dtype, device=a.device)
     for r0 in starts:
         r1 = min(r0 + chunk, n)
         z_c = z[: r1 - r0]
@@ -115,7 +118,12 @@ def grads(
         if grad_a is not None:
             torch.mm(z_c, b, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, z_c, a[r0:r1], first=r0 == 0)
-    return grad_a, grad_b, grad_bias
+    return grad_a, _classes(grad_b, v), _classes(grad_bias, v)
+
+
+def _classes(grad: torch.Tensor | None, v: int) -> torch.Tensor | None:
+    """A gradient over the padded classes (``pad_classes``), cut to the first V."""
+    return None if grad is None else grad[:v]
 
 
 def fused_loss_and_grads(
@@ -141,11 +149,13 @@ def fused_loss_and_grads(
     n_groups, rows_per_group = groups.shape
     need_bias = needs.bias and bias is not None
     grad_a = torch.zeros_like(a) if needs.a else None
-    grad_b = (torch.zeros((v, a.shape[1]), dtype=torch.float32, device=a.device) if needs.b
-              else None)
-    grad_bias = torch.zeros(v, dtype=torch.float32, device=a.device) if need_bias else None
     per_chunk = max(1, config.lm_head_chunk_rows(n, v, a.element_size()) // rows_per_group)
-    z = torch.empty((min(per_chunk, n_groups) * rows_per_group, v), dtype=a.dtype,
+    b, bias = pad_classes(b, bias)
+    v_p = b.shape[0]
+    grad_b = (torch.zeros((v_p, a.shape[1]), dtype=torch.float32, device=a.device) if needs.b
+              else None)
+    grad_bias = torch.zeros(v_p, dtype=torch.float32, device=a.device) if need_bias else None
+    z = torch.empty((min(per_chunk, n_groups) * rows_per_group, v_p), dtype=a.dtype,
                     device=a.device)
     stats = torch.empty((len(STATS), z.shape[0]), dtype=torch.float32, device=a.device)
     loss = torch.zeros((), dtype=torch.float32, device=a.device)
@@ -171,7 +181,7 @@ def fused_loss_and_grads(
         if grad_a is not None:
             grad_a[rows] = torch.mm(z_c, b)
         add_weight_grads(grad_b, grad_bias, z_c, a_c, first=False)
-    return loss, grad_a, grad_b, grad_bias
+    return loss, grad_a, _classes(grad_b, v), _classes(grad_bias, v)
 
 
 @triton.jit

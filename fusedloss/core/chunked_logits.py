@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .engine import GradCoefficients, Needs, addmm_f32_, mm_f32
+from .engine import GradCoefficients, Needs, addmm_f32_, mm_f32, pad_classes
 from .logits import div, exp, log, mul_rn, tanh, tanh_approx
 
 # The row kernel's launch: BLOCK_V entries of a row per step, on ROW_WARPS warps; pass 1 keeps
@@ -75,6 +75,8 @@ def loss_and_grads(
     host."""
     n, d = a.shape
     v = b.shape[0]
+    b, bias = pad_classes(b, bias)  # the products over V_p ≥ V classes
+    v_p = b.shape[0]
     device = a.device
     label_smoothing, softcap = options.label_smoothing, options.softcap
     need_a, need_b, need_bias = needs.a, needs.b, needs.bias and bias is not None
@@ -84,14 +86,14 @@ def loss_and_grads(
     # every row's loss is written by the row kernel (no fill needed, unless there is none)
     losses = (torch.empty if n else torch.zeros)(max(n, 1), dtype=torch.float32, device=device)
     grad_a = torch.empty_like(a) if need_a else None
-    grad_b = (torch.zeros((v, d), dtype=weight_grad_dtype, device=device) if n == 0
-              else torch.empty((v, d), dtype=weight_grad_dtype, device=device)) if need_b else None
-    grad_bias = torch.zeros(v, dtype=torch.float32, device=device) if need_bias else None
+    grad_b = ((torch.zeros if n == 0 else torch.empty)((v_p, d), dtype=weight_grad_dtype,
+                                                        device=device) if need_b else None)
+    grad_bias = torch.zeros(v_p, dtype=torch.float32, device=device) if need_bias else None
     if class_weight is None:  # W = V (a fill, not a copy from the host: no wait)
         total_w = torch.full((1,), float(v), dtype=torch.float32, device=device)
     else:
         total_w = class_weight.sum().reshape(1)
-    buffer = torch.empty((chunk, v), dtype=a.dtype, device=device)
+    buffer = torch.empty((chunk, v_p), dtype=a.dtype, device=device)
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     block_v = 16 if config.interpreting() else ROW_BLOCK
     for r0 in range(0, n, chunk):
@@ -105,7 +107,7 @@ def loss_and_grads(
         _softmax_grad_rows_kernel[(r1 - r0,)](
             z, z.stride(0), target[r0:r1],
             class_weight if class_weight is not None else dummy, total_w, coef.reshape(1),
-            losses[r0:r1], v, options.ignore_index,
+            losses[r0:r1], v, v_p, options.ignore_index,
             float(label_smoothing), float(options.z_loss), float(softcap or 0.0),
             HAS_CLASS_WEIGHT=class_weight is not None,
             SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None,
@@ -116,7 +118,8 @@ def loss_and_grads(
             torch.mm(z, b, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, z, a_c, first=r0 == 0)
     loss = losses.sum() * coef
-    return loss, grad_a, grad_b, grad_bias
+    return (loss, grad_a, None if grad_b is None else grad_b[:v],
+            None if grad_bias is None else grad_bias[:v])
 
 
 def add_weight_grads(grad_b: torch.Tensor | None, grad_bias: torch.Tensor | None,
@@ -142,7 +145,8 @@ def _softmax_grad_rows_kernel(
     class_weight_ptr, total_w_ptr,  # (V,) fp32 (if HAS_CLASS_WEIGHT), (1,) fp32: W
     coef_ptr,  # (1,) fp32: the upstream gradient of each row's loss
     loss_ptr,  # (R,) fp32 out: each row's loss
-    V, ignore_index, alpha, z_loss, softcap,
+    V, V_ROW,  # the classes; the columns each row holds (≥ V: padding of 0 logits, G = 0)
+    ignore_index, alpha, z_loss, softcap,
     HAS_CLASS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
     SOFTCAP: tl.constexpr, PRECISE: tl.constexpr, ROUND: tl.constexpr, BLOCK_V: tl.constexpr,
     GROUP: tl.constexpr,
@@ -157,11 +161,11 @@ def _softmax_grad_rows_kernel(
     base = z_ptr + row.to(tl.int64) * stride_z
     y = tl.load(target_ptr + row)
     if y == ignore_index:
-        _write_zeros(base, V, BLOCK_V)
+        _write_zeros(base, V_ROW, BLOCK_V)
         tl.store(loss_ptr + row, 0.0)
     else:
         m_row, s, x_y, ws = _row_statistics(
-            base, class_weight_ptr, y, V, softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP,
+            base, class_weight_ptr, y, V, V_ROW, softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP,
             PRECISE, ROUND, BLOCK_V, GROUP)
         # lse = m + log s, kept apart where it meets a logit: X − m is exact near the max,
         # where m + log s would be rounded at the magnitude of m
@@ -183,7 +187,7 @@ def _softmax_grad_rows_kernel(
 
         # r·P = (r / s) · exp(X − m)
         r = div(g * ((1 - alpha) * w_y + alpha * total_w / V + 2 * z_loss * lse), s, PRECISE)
-        _write_gradient(base, class_weight_ptr, y, V, m_row, r + bad, g * (1 - alpha) * w_y,
+        _write_gradient(base, class_weight_ptr, y, V, V_ROW, m_row, r + bad, g * (1 - alpha) * w_y,
                         g * alpha / V, softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP, PRECISE,
                         ROUND, BLOCK_V)
 
@@ -198,13 +202,15 @@ def _write_zeros(base, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _row_statistics(base, class_weight_ptr, y_col, V, softcap, HAS_CLASS_WEIGHT: tl.constexpr,
-                    SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, PRECISE: tl.constexpr,
-                    ROUND: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr):
+def _row_statistics(base, class_weight_ptr, y_col, V, V_ROW, softcap,
+                    HAS_CLASS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PRECISE: tl.constexpr, ROUND: tl.constexpr,
+                    BLOCK_V: tl.constexpr, GROUP: tl.constexpr):
     """The first pass over a row of V columns of X = softcap(Z): (m, Σ_j exp(X_j − m), X at
     column ``y_col`` (0 when the row has no such column), Σ_j w_j X_j (0 without label
     smoothing)). One running (max, Σ exp) per GROUP adjacent entries of a lane block (held by
-    one thread): one rescaling exponential per GROUP entries, not per entry."""
+    one thread): one rescaling exponential per GROUP entries, not per entry. The loads run to
+    V_ROW ≥ V columns (a multiple of 16 when the row is padded: whole vector loads)."""
     offs = tl.arange(0, BLOCK_V)
     inv_softcap = 1.0
     if SOFTCAP:
@@ -216,7 +222,7 @@ def _row_statistics(base, class_weight_ptr, y_col, V, softcap, HAS_CLASS_WEIGHT:
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         in_row = cols < V
-        x, _ = _logit(base, cols, in_row, softcap, inv_softcap, SOFTCAP, PRECISE, ROUND)
+        x, _ = _logit(base, cols, cols < V_ROW, softcap, inv_softcap, SOFTCAP, PRECISE, ROUND)
         xy_lane += tl.where(cols == y_col, x, 0.0)  # X is 0 outside the row
         if SMOOTHING:
             if HAS_CLASS_WEIGHT:
@@ -239,13 +245,14 @@ def _row_statistics(base, class_weight_ptr, y_col, V, softcap, HAS_CLASS_WEIGHT:
 
 
 @triton.jit
-def _write_gradient(base, class_weight_ptr, y_col, V, m, p_scale, t, u, softcap,
+def _write_gradient(base, class_weight_ptr, y_col, V, V_ROW, m, p_scale, t, u, softcap,
                     HAS_CLASS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
                     SOFTCAP: tl.constexpr, PRECISE: tl.constexpr, ROUND: tl.constexpr,
                     BLOCK_V: tl.constexpr):
     """The second pass: G = (p_scale·exp(X − m) − t·[j = y_col] − u·w_j) · (1 − (X/c)²) over
-    the row's V columns, written over Z. Each lane reads and writes the entries it read in the
-    first pass, so G may overwrite Z without a barrier."""
+    the row's V columns, written over Z (and 0 over its padding up to V_ROW). Each lane reads
+    and writes the entries it read in the first pass, so G may overwrite Z without a
+    barrier."""
     offs = tl.arange(0, BLOCK_V)
     inv_softcap = 1.0
     if SOFTCAP:
@@ -253,7 +260,8 @@ def _write_gradient(base, class_weight_ptr, y_col, V, m, p_scale, t, u, softcap,
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         in_row = cols < V
-        x, capped = _logit(base, cols, in_row, softcap, inv_softcap, SOFTCAP, PRECISE, ROUND)
+        in_memory = cols < V_ROW
+        x, capped = _logit(base, cols, in_memory, softcap, inv_softcap, SOFTCAP, PRECISE, ROUND)
         grad = p_scale * exp(x - m, PRECISE) - tl.where(cols == y_col, t, 0.0)
         if SMOOTHING:
             if HAS_CLASS_WEIGHT:
@@ -262,15 +270,16 @@ def _write_gradient(base, class_weight_ptr, y_col, V, m, p_scale, t, u, softcap,
                 grad -= u
         if SOFTCAP:  # dX/dZ = 1 − tanh²(Z/c)
             grad = grad * (1.0 - capped * capped)
-        tl.store(base + cols, grad.to(base.dtype.element_ty), mask=in_row)
+        grad = tl.where(in_row, grad, 0.0)
+        tl.store(base + cols, grad.to(base.dtype.element_ty), mask=in_memory)
 
 
 @triton.jit
-def _logit(base, cols, in_row, softcap, inv_softcap, SOFTCAP: tl.constexpr,
+def _logit(base, cols, loaded, softcap, inv_softcap, SOFTCAP: tl.constexpr,
            PRECISE: tl.constexpr, ROUND: tl.constexpr):
-    """(X = softcap(Z), tanh(Z / c)) at ``cols`` of one row, in fp32 (0 outside the row;
+    """(X = softcap(Z), tanh(Z / c)) at ``cols`` of one row, in fp32 (0 where not ``loaded``;
     the second is Z itself without a softcap)."""
-    x = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
+    x = tl.load(base + cols, mask=loaded, other=0.0).to(tl.float32)
     capped = x
     if SOFTCAP:
         # c · tanh(Z / c), the product rounded as written (``logits.mul_rn``): both passes
@@ -396,7 +405,7 @@ def _shard_row_stats_kernel(
     else:
         # the target's column: one of this shard only where it holds the target
         m_row, row_sum, x_y, ws = _row_statistics(
-            base, class_weight_ptr, y - start, V, softcap, HAS_CLASS_WEIGHT, SMOOTHING,
+            base, class_weight_ptr, y - start, V, V, softcap, HAS_CLASS_WEIGHT, SMOOTHING,
             SOFTCAP, PRECISE, ROUND, BLOCK_V, GROUP)
         tl.store(stats_ptr + row, m_row)
         tl.store(stats_ptr + R + row, row_sum)
@@ -426,6 +435,6 @@ def _shard_softmax_grad_kernel(
         u = 0.0
         if SMOOTHING:
             u = tl.load(uniform_coef_ptr + row)
-        _write_gradient(base, class_weight_ptr, y - start, V, tl.load(row_max_ptr + row),
+        _write_gradient(base, class_weight_ptr, y - start, V, V, tl.load(row_max_ptr + row),
                         tl.load(prob_scale_ptr + row), tl.load(target_coef_ptr + row), u,
                         softcap, HAS_CLASS_WEIGHT, SMOOTHING, SOFTCAP, PRECISE, ROUND, BLOCK_V)

@@ -1311,6 +1311,23 @@ def _is_identity(index: torch.Tensor) -> bool:
     return bool(torch.equal(index, torch.arange(index.numel(), device=index.device)))
 
 
+def pad_classes(b: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """B (V, D) and its bias (V,) with zero rows appended up to a multiple of 16 classes, for
+    the paths that form each chunk's logits with cuBLAS: the padded classes' logits are exactly
+    0 and their G too (the row kernels compute over the first V columns and write 0 beyond),
+    so dA is unchanged and dB's first V rows are the gradient. With an odd V (GPT-2's 50257)
+    every product through unpadded logits falls to cuBLAS's align-1 kernels, 4–5× slower on
+    Hopper (inductor pads its matmuls the same way), and a row width that is a multiple of 16
+    lets the Triton row kernels load whole vectors. Costs one copy of B where V is not a
+    multiple of 16."""
+    pad = -b.shape[0] % 16
+    if not pad:
+        return b, bias
+    b = torch.cat((b, b.new_zeros((pad, b.shape[1]))))
+    return b, None if bias is None else torch.cat((bias, bias.new_zeros(pad)))
+
+
 def mm_f32(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ y with fp32 accumulation and fp32 output (cuBLAS), whatever the input dtype, into
     ``out`` when given (float64 operands: in float64). A CUDA build without fp32 output rounds

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core import chunked_logits, config, engine
-from ..core.engine import Logits, Rows, RowStats, mm_f32
+from ..core.engine import Logits, Rows, RowStats, mm_f32, pad_classes
 from ..families import cross_entropy as family
 from ..families import log_probs as log_probs_family
 from ._common import backward_row_chunk, op_body, scratch_bytes
@@ -243,18 +243,20 @@ def _loss_and_grads(
     # dA's fp32 part of each chunk, summed over the shards (fp32 input: dA itself)
     grad_a_part = (torch.empty((chunk, d), dtype=_F32, device=dev)
                    if need_a and a.dtype != _F32 else None)
-    grad_b = torch.empty((v_r, d), dtype=_F32, device=dev) if need_b else None
-    grad_bias = torch.zeros(v_r, dtype=_F32, device=dev) if need_bias else None
     bias = None if bias is None else bias.to(a.dtype)  # F.linear's logits, as the op forms them
-    buffer = torch.empty((chunk, v_r), dtype=a.dtype, device=dev)
+    b, bias = pad_classes(b, bias)  # the products over the padded classes
+    grad_b = torch.empty((b.shape[0], d), dtype=_F32, device=dev) if need_b else None
+    grad_bias = torch.zeros(b.shape[0], dtype=_F32, device=dev) if need_bias else None
+    buffer = torch.empty((chunk, b.shape[0]), dtype=a.dtype, device=dev)
     for r0 in range(0, n, chunk):
         r1 = min(r0 + chunk, n)
         a_c, y_c, z = a[r0:r1], target[r0:r1], buffer[: r1 - r0]
+        shard_z = z[:, :v_r]  # the shard's own classes, which the row kernels read and write
         if bias is None:
             torch.mm(a_c, b.T, out=z)
         else:
             torch.addmm(bias, a_c, b.T, out=z)
-        stats = chunked_logits.shard_row_stats(z, y_c, start, class_weight, options)
+        stats = chunked_logits.shard_row_stats(shard_z, y_c, start, class_weight, options)
         row_max, row_sum, (target_logit, weighted_sum, target_weight), call_totals = (
             _combine_shards(group, stats[0], stats[1],
                             torch.cat((stats[2:], own_weight[None, r0:r1])),
@@ -271,8 +273,8 @@ def _loss_and_grads(
             alpha, z_loss), 0.0)
         coef = family.grad_coefficients(torch.where(valid[r0:r1], scale, 0.0), 0.0, lse,
                                         target_weight, total_w, v, alpha, z_loss)
-        chunked_logits.shard_softmax_grad_(z, y_c, start, class_weight, row_max, row_sum, coef,
-                                           options)
+        chunked_logits.shard_softmax_grad_(shard_z, y_c, start, class_weight, row_max, row_sum,
+                                           coef, options)
         if need_a:
             part = grad_a[r0:r1] if grad_a_part is None else grad_a_part[: r1 - r0]
             mm_f32(z, b, out=part)
@@ -283,7 +285,8 @@ def _loss_and_grads(
     out_of_range = valid & ((target < 0) | (target >= v))
     if out_of_range.any():  # the same targets on every rank: every rank raises
         raise _out_of_range(target, out_of_range, v, options.ignore_index)
-    return losses.sum() * scale, grad_a, grad_b, grad_bias
+    return (losses.sum() * scale, grad_a, None if grad_b is None else grad_b[:v_r],
+            None if grad_bias is None else grad_bias[:v_r])
 
 
 # ---------------------------------------------------------------------------------------------
