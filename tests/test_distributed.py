@@ -487,6 +487,26 @@ def test_missing_peer_times_out_instead_of_hanging(workers):
     assert isinstance(results[0], Raised), results[0]
 
 
+def test_replayed_ring_blocks_take_the_triton_recompute(monkeypatch):
+    """A block small enough to replay runs with the Hopper recompute off (its transfers did not
+    overlap the Hopper kernel's compute); a larger one with the tuning as it is."""
+    from fusedloss.core import config
+
+    seen = []
+
+    def record(*_args, **_kwargs):
+        seen.append(config.tuning().gluon_recompute_tiles)
+
+    monkeypatch.setattr(ring.replay, "call", record)
+    x = torch.ones(2, 2)
+    monkeypatch.setattr(ring, "replays", lambda a, columns, backend: True)
+    ring._block(record, "triton", x, x)
+    monkeypatch.setattr(ring, "replays", lambda a, columns, backend: False)
+    ring._block(record, "triton", x, x)
+    default = config.Tuning().gluon_recompute_tiles
+    assert seen[0] > 2**40 and seen[1] == config.tuning().gluon_recompute_tiles == default
+
+
 def test_needs_a_process_group():
     x = torch.randn(3, 4)
     if dist.is_initialized():

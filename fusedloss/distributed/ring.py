@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core import chunked_contrastive, engine, replay
+from ..core import chunked_contrastive, config, engine, replay
 from ..core.engine import GradCoefficients, Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -388,10 +388,17 @@ def _add_part(acc: Tensor, part: Tensor | None, first: bool) -> None:
 def _block(fn, backend: str, a: Tensor, held: Tensor, /, *args, **kwargs):
     """``fn(a, held, *args, **kwargs)``: one block's engine call, its launches replayed as a
     CUDA graph where the block is small (``ops._common.replays``): at 16384 rows per rank the
-    host, not the GPU, sets the pace of a block's dozens of launches."""
+    host, not the GPU, sets the pace of a block's dozens of launches. Such a block's backward
+    takes the Triton recompute, not the Hopper one: with the Hopper kernel the ring's transfers
+    did not overlap the compute at all (2 GPUs, 16384 rows per rank: 6.58 and 5.82 ms a step
+    against 5.32 and 5.48, alternating; docs/results.md)."""
     if replays(a, held.shape[0], backend):
-        return replay.call(fn, a, held, *args, **kwargs)
+        with config.tuned(gluon_recompute_tiles=_NEVER):
+            return replay.call(fn, a, held, *args, **kwargs)
     return fn(a, held, *args, **kwargs)
+
+
+_NEVER = 1 << 62  # more tiles than any call has
 
 
 def _pass_on(layout: Layout, step: int, parcel: _Parcel, block_sections: int,
