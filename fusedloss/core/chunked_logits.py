@@ -18,9 +18,14 @@ upstream gradient, rounding dB once. Every row is computed, an ignored one (``ig
 giving a loss of 0 and G = 0: nothing is read back to the host (no count of the valid rows),
 so the CPU runs ahead of the GPU and the path can be captured in a CUDA graph.
 
-Extra memory beside the inputs: the chunk of logits (e·R·V bytes for e-byte inputs, at most
-``config.Tuning.lm_head_chunk_bytes``), the fp32 dB accumulator (4·V·D) and dbias (4·V), dA (e·N·D,
-the gradient itself) and 4·N bytes of per-row losses.
+The products run over V' = V rounded up to a multiple of 16 classes (``engine.pad_classes``: B
+with zero rows, whose logits and G are 0), where cuBLAS's fast kernels apply; the row kernel
+computes over the first V columns.
+
+Extra memory beside the inputs: the chunk of logits (e·R·V' bytes for e-byte inputs, at most
+about ``config.Tuning.lm_head_chunk_bytes``), the fp32 dB accumulator (4·V'·D) and dbias (4·V'),
+dA (e·N·D, the gradient itself), 4·N bytes of per-row losses, and where V' ≠ V the padded copy
+of B (e·V'·D).
 
 Accuracy: the logits are those of ``F.linear`` in the input dtype (the bias, cast to it, added
 in the product's epilogue; one rounding), the logits a materialized loss reads; every statistic
