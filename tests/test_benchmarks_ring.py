@@ -6,6 +6,8 @@ the peers installed) and are not run here.
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import subprocess
 import sys
@@ -201,10 +203,15 @@ def test_quick_run_over_two_processes(tmp_path):
 @pytest.mark.slow
 def test_quick_siglip_run_over_two_processes(tmp_path):
     """``--loss siglip``: SigLIP at its initialization, its four gradients checked, the floor of
-    its three products, inf-cl (no sigmoid loss) unavailable."""
+    its three products, inf-cl (no sigmoid loss) unavailable; ``--trace``: each rank's
+    profiler trace of fusedloss's steps."""
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
           "benchmarks/run.py", "ring", "--quick", "--device", "cpu", "--loss", "siglip",
-          "--batches", "256", "--no-overlap", "--out", str(tmp_path)])
+          "--batches", "256", "--no-overlap", "--trace", "--out", str(tmp_path)])
+    for rank in (0, 1):
+        with gzip.open(tmp_path / f"ring_trace_b256_rank{rank}.json.gz", "rt") as trace:
+            events = json.load(trace)["traceEvents"]
+        assert sum(event.get("ph") == "X" for event in events) > 10  # the steps' ops
     data, markdown = read_results(tmp_path, "ring_*_cpu_2proc")
     assert data["settings"]["loss"] == "siglip" and markdown.startswith("# Ring SigLIP")
     (case,) = data["cases"]
@@ -215,6 +222,7 @@ def test_quick_siglip_run_over_two_processes(tmp_path):
     matmul = data["matmul"]["tflops"]
     assert case["floor_ms"] == pytest.approx(6.0 * 256**2 / 2 * 64 / matmul / 1e9)
     assert _results(case, "inf-cl")["status"] == "unavailable"
+    assert ours["trace"] == "ring_trace_b256_rank0.json.gz"
 
 
 @pytest.mark.slow  # ~11 s: make test-slow (the gloo ring tests stay in make test)

@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gzip
 import math
 import os
+import shutil
 import statistics
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -442,7 +445,35 @@ def run_provider(key: str, case: dict[str, Any], leaves: tuple[Tensor, ...], row
         measure_overlap(row, step, ctx, args.min_reps)
     if step is not None and key == FUSEDLOSS and args.graph:
         time_variant(row, "graphed", lambda: graphed_step(step, device), ctx, args.min_reps)
+    if step is not None and key == FUSEDLOSS and args.trace:
+        stem = Path(args.out) / f"ring_trace_b{case['global_batch']}"
+        row["trace"] = write_trace(step, ctx, stem)
     return row
+
+
+TRACE_STEPS = 3
+
+
+def write_trace(step: Callable[[], Any], ctx: Context, stem: Path) -> str:
+    """Each rank's profiler trace of TRACE_STEPS steps (host and, on CUDA, kernels and NCCL
+    transfers) as ``<stem>_rank<r>.json.gz`` (chrome://tracing, Perfetto): where the ring's
+    transfers overlap its compute and where they wait. Returns this rank's file name."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if common.uses_cuda(ctx.device):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ctx.barrier()
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(TRACE_STEPS):
+            step()
+        common.synchronize(ctx.device)
+    path = stem.with_name(f"{stem.name}_rank{ctx.rank}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(path))
+    with path.open("rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    path.unlink()
+    ctx.barrier()
+    return f"{path.name}.gz"
 
 
 def run_case(batch: int, ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
@@ -551,6 +582,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip fusedloss's compute-only and transfers-only measurements")
     add("--graph", action="store_true",
         help="also time fusedloss's step replayed from a CUDA graph (CUDA only)")
+    add("--trace", action="store_true",
+        help=f"also write each rank's profiler trace of {TRACE_STEPS} fusedloss steps to --out "
+             "(ring_trace_b<B>_rank<r>.json.gz)")
 
 
 SUITE = Suite("ring", "CLIP or SigLIP over K processes (torchrun): fusedloss's ring against "
