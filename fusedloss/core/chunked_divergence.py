@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import config
 from .chunked_logits import ROW_BLOCK, ROW_WARPS, add_weight_grads
-from .engine import Needs, pad_classes
+from .engine import Needs, cut_classes, pad_classes
 from .logits import div, exp, log, log1p_exp_neg
 
 #: the kernel's KIND for each divergence (``families.distillation.KINDS``)
@@ -87,8 +87,7 @@ def divergence_and_grads(
         if need_a:
             torch.mm(zs, w_s, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, zs, a_s[r0:r1], first=r0 == 0)
-    return (values, grad_a, None if grad_b is None else grad_b[:v],
-            None if grad_bias is None else grad_bias[:v])
+    return values, grad_a, cut_classes(grad_b, v), cut_classes(grad_bias, v)
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import config
 from .chunked_logits import ROW_BLOCK, ROW_WARPS, add_weight_grads
-from .engine import Needs, pad_classes
+from .engine import Needs, cut_classes, pad_classes
 from .logits import div, exp, mul_rn, tanh, tanh_approx
 
 #: the rows of ``row_stats``' result
@@ -118,12 +118,7 @@ def grads(
         if grad_a is not None:
             torch.mm(z_c, b, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, z_c, a[r0:r1], first=r0 == 0)
-    return grad_a, _classes(grad_b, v), _classes(grad_bias, v)
-
-
-def _classes(grad: torch.Tensor | None, v: int) -> torch.Tensor | None:
-    """A gradient over the padded classes (``pad_classes``), cut to the first V."""
-    return None if grad is None else grad[:v]
+    return grad_a, cut_classes(grad_b, v), cut_classes(grad_bias, v)
 
 
 def fused_loss_and_grads(
@@ -181,7 +176,7 @@ def fused_loss_and_grads(
         if grad_a is not None:
             grad_a[rows] = torch.mm(z_c, b)
         add_weight_grads(grad_b, grad_bias, z_c, a_c, first=False)
-    return loss, grad_a, _classes(grad_b, v), _classes(grad_bias, v)
+    return loss, grad_a, cut_classes(grad_b, v), cut_classes(grad_bias, v)
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .engine import GradCoefficients, Needs, addmm_f32_, mm_f32, pad_classes
+from .engine import GradCoefficients, Needs, addmm_f32_, cut_classes, mm_f32, pad_classes
 from .logits import div, exp, log, mul_rn, tanh, tanh_approx
 
 # The row kernel's launch: BLOCK_V entries of a row per step, on ROW_WARPS warps; pass 1 keeps
@@ -123,8 +123,7 @@ def loss_and_grads(
             torch.mm(z, b, out=grad_a[r0:r1])
         add_weight_grads(grad_b, grad_bias, z, a_c, first=r0 == 0)
     loss = losses.sum() * coef
-    return (loss, grad_a, None if grad_b is None else grad_b[:v],
-            None if grad_bias is None else grad_bias[:v])
+    return loss, grad_a, cut_classes(grad_b, v), cut_classes(grad_bias, v)
 
 
 def add_weight_grads(grad_b: torch.Tensor | None, grad_bias: torch.Tensor | None,

@@ -1328,6 +1328,12 @@ def pad_classes(b: torch.Tensor, bias: torch.Tensor | None
     return b, None if bias is None else torch.cat((bias, bias.new_zeros(pad)))
 
 
+def cut_classes(grad: torch.Tensor | None, v: int) -> torch.Tensor | None:
+    """A gradient over ``pad_classes``' padded classes (dB or dbias), cut to the first V (a
+    view); None stays None."""
+    return None if grad is None else grad[:v]
+
+
 def mm_f32(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ y with fp32 accumulation and fp32 output (cuBLAS), whatever the input dtype, into
     ``out`` when given (float64 operands: in float64). A CUDA build without fp32 output rounds

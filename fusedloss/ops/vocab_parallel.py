@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core import chunked_logits, config, engine
-from ..core.engine import Logits, Rows, RowStats, mm_f32, pad_classes
+from ..core.engine import Logits, Rows, RowStats, cut_classes, mm_f32, pad_classes
 from ..families import cross_entropy as family
 from ..families import log_probs as log_probs_family
 from ._common import backward_row_chunk, op_body, scratch_bytes
@@ -285,8 +285,7 @@ def _loss_and_grads(
     out_of_range = valid & ((target < 0) | (target >= v))
     if out_of_range.any():  # the same targets on every rank: every rank raises
         raise _out_of_range(target, out_of_range, v, options.ignore_index)
-    return (losses.sum() * scale, grad_a, None if grad_b is None else grad_b[:v_r],
-            None if grad_bias is None else grad_bias[:v_r])
+    return losses.sum() * scale, grad_a, cut_classes(grad_b, v_r), cut_classes(grad_bias, v_r)
 
 
 # ---------------------------------------------------------------------------------------------
