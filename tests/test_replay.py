@@ -13,6 +13,7 @@ from helpers import DEVICE, launches_of, requires_cuda, requires_triton
 
 import fusedloss
 from fusedloss.core import config, engine, replay
+from fusedloss.ops import _common
 
 
 class _Rerun:
@@ -135,6 +136,27 @@ def test_a_replayed_backward_accumulates_in_fp32(monkeypatch, graphs, tune, repl
     scale = torch.tensor(10.0, device=DEVICE)
     _clip_step(_features(0, 32, 32), _features(1, 32, 32), scale)  # a first call: direct
     assert bool(used) == (replay_work == 0)
+
+
+@requires_triton
+@pytest.mark.parametrize("replay_work", [0, 1 << 40])
+def test_a_replayed_backward_takes_wide_slabs(monkeypatch, graphs, tune, replay_work):
+    """A replayed backward asks for slabs of 4096 columns (``scratch_bytes(wide=True)``); a
+    direct one for the default scratch."""
+    from fusedloss.ops import contrastive as ops
+
+    asked = []
+
+    def spy(a, split=False, wide=False):
+        asked.append(wide)
+        return _common.scratch_bytes(a, split, wide)
+
+    monkeypatch.setattr(ops, "scratch_bytes", spy)
+    tune(replay_work=replay_work)
+    scale = torch.tensor(10.0, device=DEVICE)
+    for seed in range(2):
+        _clip_step(_features(seed, 32, 32), _features(seed + 1, 32, 32), scale)
+    assert asked and all(wide == (replay_work > 0) for wide in asked)
 
 
 @requires_triton

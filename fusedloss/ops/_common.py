@@ -129,7 +129,8 @@ def scratch_bytes(a: Tensor, split: bool = False, wide: bool = False) -> int | N
     ``scratch_bytes``): 64 MiB up to N = 16384 rows (44 MiB with the split accumulator), 4096
     columns wide beyond, up to 1 GiB. ``wide``: slabs of 4096 columns (up to 1 GiB) whatever N,
     but never a smaller scratch than the default — the ring's choice, whose blocks of one
-    rank's rows are often 16384 or fewer, each block paying the host's per-slab launches.
+    rank's rows are often 16384 or fewer, each block paying the host's per-slab launches, and
+    a replayed contrastive backward's, which holds an fp32 dA beside it anyway.
     ``Tuning.scratch_mb`` overrides. The LM heads and the
     contrastive losses share it: beyond 16384 rows a fixed 64 MiB would leave slabs of
     32 Mi / N columns (256 at N = 131072), each paying the read-modify-write of the fp32 dA.

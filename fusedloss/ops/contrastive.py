@@ -161,7 +161,11 @@ def _backward(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_ma
               tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
               need_b, need_scale, need_bias, replayed=False):
     """``backward`` (its arguments in order); ``replayed``: the call replays as a CUDA graph
-    (its every call, the first one, direct, too), which picks the dA accumulator."""
+    (its every call, the first one, direct, too), which picks the dA accumulator and the
+    scratch: a replayed backward, whose graph holds its fp32 dA beside the scratch anyway,
+    takes slabs of 4096 columns (128 MiB at b = 16384, 4 slabs where 64 MiB made 8;
+    docs/results.md, "Wider slabs for replayed steps"); a direct one keeps ``scratch_bytes``'
+    64 MiB bound."""
     a = row_major(a)
     b = a if kind == "nt_xent" else row_major(b)
     d = a.shape[1]
@@ -183,8 +187,8 @@ def _backward(grad_loss, a, b, scale, bias, target, row_stats, col_stats, row_ma
         needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
         plan=engine.BackwardPlan(
             filter_eps=filter_eps, filter_scale=(given[2], given[3]),
-            scratch_bytes=scratch_bytes(a, split), sparse=sparse, split_accumulator=split,
-            backend=backend),
+            scratch_bytes=scratch_bytes(a, split, wide=replayed), sparse=sparse,
+            split_accumulator=split, backend=backend),
     )
     return (grads.a if need_a else nothing(a, (0,)), grads.b if need_b else nothing(a, (0,)),
             grads.scale if need_scale else nothing(a, (0,)),
