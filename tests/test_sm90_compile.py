@@ -76,16 +76,16 @@ def _constants(d, stages, **flags):
                 K_TILES=d // fwd.BLOCK_K, STAGES=stages, CONSUMER_REGS=fwd.CONSUMER_REGS)
 
 
-def compile_forward(d: int) -> None:
+def compile_forward(d: int, col_stats: bool = True, diag_mask: bool = False) -> None:
     from fusedloss.core import lse_forward_sm90 as fwd
 
     a_desc, b_desc, _ = _operands(d)
     f32, i64 = torch.empty(1), torch.empty(1, dtype=torch.int64)
     kernel = _compile(
-        fwd._clip_forward_sm90_kernel,
+        fwd._forward_sm90_kernel,
         [a_desc, b_desc, f32, f32, i64, *[f32] * 6, 4096, 4096, 8, 4, 32],
         _constants(d, fwd.stages(d, 2), HAS_BIAS=True, HAS_SCALE=True, RECORD_TILES=True,
-                   STREAM_A=fwd.streams_a(d)),
+                   COL_STATS=col_stats, DIAG_MASK=diag_mask, STREAM_A=fwd.streams_a(d)),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)
     assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, kernel.metadata.shared
 
@@ -137,10 +137,13 @@ def _in_a_compiler_process(call: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-# The widest D with A resident in shared memory, and the widest with A streamed (STREAM_A).
-@pytest.mark.parametrize("d", [512, 1024])
-def test_forward_compiles_for_sm90(d):
-    _in_a_compiler_process(f"compile_forward({d})")
+# The widest D with A resident in shared memory, and the widest with A streamed (STREAM_A);
+# with column statistics (CLIP), and rows only (InfoNCE) or with the diagonal masked (NT-Xent).
+@pytest.mark.parametrize(("d", "col_stats", "diag_mask"),
+                         [(512, True, False), (1024, True, False), (512, False, False),
+                          (1024, False, True)])
+def test_forward_compiles_for_sm90(d, col_stats, diag_mask):
+    _in_a_compiler_process(f"compile_forward({d}, {col_stats}, {diag_mask})")
 
 
 @pytest.mark.parametrize(("diag_mask", "d"), [(False, 512), (True, 512), (False, 1024)])

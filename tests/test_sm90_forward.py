@@ -28,16 +28,16 @@ def _features(n, d, dtype, seed):
     return torch.nn.functional.normalize(x, dim=1).to(dtype)
 
 
-def _stats(a, b, scale, bias=None, n_valid=None, record=True):
+def _stats(a, b, scale, bias=None, n_valid=None, record=True, col_stats=True, diag=False):
     n = a.shape[0]
     n_valid = n if n_valid is None else n_valid
+    target = (torch.arange(n, device=DEV) + (n // 2 if diag else 0)) % b.shape[0]
     rows = engine.Rows(index=torch.arange(n, device=DEV),
                        n_valid=torch.tensor(n_valid, device=DEV),
-                       target=torch.arange(n, device=DEV) % b.shape[0], identity=True,
-                       all_valid=n_valid == n)
-    logits = engine.Logits(scale=torch.tensor(scale, device=DEV), bias=bias)
+                       target=target, identity=True, all_valid=n_valid == n)
+    logits = engine.Logits(scale=torch.tensor(scale, device=DEV), bias=bias, diag_mask=diag)
     return engine.row_stats(a, b, logits, rows,
-                            wants=engine.Wants(col_stats=True, record_tiles=record))
+                            wants=engine.Wants(col_stats=col_stats, record_tiles=record))
 
 
 def _both(tune, *args, **kw):
@@ -86,15 +86,27 @@ def test_matches_triton_kernel_and_float64(tune, case):
     assert torch.equal(hopper.target_logit[:n_valid], triton.target_logit[:n_valid])
 
     # Per-tile records at the kernel's 64 x 128 tiles, against float64.
-    bm, bn = 64, 128
+    tiles = _check_row_records(hopper.tile_log_mass, x, n, v, n_valid, 64)
+    expect_cols = tiles.logsumexp(1).amax(2)  # (n_rb, n_ct)
+    got_cols = hopper.col_tile_log_mass
+    assert got_cols.shape == expect_cols.shape
+    finite = torch.isfinite(expect_cols)
+    assert torch.equal(torch.isfinite(got_cols), finite)
+    tol = 2e-6 * expect_cols[finite].abs() + 1e-5
+    err = (got_cols[finite].double() - expect_cols[finite]).abs()
+    assert (err <= tol).all(), err.max()
+
+
+def _check_row_records(got_rows, x, n, v, n_valid, bm):
+    """The rows' per-tile records (bm-row blocks × 128 columns) against float64 logits ``x``
+    (n_valid × v); returns the padded float64 tiles (blocks, bm, column tiles, 128)."""
+    bn = 128
     n_rb, n_ct = -(-n // bm), -(-v // bn)
     padded = torch.full((n_rb * bm, n_ct * bn), float("-inf"), dtype=torch.float64, device=DEV)
     padded[:n_valid, :v] = x
     tiles = padded.view(n_rb, bm, n_ct, bn)
     row_mass = tiles.logsumexp(3)  # (n_rb, bm, n_ct)
-    col_mass = tiles.logsumexp(1)  # (n_rb, n_ct, bn)
-    expect_rows, expect_cols = row_mass.amax(1), col_mass.amax(2)
-    got_rows, got_cols = hopper.tile_log_mass, hopper.col_tile_log_mass
+    expect_rows = row_mass.amax(1)
     # A row's exponentials are taken against its running max, and those below e⁻⁸⁷ of it are
     # flushed to 0 (_exp_ftz): a row record is exact where the tile's top row holds mass within
     # 60 nats of that max (here the max over the row's tiles so far, never below the kernel's
@@ -113,13 +125,52 @@ def test_matches_triton_kernel_and_float64(tune, case):
     assert (err[exact_rows] <= tol_rows[exact_rows]).all(), err[exact_rows].max()
     below = ~exact_rows & torch.isfinite(expect_rows)
     assert (got_rows.double()[below] <= (expect_rows + tol_rows)[below]).all()
+    return tiles
 
-    assert got_cols.shape == expect_cols.shape
-    finite = torch.isfinite(expect_cols)
-    assert torch.equal(torch.isfinite(got_cols), finite)
-    tol = 2e-6 * expect_cols[finite].abs() + 1e-5
-    err = (got_cols[finite].double() - expect_cols[finite]).abs()
-    assert (err <= tol).all(), err.max()
+
+ROW_CASES = [
+    # n, v, d, n_valid, bias, dtype, scale, diagonal masked (A = B, NT-Xent)
+    (333, 517, 64, 333, False, torch.bfloat16, 14.3, False),
+    (1000, 4100, 128, 931, True, torch.bfloat16, 30.0, False),
+    (2112, 1000, 512, 2112, False, torch.float16, 20.0, False),
+    (2048, 2048, 512, 2048, False, torch.bfloat16, 100.0, True),
+    (390, 390, 256, 390, False, torch.bfloat16, 10.0, True),
+    (333, 900, 768, 300, True, torch.float16, 14.3, False),
+    (2048, 2048, 1024, 2048, False, torch.bfloat16, 50.0, True),
+]
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[7]}")
+def test_row_statistics_match_triton_kernel_and_float64(tune, monkeypatch, case):
+    """Row statistics alone (InfoNCE, NT-Xent with its diagonal masked): the Hopper kernel's
+    64-row records merged into the Triton kernel's 128 x 128 forward tiles."""
+    n, v, d, n_valid, with_bias, dtype, scale, diag = case
+    from fusedloss.core import lse_forward_sm90
+
+    launched = []
+    launch = lse_forward_sm90.launch
+    monkeypatch.setattr(lse_forward_sm90, "launch", lambda *a, **k: launched.append(1)
+                        or launch(*a, **k))
+    a = _features(n, d, dtype, n)
+    b = a if diag else _features(v, d, dtype, v + 1)
+    bias = torch.randn(v, device=DEV) if with_bias else None
+    hopper, triton = _both(tune, a, b, scale, bias, n_valid, col_stats=False, diag=diag)
+    assert len(launched) == 1  # the Hopper kernel ran once (the Triton path's call after it)
+    assert (hopper.block_m, hopper.block_n) == (triton.block_m, triton.block_n) == (128, 128)
+
+    x = scale * (a[:n_valid].double() @ b.double().T)
+    if bias is not None:
+        x = x + bias.double()
+    if diag:
+        x.fill_diagonal_(float("-inf"))
+    ref = x.logsumexp(1)
+    got, ref_got = hopper.lse[:n_valid].double(), triton.lse[:n_valid].double()
+    err, ref_err = (got - ref).abs().max(), (ref_got - ref).abs().max()
+    assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+    assert torch.equal(hopper.max[:n_valid], triton.max[:n_valid])
+    assert torch.equal(hopper.target_logit[:n_valid], triton.target_logit[:n_valid])
+    assert hopper.tile_log_mass.shape == triton.tile_log_mass.shape
+    _check_row_records(hopper.tile_log_mass, x, n, v, n_valid, 128)
 
 
 def test_nan_rows_give_nan(tune):
@@ -144,11 +195,33 @@ def test_other_calls_keep_the_triton_kernel(why):
         col_order=torch.randperm(300, device=DEV) if why == "order" else None,
         diag_mask=why == "diag")
     rows = engine.Rows(index=torch.arange(300, device=DEV), n_valid=torch.tensor(300, device=DEV))
-    assert engine._sm90_operand(a, b, logits, rows, engine.Wants(col_stats=True)) is None
+    cols = engine.Wants(col_stats=True)
+    cfg = config.forward_config(DEV, dtype, d, col_stats=True)
+    assert engine._sm90_operand(a, b, logits, rows, cols, cfg) is None
     if why in ("softcap", "order", "diag"):
         # The same inputs without the option do take the Hopper kernel.
         plain = engine.Logits(scale=logits.scale)
-        assert engine._sm90_operand(a, b, plain, rows, engine.Wants(col_stats=True)) is not None
+        assert engine._sm90_operand(a, b, plain, rows, cols, cfg) is not None
+
+
+@pytest.mark.parametrize("why", ["entropy", "weighted", "sigmoid", "scattered", "wide_tile"])
+def test_row_statistics_keep_the_triton_kernel(why):
+    """Without column statistics the Hopper kernel takes the diagonal mask of rows in order,
+    not the options it lacks, nor rows out of order under the mask, nor other tiles."""
+    a = _features(300, 256, torch.bfloat16, 3)
+    rows = engine.Rows(index=torch.arange(300, device=DEV), n_valid=torch.tensor(300, device=DEV),
+                       identity=True)
+    logits = engine.Logits(scale=torch.tensor(10.0, device=DEV), diag_mask=True)
+    cfg = config.forward_config(DEV, torch.bfloat16, 256, col_stats=False)
+    assert engine._sm90_operand(a, a, logits, rows, engine.Wants(), cfg) is not None
+    wants = engine.Wants(entropy=why == "entropy", weighted_sum=why == "weighted",
+                         sigmoid=why == "sigmoid")
+    if why == "scattered":
+        rows = engine.Rows(index=torch.arange(300, device=DEV).flip(0),
+                           n_valid=torch.tensor(300, device=DEV))
+    if why == "wide_tile":
+        cfg = config.TileConfig(128, 256, 64, 0, num_warps=8, num_stages=3)
+    assert engine._sm90_operand(a, a, logits, rows, wants, cfg) is None
 
 
 def test_gluon_switch_turns_it_off(tune):
@@ -157,5 +230,6 @@ def test_gluon_switch_turns_it_off(tune):
     assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=True) == (128, 128)
     tune(gluon=True)
     assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=True) == (64, 128)
-    # Row statistics alone (InfoNCE, NT-Xent) keep the Triton kernel's tile.
+    # Row statistics alone (InfoNCE, NT-Xent) keep the Triton kernel's tile (the Hopper
+    # kernel's records are merged into it).
     assert engine.forward_block(DEV, torch.bfloat16, 512, col_stats=False) == (128, 128)

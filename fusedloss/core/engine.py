@@ -395,18 +395,35 @@ def _resident_programs(cfg: config.TileConfig, element_size: int) -> int:
     return max(1, min(228 * 1024 // max(1, smem), 64 // cfg.num_warps // 4))
 
 
-def _sm90_operand(a, b, logits, rows, wants: Wants) -> torch.Tensor | None:
+def _sm90_operand(a, b, logits, rows, wants: Wants, cfg: config.TileConfig
+                  ) -> torch.Tensor | None:
     """A in compact row order where the Hopper kernel (``lse_forward_sm90``) computes this
-    forward, else None: column statistics without the options it lacks (softcap, vocabulary
-    order, diagonal mask, weighted sums, entropy), on operands that TMA reads."""
-    if not (wants.col_stats and not wants.sigmoid and not wants.weighted_sum
-            and not wants.entropy and not wants.squares and config.gluon_enabled(a.device)):
+    forward, else None: softmax statistics of the rows (and of the columns) without the options
+    it lacks (softcap, vocabulary order, weighted sums, entropy, sigmoid; the diagonal mask only
+    of rows in order and without column statistics), on operands that TMA reads, where the
+    forward's tiles (``cfg``) are 128 columns wide and a whole number of its 64-row blocks
+    high (its per-tile records are merged into them: ``_merge_row_blocks``)."""
+    if (wants.sigmoid or wants.weighted_sum or wants.entropy or wants.squares
+            or not config.gluon_enabled(a.device)):
         return None
-    if logits.softcap or logits.diag_mask:
+    if logits.softcap or (logits.diag_mask and (wants.col_stats or not rows.is_identity())):
         return None
     from . import lse_forward_sm90
 
+    if cfg.block_n != lse_forward_sm90.BLOCK_N or cfg.block_m % lse_forward_sm90.BLOCK_M:
+        return None
     return _tma_rows(a, b, logits, rows) if lse_forward_sm90.supports(a, b) else None
+
+
+def _merge_row_blocks(tiles: torch.Tensor, n_rb: int) -> torch.Tensor:
+    """Per-tile records (blocks, column tiles) of row blocks → of ``n_rb`` blocks, each the
+    largest record of the consecutive blocks it holds (records start at -inf; NaN stays)."""
+    per = -(-tiles.shape[0] // n_rb)
+    if per == 1:
+        return tiles
+    padded = tiles.new_full((n_rb * per, tiles.shape[1]), float("-inf"))
+    padded[: tiles.shape[0]] = tiles
+    return padded.view(n_rb, per, -1).amax(dim=1)
 
 
 def _check_ids(n: int, v: int) -> None:
@@ -429,10 +446,17 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     _check_ids(n, v)
     cfg = config.forward_config(a.device, a.dtype, d, sigmoid=sigmoid, col_stats=col_stats)
     n_rb, n_ct = triton_cdiv(n, cfg.block_m), triton_cdiv(v, cfg.block_n)
-    a_sm90 = _sm90_operand(a, b, logits, rows, wants)
+    a_sm90 = _sm90_operand(a, b, logits, rows, wants, cfg)
     resident = 1 if a_sm90 is not None else _resident_programs(cfg, a.element_size())
+    # The Hopper kernel's programs take rectangles of its 64-row blocks, with column statistics
+    # or without (two consumers of one program share each B chunk).
+    grid_rb = n_rb
+    if a_sm90 is not None:
+        from . import lse_forward_sm90
+
+        grid_rb = triton_cdiv(n, lse_forward_sm90.BLOCK_M)
     groups, blocks_per_group, splits, tiles_per_split = _forward_grid(
-        n_rb, n_ct, col_stats, a.device, resident)
+        grid_rb, n_ct, col_stats or a_sm90 is not None, a.device, resident)
     record_tiles = wants.record_tiles and not sigmoid
     f32 = dict(dtype=torch.float32, device=a.device)
     # Every (split, valid row) partial is written by the kernel; rows past n_valid are not read.
@@ -458,13 +482,17 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     dot_fp32, precision = dot_flags(a)
     dummy = part_sum
     if a_sm90 is not None:
-        from . import lse_forward_sm90
-
+        kernel_tiles = tiles
+        if record_tiles and grid_rb != n_rb:
+            kernel_tiles = torch.full((grid_rb, n_ct), float("-inf"), **f32)
         lse_forward_sm90.launch(
             a_sm90, b, logits, rows.n_valid,
-            lse_forward_sm90.Partials(part_max, part_sum, tiles, col_max, col_sum, col_tiles),
+            lse_forward_sm90.Partials(part_max, part_sum, kernel_tiles,
+                                      *((col_max, col_sum, col_tiles) if col_stats else ())),
             lse_forward_sm90.Schedule(groups, splits, blocks_per_group, tiles_per_split, n_ct),
             record_tiles)
+        if kernel_tiles is not tiles:
+            tiles = _merge_row_blocks(kernel_tiles, n_rb)
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                              cfg.block_k)

@@ -266,7 +266,7 @@ def _clip_grad_sm90_kernel(
     STREAM_A: gl.constexpr,
 ):
     """Program (g, s): row blocks of group g × the slab's tiles of split s; a loader warp and
-    two consumer warpgroups that share the B chunks (as ``_clip_forward_sm90_kernel``)."""
+    two consumer warpgroups that share the B chunks (as ``_forward_sm90_kernel``)."""
     n_valid = gl.load(n_valid_ptr).to(gl.int32)  # TMA coordinates are 32-bit; N < 2³¹
     block_begin, block_end, tile_begin, tile_end = _program_ranges(
         row_blocks, blocks_per_group, slab_tile_start, slab_tiles, tiles_per_split)

@@ -260,11 +260,11 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
               n_col_tiles,
               HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-              RECORD_TILES: gl.constexpr,
+              RECORD_TILES: gl.constexpr, COL_STATS: gl.constexpr, DIAG_MASK: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
               STAGES: gl.constexpr, STREAM_A: gl.constexpr):
     """One warpgroup: row blocks block_begin + W, + 2 + W, ... against every tile of the
-    split. Its column partials are row 2·g + W of the (2 · groups, V) arrays."""
+    split. Its column partials (COL_STATS) are row 2·g + W of the (2 · groups, V) arrays."""
     WARP_ROWS: gl.constexpr = BLOCK_M // 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -293,9 +293,13 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
         for t in range(tile_begin, tile_end):
             # The tile's column partials, read before its products: their latency (a round
             # trip to L2 per tile) hides behind the tensor cores' work.
-            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
-            old_max = gl.load(col_max_ptr + col_part + cols, mask=cols < V, other=float("-inf"))
-            old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
+            old_max = gl.full([BLOCK_N], float("-inf"), gl.float32, pcol_l)
+            old_sum = gl.zeros([BLOCK_N], gl.float32, pcol_l)
+            if COL_STATS:
+                cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
+                old_max = gl.load(col_max_ptr + col_part + cols, mask=cols < V,
+                                  other=float("-inf"))
+                old_sum = gl.load(col_sum_ptr + col_part + cols, mask=cols < V, other=0.0)
             raw, c = _tile_products(W, a_smem, b_smem, ready, empty, c, mma,
                                     BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)
             # The block's last product is done: the loader may bring the next block in while
@@ -306,7 +310,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                     raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, scale, V,
                     n_col_tiles, tile_stat_ptr, col_max_ptr + col_part, col_sum_ptr + col_part,
                     old_max, old_sum, col_tile_stat_ptr, mma, col_l, parts_l, pcol_l,
-                    HAS_BIAS, HAS_SCALE, RECORD_TILES, BLOCK_N, WARP_ROWS)
+                    HAS_BIAS, HAS_SCALE, RECORD_TILES, COL_STATS, DIAG_MASK, BLOCK_N, WARP_ROWS)
 
         if active:
             out = pid_s.to(gl.int64) * N + offs_m
@@ -320,11 +324,12 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
                      col_tile_stat_ptr,
                      mma: gl.constexpr, col_l: gl.constexpr, parts_l: gl.constexpr,
                      pcol_l: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-                     RECORD_TILES: gl.constexpr,
-                     BLOCK_N: gl.constexpr, WARP_ROWS: gl.constexpr):
-    """Folds one raw tile into the rows' online (max, Σ exp), the column partials (``col_*_ptr``
-    at the consumer's row, whose values before this tile are ``old_max``, ``old_sum``) and the
-    per-tile records; returns the rows' (max, sum)."""
+                     RECORD_TILES: gl.constexpr, COL_STATS: gl.constexpr,
+                     DIAG_MASK: gl.constexpr, BLOCK_N: gl.constexpr, WARP_ROWS: gl.constexpr):
+    """Folds one raw tile into the rows' online (max, Σ exp), the column partials (COL_STATS:
+    ``col_*_ptr`` at the consumer's row, whose values before this tile are ``old_max``,
+    ``old_sum``) and the per-tile records; returns the rows' (max, sum). DIAG_MASK: X = -inf
+    where the row id equals the column id (A and B the same rows, in order)."""
     offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
     m_cols = offs_n < V
     x = raw
@@ -335,6 +340,11 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
         x = x + gl.expand_dims(bias, 0)
     if t * BLOCK_N + BLOCK_N > V:  # the last column tile: the columns past V out
         x = gl.where(gl.expand_dims(m_cols, 0), x, float("-inf"))
+    if DIAG_MASK:
+        row_lo = rb * (4 * WARP_ROWS)
+        if (row_lo < t * BLOCK_N + BLOCK_N) & (t * BLOCK_N < row_lo + 4 * WARP_ROWS):
+            x = gl.where(gl.expand_dims(offs_m, 1) == gl.expand_dims(offs_n, 0),
+                         float("-inf"), x)
 
     # Rows: the online (max, Σ exp) of the Triton kernel.
     new_max = gl.maximum(row_max, gl.max(x, axis=1))
@@ -343,83 +353,87 @@ def _tile_statistics(raw, row_max, row_sum, offs_m, m_rows, rb, t, bias_ptr, sca
     tile_sum = gl.sum(p, axis=1)
     row_sum = row_sum * gl.exp(row_max - safe_max) + tile_sum
     mass = new_max + gl.log(tile_sum)  # each row's log Σ over the tile (records only)
-
-    # Three scalars of the tile in one exchange across the warps: the largest row max (the
-    # columns' shared reference below), the smallest entry, the largest row log-mass.
-    ref, low, top_mass = gl.reduce(
-        (gl.where(m_rows, safe_max, float("-inf")),
-         gl.where(m_rows, gl.min(x, axis=1), float("inf")),
-         gl.where(m_rows, mass, float("-inf"))), 0, _max_min_max)
-    if RECORD_TILES:
-        gl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), top_mass)
-
-    # Columns: Σ_r exp(X_rj − m) for one reference m per tile, each warp over its own rows
-    # (no exchange between warps), then the four partials added.
-    if low >= ref - _REF_RANGE:
-        # Every entry lies within _REF_RANGE of the largest row max: exp(X − ref) is a normal
-        # float, formed from the rows' own exponentials, exp(X − max_r) · exp(max_r − ref),
-        # without an exponential per entry.
-        r = gl.where(m_rows, gl.exp(safe_max - ref), 0.0)
-        e = p * gl.expand_dims(r, 1)
-        # Each warp's sums over its 16 rows, scattered over its lanes: rows l and l + 8 of a
-        # thread added, then three halvings between lane rows (28 shuffles where an all-reduce
-        # takes 96), each thread left with 4 columns' sums.
-        lane = gl.expand_dims(offs_m % 8, 1) + gl.zeros_like(x).to(gl.int32)
-        e = gl.sum(gl.reshape(e, [4, 2, 8, BLOCK_N]), axis=1)
-        lane = gl.max(gl.reshape(lane, [4, 2, 8, BLOCK_N]), axis=1)
-        e, lane = _halve(e, lane, 0, BLOCK_N)
-        e, lane = _halve(e, lane, 1, BLOCK_N // 2)
-        e, lane = _halve(e, lane, 2, BLOCK_N // 4)
-        # e[w, l, c]: warp w's sum of column 64·l₀ + 32·l₁ + 16·l₂ + c (l's bits l₂l₁l₀)
-        e = gl.permute(gl.reshape(e, [4, 2, 2, 2, BLOCK_N // 8]), [0, 3, 2, 1, 4])
-        e = gl.reshape(e, [4, BLOCK_N])
-        tile_csum = gl.sum(gl.convert_layout(e, parts_l), axis=0)
-        tile_max = gl.zeros_like(tile_csum) + ref
+    if not COL_STATS:
+        if RECORD_TILES:
+            top_mass = gl.max(gl.where(m_rows, mass, float("-inf")), axis=0)
+            gl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), top_mass)
     else:
-        # A wide tile (or the matrix's edge, where masked entries are -inf): each column
-        # against its own max, as the Triton kernel.
-        xc = gl.where(gl.expand_dims(m_rows, 1), x, float("-inf"))
-        x3 = gl.reshape(xc, [4, WARP_ROWS, BLOCK_N])
-        w_max = gl.max(x3, axis=1)
-        w_safe = gl.where(w_max == float("-inf"), 0.0, w_max)
-        w_sum = gl.sum(_exp_ftz(x3 - gl.expand_dims(w_safe, 1)), axis=1)
-        w_max = gl.convert_layout(w_max, parts_l)
-        w_sum = gl.convert_layout(w_sum, parts_l)
-        tile_max = gl.max(w_max, axis=0)
-        safe_tile = gl.where(tile_max == float("-inf"), 0.0, tile_max)
-        tile_csum = gl.sum(w_sum * gl.exp(w_max - gl.expand_dims(safe_tile, 0)), axis=0)
+        # Three scalars of the tile in one exchange across the warps: the largest row max (the
+        # columns' shared reference below), the smallest entry, the largest row log-mass.
+        ref, low, top_mass = gl.reduce(
+            (gl.where(m_rows, safe_max, float("-inf")),
+             gl.where(m_rows, gl.min(x, axis=1), float("inf")),
+             gl.where(m_rows, mass, float("-inf"))), 0, _max_min_max)
+        if RECORD_TILES:
+            gl.store(tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), top_mass)
 
-    cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
-    inside = cols < V
-    if RECORD_TILES:
-        cmass = gl.where(inside, tile_max + gl.log(tile_csum), float("-inf"))
-        gl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), gl.max(cmass, axis=0))
-    # Each thread reads back (old_max, old_sum) only the columns it wrote (one layout): no
-    # barrier needed.
-    top = gl.maximum(old_max, tile_max)
-    safe_top = gl.where(top == float("-inf"), 0.0, top)
-    total = old_sum * gl.exp(old_max - safe_top) + tile_csum * gl.exp(tile_max - safe_top)
-    gl.store(col_max_ptr + cols, top, mask=inside)
-    gl.store(col_sum_ptr + cols, total, mask=inside)
+        # Columns: Σ_r exp(X_rj − m) for one reference m per tile, each warp over its own rows
+        # (no exchange between warps), then the four partials added.
+        if low >= ref - _REF_RANGE:
+            # Every entry lies within _REF_RANGE of the largest row max: exp(X − ref) is a normal
+            # float, formed from the rows' own exponentials, exp(X − max_r) · exp(max_r − ref),
+            # without an exponential per entry.
+            r = gl.where(m_rows, gl.exp(safe_max - ref), 0.0)
+            e = p * gl.expand_dims(r, 1)
+            # Each warp's sums over its 16 rows, scattered over its lanes: rows l and l + 8 of a
+            # thread added, then three halvings between lane rows (28 shuffles where an all-reduce
+            # takes 96), each thread left with 4 columns' sums.
+            lane = gl.expand_dims(offs_m % 8, 1) + gl.zeros_like(x).to(gl.int32)
+            e = gl.sum(gl.reshape(e, [4, 2, 8, BLOCK_N]), axis=1)
+            lane = gl.max(gl.reshape(lane, [4, 2, 8, BLOCK_N]), axis=1)
+            e, lane = _halve(e, lane, 0, BLOCK_N)
+            e, lane = _halve(e, lane, 1, BLOCK_N // 2)
+            e, lane = _halve(e, lane, 2, BLOCK_N // 4)
+            # e[w, l, c]: warp w's sum of column 64·l₀ + 32·l₁ + 16·l₂ + c (l's bits l₂l₁l₀)
+            e = gl.permute(gl.reshape(e, [4, 2, 2, 2, BLOCK_N // 8]), [0, 3, 2, 1, 4])
+            e = gl.reshape(e, [4, BLOCK_N])
+            tile_csum = gl.sum(gl.convert_layout(e, parts_l), axis=0)
+            tile_max = gl.zeros_like(tile_csum) + ref
+        else:
+            # A wide tile (or the matrix's edge, where masked entries are -inf): each column
+            # against its own max, as the Triton kernel.
+            xc = gl.where(gl.expand_dims(m_rows, 1), x, float("-inf"))
+            x3 = gl.reshape(xc, [4, WARP_ROWS, BLOCK_N])
+            w_max = gl.max(x3, axis=1)
+            w_safe = gl.where(w_max == float("-inf"), 0.0, w_max)
+            w_sum = gl.sum(_exp_ftz(x3 - gl.expand_dims(w_safe, 1)), axis=1)
+            w_max = gl.convert_layout(w_max, parts_l)
+            w_sum = gl.convert_layout(w_sum, parts_l)
+            tile_max = gl.max(w_max, axis=0)
+            safe_tile = gl.where(tile_max == float("-inf"), 0.0, tile_max)
+            tile_csum = gl.sum(w_sum * gl.exp(w_max - gl.expand_dims(safe_tile, 0)), axis=0)
+
+        cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=pcol_l)
+        inside = cols < V
+        if RECORD_TILES:
+            cmass = gl.where(inside, tile_max + gl.log(tile_csum), float("-inf"))
+            gl.store(col_tile_stat_ptr + (rb * n_col_tiles + t).to(gl.int64), gl.max(cmass, axis=0))
+        # Each thread reads back (old_max, old_sum) only the columns it wrote (one layout): no
+        # barrier needed.
+        top = gl.maximum(old_max, tile_max)
+        safe_top = gl.where(top == float("-inf"), 0.0, top)
+        total = old_sum * gl.exp(old_max - safe_top) + tile_csum * gl.exp(tile_max - safe_top)
+        gl.store(col_max_ptr + cols, top, mask=inside)
+        gl.store(col_sum_ptr + cols, total, mask=inside)
     return new_max, row_sum
 
 
 # The sizes are not specialized on (a compile per batch size otherwise): no access vectorizes
 # on them.
 @gluon.jit(do_not_specialize=["N", "V", "blocks_per_group", "tiles_per_split", "n_col_tiles"])
-def _clip_forward_sm90_kernel(
+def _forward_sm90_kernel(
     a_desc, b_desc,      # TMA descriptors of A in compact row order (BLOCK_M × BLOCK_K) and B
     bias_ptr, scale_ptr,
     n_valid_ptr,         # () int64: rows p >= n_valid are skipped
     max_out_ptr,         # (splits, N) fp32 partial row max
     sum_out_ptr,         # (splits, N) fp32 partial Σ exp(X − max)
     tile_stat_ptr,       # as _lse_forward_kernel's, RECORD_TILES
-    col_max_ptr,         # (2 · row groups, V) fp32 partial column max
-    col_sum_ptr,         # (2 · row groups, V) fp32 partial column Σ exp(X − max)
-    col_tile_stat_ptr,   # as _lse_forward_kernel's, RECORD_TILES
+    col_max_ptr,         # (2 · row groups, V) fp32 partial column max (COL_STATS)
+    col_sum_ptr,         # (2 · row groups, V) fp32 partial column Σ exp(X − max) (COL_STATS)
+    col_tile_stat_ptr,   # as _lse_forward_kernel's, RECORD_TILES and COL_STATS
     N, V, blocks_per_group, tiles_per_split, n_col_tiles,
     HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-    RECORD_TILES: gl.constexpr,
+    RECORD_TILES: gl.constexpr, COL_STATS: gl.constexpr, DIAG_MASK: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     K_TILES: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     STREAM_A: gl.constexpr,
@@ -441,13 +455,13 @@ def _clip_forward_sm90_kernel(
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
-                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
+                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES, COL_STATS, DIAG_MASK,
                      BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, max_out_ptr, sum_out_ptr, tile_stat_ptr,
                      col_max_ptr, col_sum_ptr, col_tile_stat_ptr,
                      n_valid, N, V, pid_g, pid_s, block_begin, block_end, tile_begin, tile_end,
-                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES,
+                     n_col_tiles, HAS_BIAS, HAS_SCALE, RECORD_TILES, COL_STATS, DIAG_MASK,
                      BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
                    block_begin, block_end, tile_begin, tile_end,
@@ -492,16 +506,17 @@ def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Partials:
-    """What the kernel writes: the row partials (splits, N) fp32, the per-tile
-    records (from -inf), and the column partials (2 · row groups, V) fp32 (from -inf and 0),
-    one row per consumer warpgroup (as ``_lse_forward_kernel``'s outputs otherwise)."""
+    """What the kernel writes: the row partials (splits, N) fp32, the per-tile records
+    (⌈N / 64⌉, ⌈V / 128⌉) from -inf, and, for column statistics, the column partials
+    (2 · row groups, V) fp32 (from -inf and 0), one row per consumer warpgroup, with their
+    per-tile records (as ``_lse_forward_kernel``'s outputs otherwise); None without."""
 
     row_max: torch.Tensor
     row_sum: torch.Tensor
     tiles: torch.Tensor
-    col_max: torch.Tensor
-    col_sum: torch.Tensor
-    col_tiles: torch.Tensor
+    col_max: torch.Tensor | None = None
+    col_sum: torch.Tensor | None = None
+    col_tiles: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -518,19 +533,22 @@ class Schedule:
 def launch(a_rows, b, logits, n_valid, out: Partials, schedule: Schedule,
            record_tiles: bool) -> None:
     """Runs the kernel; ``a_rows``: A in compact row order, TMA-ready (engine._tma_ready), as
-    b; ``logits``: the engine's ``Logits`` (scale and bias; no softcap, order or mask)."""
+    b; ``logits``: the engine's ``Logits`` (scale and bias; the diagonal mask with A and B the
+    same rows in order; no softcap or order). Column statistics where ``out`` has them."""
     d = b.shape[1]
     bias, scale = logits.bias, logits.scale
     n_stages = stages(d, a_rows.element_size())
     dummy = out.row_sum
-    _clip_forward_sm90_kernel[(schedule.groups, schedule.splits)](
+    col_stats = out.col_max is not None
+    cols = (out.col_max, out.col_sum, out.col_tiles) if col_stats else (dummy,) * 3
+    _forward_sm90_kernel[(schedule.groups, schedule.splits)](
         descriptor(a_rows, BLOCK_M), descriptor(b, BLOCK_N),
         bias if bias is not None else dummy, scale if scale is not None else dummy, n_valid,
-        out.row_max, out.row_sum, out.tiles, out.col_max, out.col_sum, out.col_tiles,
+        out.row_max, out.row_sum, out.tiles, *cols,
         a_rows.shape[0], b.shape[0], schedule.blocks_per_group, schedule.tiles_per_split,
         schedule.n_col_tiles,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        RECORD_TILES=record_tiles,
+        RECORD_TILES=record_tiles, COL_STATS=col_stats, DIAG_MASK=logits.diag_mask,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
         STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS, STREAM_A=streams_a(d),
         num_warps=WARPS, maxnreg=MAX_REGS,
