@@ -89,3 +89,25 @@ def test_combine_partials_rows_only(row_parts):
     want = _expected(values)
     some = ~torch.isneginf(want)
     torch.testing.assert_close(rows[3].cpu().double()[some], want[some], rtol=1e-6, atol=1e-6)
+
+
+@given(blocks=st.integers(1, 9), n_rb=st.integers(1, 5), tiles=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_merge_row_blocks_keeps_each_groups_largest_record(blocks, n_rb, tiles, seed):
+    """Per-tile records of small row blocks merged into ``n_rb`` blocks (the Hopper forward's
+    64-row records into the forward's 128-row tiles): each merged record is the largest of the
+    consecutive blocks it holds; -inf where it holds none; NaN stays NaN."""
+    n_rb = min(n_rb, blocks)
+    gen = torch.Generator().manual_seed(seed)
+    records = torch.randn(blocks, tiles, generator=gen) * 10
+    records[torch.rand(blocks, tiles, generator=gen) < 0.3] = float("-inf")
+    records[torch.rand(blocks, tiles, generator=gen) < 0.1] = float("nan")
+    merged = engine._merge_row_blocks(records, n_rb)
+    per = -(-blocks // n_rb)
+    assert merged.shape == (n_rb, tiles)
+    for i in range(n_rb):
+        group = records[i * per:(i + 1) * per]
+        want = (group.amax(0) if len(group)
+                else torch.full((tiles,), float("-inf")))
+        torch.testing.assert_close(merged[i], want, equal_nan=True)

@@ -470,8 +470,9 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     part_wsum = torch.zeros((splits, n), **f32) if weighted_sum else part_sum
     part_centered = torch.empty((splits, n), **f32) if wants.entropy else part_sum
     part_squares = torch.empty((splits, n), **f32) if wants.squares else part_sum
-    # Block maxima start at −inf (blocks without valid rows are never visited).
-    tiles = torch.full((n_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
+    # Block maxima start at −inf (blocks without valid rows are never visited); the Hopper
+    # kernel records its own 64-row blocks, merged into the forward's below.
+    tiles = torch.full((grid_rb, n_ct), float("-inf"), **f32) if record_tiles else part_sum
     if col_stats:
         # The Hopper kernel keeps one column partial per consumer warpgroup.
         col_parts = groups * (2 if a_sm90 is not None else 1)
@@ -482,17 +483,14 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
     dot_fp32, precision = dot_flags(a)
     dummy = part_sum
     if a_sm90 is not None:
-        kernel_tiles = tiles
-        if record_tiles and grid_rb != n_rb:
-            kernel_tiles = torch.full((grid_rb, n_ct), float("-inf"), **f32)
         lse_forward_sm90.launch(
             a_sm90, b, logits, rows.n_valid,
-            lse_forward_sm90.Partials(part_max, part_sum, kernel_tiles,
+            lse_forward_sm90.Partials(part_max, part_sum, tiles,
                                       *((col_max, col_sum, col_tiles) if col_stats else ())),
             lse_forward_sm90.Schedule(groups, splits, blocks_per_group, tiles_per_split, n_ct),
             record_tiles)
-        if kernel_tiles is not tiles:
-            tiles = _merge_row_blocks(kernel_tiles, n_rb)
+        if record_tiles and grid_rb != n_rb:
+            tiles = _merge_row_blocks(tiles, n_rb)
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
                                              cfg.block_k)
