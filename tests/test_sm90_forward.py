@@ -1,12 +1,12 @@
-"""The Hopper (sm90) forward with column statistics (``core/lse_forward_sm90.py``) against the
-Triton kernel it replaces there and against float64.
+"""The Hopper (sm90) forward (``core/lse_forward_sm90.py``), with column statistics and without,
+against the Triton kernel it replaces there and against float64.
 
 Gluon kernels do not run under Triton's interpreter: these tests need an sm90 GPU (H100,
-H200) and skip elsewhere. On such a GPU every contrastive test with column statistics runs
-through this kernel as well; here it is compared with the Triton kernel
-(``Tuning.gluon`` off) on odd shapes, both paths of its column sums (one reference per tile,
-and each column's own max on wide tiles), the per-tile records of both filtering rules, and
-NaN inputs.
+H200) and skip elsewhere. On such a GPU every contrastive test of a softmax loss runs through
+this kernel as well; here it is compared with the Triton kernel (``Tuning.gluon`` off) on odd
+shapes, both paths of its column sums (one reference per tile, and each column's own max on
+wide tiles), the per-tile records of both filtering rules (the row records merged into the
+forward's 128-row tiles without column statistics), the diagonal mask, and NaN inputs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Hopper (sm90) forward of the core with column statistics: the symmetric contrastive losses.
+"""Hopper (sm90) forward of the core: the softmax contrastive losses' statistics.
 
-The same statistics as ``lse_forward._lse_forward_kernel`` with ``COL_STATS`` (row and column
-(max, Σ exp) partials, per-tile log-masses for both filtering rules), written in Gluon,
-Triton's lower-level dialect, to control what the Triton kernel cannot: which warps do what,
-and where the column reductions happen. docs/design.md ("The Hopper forward") has the
+The same statistics as ``lse_forward._lse_forward_kernel``: with ``COL_STATS`` (CLIP) row and
+column (max, Σ exp) partials and per-tile log-masses for both filtering rules; without, the
+rows' alone (InfoNCE; NT-Xent with ``DIAG_MASK``, A's rows B's in order), their per-tile records
+at 64-row blocks (``engine._merge_row_blocks`` merges them into the forward's tiles). Written
+in Gluon, Triton's lower-level dialect, to control what the Triton kernel cannot: which warps
+do what, and where the column reductions happen. docs/design.md ("The Hopper forward") has the
 measurements.
 
 Partitions (``gl.warp_specialize``):
