@@ -418,12 +418,14 @@ def _sm90_operand(a, b, logits, rows, wants: Wants, cfg: config.TileConfig
 def _merge_row_blocks(tiles: torch.Tensor, n_rb: int) -> torch.Tensor:
     """Per-tile records (blocks, column tiles) of row blocks → of ``n_rb`` blocks, each the
     largest record of the consecutive blocks it holds (records start at -inf; NaN stays)."""
-    per = -(-tiles.shape[0] // n_rb)
+    blocks = tiles.shape[0]
+    per = -(-blocks // n_rb)
     if per == 1:
         return tiles
-    padded = tiles.new_full((n_rb * per, tiles.shape[1]), float("-inf"))
-    padded[: tiles.shape[0]] = tiles
-    return padded.view(n_rb, per, -1).amax(dim=1)
+    if blocks != n_rb * per:  # the last group short of blocks: −inf records for the rest
+        tiles = torch.cat([tiles, tiles.new_full((n_rb * per - blocks, tiles.shape[1]),
+                                                 float("-inf"))])
+    return tiles.view(n_rb, per, -1).amax(dim=1)
 
 
 def _check_ids(n: int, v: int) -> None:
@@ -489,7 +491,7 @@ def _row_stats_triton(a, b, logits, rows, col_weight, wants: Wants) -> RowStats:
                                       *((col_max, col_sum, col_tiles) if col_stats else ())),
             lse_forward_sm90.Schedule(groups, splits, blocks_per_group, tiles_per_split, n_ct),
             record_tiles)
-        if record_tiles and grid_rb != n_rb:
+        if record_tiles:
             tiles = _merge_row_blocks(tiles, n_rb)
     else:
         a_desc, b_desc, _ = tile_descriptors(a, b, logits, rows, cfg.block_m, cfg.block_n,
