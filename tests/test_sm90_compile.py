@@ -116,11 +116,12 @@ def compile_siglip(d: int) -> None:
     a = torch.empty(4096, d, dtype=torch.bfloat16)
     b_desc = fwd.descriptor(torch.empty(4096, d, dtype=torch.bfloat16), siglip_sm90.BLOCK_N)
     f32 = torch.empty(1)
-    stages = fwd.stages(d, 2, block_n=siglip_sm90.BLOCK_N)
+    stages = fwd.stages(d, 2, reserve=2 * siglip_sm90.G_TILE_ELEMENTS, block_n=siglip_sm90.BLOCK_N)
     kernel = _compile(
         siglip_sm90._siglip_sm90_kernel,
-        [fwd.descriptor(a, fwd.BLOCK_M), b_desc, f32, f32, a, f32, 4000, 4090, 4096, 0, 0.5, 63,
-         64, 132, 8316, 8, 32],
+        [fwd.descriptor(a, fwd.BLOCK_M), b_desc, f32, f32,
+         fwd.descriptor(torch.empty(4032, 4096, dtype=torch.bfloat16), siglip_sm90.BLOCK_M),
+         f32, 4000, 4090, 0, 0.5, 63, 64, 132, 8316, 8, 32],
         dict(_constants(d, stages, AHEAD=siglip_sm90.AHEAD, STREAM_A=fwd.streams_a(d)),
              BLOCK_N=siglip_sm90.BLOCK_N),
         num_warps=fwd.WARPS, maxnreg=fwd.MAX_REGS)

@@ -19,9 +19,9 @@ warpgroups with row blocks of their own multiply the same B chunks.
 Each consumer forms a tile's G and sums after issuing the next tile's first ``AHEAD`` chunk
 products, while they run (FlashAttention-3's overlap within a warpgroup): two fp32
 accumulators, which fit in registers without spills at 64-column tiles (64 × 64 × 4 bytes a
-warpgroup each), where 128 columns spill hundreds of values. G is stored from the products'
-register layout into a buffer whose rows and columns are padded to whole tiles (zeros
-there), so that no store needs a mask.
+warpgroup each), where 128 columns spill hundreds of values. Each consumer writes a tile's G
+into a shared-memory tile of its own and one TMA copy takes it to a buffer whose rows and
+columns are padded to whole tiles (zeros there); the copy runs while the consumer goes on.
 
 Gluon kernels run on the GPU only: ``chunked_contrastive`` keeps the cuBLAS and Triton path for
 every other case, and the GPU tests (``tests/test_sm90_siglip.py``) compare the two.
@@ -33,7 +33,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -62,8 +64,11 @@ from .lse_forward_sm90 import (
 
 __all__ = ["BLOCK_M", "BLOCK_N", "Chunks", "supports"]
 
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 BLOCK_N = 64  # columns of a tile: two fp32 accumulators a consumer, without spills
 AHEAD = 3     # chunk products in flight while a consumer forms the previous tile's G
+G_TILE_ELEMENTS = 2 * BLOCK_M * BLOCK_N  # the consumers' shared-memory G tiles
 
 
 @gluon.jit
@@ -112,10 +117,10 @@ def _log1p(q):
 
 
 @gluon.jit
-def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, width, g_ptr,
+def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, g_smem, g_desc,
                  col_l: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """G of one raw tile into the chunk's buffer; returns the rows' (Σ softplus(−z·X),
-    Σ dX·Z, Σ dX) over the tile.
+    """G of one raw tile into the chunk's buffer (``_store_tile``); returns the rows'
+    (Σ softplus(−z·X), Σ dX·Z, Σ dX) over the tile.
 
     Most tiles hold neither a diagonal entry nor a row or column past the edge: there z = −1
     everywhere and nothing is masked, so softplus(−z·X) = softplus(X), dX = coef·σ(X), and the
@@ -137,7 +142,7 @@ def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, widt
         loss_part = gl.sum(gl.maximum(x, 0.0), axis=1) + _log1p(gl.reduce(u, 1, _grow))
         scale_part = gl.sum(sig * raw, axis=1) * coef
         bias_part = gl.sum(sig, axis=1) * coef
-        g = ((scale * coef) * sig).to(g_ptr.dtype.element_ty)
+        g = ((scale * coef) * sig).to(g_smem.dtype)
     else:
         m_cols = offs_n < M
         sign = gl.where(gl.expand_dims(offs_m + row0, 1) == gl.expand_dims(offs_n, 0), 1.0, -1.0)
@@ -154,17 +159,26 @@ def _siglip_tile(raw, t, rb, offs_m, m_rows, row0, scale, beta, coef, R, M, widt
         loss_part = gl.sum(lost, axis=1)
         scale_part = gl.sum(dx * raw, axis=1)
         bias_part = gl.sum(dx, axis=1)
-        g = (scale * dx).to(g_ptr.dtype.element_ty)
-    base = g_ptr + (rb * BLOCK_M).to(gl.int64) * width
-    gl.store(base + gl.expand_dims((offs_m - rb * BLOCK_M) * width, 1)
-             + gl.expand_dims(offs_n, 0), g)
+        g = (scale * dx).to(g_smem.dtype)
+    _store_tile(g, g_smem, g_desc, rb * BLOCK_M, c_lo)
     return loss_part, scale_part, bias_part
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
-              scale_ptr, bias_ptr, g_ptr, sums_ptr,
-              R, M, width, row0, coef, split, sums_row, sums_stride,
+def _store_tile(g, g_smem, g_desc, row, col):
+    """G's tile into the buffer at (row, col) through the consumer's shared-memory tile and one
+    TMA copy, which runs on while the consumer goes on (stored straight from the products'
+    register layout, 4 bytes a thread, the G store took a third of the kernel's time)."""
+    tma.store_wait(0)  # the previous tile's copy has read the shared-memory tile
+    g_smem.store(g)
+    fence_async_shared()
+    _tma_store(g_desc, [row, col], g_smem)
+
+
+@gluon.jit
+def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty, g_smem,
+              scale_ptr, bias_ptr, g_desc, sums_ptr,
+              R, M, row0, coef, split, sums_row, sums_stride,
               block_begin, block_end, tile_begin, tile_end,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_TILES: gl.constexpr,
               STAGES: gl.constexpr, AHEAD: gl.constexpr, STREAM_A: gl.constexpr):
@@ -177,6 +191,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                                                   instr_shape=[16, BLOCK_N, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    g_tile = g_smem.index(W)
     scale = gl.load(scale_ptr).to(gl.float32)
     beta = gl.load(bias_ptr).to(gl.float32)
 
@@ -202,8 +217,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
                 if k == AHEAD - 1:  # the previous tile, while these products run
                     if active and t > tile_begin:
                         lp, sp, bp = _siglip_tile(prev, t - 1, rb, offs_m, m_rows, row0, scale,
-                                                  beta, coef, R, M, width, g_ptr, col_l, BLOCK_M,
-                                                  BLOCK_N)
+                                                  beta, coef, R, M, g_tile, g_desc, col_l,
+                                                  BLOCK_M, BLOCK_N)
                         loss_rows += lp
                         scale_rows += sp
                         bias_rows += bp
@@ -219,7 +234,7 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             prev = raw
         if active and tile_end > tile_begin:
             lp, sp, bp = _siglip_tile(prev, tile_end - 1, rb, offs_m, m_rows, row0, scale, beta,
-                                      coef, R, M, width, g_ptr, col_l, BLOCK_M, BLOCK_N)
+                                      coef, R, M, g_tile, g_desc, col_l, BLOCK_M, BLOCK_N)
             loss_rows += lp
             scale_rows += sp
             bias_rows += bp
@@ -228,20 +243,21 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
             gl.store(entry, gl.sum(loss_rows, axis=0))
             gl.store(entry + sums_stride, gl.sum(scale_rows, axis=0))
             gl.store(entry + 2 * sums_stride, gl.sum(bias_rows, axis=0))
+    tma.store_wait(0)
 
 
-# The sizes are not specialized on (a compile per batch size otherwise), but G's row stride
-# (``width``), whose alignment lets the stores be 16 bytes wide.
+# The sizes are not specialized on (a compile per batch size otherwise).
 @gluon.jit(do_not_specialize=["R", "M", "row0", "coef", "row_blocks", "n_col_tiles",
                               "sums_row", "sums_stride", "blocks_per_group", "tiles_per_split"])
 def _siglip_sm90_kernel(
     a_desc, b_desc,   # TMA descriptors of the chunk's rows of A (BLOCK_M × BLOCK_K) and of B
     scale_ptr,        # () fp32 s
     bias_ptr,         # () fp32 β
-    g_ptr,            # (row blocks · BLOCK_M, width) G out, input dtype; width ≥ tiles · BLOCK_N
+    g_desc,           # TMA descriptor of G out (row blocks · BLOCK_M, ≥ tiles · BLOCK_N), input
+                      # dtype, in BLOCK_M × BLOCK_N tiles
     sums_ptr,         # (3, row blocks, ≥ splits) fp32 zeros: Σ softplus, Σ dX·Z, Σ dX,
                       # one total per row block and split
-    R, M, width,
+    R, M,
     row0,             # the column of the chunk's first row's positive (its global row id; M or
                       # more: no positives)
     coef, row_blocks, n_col_tiles, sums_row, sums_stride,
@@ -251,23 +267,25 @@ def _siglip_sm90_kernel(
     AHEAD: gl.constexpr, STREAM_A: gl.constexpr,
 ):
     """Program (g, s): row blocks of group g × the tiles of split s; a loader warp and two
-    consumer warpgroups that share the B chunks (as ``_clip_grad_sm90_kernel``)."""
+    consumer warpgroups that share the B chunks (as ``_clip_grad_sm90_kernel``), each storing
+    G through a shared-memory tile of its own."""
     pid_s = gl.program_id(1)
     block_begin, block_end, tile_begin, tile_end = _program_ranges(
         row_blocks, blocks_per_group, 0, n_col_tiles, tiles_per_split)
 
     a_smem, b_smem, a_ready, a_empty, ready, empty = _ring(
         a_desc, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, STAGES, STREAM_A)
+    g_smem = gl.allocate_shared_memory(g_desc.dtype, [2, BLOCK_M, BLOCK_N], g_desc.layout)
 
     gl.warp_specialize([
-        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
-                     scale_ptr, bias_ptr, g_ptr, sums_ptr,
-                     R, M, width, row0, coef, pid_s, sums_row, sums_stride,
+        (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty, g_smem,
+                     scale_ptr, bias_ptr, g_desc, sums_ptr,
+                     R, M, row0, coef, pid_s, sums_row, sums_stride,
                      block_begin, block_end, tile_begin, tile_end,
                      BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD, STREAM_A)),
-        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
-                     scale_ptr, bias_ptr, g_ptr, sums_ptr,
-                     R, M, width, row0, coef, pid_s, sums_row, sums_stride,
+        (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty, g_smem,
+                     scale_ptr, bias_ptr, g_desc, sums_ptr,
+                     R, M, row0, coef, pid_s, sums_row, sums_stride,
                      block_begin, block_end, tile_begin, tile_end,
                      BLOCK_M, BLOCK_N, K_TILES, STAGES, AHEAD, STREAM_A)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, ready, empty,
@@ -294,7 +312,8 @@ class Chunks:
                  g: torch.Tensor, n: int, chunk: int, shift: int = 0):
         m, d = b.shape
         self._b_desc = descriptor(b, BLOCK_N)
-        self._scale, self._bias, self._coef, self._g = scale, bias, coef, g
+        self._scale, self._bias, self._coef = scale, bias, coef
+        self._g_desc = descriptor(g, BLOCK_M)  # BLOCK_M × BLOCK_K tiles: BLOCK_K = BLOCK_N
         self._shift = shift
         self._m, self._n_ct = m, -(-m // BLOCK_N)
         self._slots = config.sm_count(b.device)
@@ -302,7 +321,8 @@ class Chunks:
         splits = max(self._schedule(r)[2] for r in sizes)
         self._sums = torch.zeros((3, -(-n // BLOCK_M), splits), dtype=torch.float32,
                                  device=b.device)
-        n_stages = stages(d, b.element_size(), block_n=BLOCK_N)
+        n_stages = stages(d, b.element_size(), reserve=G_TILE_ELEMENTS * b.element_size(),
+                          block_n=BLOCK_N)
         self._flags = dict(
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_TILES=d // BLOCK_K,
             STAGES=n_stages, CONSUMER_REGS=CONSUMER_REGS, STREAM_A=streams_a(d),
@@ -320,7 +340,7 @@ class Chunks:
         sums = self._sums[:, row0 // BLOCK_M:]
         _siglip_sm90_kernel[(groups, splits)](
             descriptor(a_chunk, BLOCK_M), self._b_desc, self._scale, self._bias,
-            self._g, sums, r, self._m, self._g.shape[1], row0 + self._shift, float(self._coef),
+            self._g_desc, sums, r, self._m, row0 + self._shift, float(self._coef),
             -(-r // BLOCK_M), self._n_ct, sums.stride(1), sums.stride(0), per_group, per_split,
             **self._flags)
 
