@@ -1538,3 +1538,29 @@ def test_siglip_chunks_without_positives_into_an_accumulator(tune, positives):
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
     for got, want in zip((grad_a - 0.5, grad_b, grad_scale, grad_bias), ref_grads, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@given(n=st.integers(1, 300_000), m=st.integers(1, 300_000), element_size=st.sampled_from([2, 4]),
+       budget=st.sampled_from([2**16, 2**20, 2**27, 2**30]))
+def test_siglip_chunk_shape(n, m, element_size, budget):
+    """The Gluon SigLIP path's chunks of G (``chunked_contrastive.chunk_shape``): whole rows
+    while at least COLUMN_CHUNK_BELOW fit in the budget, else COLUMN_CHUNK_ROWS rows and the
+    columns that fit; whole 64-row and 64-column tiles but for the last; within the budget
+    wherever a 64 × 64 tile is."""
+    from fusedloss.core import chunked_contrastive as cc
+
+    rows, cols = cc.chunk_shape(n, m, element_size, budget)
+    assert 1 <= rows <= n and 1 <= cols <= m
+    assert rows == n or rows % 64 == 0
+    assert cols == m or cols % 64 == 0
+    padded = -(-rows // 64) * 64 * (-(-cols // 64) * 64) * element_size
+    whole_rows = min(n, budget // (element_size * (-(-m // 64) * 64)))
+    if cols < m:  # column chunks only for wide batches, at their fixed rows
+        assert whole_rows < cc.COLUMN_CHUNK_BELOW < n
+        assert rows == min(n, cc.COLUMN_CHUNK_ROWS)
+        assert padded <= budget or cols == 64
+    elif rows < n:  # whole rows (a batch this narrow has no columns to split)
+        assert whole_rows >= cc.COLUMN_CHUNK_BELOW or n <= cc.COLUMN_CHUNK_BELOW or m <= 64
+        assert padded <= budget or rows == 64
+    else:  # all of it in one chunk: it fits, or less than a tile's rows would
+        assert whole_rows >= n or n <= 64

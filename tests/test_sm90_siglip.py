@@ -152,3 +152,45 @@ def test_blocks_without_positives_into_an_accumulator(tune, chunks):
         assert _rel(ours, cublas) <= 1e-2, _rel(ours, cublas)
     # no positives: every logit a negative, so the bias's gradient is Σ σ(X) / n > 0
     assert rest[1] > 0
+
+
+@pytest.mark.parametrize("positives", [True, False])
+def test_chunks_of_rows_and_columns(tune, chunks, monkeypatch, positives):
+    """A wide batch's chunks of rows and columns (``chunked_contrastive.chunk_shape``; from
+    b = 262144 at the default budget), here at small sizes with smaller thresholds: 320 rows ×
+    256 columns a chunk, the last ones short, N ≠ M; with positives (dA summed over the column
+    chunks in fp32) and without, dA added into an fp32 accumulator (the ring's blocks). Against
+    float64, at the cuBLAS chunks' bar."""
+    import torch.nn.functional as F
+
+    from fusedloss.core import chunked_contrastive, engine
+
+    monkeypatch.setattr(chunked_contrastive, "COLUMN_CHUNK_BELOW", 256)
+    monkeypatch.setattr(chunked_contrastive, "COLUMN_CHUNK_ROWS", 320)
+    n, m, d = 1000, 900, 128
+    image, text = _features(n, d, torch.bfloat16, 9), _features(m, d, torch.bfloat16, 10)
+    scale, bias = torch.tensor(10.0, device=DEV), torch.tensor(-5.0, device=DEV)
+    tune(lm_head_chunk_bytes=320 * 256 * 2)  # whole rows: 85 (< 256) of 960 padded columns
+    assert chunked_contrastive.chunk_shape(n, m, 2) == (320, 256)
+    leaves = [t.double().requires_grad_() for t in (image, text, scale, bias)]
+    logits = leaves[2] * leaves[0] @ leaves[1].T + leaves[3]
+    labels = -torch.ones(n, m, dtype=torch.float64, device=DEV)
+    if positives:
+        labels[torch.arange(m), torch.arange(m)] = 1.0
+    ref = -F.logsigmoid(labels * logits).sum() / n
+    ref_grads = torch.autograd.grad(ref, leaves)
+    results = {}
+    for gluon in (True, False):
+        tune(gluon=gluon)
+        acc = None if positives else torch.full((n, d), 0.25, device=DEV)
+        loss, grad_a, *rest = chunked_contrastive.siglip_loss_and_grads(
+            image, text, scale, bias, 1.0 / n, engine.Needs(True, True, True, True),
+            positives=positives, acc_a=acc)
+        results[gluon] = (loss, grad_a if positives else grad_a - 0.25, *rest)
+    assert chunks == [r0 for r0 in range(0, n, 320) for _ in range(4)], chunks
+    assert abs(results[True][0].item() - ref.item()) <= 1e-5 * abs(ref.item())
+    for name, ours, cublas, want in zip(("image", "text", "bias", "scale"), results[True][1:],
+                                        results[False][1:], (*ref_grads[:2], ref_grads[3],
+                                                             ref_grads[2]), strict=True):
+        assert _rel(ours, want) <= 1.5 * _rel(cublas, want) + 1e-6, (name, _rel(ours, want),
+                                                                    _rel(cublas, want))

@@ -106,27 +106,75 @@ def _products(g_c, a_c, b, grad_a, grad_b, r0: int, r1: int, accumulate: bool) -
         addmm_f32_(grad_b, g_c.T, a_c)
 
 
+# The Gluon path's chunks hold whole rows of G while the budget holds at least COLUMN_CHUNK_BELOW
+# of them; for wider batches (M beyond Tuning.lm_head_chunk_bytes / (2 · 4096) bf16 columns:
+# b = 262144 at 1 GiB) they take COLUMN_CHUNK_ROWS rows and as many columns as fit, so that dB's
+# fp32 accumulator (4·M·D bytes, read and written by every chunk's Gᵀ A product) is swept by
+# M / COLUMN_CHUNK_ROWS chunks instead of 2·M·b / budget.
+COLUMN_CHUNK_BELOW = 4096
+COLUMN_CHUNK_ROWS = 16384
+
+
+def chunk_shape(n: int, m: int, element_size: int, chunk_bytes: int | None = None,
+                block: int = 64) -> tuple[int, int]:
+    """(rows, columns) of the Gluon path's chunks of G for N rows against M columns: whole rows
+    (columns = M) within ``chunk_bytes`` (default ``Tuning.lm_head_chunk_bytes``) while at
+    least ``COLUMN_CHUNK_BELOW`` of them fit, else ``COLUMN_CHUNK_ROWS`` rows and the columns
+    that fit; rows a multiple of ``block`` unless all N, columns a multiple of ``block`` unless
+    all M, at least ``block`` of each."""
+    width = -(-m // block) * block
+    rows = config.lm_head_chunk_rows(n, width, element_size, chunk_bytes)
+    if rows >= n:
+        return n, m
+    whole_rows = min(n, max(block, rows // block * block))
+    if rows >= COLUMN_CHUNK_BELOW or n <= COLUMN_CHUNK_BELOW:
+        return whole_rows, m
+    rows = min(n, COLUMN_CHUNK_ROWS)
+    budget = chunk_bytes or config.tuning().lm_head_chunk_bytes
+    cols = max(block, budget // (element_size * (-(-rows // block) * block)) // block * block)
+    return (rows, cols) if cols < m else (whole_rows, m)
+
+
 def _siglip_sm90(a, b, scale, bias, coef, needs, grad_a, grad_b, has_bias: bool, shift: int,
                  accumulate: bool) -> tuple[torch.Tensor, ...]:
     """``siglip_loss_and_grads`` through the Gluon chunk kernel: per chunk of rows (a multiple
-    of its 64-row blocks), G and the chunk's sums from one kernel, then the two products."""
+    of its 64-row blocks) and of columns (``chunk_shape``), G and the chunk's sums from one
+    kernel, then the two products; over several column chunks dA's rows add up in fp32."""
     from . import siglip_sm90 as sm90
 
     n, m = a.shape[0], b.shape[0]
-    n_ct = -(-m // sm90.BLOCK_N)
-    width = n_ct * sm90.BLOCK_N
-    chunk = config.lm_head_chunk_rows(n, width, a.element_size())
-    if chunk < n:
-        chunk = max(sm90.BLOCK_M, chunk // sm90.BLOCK_M * sm90.BLOCK_M)
-    g = torch.empty((-(-chunk // sm90.BLOCK_M) * sm90.BLOCK_M, width), dtype=a.dtype,
-                    device=a.device)
-    kernel = sm90.Chunks(b, scale.reshape(()), bias.reshape(()), coef, g, n, chunk, shift)
-    for r0 in range(0, n, chunk):
-        r1 = min(r0 + chunk, n)
+    rows, cols = chunk_shape(n, m, a.element_size(), block=sm90.BLOCK_M)
+    g = torch.empty((-(-rows // sm90.BLOCK_M) * sm90.BLOCK_M,
+                     -(-cols // sm90.BLOCK_N) * sm90.BLOCK_N), dtype=a.dtype, device=a.device)
+    scale, bias = scale.reshape(()), bias.reshape(())
+    # Row i's positive is column i + shift: i + shift − c0 of the chunk from column c0 on.
+    kernels = [(c0, sm90.Chunks(b[c0:c0 + cols], scale, bias, coef, g, n, rows, shift - c0))
+               for c0 in range(0, m, cols)]
+    acc_rows = None  # dA's rows over the column chunks, fp32
+    if grad_a is not None and not accumulate and len(kernels) > 1:
+        acc_rows = torch.empty((rows, a.shape[1]), dtype=torch.float32, device=a.device)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
         a_c = a[r0:r1]
-        kernel(a_c, r0)
-        _products(g[: r1 - r0, :m], a_c, b, grad_a, grad_b, r0, r1, accumulate)
-    totals = kernel.totals()
+        for c0, kernel in kernels:
+            kernel(a_c, r0)
+            b_c = b[c0:c0 + cols]
+            g_c = g[: r1 - r0, : b_c.shape[0]]
+            if acc_rows is None:
+                _products(g_c, a_c, b_c, grad_a, grad_b[c0:c0 + cols] if grad_b is not None
+                          else None, r0, r1, accumulate)
+                continue
+            if c0 == 0:
+                mm_f32(g_c, b_c, out=acc_rows[: r1 - r0])
+            else:
+                addmm_f32_(acc_rows[: r1 - r0], g_c, b_c)
+            if grad_b is not None:
+                addmm_f32_(grad_b[c0:c0 + cols], g_c.T, a_c)
+        if acc_rows is not None:
+            grad_a[r0:r1].copy_(acc_rows[: r1 - r0])
+    totals = kernels[0][1].totals()
+    for _, kernel in kernels[1:]:
+        totals = totals + kernel.totals()
     loss = totals[0] * coef
     grad_scale = totals[1] if needs.scale else None
     grad_bias = totals[2] if needs.bias and has_bias else None

@@ -154,11 +154,11 @@ def tuned(**changes) -> Iterator[Tuning]:
         _TUNING = saved
 
 
-def lm_head_chunk_rows(n: int, v: int, element_size: int) -> int:
+def lm_head_chunk_rows(n: int, v: int, element_size: int, budget: int | None = None) -> int:
     """Rows per chunk of the LM head's training path for N rows of a V-row head: all N when
-    they fit in ``Tuning.lm_head_chunk_bytes``, else the most that do, rounded down to a multiple of
-    128 (at least 1)."""
-    rows = tuning().lm_head_chunk_bytes // (element_size * v)
+    they fit in ``budget`` bytes (default ``Tuning.lm_head_chunk_bytes``), else the most that
+    do, rounded down to a multiple of 128 (at least 1)."""
+    rows = (budget or tuning().lm_head_chunk_bytes) // (element_size * v)
     if rows >= n:
         return n
     return max(1, rows // 128 * 128 if rows >= 128 else rows)
