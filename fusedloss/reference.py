@@ -323,14 +323,17 @@ def nt_xent_loss_ref(
 
 def siglip_loss_ref(
     image_features: Tensor,  # (b, D)
-    text_features: Tensor,  # (b, D)
+    text_features: Tensor,  # (b, D), or (M, D)
     logit_scale: Tensor | float,  # scalar (already exp()-ed, as in open_clip)
     logit_bias: Tensor | float,  # scalar
+    *,
+    positives: bool = True,
 ) -> Tensor:
     """Sigmoid loss (open_clip ``SigLipLoss`` on one process), in float64.
 
-    ``logits = logit_scale * image_features @ text_features.T + logit_bias``, shape (b, b);
-    labels ``z_ij = +1`` on the diagonal and ``-1`` elsewhere::
+    ``logits = logit_scale * image_features @ text_features.T + logit_bias``, shape (b, M);
+    labels ``z_ij = +1`` on the diagonal (i = j; none with ``positives=False``, as for another
+    rank's texts) and ``-1`` elsewhere::
 
         loss = -Σ_ij logsigmoid(z_ij * logits_ij) / b
 
@@ -341,6 +344,7 @@ def siglip_loss_ref(
         torch.Size([])
     """
     logits = _contrastive_logits(image_features, text_features, logit_scale, logit_bias)
-    batch = logits.shape[0]
-    labels = 2.0 * torch.eye(batch, dtype=torch.float64, device=logits.device) - 1.0
+    batch, m = logits.shape
+    eye = torch.eye(batch, m, dtype=torch.float64, device=logits.device)
+    labels = 2.0 * eye - 1.0 if positives else -torch.ones_like(eye)
     return -torch.nn.functional.logsigmoid(labels * logits).sum() / batch

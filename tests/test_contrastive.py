@@ -1523,11 +1523,7 @@ def test_siglip_chunks_without_positives_into_an_accumulator(tune, positives):
     a, b = [(torch.randn(rows, d, generator=g) / 2).to(DEVICE) for rows in (n, m)]
     scale, bias = torch.tensor(3.0, device=DEVICE), torch.tensor(-2.0, device=DEVICE)
     leaves = [t.double().requires_grad_() for t in (a, b, scale, bias)]
-    logits = leaves[2] * leaves[0] @ leaves[1].T + leaves[3]
-    labels = -torch.ones(n, m, dtype=torch.float64, device=DEVICE)
-    if positives:
-        labels[torch.arange(m), torch.arange(m)] = 1.0
-    ref = -F.logsigmoid(labels * logits).sum() / n
+    ref = siglip_loss_ref(*leaves, positives=positives)
     ref_grads = torch.autograd.grad(ref, leaves)
     tune(lm_head_chunk_bytes=16 * m * 8)  # 16 rows a chunk: three chunks
     acc = torch.full((n, d), 0.5, device=DEVICE)  # an earlier block's part

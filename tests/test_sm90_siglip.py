@@ -161,8 +161,6 @@ def test_chunks_of_rows_and_columns(tune, chunks, monkeypatch, positives):
     256 columns a chunk, the last ones short, N ≠ M; with positives (dA summed over the column
     chunks in fp32) and without, dA added into an fp32 accumulator (the ring's blocks). Against
     float64, at the cuBLAS chunks' bar."""
-    import torch.nn.functional as F
-
     from fusedloss.core import chunked_contrastive, engine
 
     monkeypatch.setattr(chunked_contrastive, "COLUMN_CHUNK_BELOW", 256)
@@ -173,11 +171,7 @@ def test_chunks_of_rows_and_columns(tune, chunks, monkeypatch, positives):
     tune(lm_head_chunk_bytes=320 * 256 * 2)  # whole rows: 85 (< 256) of 960 padded columns
     assert chunked_contrastive.chunk_shape(n, m, 2) == (320, 256)
     leaves = [t.double().requires_grad_() for t in (image, text, scale, bias)]
-    logits = leaves[2] * leaves[0] @ leaves[1].T + leaves[3]
-    labels = -torch.ones(n, m, dtype=torch.float64, device=DEV)
-    if positives:
-        labels[torch.arange(m), torch.arange(m)] = 1.0
-    ref = -F.logsigmoid(labels * logits).sum() / n
+    ref = siglip_loss_ref(*leaves, positives=positives)
     ref_grads = torch.autograd.grad(ref, leaves)
     results = {}
     for gluon in (True, False):
