@@ -297,14 +297,16 @@ def _siglip_sm90_kernel(
 
 
 class Chunks:
-    """The kernel bound to one call's B, scale, bias and G buffer; called once per chunk of rows
-    of A (``chunked_contrastive.siglip_loss_and_grads``), for the rows of A in order.
+    """The kernel bound to one call's B (or a chunk of its columns), scale, bias and G buffer;
+    called once per chunk of rows of A (``chunked_contrastive.siglip_loss_and_grads``), for the
+    rows of A in order.
 
     ``g``: (chunk rows rounded up to BLOCK_M, tiles · BLOCK_N) in the input dtype, its padding
     left as the kernel writes it (zeros); ``n``, ``chunk``: the rows of A and of a chunk (a
     multiple of BLOCK_M unless it is all of them); ``shift``: row i's positive is column
-    i + shift (M or more: none). The sums of the loss and of the scale's and
-    the bias's gradient terms are kept per row block and column split, 12·(n / 64)·splits bytes
+    i + shift of ``b``, none where that is outside [0, M) (M or more: none at all; −c0 for the
+    chunk of columns from c0 on). The sums of the loss and of the scale's and the bias's
+    gradient terms are kept per row block and column split, 12·(n / 64)·splits bytes
     (splits ≤ one per SM), and added up in the same order every call (``totals``).
     """
 
