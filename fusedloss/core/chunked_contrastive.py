@@ -147,34 +147,29 @@ def _siglip_sm90(a, b, scale, bias, coef, needs, grad_a, grad_b, has_bias: bool,
     g = torch.empty((-(-rows // sm90.BLOCK_M) * sm90.BLOCK_M,
                      -(-cols // sm90.BLOCK_N) * sm90.BLOCK_N), dtype=a.dtype, device=a.device)
     scale, bias = scale.reshape(()), bias.reshape(())
+    column_chunks = [(c0, b[c0:c0 + cols]) for c0 in range(0, m, cols)]
     # Row i's positive is column i + shift: i + shift − c0 of the chunk from column c0 on.
-    kernels = [(c0, sm90.Chunks(b[c0:c0 + cols], scale, bias, coef, g, n, rows, shift - c0))
-               for c0 in range(0, m, cols)]
-    acc_rows = None  # dA's rows over the column chunks, fp32
+    kernels = [sm90.Chunks(b_c, scale, bias, coef, g, n, rows, shift - c0)
+               for c0, b_c in column_chunks]
+    acc_rows = None  # dA's rows summed over the column chunks, fp32
     if grad_a is not None and not accumulate and len(kernels) > 1:
         acc_rows = torch.empty((rows, a.shape[1]), dtype=torch.float32, device=a.device)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         a_c = a[r0:r1]
-        for c0, kernel in kernels:
+        if acc_rows is not None:
+            acc_rows.zero_()
+        for (c0, b_c), kernel in zip(column_chunks, kernels, strict=True):
             kernel(a_c, r0)
-            b_c = b[c0:c0 + cols]
             g_c = g[: r1 - r0, : b_c.shape[0]]
+            grad_b_c = None if grad_b is None else grad_b[c0:c0 + b_c.shape[0]]
             if acc_rows is None:
-                _products(g_c, a_c, b_c, grad_a, grad_b[c0:c0 + cols] if grad_b is not None
-                          else None, r0, r1, accumulate)
-                continue
-            if c0 == 0:
-                mm_f32(g_c, b_c, out=acc_rows[: r1 - r0])
+                _products(g_c, a_c, b_c, grad_a, grad_b_c, r0, r1, accumulate)
             else:
-                addmm_f32_(acc_rows[: r1 - r0], g_c, b_c)
-            if grad_b is not None:
-                addmm_f32_(grad_b[c0:c0 + cols], g_c.T, a_c)
+                _products(g_c, a_c, b_c, acc_rows, grad_b_c, 0, r1 - r0, True)
         if acc_rows is not None:
             grad_a[r0:r1].copy_(acc_rows[: r1 - r0])
-    totals = kernels[0][1].totals()
-    for _, kernel in kernels[1:]:
-        totals = totals + kernel.totals()
+    totals = sum(kernel.totals() for kernel in kernels)
     loss = totals[0] * coef
     grad_scale = totals[1] if needs.scale else None
     grad_bias = totals[2] if needs.bias and has_bias else None
