@@ -286,3 +286,49 @@ def test_keyword_arguments_reach_the_function(graphs):
         (out,) = replay.call(_scaled, x, scale=torch.tensor(2.0, device=DEVICE))
         assert torch.equal(out, 2 * x)
     assert len(graphs) == 1
+
+
+@requires_triton
+def test_a_backward_copies_its_saved_operands_once(monkeypatch, graphs, tune):
+    """A replayed step copies A and B into the buffers once, for its forward: its backward,
+    which autograd hands the same unchanged tensors, reads them there (the gradients as the
+    direct step's, exactly)."""
+    sources: list[int] = []
+    real = torch._foreach_copy_
+
+    def spy(buffers, tensors):
+        sources.extend(id(t) for t in tensors)
+        return real(buffers, tensors)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    tune(replay_work=1 << 40)
+    scale = torch.tensor(10.0, device=DEVICE, requires_grad=True)
+    for seed in range(3):  # direct, captured, replayed
+        a, b = _features(seed, 48, 32), _features(seed + 10, 48, 32)
+        sources.clear()
+        got = _clip_step(a, b, scale)
+        if seed > 0:  # replayed steps: A and B copied once each
+            assert sources.count(id(a)) == sources.count(id(b)) == 1
+        with config.tuned(replay_work=0, split_accumulator=False):
+            want = _clip_step(a, b, scale)
+        for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@requires_triton
+def test_a_backward_after_another_forward_of_its_shapes(graphs, tune):
+    """Two losses of the same shapes, both forwards before either backward: the second forward
+    fills the buffers that held the first one's A and B, so the first backward copies its own
+    again; both steps equal the direct ones, exactly."""
+    tune(replay_work=1 << 40)
+    scale = torch.tensor(10.0, device=DEVICE, requires_grad=True)
+    for seed in range(3):
+        pairs = [(_features(seed + k, 48, 32), _features(seed + k + 10, 48, 32)) for k in (0, 5)]
+        losses = [fusedloss.clip_loss(a, b, scale, backend="triton") for a, b in pairs]
+        got = [torch.autograd.grad(loss, (a, b, scale))
+               for loss, (a, b) in zip(losses, pairs, strict=True)]
+        with config.tuned(replay_work=0, split_accumulator=False):
+            want = [_clip_step(a, b, scale)[1] for a, b in pairs]
+        for g, w in zip(got, want, strict=True):
+            for x, y in zip(g, w, strict=True):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)

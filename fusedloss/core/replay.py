@@ -18,6 +18,12 @@ its arguments that reads nothing back to the host (the engine's default paths: d
 "Host synchronization"), called with its tensors' device current (as the ops' bodies run:
 ``ops._common.op_body``), where the graph is captured and replayed.
 
+``reuse`` names tensors whose buffer may still hold them: autograd's saved tensors, which a
+backward receives unchanged since the forward copied them (autograd checks their version
+counters, ``Tensor._version``, which every in-place write bumps). Such a tensor is not copied
+again where its buffer's last copy came from it at its present version: a replayed step copies
+its features once.
+
 What a signature holds on the GPU while it stays cached (at most ``CAPACITY`` signatures, the
 least recently used dropped first): buffers for its input tensors (shared with the other
 graphs replayed on the stream: the forward's A and B are the backward's), the graph's outputs,
@@ -55,10 +61,11 @@ def applies(device: torch.device, work: int) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def call(fn: Callable[..., Any], *args, **kwargs) -> Any:
+def call(fn: Callable[..., Any], *args, reuse: tuple[torch.Tensor, ...] = (), **kwargs) -> Any:
     """``fn(*args, **kwargs)``, its launches replayed from a CUDA graph from the second call with
     the same signature on (see the module's doc). The result equals ``fn``'s (the same kernels
-    on the same values); its tensors are new, as ``fn``'s would be."""
+    on the same values); its tensors are new, as ``fn``'s would be. ``reuse``: tensors of
+    ``args`` that an earlier replay may have left in their buffers (autograd's saved tensors)."""
     tensors: list[torch.Tensor] = []  # each distinct tensor once
     spec = _flatten((args, tuple(sorted(kwargs.items()))), tensors, {})
     key = (fn, spec, tuple(_metadata(t) for t in tensors), config.tuning(), _precision(),
@@ -75,7 +82,9 @@ def call(fn: Callable[..., Any], *args, **kwargs) -> Any:
             entry = _DIRECT
         _remember(key, entry)
     _CACHE.move_to_end(key)
-    return fn(*args, **kwargs) if entry is _DIRECT else entry.run(tensors)
+    if entry is _DIRECT:
+        return fn(*args, **kwargs)
+    return entry.run(tensors, {id(t) for t in reuse})
 
 
 def clear() -> None:
@@ -89,11 +98,17 @@ class _Graph:
     def __init__(self, graph, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
         self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
 
-    def run(self, tensors: list[torch.Tensor]) -> Any:
-        """The graph on ``tensors`` (the call's distinct tensors, as ``_flatten`` lists them)."""
+    def run(self, tensors: list[torch.Tensor], reuse: set[int] = frozenset()) -> Any:
+        """The graph on ``tensors`` (the call's distinct tensors, as ``_flatten`` lists them);
+        ``reuse``: the ids of those that need no copy where their buffer holds them."""
         # One call for all the copies in (and one for all the copies out): each PyTorch call
         # costs the host ~10 µs, and a backward has ~20 tensors.
-        torch._foreach_copy_(self.inputs, tensors)
+        stale = [(buffer, t) for buffer, t in zip(self.inputs, tensors, strict=True)
+                 if not (id(t) in reuse and _holds(buffer, t))]
+        if stale:
+            for buffer, t in stale:  # what each buffer holds once the copies are made
+                buffer.held = (weakref.ref(t), t._version)
+            torch._foreach_copy_(*map(list, zip(*stale, strict=True)))
         self.graph.replay()
         copies = [torch.empty_like(t) for t in self.outputs]
         if copies:
@@ -217,12 +232,23 @@ def _input_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return buffers
 
 
+def _holds(buffer: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``buffer``'s last copy came from ``t``, unchanged since (its version). Each
+    buffer keeps its last copy's source as ``held``: (a weak reference to the tensor, whose
+    id a new tensor may take once it is gone, and its version then)."""
+    source, version = buffer.held
+    return source() is t and version == t._version
+
+
 def _buffer(t: torch.Tensor) -> torch.Tensor:
     """A tensor to copy ``t``'s values into: ``t``'s strides, or contiguous where ``t`` repeats
     elements (an expand's stride 0), which a copy cannot write."""
     if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    else:
+        buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    buffer.held = (lambda: None, -1)  # nothing yet (see _holds)
+    return buffer
 
 
 def _metadata(t: torch.Tensor) -> tuple:

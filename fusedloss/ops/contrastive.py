@@ -153,7 +153,8 @@ def backward(
             tile_log_mass, col_tile_log_mass, kind, filter_eps, backend, user_target, need_a,
             need_b, need_scale, need_bias)
     if replays(a, b.shape[0], backend):
-        return replay.call(_backward, *args, replayed=True)
+        # the forward's operands, saved by autograd: their buffers may still hold them
+        return replay.call(_backward, *args, reuse=(a, b, scale, bias, target), replayed=True)
     return _backward(*args)
 
 
