@@ -332,3 +332,19 @@ def test_a_backward_after_another_forward_of_its_shapes(graphs, tune):
         for g, w in zip(got, want, strict=True):
             for x, y in zip(g, w, strict=True):
                 torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@requires_triton
+def test_inference_tensors_replay(graphs, tune):
+    """Under torch.inference_mode (its tensors keep no version counter) replayed forwards equal
+    the direct ones."""
+    tune(replay_work=1 << 40)
+    with torch.inference_mode():
+        scale = torch.tensor(10.0, device=DEVICE)
+        for seed in range(3):
+            a, b = _features(seed, 48, 32).detach(), _features(seed + 10, 48, 32).detach()
+            got = fusedloss.clip_loss(a, b, scale, backend="triton")
+            with config.tuned(replay_work=0):
+                want = fusedloss.clip_loss(a, b, scale, backend="triton")
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(graphs) == 1

@@ -107,7 +107,7 @@ class _Graph:
                  if not (id(t) in reuse and _holds(buffer, t))]
         if stale:
             for buffer, t in stale:  # what each buffer holds once the copies are made
-                buffer.held = (weakref.ref(t), t._version)
+                buffer.held = (weakref.ref(t), _version(t))
             torch._foreach_copy_(*map(list, zip(*stale, strict=True)))
         self.graph.replay()
         copies = [torch.empty_like(t) for t in self.outputs]
@@ -237,7 +237,13 @@ def _holds(buffer: torch.Tensor, t: torch.Tensor) -> bool:
     buffer keeps its last copy's source as ``held``: (a weak reference to the tensor, whose
     id a new tensor may take once it is gone, and its version then)."""
     source, version = buffer.held
-    return source() is t and version == t._version
+    return source() is t and version is not None and version == _version(t)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor (``torch.inference_mode``), which
+    keeps none: its buffer is always filled again."""
+    return None if t.is_inference() else t._version
 
 
 def _buffer(t: torch.Tensor) -> torch.Tensor:
