@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -98,17 +98,20 @@ class _Graph:
     def __init__(self, graph, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
         self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
 
-    def run(self, tensors: list[torch.Tensor], reuse: set[int] = frozenset()) -> Any:
+    def run(self, tensors: list[torch.Tensor], reuse: Collection[int] = ()) -> Any:
         """The graph on ``tensors`` (the call's distinct tensors, as ``_flatten`` lists them);
         ``reuse``: the ids of those that need no copy where their buffer holds them."""
+        buffers, sources = [], []
+        for buffer, t in zip(self.inputs, tensors, strict=True):
+            if id(t) in reuse and _holds(buffer, t):
+                continue
+            buffer.held = (weakref.ref(t), _version(t))  # what it holds once copied
+            buffers.append(buffer)
+            sources.append(t)
         # One call for all the copies in (and one for all the copies out): each PyTorch call
         # costs the host ~10 µs, and a backward has ~20 tensors.
-        stale = [(buffer, t) for buffer, t in zip(self.inputs, tensors, strict=True)
-                 if not (id(t) in reuse and _holds(buffer, t))]
-        if stale:
-            for buffer, t in stale:  # what each buffer holds once the copies are made
-                buffer.held = (weakref.ref(t), _version(t))
-            torch._foreach_copy_(*map(list, zip(*stale, strict=True)))
+        if buffers:
+            torch._foreach_copy_(buffers, sources)
         self.graph.replay()
         copies = [torch.empty_like(t) for t in self.outputs]
         if copies:
