@@ -103,7 +103,7 @@ def compile_recompute(diag_mask: bool, d: int) -> None:
     stages = fwd.stages(d, 2, bwd._EXCHANGE_BYTES)
     kernel = _compile(
         bwd._clip_grad_sm90_kernel,
-        [a_desc, b_desc, f32, f32, i64, f32, f32, i64, *[f32] * 5, u8, a, f32,
+        [a_desc, b_desc, f32, f32, i64, f32, f32, i64, *[f32] * 4, u8, a, f32,
          4096, 4096, 64, 0, 32, 32, 8, 32],
         _constants(d, stages, HAS_BIAS=True, HAS_SCALE=True, SCALE_DX=False, HAS_TARGET=True,
                    COL_LSE=True, GRAD_SCALE=True, DIAG_MASK=diag_mask,

@@ -19,11 +19,11 @@ product that the Triton kernel's one-tile programs read (docs/design.md, "The Ho
 backward").
 
 Nothing in a tile's epilogue waits for the other warps of its warpgroup but the column
-coefficients' layout exchange: the host precomputes the rows' largest max per row block and
-the columns' smallest max per tile (``Recompute``; the two sides of the factored form's range
-check, which the Triton kernel reduces inside every tile), each row block's target range is
-reduced once, and d(scale)'s partial sums stay per row in registers until the row block ends
-(one total per row block and split, where the Triton kernel writes one per tile).
+coefficients' layout exchange: the two sides of the factored form's range check, which the
+Triton kernel reduces inside every tile, are reduced once per row block (the rows' largest
+max, as the block's target range) and once per call on the host (the columns' smallest max
+per tile, ``Recompute``), and d(scale)'s partial sums stay per row in registers until the row
+block ends (one total per row block and split, where the Triton kernel writes one per tile).
 
 Gluon kernels run on the GPU only: the Triton kernel serves every other case and the
 interpreter, and the GPU tests (``tests/test_sm90_backward.py``) compare the two.
@@ -159,7 +159,7 @@ def _grad_tile(raw, t, live, rb, offs_m, m_rows, row_max, coef_lse, a_row, ref,
 @gluon.jit
 def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
               bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr, coef_target_ptr,
-              block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr, live_ptr,
+              col_max_ptr, coef_col_ptr, tile_low_ptr, live_ptr,
               scratch_ptr, dscale_ptr,
               n_valid, V, width, slab_tile_start, n_col_tiles,
               block_begin, block_end, tile_begin, tile_end,
@@ -194,7 +194,8 @@ def _consumer(W: gl.constexpr, a_smem, b_smem, a_ready, a_empty, ready, empty,
         ref = 0.0
         a_row = coef_lse
         if COL_LSE:
-            ref = gl.load(block_ref_ptr + live_rb)
+            # the rows' largest max: the rows' side of the factored form's range check
+            ref = gl.max(gl.where(m_rows, row_max, float("-inf")), axis=0)
             a_row = gl.exp(row_max - ref)
         target = offs_m
         coef_target = coef_lse
@@ -248,7 +249,6 @@ def _clip_grad_sm90_kernel(
     coef_lse_ptr,          # (N,) fp32 r_i / Σ_j exp(X_ij − max_i)
     target_ptr,            # (N,) int64 target column ids (HAS_TARGET)
     coef_target_ptr,       # (N,) fp32 t_i (HAS_TARGET)
-    block_ref_ptr,         # (row blocks,) fp32 largest valid row max per block (COL_LSE)
     col_max_ptr,           # (V,) fp32 column max (COL_LSE)
     coef_col_ptr,          # (V,) fp32 c_j / Σ_i exp(X_ij − max_j) (COL_LSE)
     tile_low_ptr,          # (column tiles,) fp32 smallest valid column max per tile (COL_LSE)
@@ -277,7 +277,7 @@ def _clip_grad_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (0, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
-                     coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
+                     coef_target_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
@@ -285,7 +285,7 @@ def _clip_grad_sm90_kernel(
                      BLOCK_M, BLOCK_N, K_TILES, STAGES, STREAM_A)),
         (_consumer, (1, a_smem, b_smem, a_ready, a_empty, ready, empty,
                      bias_ptr, scale_ptr, row_max_ptr, coef_lse_ptr, target_ptr,
-                     coef_target_ptr, block_ref_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
+                     coef_target_ptr, col_max_ptr, coef_col_ptr, tile_low_ptr,
                      live_ptr, scratch_ptr, dscale_ptr,
                      n_valid, V, width, slab_tile_start, n_col_tiles,
                      block_begin, block_end, tile_begin, tile_end,
@@ -331,21 +331,19 @@ class Recompute:
 
     def __init__(self, a_rows, b, logits, rows, stats, coef, live, out):
         scratch, dscale = out
-        n, (v, d) = a_rows.shape[0], b.shape
+        v, d = b.shape
         n_rb, n_ct = live.shape
-        f32 = dict(dtype=torch.float32, device=b.device)
         col_lse = coef.col is not None
         has_target = rows.target is not None and coef.target is not None
         dummy = stats.max
-        block_ref = tile_low = dummy
+        tile_low = dummy
         if col_lse:
-            # the factored form's range check, as the Triton kernel forms it in every tile
-            valid = torch.arange(n_rb * BLOCK_M, device=b.device) < rows.n_valid
-            row_max = torch.full((n_rb * BLOCK_M,), float("-inf"), **f32)
-            row_max[:n] = stats.max
-            block_ref = torch.where(valid, row_max, float("-inf")).view(n_rb, BLOCK_M).amax(1)
-            col_max = torch.full((n_ct * BLOCK_N,), float("inf"), **f32)
-            col_max[:v] = stats.col_max
+            # the columns' side of the factored form's range check (the Triton kernel reduces
+            # it in every tile), padded columns at +inf
+            col_max = stats.col_max
+            if v < n_ct * BLOCK_N:
+                col_max = torch.nn.functional.pad(col_max, (0, n_ct * BLOCK_N - v),
+                                                  value=float("inf"))
             tile_low = col_max.view(n_ct, BLOCK_N).amin(1)
         self._slots = config.sm_count(b.device)
         self._v, self._n_ct = v, n_ct
@@ -356,7 +354,7 @@ class Recompute:
             stats.max, coef.lse,
             rows.target if has_target else rows.index,
             coef.target if has_target else dummy,
-            block_ref, stats.col_max if col_lse else dummy, coef.col if col_lse else dummy,
+            stats.col_max if col_lse else dummy, coef.col if col_lse else dummy,
             tile_low, live.view(torch.uint8), scratch, dscale if dscale is not None else dummy,
         )
         self._width = scratch.shape[1]
