@@ -487,26 +487,6 @@ def test_missing_peer_times_out_instead_of_hanging(workers):
     assert isinstance(results[0], Raised), results[0]
 
 
-def test_replayed_ring_blocks_take_the_triton_recompute(monkeypatch):
-    """A block small enough to replay runs with the Hopper recompute off (its transfers did not
-    overlap the Hopper kernel's compute); a larger one with the tuning as it is."""
-    from fusedloss.core import config
-
-    seen = []
-
-    def record(*_args, **_kwargs):
-        seen.append(config.tuning().gluon_recompute_tiles)
-
-    monkeypatch.setattr(ring.replay, "call", record)
-    x = torch.ones(2, 2)
-    monkeypatch.setattr(ring, "replays", lambda a, columns, backend: True)
-    ring._block(record, "triton", x, x)
-    monkeypatch.setattr(ring, "replays", lambda a, columns, backend: False)
-    ring._block(record, "triton", x, x)
-    default = config.Tuning().gluon_recompute_tiles
-    assert seen[0] > 2**40 and seen[1] == config.tuning().gluon_recompute_tiles == default
-
-
 def test_needs_a_process_group():
     x = torch.randn(3, 4)
     if dist.is_initialized():
@@ -939,6 +919,72 @@ def test_nccl_ring_replayed_as_a_cuda_graph():
         for eager, replayed in per_rank:
             for want, got in zip(eager, replayed, strict=True):
                 assert torch.equal(got, want)
+
+
+def _nccl_replay_case(rank, world, b, c):
+    """Each loss on the ring four times on new inputs, replayed (its graphs captured at the
+    second call) on rank 0 and direct on the others, against direct calls on every rank on
+    the same inputs: (kind, call, replayed values, direct values) per call; and how many
+    graphs rank 0 holds."""
+    from fusedloss.core import config, replay
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    replay.clear()
+    g = torch.Generator(device=dev).manual_seed(rank)
+    mine = {} if rank == 0 else {"replay_work": 0}
+    out = []
+
+    def features(rows):
+        return F.normalize(torch.randn(rows, c, device=dev, generator=g), dim=1).bfloat16()
+
+    def run(kind, x, y, scale, bias):
+        x, y = x.clone().requires_grad_(), y.clone().requires_grad_()
+        s = scale.clone().requires_grad_()
+        leaves = (x, y, s) if kind != "nt_xent" else (x, s)
+        if kind == "clip":
+            loss = fd.clip_loss(x, y, s)
+        elif kind == "siglip":
+            bias = bias.clone().requires_grad_()
+            leaves = (*leaves, bias)
+            loss = fd.siglip_loss(x, y, s, bias)
+        elif kind == "info_nce":
+            loss = fd.info_nce_loss(x, y, temperature=s)
+        else:
+            loss = fd.nt_xent_loss(x, s)
+        return [loss.detach().cpu(), *(t.float().cpu() for t in torch.autograd.grad(
+            loss * 3.0, leaves))]
+
+    for kind in ("clip", "siglip", "info_nce", "nt_xent"):
+        scale = torch.tensor(0.1 if kind in ("info_nce", "nt_xent") else 20.0, device=dev)
+        bias = torch.tensor(-10.0, device=dev)
+        for call in range(4):
+            x, y = features(b), features(2 * b if kind == "info_nce" else b)
+            with config.tuned(**mine):
+                replayed = run(kind, x, y, scale, bias)
+            with config.tuned(replay_work=0):
+                direct = run(kind, x, y, scale, bias)
+            out.append((kind, call, replayed, direct))
+    return out, len(replay._CACHE)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_nccl_ring_replays_its_launches_between_its_transfers():
+    """A small ring replays its launches as CUDA graphs, its transfers posted between them on
+    the host: every loss, from its capture on, gives what a direct call gives, bit for bit,
+    also where one rank replays and the other does not; and the group is destroyed afterwards
+    without waiting on the graphs (a worker that does not leave is killed and listed)."""
+    workers = Workers(2, backend="nccl")
+    try:
+        results = all_ok(workers.run(_nccl_replay_case, 2048, 128))
+    finally:
+        workers.close()
+    assert workers.killed == []
+    assert results[0][1] > 0 and results[1][1] == 0  # rank 0 holds graphs, rank 1 none
+    for per_rank, _ in results:
+        for kind, call, replayed, direct in per_rank:
+            for got, want in zip(replayed, direct, strict=True):
+                assert torch.equal(got, want), (kind, call)
 
 
 # ---------------------------------------------------------------------------------------------

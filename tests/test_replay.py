@@ -31,6 +31,8 @@ class _Rerun:
             out.copy_(value)
         self.replays += 1
 
+    run = replay  # a ``replay._Tape``'s replay
+
 
 _CAPTURING = []
 

@@ -66,6 +66,7 @@ class Workers:
         for p in self._procs:
             p.start()
         self.alive = True
+        self.killed: list[int] = []  # ranks that did not leave within 5 s of ``close``
 
     def run(self, fn, *args) -> list:
         """fn(rank, world, *args) on every rank; the results (or ``Raised``) in rank order."""
@@ -92,10 +93,11 @@ class Workers:
         self.alive = False
         for inbox in self._inboxes:
             inbox.put(None)
-        for p in self._procs:
+        for rank, p in enumerate(self._procs):
             p.join(timeout=5)
-            if p.is_alive():
+            if p.is_alive():  # hung, e.g. in destroy_process_group
                 p.kill()
+                self.killed.append(rank)
 
 
 def _serve(rank: int, world: int, path: str, backend: str, inbox, outbox) -> None:

@@ -30,12 +30,24 @@ graphs replayed on the stream: the forward's A and B are the backward's), the gr
 and the memory ``fn`` used while it ran (its scratch), reserved for the graph rather than
 returned to PyTorch's allocator. ``Tuning.replay_work`` bounds the calls that replay (and so
 this memory); ``Tuning.replay_work = 0`` turns replay off. :func:`clear` drops every graph.
+
+Host steps: what ``fn`` must do on the host between its launches, such as posting a transfer to
+another process and making the stream wait for it, goes through :func:`host`. Called directly,
+``host(action)`` runs ``action()`` then and there; while a call is captured, it ends the graph
+captured so far and notes ``action``, and the capture goes on in a new graph (the graphs share
+one memory pool): a replay launches the graphs in order and runs each noted action between
+them. So a replayed call makes the same host steps, in the same order, as a direct one, and
+no transfer is ever captured in a graph: a process may replay while its peer runs directly,
+and ``torch.distributed.destroy_process_group`` does not wait for graphs that hold transfers
+(NCCL keeps a communicator alive while a graph holds one of its operations). A capture runs no
+action: the replay that follows it does.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Collection
 from typing import Any
@@ -92,8 +104,52 @@ def clear() -> None:
     _CACHE.clear()
 
 
+def host(action: Callable[[], Any]) -> None:
+    """``action()``: host work between launches (see the module's doc, "Host steps"), run now,
+    or, while :func:`call` captures, at this place in every replay of the captured call."""
+    if _TAPES:
+        _TAPES[-1].cut(action)
+    else:
+        action()
+
+
+class _Tape:
+    """A capture in progress, cut into graphs at its host steps: (graph or None where nothing
+    was launched, the host step after it or None) in order."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.segments: list[tuple[Any, Callable[[], Any] | None]] = []
+        self.graph = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (a communication library's) may keep working meanwhile
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def cut(self, action: Callable[[], Any] | None) -> None:
+        """Ends the graph being captured, notes ``action`` after it, and (for an action) begins
+        the next graph."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.graph.capture_end()
+        empty = any("graph is empty" in str(w.message).lower() for w in caught)
+        self.segments.append((None if empty else self.graph, action))
+        self.graph = None
+        if action is not None:
+            self.begin()
+
+    def run(self) -> None:
+        for graph, action in self.segments:
+            if graph is not None:
+                graph.replay()
+            if action is not None:
+                action()
+
+
 class _Graph:
-    """One signature's graph: its input buffers, its outputs (structure and tensors)."""
+    """One signature's graph (a ``_Tape``: one or more CUDA graphs between host steps): its
+    input buffers, its outputs (structure and tensors)."""
 
     def __init__(self, graph, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
         self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
@@ -112,7 +168,7 @@ class _Graph:
         # costs the host ~10 µs, and a backward has ~20 tensors.
         if buffers:
             torch._foreach_copy_(buffers, sources)
-        self.graph.replay()
+        self.graph.run()
         copies = [torch.empty_like(t) for t in self.outputs]
         if copies:
             torch._foreach_copy_(copies, self.outputs)
@@ -124,24 +180,26 @@ def _capture(fn, spec, tensors: list[torch.Tensor]) -> _Graph:
     filled at each replay)."""
     inputs = _input_buffers(tensors)
     device = tensors[0].device
-    graph = torch.cuda.CUDAGraph()
+    tape = _Tape()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        # thread_local: other threads (a communication library's) may keep working meanwhile
-        graph.capture_begin(capture_error_mode="thread_local")
+        tape.begin()
+        _TAPES.append(tape)
         try:
             args, kwargs = _unflatten(spec, inputs)
             result = fn(*args, **dict(kwargs))
         finally:
-            graph.capture_end()
+            _TAPES.pop()
+            tape.cut(None)
     torch.cuda.current_stream(device).wait_stream(stream)
     outputs: list[torch.Tensor] = []
     out_spec = _flatten(result, outputs, None)  # RuntimeError for a result it cannot rebuild
-    return _Graph(graph, inputs, out_spec, outputs)
+    return _Graph(tape, inputs, out_spec, outputs)
 
 
 _CACHE: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_TAPES: list[_Tape] = []  # the capture in progress (nested calls run directly inside one)
 
 
 def _remember(key: tuple, value):

@@ -36,9 +36,12 @@ accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and the dA accu
 bytes), O(b_max) column statistics, the per-step tile statistics the backward's filtering
 reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the engine's own working memory for one
 (b_r × b_s) block. (The tile statistics grow with the global batch: past
-``TILE_STATS_BUDGET`` the ring does not filter.) Blocks whose products fit
-``Tuning.replay_work`` replay the engine's launches as CUDA graphs (``core/replay.py``), which
-keep that working memory, the block's inputs and its outputs between calls.
+``TILE_STATS_BUDGET`` the ring does not filter.) Where every block's products fit
+``Tuning.replay_work`` (16384 rows a rank at c ≤ 1024), a rank's whole tour, forward and
+backward, replays its launches as CUDA graphs (``core/replay.py``), its transfers posted and
+awaited on the host between them: the graphs keep that working memory (the parcels and
+accumulators above, one block's engine memory), the call's inputs and its outputs between
+calls.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core import chunked_contrastive, config, engine, replay
+from ..core import chunked_contrastive, engine, replay
 from ..core.engine import GradCoefficients, Rows, RowStats
 from ..core.filtering import gradient_mass
 from ..families import contrastive as family
@@ -93,7 +96,14 @@ def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | 
             labels: Tensor | None, record: bool) -> tuple[Tensor, Saved]:
     """Per-row losses (n,) fp32 of this rank's rows against the global columns (the table in
     ``fusedloss/ops/contrastive.py``), and what the backward needs (``record``: keep the
-    per-step tile statistics that filtering reads)."""
+    per-step tile statistics that filtering reads). Replayed where ``_replays``."""
+    args = (call, a, b, scale, bias, labels, record)
+    return replay.call(_forward, *args) if _replays(call, a) else _forward(*args)
+
+
+def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
+             labels: Tensor | None, record: bool) -> tuple[Tensor, Saved]:
+    """``forward`` (its arguments in order)."""
     layout, kind, filter_eps, backend = call.layout, call.kind, call.filter_eps, call.backend
     n, d = a.shape
     dev = a.device
@@ -117,15 +127,15 @@ def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | 
         return _Parcel(specs, dev)
 
     parcel = arriving(0)
-    shift = Shift(layout, [b], parcel.parts[:1]) if world > 1 else None
+    shift = _Transfer(layout, [b], parcel.parts[:1]) if world > 1 else None
     held = b
     for step in range(world):
         s = layout.block_at(step)
         m_s = held.shape[0]
         tiles, part_cols = None, None
         if n and m_s:
-            stats = _block(
-                engine.row_stats, backend, a, held,
+            stats = engine.row_stats(
+                a, held,
                 family.logits(kind, held, scale, bias, own_columns=s == layout.rank),
                 rows_of(s, m_s),
                 wants=engine.Wants(col_stats=clip, sigmoid=siglip, record_tiles=filtering),
@@ -182,14 +192,26 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
              needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
     """(dA, dB, d scale, d bias) of Σ_ranks Σ_rows grad_loss · loss for this rank's inputs,
     in their dtypes (d scale, d bias fp32; this rank's tiles' share: the shares sum over the
-    ranks to the gradient). For NT-Xent dB is added into dA and returned as None."""
+    ranks to the gradient). For NT-Xent dB is added into dA and returned as None. Replayed
+    where ``_replays``."""
+    args = (call, a, b, scale, bias, labels, saved, grad_loss.float().contiguous(), needs)
+    if _replays(call, a):
+        # the forward's operands, saved by autograd: their buffers may still hold them
+        return replay.call(_backward, *args, reuse=(a, b, scale, bias, labels))
+    return _backward(*args)
+
+
+def _backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
+              labels: Tensor | None, saved: Saved, grad_loss: Tensor,
+              needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """``backward`` (its arguments in order; ``grad_loss`` fp32)."""
     layout, kind, filter_eps, backend = call.layout, call.kind, call.filter_eps, call.backend
     need_a, need_b, need_scale, need_bias = needs
     n, d = a.shape
     dev = a.device
     world = layout.world
     clip, siglip = kind == "clip", kind == "siglip"
-    g = grad_loss.float().contiguous()
+    g = grad_loss
     half_g = 0.5 * g if clip else None
     row_log_sum = torch.log(saved.row_sum)
     row_lse = saved.row_max + row_log_sum
@@ -234,9 +256,9 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
         ahead = [saved.last_block]
         if clip:  # the first block's column statistics and coefficients, from its home
             ahead.append(torch.empty((4, saved.last_block.shape[0]), dtype=_F32, device=dev))
-            Shift(tour, [own_cols], ahead[1:]).wait()
+            _Transfer(tour, [own_cols], ahead[1:]).wait()
         if 1 < last:  # the first block goes on to rank r − 1, for its step 1
-            shift = Shift(tour, ahead, parcel.parts[:n_ahead])
+            shift = _Transfer(tour, ahead, parcel.parts[:n_ahead])
     for step in range(world):
         s = block_at(step)
         held = ahead[0]
@@ -256,8 +278,8 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
             rows = rows_of(s, m_s)
             coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
                                  layout.col_offset(s), m_s)
-            grads = _block(
-                engine.grads, backend, a, held,
+            grads = engine.grads(
+                a, held,
                 family.logits(kind, held, scale, bias, own_columns=home), rows, stats, coef,
                 sigmoid=siglip,
                 needs=engine.Needs(need_a, need_b, bias is not None and need_bias, need_scale),
@@ -316,7 +338,15 @@ def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, co
     gradients are those of Σ_ranks loss_r when every rank back-propagates the same upstream
     gradient into its loss (``distributed.contrastive._SigLipRing``). Memory per rank: the
     block in flight (c·b_max elements), the dB accumulators on their way out and in and the
-    step's part (3·4·c·b_max bytes), dA (4·n·c bytes), and one block's chunk budget."""
+    step's part (3·4·c·b_max bytes), dA (4·n·c bytes), and one block's chunk budget.
+    Replayed where ``_replays``."""
+    args = (call, a, b, scale, bias, coef, needs)
+    return replay.call(_siglip, *args) if _replays(call, a) else _siglip(*args)
+
+
+def _siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, coef: float,
+            needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor, ...]:
+    """``siglip`` (its arguments in order)."""
     layout = call.layout
     need_a, need_b, need_scale, need_bias = needs
     n, d = a.shape
@@ -339,7 +369,7 @@ def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, co
         return _Parcel(specs, dev)
 
     parcel = arriving(0)
-    shift = Shift(layout, [b], parcel.parts[:1]) if world > 1 else None
+    shift = _Transfer(layout, [b], parcel.parts[:1]) if world > 1 else None
     held, grad_b = b, None
     for step in range(world):
         s = layout.block_at(step)
@@ -385,36 +415,50 @@ def _add_part(acc: Tensor, part: Tensor | None, first: bool) -> None:
         acc += part
 
 
-def _block(fn, backend: str, a: Tensor, held: Tensor, /, *args, **kwargs):
-    """``fn(a, held, *args, **kwargs)``: one block's engine call, its launches replayed as a
-    CUDA graph where the block is small (``ops._common.replays``): at 16384 rows per rank the
-    host, not the GPU, sets the pace of a block's dozens of launches. Such a block's backward
-    takes the Triton recompute, not the Hopper one: with the Hopper kernel the ring's transfers
-    did not overlap the compute at all (2 GPUs, 16384 rows per rank: 6.58 and 5.82 ms a step
-    against 5.32 and 5.48, alternating; docs/results.md)."""
-    if replays(a, held.shape[0], backend):
-        with config.tuned(gluon_recompute_tiles=_NEVER):
-            return replay.call(fn, a, held, *args, **kwargs)
-    return fn(a, held, *args, **kwargs)
+def _replays(call: RingCall, a: Tensor) -> bool:
+    """Whether this rank's side of the ring replays its launches as CUDA graphs
+    (``core/replay.py``), its transfers posted and awaited between them (``_Transfer``): the
+    Triton backend on CUDA with blocks of at most ``Tuning.replay_work`` multiply-adds (this
+    rank's rows against the largest block), where the host, not the GPU, would set the pace:
+    a 2-GPU ring of 16384 rows a rank makes ~200 launches and 6 transfers a step. Each rank
+    decides for itself: a replay makes the same transfers as a direct call."""
+    return replays(a, max(call.layout.cols), call.backend)
 
 
-_NEVER = 1 << 62  # more tiles than any call has
+class _Transfer:
+    """A ``Shift`` (one send to the next rank, one receive from the previous) whose posting and
+    waiting are host steps (``replay.host``): in a replayed ring they run between its graphs,
+    never inside one."""
+
+    def __init__(self, layout: Layout, send: list[Tensor], recv: list[Tensor]):
+        self.args, self.shift = (layout, list(send), list(recv)), None
+        replay.host(self._post)
+
+    def _post(self) -> None:
+        self.shift = Shift(*self.args)
+
+    def wait(self) -> None:
+        replay.host(self._wait)
+
+    def _wait(self) -> None:
+        self.shift.wait()
+        self.shift = None
 
 
 def _pass_on(layout: Layout, step: int, parcel: _Parcel, block_sections: int,
-             carries: bool, arriving, last_arriving: int) -> tuple[_Parcel, Shift | None]:
+             carries: bool, arriving, last_arriving: int) -> tuple[_Parcel, _Transfer | None]:
     """The boundary after ``step``: sends ``parcel`` on to the next rank as one transfer — the
     block it needs next (none once the blocks that arrive by transfer are through: the steps up
     to ``last_arriving`` take one; the parcel's first ``block_sections`` sections then stay) and
     what follows (``carries``: statistics or an accumulator) — and posts the receive of the
-    parcel ``arriving(step + 1)``. Returns that parcel and its ``Shift`` (None where nothing
+    parcel ``arriving(step + 1)``. Returns that parcel and its ``_Transfer`` (None where nothing
     travels). The caller's earlier parcel is released before the new one is allocated."""
     has_block, next_needs_block = step + 1 <= last_arriving, step + 2 <= last_arriving
     if layout.world == 1 or not (carries or next_needs_block):
         return parcel, None
     first = block_sections if has_block and not next_needs_block else 0
     incoming = arriving(step + 1)
-    return incoming, Shift(layout, [parcel.from_part(first)], [incoming.buffer])
+    return incoming, _Transfer(layout, [parcel.from_part(first)], [incoming.buffer])
 
 
 class _Parcel:
