@@ -350,3 +350,67 @@ def test_inference_tensors_replay(graphs, tune):
                 want = fusedloss.clip_loss(a, b, scale, backend="triton")
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(graphs) == 1
+
+
+class _FakeGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` that logs its calls (no launches on the CPU);
+    a graph captured while ``empty`` is set warns as PyTorch does for a graph without nodes."""
+
+    log: list = []
+    empty = False
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.log.append(("begin", pool, capture_error_mode))
+
+    def capture_end(self):
+        self.log.append(("end",))
+        if _FakeGraph.empty:
+            import warnings
+            warnings.warn("The CUDA Graph is empty. This usually means that the graph was "
+                          "attempted to be captured on wrong device or stream.", stacklevel=1)
+
+    def replay(self):
+        self.log.append(("replay", self))
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    _FakeGraph.log, _FakeGraph.empty = [], False
+    yield _FakeGraph.log
+
+
+def test_host_steps_run_at_once_outside_a_capture():
+    done = []
+    replay.host(lambda: done.append(1))
+    assert done == [1]
+
+
+def test_host_steps_cut_a_capture_and_run_at_each_replay(fake_graphs):
+    """During a capture a host step runs nothing: it ends the graph so far and begins the next
+    in the same pool; a replay launches the graphs and runs the steps between them, in order,
+    once each. A graph captured without launches is left out of the replay."""
+    done = []
+    tape = replay._Tape()
+    tape.begin()
+    replay._TAPES.append(tape)
+    try:
+        replay.host(lambda: done.append("post"))
+        _FakeGraph.empty = True  # nothing launched between the two steps
+        replay.host(lambda: done.append("wait"))
+        _FakeGraph.empty = False
+    finally:
+        replay._TAPES.pop()
+        tape.cut(None)
+    assert done == []
+    begins = [e for e in fake_graphs if e[0] == "begin"]
+    assert len(begins) == 3 and all(e[1:] == ("pool", "thread_local") for e in begins)
+    graphs = [g for g, _ in tape.segments]
+    assert graphs[0] is not None and graphs[1] is None and graphs[2] is not None
+    for _ in range(2):
+        fake_graphs.clear()
+        tape.run()
+        assert [e[1] for e in fake_graphs] == [graphs[0], graphs[2]]
+    assert done == ["post", "wait", "post", "wait"]
+    assert [a is None for _, a in tape.segments] == [False, False, True]
