@@ -151,8 +151,8 @@ class _Graph:
     """One signature's graph (a ``_Tape``: one or more CUDA graphs between host steps): its
     input buffers, its outputs (structure and tensors)."""
 
-    def __init__(self, graph, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
-        self.graph, self.inputs, self.out_spec, self.outputs = graph, inputs, out_spec, outputs
+    def __init__(self, tape, inputs: list[torch.Tensor], out_spec, outputs: list[torch.Tensor]):
+        self.tape, self.inputs, self.out_spec, self.outputs = tape, inputs, out_spec, outputs
 
     def run(self, tensors: list[torch.Tensor], reuse: Collection[int] = ()) -> Any:
         """The graph on ``tensors`` (the call's distinct tensors, as ``_flatten`` lists them);
@@ -168,7 +168,7 @@ class _Graph:
         # costs the host ~10 µs, and a backward has ~20 tensors.
         if buffers:
             torch._foreach_copy_(buffers, sources)
-        self.graph.run()
+        self.tape.run()
         copies = [torch.empty_like(t) for t in self.outputs]
         if copies:
             torch._foreach_copy_(copies, self.outputs)

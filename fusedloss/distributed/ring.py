@@ -97,8 +97,7 @@ def forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | 
     """Per-row losses (n,) fp32 of this rank's rows against the global columns (the table in
     ``fusedloss/ops/contrastive.py``), and what the backward needs (``record``: keep the
     per-step tile statistics that filtering reads). Replayed where ``_replays``."""
-    args = (call, a, b, scale, bias, labels, record)
-    return replay.call(_forward, *args) if _replays(call, a) else _forward(*args)
+    return _run(_forward, call, a, b, scale, bias, labels, record)
 
 
 def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
@@ -194,11 +193,9 @@ def backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
     in their dtypes (d scale, d bias fp32; this rank's tiles' share: the shares sum over the
     ranks to the gradient). For NT-Xent dB is added into dA and returned as None. Replayed
     where ``_replays``."""
-    args = (call, a, b, scale, bias, labels, saved, grad_loss.float().contiguous(), needs)
-    if _replays(call, a):
-        # the forward's operands, saved by autograd: their buffers may still hold them
-        return replay.call(_backward, *args, reuse=(a, b, scale, bias, labels))
-    return _backward(*args)
+    # reuse: the forward's operands, saved by autograd: their buffers may still hold them
+    return _run(_backward, call, a, b, scale, bias, labels, saved,
+                grad_loss.float().contiguous(), needs, reuse=(a, b, scale, bias, labels))
 
 
 def _backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
@@ -340,8 +337,7 @@ def siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, co
     block in flight (c·b_max elements), the dB accumulators on their way out and in and the
     step's part (3·4·c·b_max bytes), dA (4·n·c bytes), and one block's chunk budget.
     Replayed where ``_replays``."""
-    args = (call, a, b, scale, bias, coef, needs)
-    return replay.call(_siglip, *args) if _replays(call, a) else _siglip(*args)
+    return _run(_siglip, call, a, b, scale, bias, coef, needs)
 
 
 def _siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, coef: float,
@@ -415,6 +411,13 @@ def _add_part(acc: Tensor, part: Tensor | None, first: bool) -> None:
         acc += part
 
 
+def _run(fn, call: RingCall, a: Tensor, *rest, reuse: tuple = ()):
+    """``fn(call, a, *rest)``, through ``replay.call`` (with ``reuse``) where ``_replays``."""
+    if _replays(call, a):
+        return replay.call(fn, call, a, *rest, reuse=reuse)
+    return fn(call, a, *rest)
+
+
 def _replays(call: RingCall, a: Tensor) -> bool:
     """Whether this rank's side of the ring replays its launches as CUDA graphs
     (``core/replay.py``), its transfers posted and awaited between them (``_Transfer``): the
@@ -428,7 +431,8 @@ def _replays(call: RingCall, a: Tensor) -> bool:
 class _Transfer:
     """A ``Shift`` (one send to the next rank, one receive from the previous) whose posting and
     waiting are host steps (``replay.host``): in a replayed ring they run between its graphs,
-    never inside one."""
+    never inside one. Each posting makes the ``Shift`` this module names then (the ring
+    benchmark swaps it to record or stand in for the transfers)."""
 
     def __init__(self, layout: Layout, send: list[Tensor], recv: list[Tensor]):
         self.args, self.shift = (layout, list(send), list(recv)), None
