@@ -1560,3 +1560,43 @@ def test_siglip_chunk_shape(n, m, element_size, budget):
         assert padded <= budget or rows == 64
     else:  # all of it in one chunk: it fits, or less than a tile's rows would
         assert whole_rows >= n or n <= 64
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] != "materialized"])
+@pytest.mark.parametrize("case", ["in order", "bias", "some rows"])
+def test_grads_add_into_acc_a_and_write_out_b(backend, case):
+    """``engine.grads(acc_a=, out_b=)`` (the ring's): dA is added to the caller's fp32
+    accumulator, which comes back as Grads.a, and dB is written into the caller's buffer —
+    where the products go straight into the accumulator (every row in order, no bias) and
+    where they cannot (a bias's post-scale; a subset of the rows)."""
+    from fusedloss.families import contrastive as family
+
+    gen = torch.Generator().manual_seed(5)
+    n, m, d = 37, 45, 32
+    a = torch.randn(n, d, generator=gen).to(DEVICE)
+    b = torch.randn(m, d, generator=gen).to(DEVICE)
+    scale = torch.tensor(3.0, device=DEVICE)
+    bias = torch.tensor(-1.0, device=DEVICE) if case == "bias" else None
+    index = torch.arange(n, device=DEVICE) if case != "some rows" else \
+        torch.arange(0, n, 2, device=DEVICE)
+    rows = engine.Rows(index=index, n_valid=torch.full((), index.numel(), device=DEVICE),
+                       target=index % m, identity=case != "some rows", all_valid=True)
+    logits = family.logits("info_nce", b, scale, bias)
+    stats = engine.row_stats(a, b, logits, rows, backend=backend)
+    g = torch.rand(index.numel(), generator=gen).to(DEVICE)
+    coef = family.grad_coefficients("info_nce", g, g)
+    plan = engine.BackwardPlan(grad_dtype=torch.float32, backend=backend)
+    needs = engine.Needs(True, True, bias is not None, True)
+    plain = engine.grads(a, b, logits, rows, stats, coef, needs=needs, plan=plan)
+    start = torch.randn(n, d, generator=gen).to(DEVICE)
+    acc, out = start.clone(), torch.full((m, d), float("nan"), device=DEVICE)
+    got = engine.grads(a, b, logits, rows, stats, coef, needs=needs, plan=plan, acc_a=acc,
+                       out_b=out)
+    assert got.a is acc and got.b is out
+    torch.testing.assert_close(acc, start + plain.a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, plain.b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.scale, plain.scale)
+    with pytest.raises(ValueError, match="acc_a"):
+        engine.grads(a, b, logits, rows, stats, coef, needs=needs, plan=plan, acc_a=acc.half())
+    with pytest.raises(ValueError, match="out_b"):
+        engine.grads(a, b, logits, rows, stats, coef, needs=needs, plan=plan, out_b=out[:, :8])

@@ -813,10 +813,18 @@ def grads(
     sigmoid: bool = False,
     needs: Needs = Needs(),
     plan: BackwardPlan = BackwardPlan(),
+    acc_a: torch.Tensor | None = None,
+    out_b: torch.Tensor | None = None,
 ) -> Grads:
     """Gradients of Σ_ij dX_ij · X_ij with respect to A, B, bias and s (see module doc), those
     ``needs`` asks for, computed as ``plan`` says. ``col_weight``: the per-column w_j of the
     uniform term; ``sigmoid`` selects the pairwise sigmoid gradient (never filtered).
+
+    ``acc_a``: an fp32 tensor shaped as A that dA is added to, returned as ``Grads.a`` (a
+    caller summing the gradients of several blocks of columns: the ring); where every row is
+    valid and in order, the products accumulate into it directly, saving an accumulator's
+    fill and a pass over it. ``out_b``: a contiguous tensor of dB's shape and dtype that dB
+    is written to, returned as ``Grads.b``.
 
     The plan's fields: ``filter_eps`` bounds the softmax mass each row (and, with a column
     term, each column) may lose to skipped tiles (Triton only; None computes every tile). The
@@ -872,6 +880,16 @@ def grads(
             col=None if coef.col is None else _over(coef.col, stats.col_sum),
             logit=None if coef.logit is None else _over(coef.logit, stats.sum))
     dtypes = (grad_a_dtype or grad_dtype or a.dtype, grad_dtype or b.dtype)
+    if acc_a is not None:
+        if acc_a.shape != a.shape or acc_a.dtype != torch.float32 or acc_a.device != a.device:
+            raise ValueError(f"acc_a must be fp32 shaped as a {tuple(a.shape)} on {a.device}, "
+                             f"got {acc_a.dtype} {tuple(acc_a.shape)} on {acc_a.device}")
+        dtypes = (torch.float32, dtypes[1])
+    if out_b is not None and (out_b.shape != b.shape or out_b.dtype != dtypes[1]
+                              or out_b.device != b.device or not out_b.is_contiguous()):
+        raise ValueError(f"out_b must be a contiguous {dtypes[1]} tensor shaped as b "
+                         f"{tuple(b.shape)} on {b.device}, got {out_b.dtype} "
+                         f"{tuple(out_b.shape)} on {out_b.device}")
     problem = _Problem(a, b, logits, rows, stats, coef, col_weight, sigmoid)
     # the internal plan: the resolved dtypes, a filter pair, no filter for the sigmoid loss
     # (the filter's bound is on the softmax terms: none for the sigmoid loss nor an entropy's)
@@ -880,11 +898,21 @@ def grads(
                                else filter_eps,
                                filter_scale=filter_scale or (None, None))
     if backend == "torch":
-        return _grads_torch(problem, needs, plan)
+        return _delivered(_grads_torch(problem, needs, plan), acc_a, out_b)
     if (row_chunk is not None and rows.index.numel() > row_chunk and not sigmoid
             and coef.col is None and not needs.scale):
-        return _grads_by_row_chunks(problem, needs, plan)
-    return _grads_triton(problem, needs, plan)
+        return _delivered(_grads_by_row_chunks(problem, needs, plan), acc_a, out_b)
+    return _grads_triton(problem, needs, plan, acc_a=acc_a, out_b=out_b)
+
+
+def _delivered(grads: Grads, acc_a: torch.Tensor | None, out_b: torch.Tensor | None) -> Grads:
+    """``grads`` with dA added to ``acc_a`` and dB copied to ``out_b`` where given (``grads``'
+    arguments), for the paths that form their own."""
+    if acc_a is not None and grads.a is not None:
+        grads.a = acc_a.add_(grads.a)
+    if out_b is not None and grads.b is not None:
+        grads.b = out_b.copy_(grads.b)
+    return grads
 
 
 def _grads_by_row_chunks(problem: _Problem, needs: Needs, plan: BackwardPlan) -> Grads:
@@ -993,11 +1021,13 @@ def _dense_slab_fraction() -> float:
 
 
 def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
-                  into: Grads | None = None) -> Grads:
-    """The Triton backward of ``grads`` (``plan`` as ``grads`` resolved it). ``into``: buffers
-    that this call's rows add to instead of new gradients (``_grads_by_row_chunks``): dA rows
-    written into ``into.a`` (the rows of other calls left alone), dB and dbias accumulated in
-    fp32 into ``into.b`` and ``into.bias``."""
+                  into: Grads | None = None, acc_a: torch.Tensor | None = None,
+                  out_b: torch.Tensor | None = None) -> Grads:
+    """The Triton backward of ``grads`` (``plan`` as ``grads`` resolved it; ``acc_a`` and
+    ``out_b`` as there). ``into``: buffers that this call's rows add to instead of new
+    gradients (``_grads_by_row_chunks``): dA rows written into ``into.a`` (the rows of other
+    calls left alone), dB and dbias accumulated in fp32 into ``into.b`` and ``into.bias``."""
+    caller_acc = acc_a
     a, b, logits, rows, stats, coef, col_weight, sigmoid = problem.unpacked()
     need_a, need_b, need_bias, need_scale = needs.a, needs.b, needs.bias, needs.scale
     filter_eps, filter_scale = plan.filter_eps, plan.filter_scale
@@ -1070,13 +1100,24 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
     if accumulate:
         grad_b, grad_bias = into.b, into.bias
     else:
-        grad_b = torch.empty_like(b, dtype=b_dtype) if need_b else None
+        grad_b = None
+        if need_b:
+            grad_b = out_b if out_b is not None else torch.empty_like(b, dtype=b_dtype)
         grad_bias = torch.empty(v, **f32) if need_bias else None
     dscale = torch.zeros(n_rb, n_ct, **f32) if need_scale else None
     # dA's accumulator: fp32, or the split bf16 pair (hi is the returned gradient itself).
     split = (split_accumulator and need_a and a.dtype == torch.bfloat16 == a_dtype and not sparse
              and rows.all_valid and rows.identity and post_scale is None and not rank1)
-    acc_a = torch.zeros(n_rb * bm, d, **f32) if need_a and not split else None
+    # The caller's fp32 dA accumulator takes the products directly where nothing follows
+    # them: every row valid and in order, dense slabs, no post-scale nor rank-1 term.
+    in_place = (caller_acc is not None and need_a and not split and not sparse and not accumulate
+                and rows.identity and rows.all_valid and n == a.shape[0]
+                and post_scale is None and not rank1)
+    acc_a = None
+    if in_place:
+        acc_a = caller_acc
+    elif need_a and not split:
+        acc_a = torch.zeros(n_rb * bm, d, **f32)
     split_hi = torch.empty_like(a) if split else None
     split_lo = torch.empty_like(a) if split else None
     a_compact = None  # A in compact row order, for the dense path
@@ -1256,7 +1297,9 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         if rank1:
             row_term = _weighted_row_sum(b, w)
             acc -= coef.uniform[:n_valid, None] * (row_term if s is None else s * row_term)
-        if accumulate:
+        if in_place:
+            grad_a = caller_acc
+        elif accumulate:
             grad_a = into.a
             grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a_dtype))
         elif rows.identity and n_valid == a.shape[0]:  # every row, in order
@@ -1264,6 +1307,8 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
         else:
             grad_a = torch.zeros_like(a, dtype=a_dtype)
             grad_a.index_copy_(0, rows.index[:n_valid], acc.to(a_dtype))
+        if caller_acc is not None and not in_place:
+            grad_a = caller_acc.add_(grad_a)
     return Grads(
         a=grad_a,
         b=grad_b,

@@ -275,6 +275,8 @@ def _backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor 
             rows = rows_of(s, m_s)
             coef = _coefficients(kind, g, half_g, rows, ahead[1] if clip else None, labels,
                                  layout.col_offset(s), m_s)
+            # dA adds into its fp32 sum; the first step's dB part starts the accumulator that
+            # travels, in its section of the parcel (later ones arrive while this step runs)
             grads = engine.grads(
                 a, held,
                 family.logits(kind, held, scale, bias, own_columns=home), rows, stats, coef,
@@ -283,9 +285,9 @@ def _backward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor 
                 plan=engine.BackwardPlan(
                     filter_eps=filter_eps, filter_scale=(saved.row_mass, col_mass),
                     scratch_bytes=scratch_bytes(a, wide=True), sparse=False, grad_dtype=_F32,
-                    backend=backend))
-            if need_a:
-                grad_a += grads.a
+                    backend=backend),
+                acc_a=grad_a,
+                out_b=parcel.parts[-1] if step == 0 and need_b and world > 1 else None)
             part_b = grads.b
             if need_scale:
                 grad_scale += grads.scale
@@ -401,7 +403,10 @@ def _siglip(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor, c
 
 def _add_part(acc: Tensor, part: Tensor | None, first: bool) -> None:
     """This rank's dB part (None: no rows met the block) into the travelling accumulator, which
-    holds nothing yet at the ``first`` step (the rank's own part starts it)."""
+    holds nothing yet at the ``first`` step (the rank's own part starts it, and may have been
+    formed there)."""
+    if part is acc:
+        return
     if part is None:
         if first:
             acc.zero_()
