@@ -111,3 +111,47 @@ def test_merge_row_blocks_keeps_each_groups_largest_record(blocks, n_rb, tiles, 
         want = (group.amax(0) if len(group)
                 else torch.full((tiles,), float("-inf")))
         torch.testing.assert_close(merged[i], want, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("log_sum", [False, True], ids=["max-sum", "packed"])
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "rows-and-columns"])
+@settings(max_examples=15)
+@given(n=st.integers(1, 150), seed=st.integers(0, 2**31 - 1))
+def test_margins_match_float64(backend, log_sum, columns, n, seed):
+    """engine.margins: lse − x of each row (and column) from packed (max, Σ exp) statistics,
+    either layout, and the gradient masses min(1, 2(1 − e^(−margin))) — against float64,
+    margins from 0 (the masses' cancellation) to large; NaN stays NaN; without ``mass`` no
+    masses, without columns none for them."""
+    gen = torch.Generator().manual_seed(seed)
+    sides = []
+    target = torch.randn(n, generator=gen, dtype=torch.float64) * 5
+    for _ in range(2 if columns else 1):
+        values = torch.randn(n, 6, generator=gen, dtype=torch.float64) * 3
+        values[:, 0] = target + torch.rand(n, generator=gen, dtype=torch.float64) * 20
+        values[: n // 3, 0] = target[: n // 3]  # margins near 0: the target's entry dominates
+        values[: n // 3, 1:] -= 30
+        top = values.amax(1)
+        total = torch.exp(values - top[:, None]).sum(1)
+        packed = [top, total] + ([torch.log(total), top + torch.log(total)] if log_sum else [])
+        sides.append((torch.stack(packed).float(), torch.logsumexp(values, 1)))
+    sides[0][0][0, -1] = float("nan")  # a NaN row
+    target32 = target.float()
+    got = engine.margins(*(t.to(DEVICE) for t in (sides[0][0], target32)),
+                         sides[1][0].to(DEVICE) if columns else None, mass=True, backend=backend)
+    plain = engine.margins(sides[0][0].to(DEVICE), target32.to(DEVICE), mass=False,
+                           backend=backend)
+    assert plain[1] is None and plain[2] is None and plain[3] is None
+    assert (got[1] is None) == (got[3] is None) == (not columns)
+    for k, (_, lse) in enumerate(sides):
+        margin = lse - target32.double()
+        mass = torch.clamp(-2.0 * torch.expm1(-margin), max=1.0)
+        if k == 0:
+            margin[-1] = mass[-1] = float("nan")
+        for value, want in ((got[k], margin), (got[2 + k], mass)):
+            value = value.cpu().double()
+            assert torch.equal(torch.isnan(value), torch.isnan(want))
+            finite = ~torch.isnan(want)
+            # fp32 statistics: ~1e-6 of the lse's size in the margin, and so in a small mass
+            torch.testing.assert_close(value[finite], want[finite], rtol=1e-5,
+                                       atol=4e-6 * (1 + lse.abs().max().item()))

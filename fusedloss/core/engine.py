@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import config
-from .filtering import backward_tiles, live_tiles_into
+from .filtering import backward_tiles, gradient_mass, live_tiles_into
 from .launch import RepeatedLaunch
 
 
@@ -601,6 +601,35 @@ def combine_partials(part_max: torch.Tensor, part_sum: torch.Tensor, n_valid: to
     return row_out, col_out
 
 
+def margins(rows: torch.Tensor, target: torch.Tensor, cols: torch.Tensor | None = None, *,
+            mass: bool = False, backend: str) -> tuple[torch.Tensor, ...]:
+    """lse − x for each row (and, ``cols`` given, for each column) from packed statistics,
+    lse = max + log Σ exp(· − max): ``rows`` (2 or 4, n) fp32 with contiguous rows, [max; sum]
+    or ``RowStats.packed``'s [max; sum; log sum; lse], and ``cols`` packed alike; ``target``
+    (n,) fp32 the x subtracted on both sides (CLIP: X_ii). Returns (row margins (n,), column
+    margins or None, and with ``mass`` the gradient masses of each
+    (``filtering.gradient_mass``), else None): one launch with the Triton backend, where
+    PyTorch would issue up to fourteen."""
+    n = rows.shape[1]
+    both = 2 if cols is not None else 1
+    if backend == "triton" and n and target.is_contiguous():
+        from .lse_forward import _margins_kernel
+
+        out = torch.empty((2, both, n), dtype=torch.float32, device=rows.device)
+        block = 1024 if not config.interpreting() else 64
+        _margins_kernel[(triton_cdiv(n, block),)](
+            rows, cols if cols is not None else rows, target, out[0], out[1], n,
+            LOG_SUM=rows.shape[0] > 2, COLS=cols is not None, MASS=mass, BLOCK=block,
+            PRECISE=not config.interpreting(), num_warps=4)
+        side = list(out[0].unbind(0)) + [None] * (2 - both)
+        masses = list(out[1].unbind(0)) + [None] * (2 - both) if mass else [None, None]
+        return side[0], side[1], masses[0], masses[1]
+    side = [(s[0] - target) + (s[2] if s.shape[0] > 2 else torch.log(s[1]))
+            for s in (rows, cols) if s is not None] + [None] * (2 - both)
+    masses = [gradient_mass(m) if m is not None else None for m in side] if mass else [None] * 2
+    return side[0], side[1], masses[0], masses[1]
+
+
 def merge_stats(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None, *,
                 backend: str) -> torch.Tensor:
     """(max, Σ exp(· − max)) of two partial statistics of the same n rows (or columns), each
@@ -1113,11 +1142,12 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
     in_place = (caller_acc is not None and need_a and not split and not sparse and not accumulate
                 and rows.identity and rows.all_valid and n == a.shape[0]
                 and post_scale is None and not rank1)
+    # Otherwise the first slab writes it (below; no fill first), unless there is none.
     acc_a = None
     if in_place:
         acc_a = caller_acc
     elif need_a and not split:
-        acc_a = torch.zeros(n_rb * bm, d, **f32)
+        acc_a = (torch.empty if n_slabs else torch.zeros)(n_rb * bm, d, **f32)
     split_hi = torch.empty_like(a) if split else None
     split_lo = torch.empty_like(a) if split else None
     a_compact = None  # A in compact row order, for the dense path
@@ -1193,7 +1223,7 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
     n_valid_blocks = triton_cdiv(n_valid, bm)
 
     dense_fraction = _dense_slab_fraction()
-    first_a = True
+    first_a = not in_place  # the next slab's dA part starts the accumulator
     # Views that every slab uses, formed once (each view costs the host a few µs, and a step at
     # b = 16384 has up to ~20 slabs): the slab's rows of B and of dB, the valid rows of dA.
     slab_cols = slab * bn
@@ -1257,7 +1287,10 @@ def _grads_triton(problem: _Problem, needs: Needs, plan: BackwardPlan,
                 first_a = False
             elif need_a:
                 b_slab = b.index_select(0, cols) if cols is not None else b_slabs[k]
-                addmm_f32_(acc_valid, dx, b_slab)
+                if first_a:
+                    mm_f32(dx, b_slab, out=acc_valid)
+                else:
+                    addmm_f32_(acc_valid, dx, b_slab)
                 first_a = False
         else:
             if need_b or need_bias:

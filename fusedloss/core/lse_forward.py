@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .logits import dot_tile, dot_tile_tma, exp, log, log1p_exp_neg, logits_from_dot
 
@@ -323,6 +324,41 @@ def _merge_pair_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr, PRECISE: t
     total = s1 * exp(m1 - safe, PRECISE) + s2 * exp(m2 - safe, PRECISE)
     tl.store(out_ptr + offs, top, mask=inside)
     tl.store(out_ptr + n + offs, total, mask=inside)
+
+
+@triton.jit
+def _margins_kernel(rows_ptr, cols_ptr, target_ptr, margin_ptr, mass_ptr, n,
+                    LOG_SUM: tl.constexpr, COLS: tl.constexpr, MASS: tl.constexpr,
+                    BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """lse − x per row (and per column, COLS) from packed statistics ((·, n) fp32: [max; sum]
+    or, LOG_SUM, [max; sum; log sum; lse]), the margins into ``margin_ptr`` (2, n) [rows;
+    columns] and, with MASS, their gradient masses min(1, −2·expm1(−margin)) into ``mass_ptr``
+    (``filtering.gradient_mass``). One program per BLOCK entries of both sides."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(target_ptr + offs, mask=inside, other=0.0)
+    for side in tl.static_range(2 if COLS else 1):
+        stats_ptr = rows_ptr if side == 0 else cols_ptr
+        top = tl.load(stats_ptr + offs, mask=inside, other=0.0)
+        if LOG_SUM:
+            log_sum = tl.load(stats_ptr + 2 * n + offs, mask=inside, other=0.0)
+        else:
+            log_sum = log(tl.load(stats_ptr + n + offs, mask=inside, other=1.0), PRECISE)
+        margin = (top - x) + log_sum
+        tl.store(margin_ptr + side * n + offs, margin, mask=inside)
+        if MASS:
+            tl.store(mass_ptr + side * n + offs,
+                     tl.minimum(-2.0 * _expm1(-margin, PRECISE), 1.0,
+                                propagate_nan=tl.PropagateNan.ALL), mask=inside)
+
+
+@triton.jit
+def _expm1(x, PRECISE: tl.constexpr):
+    """e^x − 1, accurate near 0 (libdevice's where PRECISE; otherwise a series there)."""
+    if PRECISE:
+        return libdevice.expm1(x)
+    else:
+        return tl.where(tl.abs(x) < 1e-3, x + x * x * (0.5 + x / 6.0), tl.exp(x) - 1.0)
 
 
 @triton.jit

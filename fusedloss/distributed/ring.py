@@ -8,8 +8,8 @@ r − 1), so that at step k rank r holds block s = (r − k) mod W, and after W 
 has met every rank's rows.
 
 Forward, at each step: run the engine's forward on (A_r, B_s) while the next block is in
-flight (posted at the previous step boundary). Row statistics (max, Σ exp) stay home, one
-partial per step, merged once after the last step; for CLIP the visiting block's column
+flight (posted at the previous step boundary). Row statistics (max, Σ exp) stay home, each
+step's merged into those of the steps before (one launch); for CLIP the visiting block's column
 statistics travel with it, merged at each rank, and arrive home complete after the last step.
 Backward: the tour the other way round (rank r sends to r − 1), starting from the block each
 rank held last in the forward (r + 1's, kept for it) and ending with its own: at step k rank r
@@ -32,8 +32,8 @@ is close to the GPU's.
 Memory per rank beyond inputs and gradients: the block in flight besides the one held (c·b_max
 elements; from the forward to the backward, the block held last: c·b_(r+1)), the travelling dB
 accumulator in fp32 (and the one arriving: 2·4·b_max·c bytes) and the dA accumulator
-(4·b_r·c bytes) in the backward, the row statistics of every step until the last (8·b_r·W
-bytes), O(b_max) column statistics, the per-step tile statistics the backward's filtering
+(4·b_r·c bytes) in the backward, the row statistics so far and the step's (16·b_r bytes),
+O(b_max) column statistics, the per-step tile statistics the backward's filtering
 reads (⌈b_r/128⌉·⌈b_s/128⌉ floats per step), and the engine's own working memory for one
 (b_r × b_s) block. (The tile statistics grow with the global batch: past
 ``TILE_STATS_BUDGET`` the ring does not filter.) Where every block's products fit
@@ -54,7 +54,6 @@ from torch import Tensor
 
 from ..core import chunked_contrastive, engine, replay
 from ..core.engine import GradCoefficients, Rows, RowStats
-from ..core.filtering import gradient_mass
 from ..families import contrastive as family
 from ..ops._common import replays, scratch_bytes
 from ..ops._group import Layout, Shift
@@ -112,7 +111,7 @@ def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
                  and _tile_stats_bytes(layout, kind, a) <= TILE_STATS_BUDGET)
     sig_sum = torch.zeros(n, dtype=_F32, device=dev) if siglip else None
     target_logit = torch.zeros(n, dtype=_F32, device=dev)
-    row_parts = []  # per step: (max, Σ exp) of this rank's rows over the held block, packed
+    rows_so_far = None  # (max, Σ exp) of this rank's rows over the blocks met, packed (2, n)
     tiles_by_block, block = [None] * world, (0, 0)
     rows_of = _RowsOf(kind, layout, n, labels, dev)
 
@@ -143,7 +142,8 @@ def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
                 sig_sum += stats.sigmoid_sum
             else:
                 packed_rows, packed_cols = stats.packed()
-                row_parts.append(packed_rows[:2])
+                rows_so_far = (packed_rows[:2] if rows_so_far is None else engine.merge_stats(
+                    rows_so_far, packed_rows[:2], out=rows_so_far, backend=backend))
                 if clip:
                     part_cols = packed_cols[:2]
                 if kind == "info_nce":
@@ -170,19 +170,17 @@ def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
         shift.wait()  # CLIP: this rank's columns, over every row
     cols = parcel.parts[-1] if clip else None
 
-    run_max, run_sum = _merge_all(row_parts, n, dev)  # SigLIP: none (max −inf, sum 0)
+    if rows_so_far is None:  # SigLIP, or no rows or columns: no entries
+        rows_so_far = _empty_cols(n, dev)
+    run_max, run_sum = rows_so_far[0], rows_so_far[1]
     saved = Saved(row_max=run_max, row_sum=run_sum, tiles=tiles_by_block, block=block,
                   last_block=held)
     if siglip:
         return sig_sum, saved
-    row_margin, col_margin = (run_max - target_logit) + torch.log(run_sum), None
+    row_margin, col_margin, saved.row_mass, saved.col_mass = engine.margins(
+        rows_so_far, target_logit, cols, mass=filtering, backend=backend)
     if clip:
         saved.col_max, saved.col_sum = cols[0], cols[1]
-        col_margin = (cols[0] - target_logit) + torch.log(cols[1])
-        if filtering:
-            saved.col_mass = gradient_mass(col_margin)
-    if filtering:
-        saved.row_mass = gradient_mass(row_margin)
     return family.row_loss(kind, row_margin, col_margin), saved
 
 
@@ -569,21 +567,6 @@ def _tile_stats_bytes(layout: Layout, kind: str, a: Tensor) -> int:
 def _empty_cols(m: int, dev: torch.device) -> Tensor:
     return torch.stack((torch.full((m,), float("-inf"), dtype=_F32, device=dev),
                         torch.zeros(m, dtype=_F32, device=dev)))
-
-
-def _merge_all(parts: list[Tensor], n: int, dev: torch.device) -> tuple[Tensor, Tensor]:
-    """(max, Σ exp(· − max)) of the rows over every step, from the steps' packed (2, n)
-    partials, in one reduction at the end. A partial without entries (sum 0; the engine
-    reports max 0 there) counts as max −inf, so it cannot swamp a row whose entries are all
-    far below 0. NaN stays NaN."""
-    if not parts:
-        return (torch.full((n,), float("-inf"), dtype=_F32, device=dev),
-                torch.zeros(n, dtype=_F32, device=dev))
-    packed = torch.stack(parts)  # (steps, 2, n)
-    maxes = torch.where(packed[:, 1] > 0, packed[:, 0], float("-inf"))
-    top = maxes.amax(dim=0)
-    safe = torch.where(torch.isfinite(top), top, 0.0)
-    return top, (packed[:, 1] * torch.exp(maxes - safe)).sum(dim=0)
 
 
 def _opt(t: Tensor, needed: bool) -> Tensor | None:

@@ -12,7 +12,6 @@ from torch import Tensor
 
 from ..core import chunked_contrastive, config, engine, materialized, replay
 from ..core.engine import Rows, RowStats
-from ..core.filtering import gradient_mass
 from ..families import contrastive as family
 from ._common import (
     eager_function,
@@ -88,14 +87,14 @@ def _forward(a, b, scale, bias, target, kind, filter_eps, backend, record_tiles,
         loss = stats.sigmoid_sum
         packed_rows, packed_cols = torch.zeros((4, n), dtype=torch.float32, device=a.device), None
     else:
-        row_margin, col_margin = stats.lse_minus(stats.target_logit), None
-        if kind == "clip":
-            col_margin = stats.col_lse_minus(stats.target_logit)
-            # Each direction's own gradient mass bounds its skipped mass.
-            col_mass = gradient_mass(col_margin) if filtering else col_mass
-        loss = family.row_loss(kind, row_margin, col_margin)
-        row_mass = gradient_mass(row_margin) if filtering else row_mass
         packed_rows, packed_cols = stats.packed()
+        # Each direction's own gradient mass bounds its skipped mass.
+        row_margin, col_margin, row_m, col_m = engine.margins(
+            packed_rows, stats.target_logit, packed_cols, mass=filtering, backend=backend)
+        loss = family.row_loss(kind, row_margin, col_margin)
+        if filtering:
+            row_mass = row_m
+            col_mass = col_m if col_m is not None else col_mass
     if row_nan is not None:
         loss = loss + row_nan
     tiles, col_tiles = (t if t is not None else nothing(a, (0, 0))
