@@ -615,14 +615,16 @@ def margins(rows: torch.Tensor, target: torch.Tensor, cols: torch.Tensor | None 
     if backend == "triton" and n and target.is_contiguous():
         from .lse_forward import _margins_kernel
 
-        out = torch.empty((2, both, n), dtype=torch.float32, device=rows.device)
+        # four tensors, none a view of another (a custom op may return any two of them)
+        side = [torch.empty(n, dtype=torch.float32, device=rows.device) if k < both else None
+                for k in range(2)]
+        masses = [torch.empty_like(side[0]) if mass and k < both else None for k in range(2)]
         block = 1024 if not config.interpreting() else 64
+        given = [t if t is not None else side[0] for t in (*side, *masses)]
         _margins_kernel[(triton_cdiv(n, block),)](
-            rows, cols if cols is not None else rows, target, out[0], out[1], n,
+            rows, cols if cols is not None else rows, target, *given, n,
             LOG_SUM=rows.shape[0] > 2, COLS=cols is not None, MASS=mass, BLOCK=block,
             PRECISE=not config.interpreting(), num_warps=4)
-        side = list(out[0].unbind(0)) + [None] * (2 - both)
-        masses = list(out[1].unbind(0)) + [None] * (2 - both) if mass else [None, None]
         return side[0], side[1], masses[0], masses[1]
     side = [(s[0] - target) + (s[2] if s.shape[0] > 2 else torch.log(s[1]))
             for s in (rows, cols) if s is not None] + [None] * (2 - both)

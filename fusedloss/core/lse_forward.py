@@ -327,13 +327,13 @@ def _merge_pair_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr, PRECISE: t
 
 
 @triton.jit
-def _margins_kernel(rows_ptr, cols_ptr, target_ptr, margin_ptr, mass_ptr, n,
-                    LOG_SUM: tl.constexpr, COLS: tl.constexpr, MASS: tl.constexpr,
-                    BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+def _margins_kernel(rows_ptr, cols_ptr, target_ptr, row_margin_ptr, col_margin_ptr,
+                    row_mass_ptr, col_mass_ptr, n, LOG_SUM: tl.constexpr, COLS: tl.constexpr,
+                    MASS: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     """lse − x per row (and per column, COLS) from packed statistics ((·, n) fp32: [max; sum]
-    or, LOG_SUM, [max; sum; log sum; lse]), the margins into ``margin_ptr`` (2, n) [rows;
-    columns] and, with MASS, their gradient masses min(1, −2·expm1(−margin)) into ``mass_ptr``
-    (``filtering.gradient_mass``). One program per BLOCK entries of both sides."""
+    or, LOG_SUM, [max; sum; log sum; lse]), and with MASS their gradient masses
+    min(1, −2·expm1(−margin)) (``filtering.gradient_mass``), each (n,). One program per BLOCK
+    entries of both sides."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     x = tl.load(target_ptr + offs, mask=inside, other=0.0)
@@ -345,11 +345,11 @@ def _margins_kernel(rows_ptr, cols_ptr, target_ptr, margin_ptr, mass_ptr, n,
         else:
             log_sum = log(tl.load(stats_ptr + n + offs, mask=inside, other=1.0), PRECISE)
         margin = (top - x) + log_sum
-        tl.store(margin_ptr + side * n + offs, margin, mask=inside)
+        tl.store((row_margin_ptr if side == 0 else col_margin_ptr) + offs, margin, mask=inside)
         if MASS:
-            tl.store(mass_ptr + side * n + offs,
-                     tl.minimum(-2.0 * _expm1(-margin, PRECISE), 1.0,
-                                propagate_nan=tl.PropagateNan.ALL), mask=inside)
+            mass = tl.minimum(-2.0 * _expm1(-margin, PRECISE), 1.0,
+                              propagate_nan=tl.PropagateNan.ALL)
+            tl.store((row_mass_ptr if side == 0 else col_mass_ptr) + offs, mass, mask=inside)
 
 
 @triton.jit
