@@ -611,25 +611,23 @@ def margins(rows: torch.Tensor, target: torch.Tensor, cols: torch.Tensor | None 
     (``filtering.gradient_mass``), else None): one launch with the Triton backend, where
     PyTorch would issue up to fourteen."""
     n = rows.shape[1]
-    both = 2 if cols is not None else 1
+    sides = [s for s in (rows, cols) if s is not None]
     if backend == "triton" and n and target.is_contiguous():
         from .lse_forward import _margins_kernel
 
-        # four tensors, none a view of another (a custom op may return any two of them)
-        side = [torch.empty(n, dtype=torch.float32, device=rows.device) if k < both else None
-                for k in range(2)]
-        masses = [torch.empty_like(side[0]) if mass and k < both else None for k in range(2)]
+        # separate tensors, none a view of another (a custom op may return any two of them)
+        margin = [torch.empty(n, dtype=torch.float32, device=rows.device) for _ in sides]
+        masses = [torch.empty_like(m) for m in margin] if mass else []
+        written = masses or margin  # the mass pointers, unused without ``mass``
         block = 1024 if not config.interpreting() else 64
-        given = [t if t is not None else side[0] for t in (*side, *masses)]
         _margins_kernel[(triton_cdiv(n, block),)](
-            rows, cols if cols is not None else rows, target, *given, n,
+            rows, sides[-1], target, margin[0], margin[-1], written[0], written[-1], n,
             LOG_SUM=rows.shape[0] > 2, COLS=cols is not None, MASS=mass, BLOCK=block,
             PRECISE=not config.interpreting(), num_warps=4)
-        return side[0], side[1], masses[0], masses[1]
-    side = [(s[0] - target) + (s[2] if s.shape[0] > 2 else torch.log(s[1]))
-            for s in (rows, cols) if s is not None] + [None] * (2 - both)
-    masses = [gradient_mass(m) if m is not None else None for m in side] if mass else [None] * 2
-    return side[0], side[1], masses[0], masses[1]
+    else:
+        margin = [(s[0] - target) + (s[2] if s.shape[0] > 2 else torch.log(s[1])) for s in sides]
+        masses = [gradient_mass(m) for m in margin] if mass else []
+    return (*(margin + [None])[:2], *(masses + [None, None])[:2])
 
 
 def merge_stats(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None, *,
