@@ -142,10 +142,6 @@ class RowStats:
         """lse_i − x_i, without rounding lse first."""
         return (self.max - x) + self.log_sum
 
-    def col_lse_minus(self, x: torch.Tensor) -> torch.Tensor:
-        """lse^col_j − x_j, without rounding lse^col first."""
-        return (self.col_max - x) + self.col_log_sum
-
 
 @dataclass(frozen=True)
 class GradCoefficients:

@@ -162,7 +162,7 @@ def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
         if clip:  # add this rank's rows to the held block's column statistics
             so_far = parcel.parts[-1]
             if step == 0:
-                so_far.copy_(part_cols if part_cols is not None else _empty_cols(m_s, dev))
+                so_far.copy_(part_cols if part_cols is not None else _no_entries(m_s, dev))
             elif part_cols is not None:
                 engine.merge_stats(so_far, part_cols, out=so_far, backend=backend)
         parcel, shift = _pass_on(layout, step, parcel, 1, clip, arriving, world - 1)
@@ -171,7 +171,7 @@ def _forward(call: RingCall, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor |
     cols = parcel.parts[-1] if clip else None
 
     if rows_so_far is None:  # SigLIP, or no rows or columns: no entries
-        rows_so_far = _empty_cols(n, dev)
+        rows_so_far = _no_entries(n, dev)
     run_max, run_sum = rows_so_far[0], rows_so_far[1]
     saved = Saved(row_max=run_max, row_sum=run_sum, tiles=tiles_by_block, block=block,
                   last_block=held)
@@ -564,7 +564,8 @@ def _tile_stats_bytes(layout: Layout, kind: str, a: Tensor) -> int:
     return 4 * elements
 
 
-def _empty_cols(m: int, dev: torch.device) -> Tensor:
+def _no_entries(m: int, dev: torch.device) -> Tensor:
+    """Packed statistics (2, m) [max −inf; sum 0] of m rows or columns that met no entry."""
     return torch.stack((torch.full((m,), float("-inf"), dtype=_F32, device=dev),
                         torch.zeros(m, dtype=_F32, device=dev)))
 
